@@ -1,0 +1,36 @@
+#include "cli/cli_util.h"
+
+#include <iostream>
+
+#include <fmt/format.h>
+
+#include "core/dtype.h"
+
+namespace fsdp {
+
+int ReportError(const std::string& tool, const Error& error) {
+  std::cerr << tool << ": error: " << error.message << "\n";
+  return error.kind == Error::Kind::kBadInput ? kExitBadInput : kExitRunFailed;
+}
+
+int ParseOrExitCode(CLI::App& app, int argc, char** argv, const std::string& tool) {
+  try {
+    app.parse(argc, argv);
+    return -1;
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return kExitOk;
+  } catch (const CLI::CallForAllHelp&) {
+    std::cout << app.help("", CLI::AppFormatMode::All);
+    return kExitOk;
+  } catch (const CLI::ParseError& e) {
+    std::string what = e.what();
+    for (char& ch : what) if (ch == '\n') ch = ' ';
+    std::cerr << tool << ": error: " << what << " (see --help)\n";
+    return kExitBadInput;
+  }
+}
+
+std::string Gib(int64_t bytes) { return fmt::format("{:.2f}", static_cast<double>(bytes) / kGiB); }
+
+}  // namespace fsdp

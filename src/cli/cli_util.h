@@ -1,0 +1,26 @@
+// Shared pieces of the three mains: error reporting and exit codes (design.md conventions).
+#pragma once
+
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "core/status.h"
+
+namespace fsdp {
+
+constexpr int kExitOk = 0;
+constexpr int kExitRunFailed = 1;
+constexpr int kExitBadInput = 2;
+
+/// Prints "<tool>: error: <message>" on stderr and returns the exit code for the error's kind.
+int ReportError(const std::string& tool, const Error& error);
+
+/// Parses argv with CLI11. Returns -1 when parsing succeeded; otherwise the exit code to return
+/// (0 after --help, 2 after a usage error, which is reported in one line).
+int ParseOrExitCode(CLI::App& app, int argc, char** argv, const std::string& tool);
+
+/// Formats bytes as GiB with two decimals ("12.34").
+std::string Gib(int64_t bytes);
+
+}  // namespace fsdp

@@ -1,0 +1,222 @@
+#include "cli/plan_cli.h"
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include "cli/cli_util.h"
+#include "core/workload.h"
+#include "planner/memory_model.h"
+#include "planner/plan_report.h"
+
+namespace fsdp {
+namespace {
+
+template <typename T>
+Status Assign(T& out, Result<T> value) {
+  if (!value.ok()) return value.error();
+  out = value.value();
+  return {};
+}
+
+Result<FrameworkOverheads> OverheadsFromFlags(const PlanFlags& f, const Workload& w) {
+  FrameworkOverheads o = FrameworkOverheadsFor(w);
+  auto non_negative = [](std::optional<int64_t> v, const char* flag, int64_t& out) -> Status {
+    if (!v) return {};
+    if (*v < 0) return Error::BadInput(fmt::format("{} must be >= 0, got {}", flag, *v));
+    out = *v;
+    return {};
+  };
+  if (Status s = non_negative(f.cuda_context_bytes, "--cuda-context-bytes", o.cuda_context_bytes); !s.ok()) return s.error();
+  if (Status s = non_negative(f.nccl_bytes, "--nccl-bytes", o.nccl_bytes_per_communicator); !s.ok()) return s.error();
+  if (Status s = non_negative(f.cublas_workspace_bytes, "--cublas-workspace-bytes", o.cublas_workspace_bytes); !s.ok()) return s.error();
+  if (f.fragmentation) {
+    if (!(*f.fragmentation >= 0 && *f.fragmentation < 1)) {
+      return Error::BadInput(fmt::format("--fragmentation must be in [0, 1), got {}", *f.fragmentation));
+    }
+    o.fragmentation_fraction = *f.fragmentation;
+  }
+  return o;
+}
+
+std::string Percent(int64_t part, int64_t whole) {
+  return whole > 0 ? fmt::format("{:.1f}%", 100.0 * static_cast<double>(part) / static_cast<double>(whole)) : "-";
+}
+
+void PrintHeader(const Workload& w, std::ostream& out) {
+  const FsdpConfig& c = w.config;
+  fmt::print(out, "{} ({:L} parameters) on {} x {} ({} GiB each), {} GPUs per node\n", w.model.id, w.model.ParamsTotal(), c.gpus,
+             w.hardware.id, Gib(w.hardware.memory_bytes), c.gpus_per_node);
+  fmt::print(out, "{} {}, {} wrap ({} units), seq {} x micro-batch {}, grad-accum {}{}, params {}, reduce {}, {}, AC {}, {} attention{}\n",
+             FrameworkName(c.framework), StrategyName(c.strategy), WrapPolicyName(c.wrap), w.units.size(), c.seq_len, c.micro_batch,
+             c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),
+             CheckpointingName(c.checkpointing), AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
+}
+
+void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
+  fmt::print(out, "\n  {:<24}{:>10}{:>11}\n", "per GPU at the peak", "GiB", "% of card");
+  for (int i = 0; i < kMemCategoryCount; ++i) {
+    fmt::print(out, "  {:<24}{:>10}{:>11}\n", MemCategoryLabel(static_cast<MemCategory>(i)), Gib(m.peak[i]),
+               Percent(m.peak[i], m.capacity_bytes));
+  }
+  fmt::print(out, "  {:<24}{:>10}{:>11}   ({})\n", "peak", Gib(m.peak_bytes), Percent(m.peak_bytes, m.capacity_bytes), m.peak_phase);
+  fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_allocated, {})\n", "tensors only", Gib(m.allocated_peak_bytes),
+             Percent(m.allocated_peak_bytes, m.capacity_bytes), m.allocated_peak_phase);
+  if (m.host_bytes > 0) fmt::print(out, "  {:<24}{:>10}            (pinned host memory per GPU; x{} per node)\n", "host (CPU offload)", Gib(m.host_bytes), w.config.gpus_per_node);
+  if (m.fits) {
+    fmt::print(out, "\nfits: yes, {} GiB headroom on a {} GiB card\n", Gib(m.headroom_bytes), Gib(m.capacity_bytes));
+  } else {
+    fmt::print(out, "\nfits: NO, short by {} GiB on a {} GiB card\n", Gib(-m.headroom_bytes), Gib(m.capacity_bytes));
+  }
+  const auto& ck = m.checkpoint;
+  fmt::print(out, "checkpoint: full state dict +{} GiB GPU per rank (offload_to_cpu: +{} GiB GPU, {} GiB host on rank 0); "
+                  "sharded (DCP) +0 GiB; files: model {} GiB, optimizer {} GiB\n",
+             Gib(ck.full_gpu_extra_bytes), Gib(ck.full_offload_gpu_extra_bytes), Gib(ck.full_offload_host_rank0_bytes),
+             Gib(ck.model_file_bytes), Gib(ck.optimizer_file_bytes));
+}
+
+void PrintTimeline(const MemoryEstimate& m, std::ostream& out) {
+  fmt::print(out, "\n  {:<60}{:>10}\n", "timeline (device GiB after each event)", "GiB");
+  std::string last;
+  for (const auto& p : m.timeline) {
+    if (p.phase == last) continue;
+    last = p.phase;
+    fmt::print(out, "  {:<60}{:>10}\n", p.phase, Gib(TotalBytes(p.device)));
+  }
+}
+
+Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, const std::string& model_id, bool timeline) {
+  auto config = ConfigFromFlags(flags);
+  if (!config.ok()) return config.error();
+  auto model = LoadModel(model_id);
+  if (!model.ok()) return model.error();
+  auto hw = LoadHardware(flags.gpu);
+  if (!hw.ok()) return hw.error();
+  auto w = BuildWorkload(std::move(model).value(), std::move(hw).value(), config.value());
+  if (!w.ok()) return w.error();
+  auto overheads = OverheadsFromFlags(flags, w.value());
+  if (!overheads.ok()) return overheads.error();
+  MemoryOptions options{overheads.value(), timeline};
+  MemoryEstimate m = EstimateMemory(w.value(), options);
+  return std::make_pair(std::move(w).value(), std::move(m));
+}
+
+}  // namespace
+
+void AddPlanFlags(CLI::App& app, PlanFlags& f) {
+  app.add_option("--model", f.model, "catalog id (models/) or path to a HuggingFace config.json");
+  app.add_option("--gpu", f.gpu, "catalog id (hardware/) or path to a hardware JSON")->capture_default_str();
+  app.add_option("--gpus", f.config.gpus, "total number of GPUs")->capture_default_str();
+  app.add_option("--gpus-per-node", f.config.gpus_per_node, "GPUs per node (default: the hardware file's)");
+  app.add_option("--shard-group-size", f.config.shard_group_size, "HYBRID_SHARD shard group (default: one node)");
+  app.add_option("--strategy", f.strategy, "full_shard | shard_grad_op | no_shard | hybrid_shard")->capture_default_str();
+  app.add_option("--seq-len", f.config.seq_len, "sequence length (default: min(4096, max positions))");
+  app.add_option("--micro-batch", f.config.micro_batch, "sequences per GPU per micro-batch")->capture_default_str();
+  app.add_option("--grad-accum", f.config.grad_accum, "micro-batches per optimizer step")->capture_default_str();
+  app.add_flag("--no-sync", f.config.no_sync, "accumulate unsharded gradients under no_sync()");
+  app.add_option("--ac", f.ac, "activation checkpointing: none | selective | full")->capture_default_str();
+  app.add_option("--attention", f.attention, "eager (materialised scores) | flash (SDPA)")->capture_default_str();
+  app.add_option("--param-dtype", f.param_dtype, "MixedPrecision param_dtype: bf16 | fp16 | fp32")->capture_default_str();
+  app.add_option("--reduce-dtype", f.reduce_dtype, "MixedPrecision reduce_dtype")->capture_default_str();
+  app.add_option("--buffer-dtype", f.buffer_dtype, "MixedPrecision buffer_dtype")->capture_default_str();
+  app.add_option("--optimizer", f.optimizer, "adamw | adam | sgd | sgd-momentum")->capture_default_str();
+  app.add_flag("--cpu-offload", f.config.cpu_offload, "CPUOffload(offload_params=True): params, grads and optimizer on the host");
+  app.add_option("--wrap", f.wrap, "block | size:N | none | linear")->capture_default_str();
+  app.add_option("--framework", f.framework, "fsdp1 (FullyShardedDataParallel) | fsdp2 (fully_shard)")->capture_default_str();
+  app.add_flag("--forward-prefetch", f.config.forward_prefetch, "FSDP1 forward_prefetch=True");
+  app.add_option("--backward-prefetch", f.backward_prefetch, "pre | post | none")->capture_default_str();
+  app.add_flag("--no-limit-all-gathers", f.no_limit_all_gathers, "FSDP1 limit_all_gathers=False");
+  app.add_flag("--use-orig-params", f.config.use_orig_params, "FSDP1 use_orig_params=True (16-byte aligned flat parameters)");
+  app.add_option("--cuda-context-bytes", f.cuda_context_bytes, "override the CUDA context size");
+  app.add_option("--nccl-bytes", f.nccl_bytes, "override NCCL buffer bytes per communicator");
+  app.add_option("--cublas-workspace-bytes", f.cublas_workspace_bytes, "override the cuBLAS workspace");
+  app.add_option("--fragmentation", f.fragmentation, "allocator fragmentation as a fraction of the peak (default 0)");
+  app.add_flag("--json", f.json, "print one JSON object (schema: docs/cli.md)");
+  app.add_flag("--timeline", f.timeline, "also print the memory after each phase of the step");
+}
+
+Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
+  FsdpConfig c = f.config;
+  Status s;
+  if (!(s = Assign(c.strategy, ParseStrategy(f.strategy))).ok()) return s.error();
+  if (!(s = ParseWrap(f.wrap, c)).ok()) return s.error();
+  if (!(s = Assign(c.checkpointing, ParseCheckpointing(f.ac))).ok()) return s.error();
+  if (!(s = Assign(c.attention, ParseAttention(f.attention))).ok()) return s.error();
+  if (!(s = Assign(c.param_dtype, ParseDType(f.param_dtype, "--param-dtype"))).ok()) return s.error();
+  if (!(s = Assign(c.reduce_dtype, ParseDType(f.reduce_dtype, "--reduce-dtype"))).ok()) return s.error();
+  if (!(s = Assign(c.buffer_dtype, ParseDType(f.buffer_dtype, "--buffer-dtype"))).ok()) return s.error();
+  if (!(s = Assign(c.optimizer, ParseOptimizer(f.optimizer))).ok()) return s.error();
+  if (!(s = Assign(c.framework, ParseFramework(f.framework))).ok()) return s.error();
+  if (!(s = Assign(c.backward_prefetch, ParseBackwardPrefetch(f.backward_prefetch))).ok()) return s.error();
+  c.limit_all_gathers = !f.no_limit_all_gathers;
+  if (c.framework == Framework::kFsdp2 && f.no_limit_all_gathers) {
+    return Error::BadInput("--no-limit-all-gathers is an FSDP1 option; FSDP2 has no all-gather rate limiter");
+  }
+  return c;
+}
+
+Status RunPlan(const PlanFlags& flags, std::ostream& out) {
+  auto result = Evaluate(flags, flags.model, flags.timeline);
+  if (!result.ok()) return result.error();
+  const auto& [w, m] = result.value();
+  if (flags.json) {
+    Json j = PlanToJson(w, m);
+    if (flags.timeline) {
+      Json points = Json::array();
+      for (const auto& p : m.timeline) points.push_back({{"phase", p.phase}, {"bytes", TotalBytes(p.device)}});
+      j["memory"]["timeline"] = points;
+    }
+    out << j.dump(2) << "\n";
+    return {};
+  }
+  PrintHeader(w, out);
+  PrintTable(w, m, out);
+  if (flags.timeline) PrintTimeline(m, out);
+  return {};
+}
+
+Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
+  PlanFlags flags = base;
+  if (flags.gpu == "h100-sxm") flags.gpu = "a100-80gb-sxm";
+  flags.config.gpus = 4;
+  flags.config.seq_len = flags.config.seq_len == 0 ? 2048 : flags.config.seq_len;
+  const char* models[] = {"llama-2-7b", "llama-2-13b", "codellama-34b", "llama-2-70b"};
+  const char* strategies[] = {"no_shard", "shard_grad_op", "full_shard"};
+  Json rows = Json::array();
+  if (!flags.json) {
+    fmt::print(out, "DDP vs FSDP: peak memory per GPU, 4 x {}, seq {} x micro-batch {}, bf16 mixed precision, AdamW, AC {}\n\n",
+               flags.gpu, flags.config.seq_len, flags.config.micro_batch, flags.ac);
+    fmt::print(out, "  {:<15}{:>8}{:>16}{:>16}{:>16}{:>18}\n", "model", "params", "NO_SHARD (DDP)", "SHARD_GRAD_OP", "FULL_SHARD",
+               "seed's 2 B/param/4");
+  }
+  for (const char* model : models) {
+    std::string cells[3];
+    int64_t params = 0, capacity = 0;
+    for (int i = 0; i < 3; ++i) {
+      flags.strategy = strategies[i];
+      auto result = Evaluate(flags, model, false);
+      if (!result.ok()) return result.error();
+      const auto& [w, m] = result.value();
+      params = w.model.ParamsTotal();
+      capacity = m.capacity_bytes;
+      cells[i] = fmt::format("{} GiB{}", Gib(m.peak_bytes), m.fits ? " " : "*");
+      rows.push_back(PlanToJson(w, m));
+    }
+    if (!flags.json) {
+      fmt::print(out, "  {:<15}{:>7.1f}B{:>16}{:>16}{:>16}{:>14} GiB\n", model, static_cast<double>(params) / 1e9, cells[0], cells[1], cells[2],
+                 Gib(params * 2 / 4));
+    }
+    (void)capacity;
+  }
+  if (flags.json) {
+    out << Json{{"scenario", "ddp-vs-fsdp"}, {"plans", rows}}.dump(2) << "\n";
+    return {};
+  }
+  fmt::print(out, "\n  * does not fit in the card's memory.\n");
+  fmt::print(out, "The seed's table counts only the bf16 weights (2 bytes/parameter, divided by 4 for FSDP). It leaves out the fp32\n"
+                  "master weights (4 B/param), fp32 gradients (4 B/param), AdamW's two fp32 states (8 B/param), the all-gathered\n"
+                  "bf16 units, activations and logits, and the CUDA/NCCL/cuBLAS overheads -- this table counts all of them.\n"
+                  "Try: fsdp-plan --model llama-2-70b --gpu a100-80gb-sxm --gpus 4 --ac full   (one configuration in detail)\n");
+  return {};
+}
+
+}  // namespace fsdp

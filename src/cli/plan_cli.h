@@ -1,0 +1,43 @@
+// fsdp-plan's command line: flags, the single-configuration report and the built-in default scenario.
+#pragma once
+
+#include <optional>
+#include <ostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "core/fsdp_config.h"
+#include "core/status.h"
+
+namespace fsdp {
+
+/// Raw flag values as typed by the user; converted by ConfigFromFlags.
+struct PlanFlags {
+  std::string model;
+  std::string gpu = "h100-sxm";
+  FsdpConfig config;
+  std::string strategy = "full_shard", wrap = "block", ac = "none", attention = "flash";
+  std::string param_dtype = "bf16", reduce_dtype = "fp32", buffer_dtype = "bf16";
+  std::string optimizer = "adamw", framework = "fsdp1", backward_prefetch = "pre";
+  bool no_limit_all_gathers = false;
+  std::optional<int64_t> cuda_context_bytes, nccl_bytes, cublas_workspace_bytes;
+  std::optional<double> fragmentation;
+  bool json = false;
+  bool timeline = false;
+};
+
+/// Registers every fsdp-plan flag on `app`, bound to `flags`.
+void AddPlanFlags(CLI::App& app, PlanFlags& flags);
+
+/// Converts the textual flags into an FsdpConfig (BadInput on unknown names or inconsistent flags).
+Result<FsdpConfig> ConfigFromFlags(const PlanFlags& flags);
+
+/// Runs the plan for one configuration and prints the table (or JSON) to `out`.
+Status RunPlan(const PlanFlags& flags, std::ostream& out);
+
+/// No --model given: the seeds' question, DDP vs FSDP per-card memory for 7B/13B/34B/70B models
+/// on 4 GPUs, done with every term counted.
+Status RunDefaultScenario(const PlanFlags& flags, std::ostream& out);
+
+}  // namespace fsdp

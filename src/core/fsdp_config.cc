@@ -1,0 +1,180 @@
+#include "core/fsdp_config.h"
+
+#include <cmath>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/hardware_spec.h"
+#include "core/model_spec.h"
+
+namespace fsdp {
+namespace {
+
+// Limits beyond which a number is a typo rather than a plan.
+constexpr int64_t kMaxGpus = 1'000'000;
+constexpr int64_t kMaxSeqLen = 10'000'000;
+constexpr int64_t kMaxMicroBatch = 1'000'000;
+constexpr int64_t kMaxGradAccum = 1'000'000;
+
+Error Unknown(std::string_view what, std::string_view value, std::string_view choices) {
+  return Error::BadInput(fmt::format("unknown {} '{}' (expected {})", what, value, choices));
+}
+
+Status CheckRange(std::string_view what, int64_t value, int64_t max_value) {
+  if (value < 1 || value > max_value) {
+    return Error::BadInput(fmt::format("{} must be between 1 and {}, got {}", what, max_value, value));
+  }
+  return {};
+}
+
+}  // namespace
+
+std::string_view StrategyName(Strategy s) {
+  switch (s) {
+    case Strategy::kFullShard: return "FULL_SHARD";
+    case Strategy::kShardGradOp: return "SHARD_GRAD_OP";
+    case Strategy::kNoShard: return "NO_SHARD";
+    case Strategy::kHybridShard: return "HYBRID_SHARD";
+  }
+  return "?";
+}
+std::string_view WrapPolicyName(WrapPolicy w) {
+  switch (w) {
+    case WrapPolicy::kBlock: return "block";
+    case WrapPolicy::kSize: return "size";
+    case WrapPolicy::kNone: return "none";
+    case WrapPolicy::kLinear: return "linear";
+  }
+  return "?";
+}
+std::string_view CheckpointingName(Checkpointing c) {
+  switch (c) {
+    case Checkpointing::kNone: return "none";
+    case Checkpointing::kSelective: return "selective";
+    case Checkpointing::kFull: return "full";
+  }
+  return "?";
+}
+std::string_view AttentionName(Attention a) { return a == Attention::kEager ? "eager" : "flash"; }
+std::string_view OptimizerName(Optimizer o) {
+  switch (o) {
+    case Optimizer::kAdamW: return "adamw";
+    case Optimizer::kAdam: return "adam";
+    case Optimizer::kSgd: return "sgd";
+    case Optimizer::kSgdMomentum: return "sgd-momentum";
+  }
+  return "?";
+}
+std::string_view FrameworkName(Framework f) { return f == Framework::kFsdp1 ? "fsdp1" : "fsdp2"; }
+std::string_view BackwardPrefetchName(BackwardPrefetch p) {
+  switch (p) {
+    case BackwardPrefetch::kPre: return "pre";
+    case BackwardPrefetch::kPost: return "post";
+    case BackwardPrefetch::kNone: return "none";
+  }
+  return "?";
+}
+
+Result<Strategy> ParseStrategy(std::string_view t) {
+  if (t == "full_shard" || t == "FULL_SHARD") return Strategy::kFullShard;
+  if (t == "shard_grad_op" || t == "SHARD_GRAD_OP") return Strategy::kShardGradOp;
+  if (t == "no_shard" || t == "NO_SHARD" || t == "ddp") return Strategy::kNoShard;
+  if (t == "hybrid_shard" || t == "HYBRID_SHARD" || t == "hsdp") return Strategy::kHybridShard;
+  return Unknown("strategy", t, "full_shard, shard_grad_op, no_shard or hybrid_shard");
+}
+
+Status ParseWrap(std::string_view t, FsdpConfig& config) {
+  if (t == "block") { config.wrap = WrapPolicy::kBlock; return {}; }
+  if (t == "none") { config.wrap = WrapPolicy::kNone; return {}; }
+  if (t == "linear") { config.wrap = WrapPolicy::kLinear; return {}; }
+  if (t.starts_with("size:")) {
+    std::string number(t.substr(5));
+    char* end = nullptr;
+    double n = std::strtod(number.c_str(), &end);
+    if (number.empty() || end != number.c_str() + number.size() || !std::isfinite(n) || n < 1 || n > 1e13 || n != std::floor(n)) {
+      return Error::BadInput(fmt::format("--wrap size:N needs a whole number of parameters between 1 and 1e13, got '{}'", number));
+    }
+    config.wrap = WrapPolicy::kSize;
+    config.wrap_min_params = static_cast<int64_t>(n);
+    return {};
+  }
+  return Unknown("wrap policy", t, "block, size:N, none or linear");
+}
+
+Result<Checkpointing> ParseCheckpointing(std::string_view t) {
+  if (t == "none") return Checkpointing::kNone;
+  if (t == "selective") return Checkpointing::kSelective;
+  if (t == "full") return Checkpointing::kFull;
+  return Unknown("activation checkpointing mode", t, "none, selective or full");
+}
+Result<Attention> ParseAttention(std::string_view t) {
+  if (t == "eager") return Attention::kEager;
+  if (t == "flash" || t == "sdpa") return Attention::kFlash;
+  return Unknown("attention implementation", t, "eager or flash");
+}
+Result<Optimizer> ParseOptimizer(std::string_view t) {
+  if (t == "adamw") return Optimizer::kAdamW;
+  if (t == "adam") return Optimizer::kAdam;
+  if (t == "sgd") return Optimizer::kSgd;
+  if (t == "sgd-momentum" || t == "sgd_momentum") return Optimizer::kSgdMomentum;
+  return Unknown("optimizer", t, "adamw, adam, sgd or sgd-momentum");
+}
+Result<Framework> ParseFramework(std::string_view t) {
+  if (t == "fsdp1") return Framework::kFsdp1;
+  if (t == "fsdp2") return Framework::kFsdp2;
+  return Unknown("framework", t, "fsdp1 or fsdp2");
+}
+Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view t) {
+  if (t == "pre" || t == "BACKWARD_PRE") return BackwardPrefetch::kPre;
+  if (t == "post" || t == "BACKWARD_POST") return BackwardPrefetch::kPost;
+  if (t == "none") return BackwardPrefetch::kNone;
+  return Unknown("backward prefetch", t, "pre, post or none");
+}
+
+Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareSpec& hw) {
+  if (Status s = CheckRange("--gpus", c.gpus, kMaxGpus); !s.ok()) return s;
+  if (c.gpus_per_node == 0) c.gpus_per_node = std::min(hw.gpus_per_node, c.gpus);
+  if (Status s = CheckRange("--gpus-per-node", c.gpus_per_node, kMaxGpus); !s.ok()) return s;
+  if (c.gpus > c.gpus_per_node && c.gpus % c.gpus_per_node != 0) {
+    return Error::BadInput(fmt::format("--gpus {} is not a whole number of nodes of {} GPUs (--gpus-per-node)", c.gpus, c.gpus_per_node));
+  }
+  if (c.seq_len == 0) c.seq_len = std::min<int64_t>(4096, model.max_position_embeddings);
+  if (Status s = CheckRange("--seq-len", c.seq_len, kMaxSeqLen); !s.ok()) return s;
+  if (model.family == ModelFamily::kGpt2 && c.seq_len > model.max_position_embeddings) {
+    return Error::BadInput(fmt::format("--seq-len {} exceeds {}'s {} learned positions (n_positions)", c.seq_len, model.id, model.max_position_embeddings));
+  }
+  if (Status s = CheckRange("--micro-batch", c.micro_batch, kMaxMicroBatch); !s.ok()) return s;
+  if (Status s = CheckRange("--grad-accum", c.grad_accum, kMaxGradAccum); !s.ok()) return s;
+  if (c.no_sync && c.grad_accum == 1) return Error::BadInput("--no-sync needs --grad-accum > 1 (it only changes how micro-batches accumulate)");
+  if (c.strategy == Strategy::kHybridShard) {
+    if (c.shard_group_size == 0) c.shard_group_size = std::min(c.gpus_per_node, c.gpus);
+    if (c.shard_group_size < 1 || c.gpus % c.shard_group_size != 0) {
+      return Error::BadInput(fmt::format("HYBRID_SHARD shard group of {} GPUs does not divide --gpus {}", c.shard_group_size, c.gpus));
+    }
+  } else if (c.shard_group_size != 0) {
+    return Error::BadInput(fmt::format("--shard-group-size only applies to --strategy hybrid_shard, not {}", StrategyName(c.strategy)));
+  }
+  if (c.framework == Framework::kFsdp2) {
+    if (c.strategy == Strategy::kNoShard) return Error::BadInput("--framework fsdp2 has no NO_SHARD (use DDP / replicate, or --framework fsdp1)");
+    if (c.backward_prefetch == BackwardPrefetch::kPost) return Error::BadInput("--framework fsdp2 has no BACKWARD_POST prefetch (it always prefetches one group ahead)");
+  }
+  if (c.reduce_dtype == DType::kFp16 && c.param_dtype == DType::kBf16) {
+    return Error::BadInput("--reduce-dtype fp16 with --param-dtype bf16 loses range; use fp32 or bf16");
+  }
+  return {};
+}
+
+int64_t ShardWorldSize(const FsdpConfig& c) {
+  switch (c.strategy) {
+    case Strategy::kFullShard:
+    case Strategy::kShardGradOp: return c.gpus;
+    case Strategy::kHybridShard: return c.shard_group_size;
+    case Strategy::kNoShard: return 1;
+  }
+  return 1;
+}
+
+int64_t ReplicaCount(const FsdpConfig& c) { return c.gpus / ShardWorldSize(c); }
+
+}  // namespace fsdp

@@ -1,0 +1,80 @@
+// The FSDP training configuration: everything a user chooses besides the model and the GPU.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "core/dtype.h"
+#include "core/status.h"
+
+namespace fsdp {
+
+struct ModelSpec;
+struct HardwareSpec;
+
+enum class Strategy { kFullShard, kShardGradOp, kNoShard, kHybridShard };
+enum class WrapPolicy { kBlock, kSize, kNone, kLinear };
+enum class Checkpointing { kNone, kSelective, kFull };
+enum class Attention { kEager, kFlash };
+enum class Optimizer { kAdamW, kAdam, kSgd, kSgdMomentum };
+enum class Framework { kFsdp1, kFsdp2 };
+enum class BackwardPrefetch { kPre, kPost, kNone };
+
+/// One FSDP configuration. Defaults are what people run today: FULL_SHARD, one unit per block,
+/// bf16 parameters with fp32 gradient reduction (torchtitan's default), AdamW, FSDP1 defaults for
+/// prefetch (BACKWARD_PRE, no forward prefetch) and limit_all_gathers=True.
+struct FsdpConfig {
+  int64_t gpus = 8;
+  int64_t gpus_per_node = 0;       ///< 0: take the hardware file's usual GPUs per node
+  int64_t shard_group_size = 0;    ///< HYBRID_SHARD shard group; 0: one node
+  Strategy strategy = Strategy::kFullShard;
+  WrapPolicy wrap = WrapPolicy::kBlock;
+  int64_t wrap_min_params = 100'000'000;  ///< size-based policy threshold (PyTorch's default 1e8)
+  int64_t seq_len = 0;             ///< 0: min(4096, the model's max_position_embeddings)
+  int64_t micro_batch = 1;
+  int64_t grad_accum = 1;
+  bool no_sync = false;            ///< accumulate unsharded gradients under no_sync()
+  Checkpointing checkpointing = Checkpointing::kNone;
+  Attention attention = Attention::kFlash;
+  DType param_dtype = DType::kBf16;
+  DType reduce_dtype = DType::kFp32;
+  DType buffer_dtype = DType::kBf16;
+  DType master_dtype = DType::kFp32;  ///< dtype of the model's own (sharded) parameters
+  Optimizer optimizer = Optimizer::kAdamW;
+  bool cpu_offload = false;
+  Framework framework = Framework::kFsdp1;
+  bool forward_prefetch = false;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;
+  bool limit_all_gathers = true;
+  bool use_orig_params = false;    ///< FSDP1 flat-parameter layout: 16-byte alignment per original parameter
+};
+
+std::string_view StrategyName(Strategy s);        ///< "FULL_SHARD", ...
+std::string_view WrapPolicyName(WrapPolicy w);    ///< "block", "size", "none", "linear"
+std::string_view CheckpointingName(Checkpointing c);
+std::string_view AttentionName(Attention a);
+std::string_view OptimizerName(Optimizer o);
+std::string_view FrameworkName(Framework f);
+std::string_view BackwardPrefetchName(BackwardPrefetch p);
+
+Result<Strategy> ParseStrategy(std::string_view text);
+/// "block", "none", "linear" or "size:N" (N parameters, e.g. size:1e8 or size:100000000).
+Status ParseWrap(std::string_view text, FsdpConfig& config);
+Result<Checkpointing> ParseCheckpointing(std::string_view text);
+Result<Attention> ParseAttention(std::string_view text);
+Result<Optimizer> ParseOptimizer(std::string_view text);
+Result<Framework> ParseFramework(std::string_view text);
+Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view text);
+
+/// Fills the defaults that depend on model and hardware (seq_len, gpus_per_node, shard group) and
+/// rejects impossible or inconsistent settings with a one-line BadInput.
+Status ResolveAndValidate(FsdpConfig& config, const ModelSpec& model, const HardwareSpec& hw);
+
+/// Ranks that share one parameter shard group (W): gpus for FULL/SHARD_GRAD_OP, the shard group
+/// for HYBRID_SHARD, 1 for NO_SHARD. Call after ResolveAndValidate.
+int64_t ShardWorldSize(const FsdpConfig& config);
+/// Number of replicas of each shard (gpus / ShardWorldSize).
+int64_t ReplicaCount(const FsdpConfig& config);
+
+}  // namespace fsdp

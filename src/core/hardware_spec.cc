@@ -1,0 +1,99 @@
+#include "core/hardware_spec.h"
+
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "core/catalog.h"
+#include "core/json_io.h"
+
+namespace fsdp {
+namespace {
+
+// Assigns v.value() to out or returns the error from the enclosing function.
+#define FSDP_ASSIGN(out, expr)              \
+  do {                                      \
+    auto fsdp_v_ = (expr);                  \
+    if (!fsdp_v_.ok()) return fsdp_v_.error(); \
+    out = fsdp_v_.value();                  \
+  } while (0)
+
+Status ReadLinks(const JsonReader& r, HardwareSpec& hw) {
+  auto link = r.Object("intra_node_link");
+  if (!link.ok()) return link.error();
+  FSDP_ASSIGN(hw.intra_node_link, link.value().String("type"));
+  FSDP_ASSIGN(hw.intra_node_bandwidth_bytes_per_s, link.value().NonNegativeNumber("bandwidth_bytes_per_s"));
+  auto switched = link.value().OptionalBool("switched");
+  if (!switched.ok()) return switched.error();
+  hw.intra_node_switched = switched.value().value_or(false);
+  if (hw.intra_node_link != "none" && hw.intra_node_bandwidth_bytes_per_s <= 0) {
+    return link.value().KeyError("bandwidth_bytes_per_s", fmt::format("link '{}' needs a positive bandwidth", hw.intra_node_link));
+  }
+  auto pcie = r.Object("pcie");
+  if (!pcie.ok()) return pcie.error();
+  int64_t generation = 0;
+  FSDP_ASSIGN(generation, pcie.value().IntAtLeast("generation", 1));
+  hw.pcie_generation = static_cast<int>(generation);
+  FSDP_ASSIGN(hw.pcie_bandwidth_bytes_per_s, pcie.value().PositiveNumber("bandwidth_bytes_per_s"));
+  auto node = r.Object("node");
+  if (!node.ok()) return node.error();
+  FSDP_ASSIGN(hw.gpus_per_node, node.value().IntAtLeast("gpus_per_node", 1));
+  FSDP_ASSIGN(hw.inter_node_bandwidth_per_gpu_bytes_per_s, node.value().PositiveNumber("inter_node_bandwidth_per_gpu_bytes_per_s"));
+  FSDP_ASSIGN(hw.inter_node_latency_s, node.value().NonNegativeNumber("inter_node_latency_s"));
+  return {};
+}
+
+}  // namespace
+
+double HardwareSpec::PeakFlops(DType dtype) const {
+  switch (dtype) {
+    case DType::kBf16: return peak_flops_bf16;
+    case DType::kFp16: return peak_flops_fp16;
+    case DType::kFp32: return peak_flops_fp32;
+  }
+  return 0;
+}
+
+Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, const std::string& origin) {
+  if (!json.is_object()) return Error::BadInput(fmt::format("{}: expected a JSON object describing a GPU", origin));
+  JsonReader r(json, origin);
+  HardwareSpec hw;
+  auto json_id = r.OptionalString("id");
+  if (!json_id.ok()) return json_id.error();
+  hw.id = json_id.value().value_or(id);
+  FSDP_ASSIGN(hw.name, r.String("name"));
+  auto vendor = r.OptionalString("vendor");
+  if (!vendor.ok()) return vendor.error();
+  hw.vendor = vendor.value().value_or("");
+  auto arch = r.OptionalString("architecture");
+  if (!arch.ok()) return arch.error();
+  hw.architecture = arch.value().value_or("");
+  double memory = 0;
+  FSDP_ASSIGN(memory, r.PositiveNumber("memory_bytes"));
+  hw.memory_bytes = static_cast<int64_t>(memory);
+  auto flops = r.Object("peak_flops");
+  if (!flops.ok()) return flops.error();
+  FSDP_ASSIGN(hw.peak_flops_bf16, flops.value().PositiveNumber("bf16"));
+  FSDP_ASSIGN(hw.peak_flops_fp16, flops.value().PositiveNumber("fp16"));
+  FSDP_ASSIGN(hw.peak_flops_fp32, flops.value().PositiveNumber("fp32"));
+  FSDP_ASSIGN(hw.memory_bandwidth_bytes_per_s, r.PositiveNumber("memory_bandwidth_bytes_per_s"));
+  if (Status s = ReadLinks(r, hw); !s.ok()) return s.error();
+  double context = 0;
+  FSDP_ASSIGN(context, r.NonNegativeNumber("cuda_context_bytes"));
+  hw.cuda_context_bytes = static_cast<int64_t>(context);
+  auto price = r.OptionalNumber("price_per_gpu_hour_usd");
+  if (!price.ok()) return price.error();
+  hw.price_per_gpu_hour_usd = price.value().value_or(0.0);
+  if (hw.price_per_gpu_hour_usd < 0) return r.KeyError("price_per_gpu_hour_usd", "must be >= 0");
+  return hw;
+}
+
+Result<HardwareSpec> LoadHardware(const std::string& id_or_path) {
+  auto path = ResolveCatalogPath("hardware", "GPU", id_or_path);
+  if (!path.ok()) return path.error();
+  auto json = LoadJsonFile(path.value());
+  if (!json.ok()) return json.error();
+  return HardwareFromJson(json.value(), std::filesystem::path(path.value()).stem().string(), path.value());
+}
+
+}  // namespace fsdp

@@ -1,0 +1,43 @@
+// GPU and node description read from hardware/<id>.json.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+#include "core/json_io.h"
+#include "core/status.h"
+
+namespace fsdp {
+
+/// One GPU type and the usual node it sits in. Bandwidths are per GPU and per direction.
+struct HardwareSpec {
+  std::string id;
+  std::string name;
+  std::string vendor;
+  std::string architecture;      ///< ampere, ada, hopper, blackwell, cdna3, cpu
+  int64_t memory_bytes = 0;
+  double peak_flops_bf16 = 0, peak_flops_fp16 = 0, peak_flops_fp32 = 0;  ///< dense FLOP/s
+  double memory_bandwidth_bytes_per_s = 0;
+  std::string intra_node_link;   ///< "nvlink4", "nvlink-bridge", "infinity-fabric", "none", ...
+  double intra_node_bandwidth_bytes_per_s = 0;  ///< 0 when there is no GPU-GPU link (PCIe is used)
+  bool intra_node_switched = false;             ///< NVSwitch-style all-to-all fabric
+  int pcie_generation = 0;
+  double pcie_bandwidth_bytes_per_s = 0;
+  int64_t gpus_per_node = 1;
+  double inter_node_bandwidth_per_gpu_bytes_per_s = 0;
+  double inter_node_latency_s = 0;
+  int64_t cuda_context_bytes = 0;   ///< device memory of the CUDA/ROCm context of one process
+  double price_per_gpu_hour_usd = 0;
+
+  /// Dense peak FLOP/s for arithmetic in `dtype`.
+  double PeakFlops(DType dtype) const;
+};
+
+/// Parses a hardware JSON document (schema in hardware/README.md); BadInput naming origin and key.
+Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, const std::string& origin);
+
+/// Loads hardware/<id>.json or a path to such a file.
+Result<HardwareSpec> LoadHardware(const std::string& id_or_path);
+
+}  // namespace fsdp

@@ -1,0 +1,71 @@
+// Transformer architecture read from a HuggingFace config.json, with its per-tensor inventory.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/json_io.h"
+#include "core/status.h"
+
+namespace fsdp {
+
+enum class ModelFamily { kLlama, kMistral, kMixtral, kQwen2, kGpt2 };
+
+/// One parameter tensor of the real checkpoint.
+struct TensorSpec {
+  std::string name;             ///< HF state-dict name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;   ///< as stored in the checkpoint (GPT-2 Conv1D weights are [in, out])
+  int block = -1;               ///< decoder block index, -1 outside the blocks
+  bool in_linear = false;       ///< owned by an nn.Linear (or GPT-2 Conv1D) module
+
+  int64_t numel() const;
+  /// Owning module path: the name without its last component.
+  std::string module() const;
+};
+
+/// Architecture hyper-parameters after HF's defaults were applied, plus the tensor inventory.
+struct ModelSpec {
+  std::string id;               ///< catalog id or the config file's stem
+  std::string model_type;       ///< HF model_type
+  ModelFamily family = ModelFamily::kLlama;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;   ///< MLP inner size (GPT-2: n_inner or 4*n_embd)
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t max_position_embeddings = 0;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;        ///< bias on q/k/v projections
+  bool o_bias = false;          ///< bias on the attention output projection
+  bool mlp_bias = false;        ///< bias on MLP projections
+  int64_t num_experts = 0;      ///< Mixtral local experts (0 = dense MLP)
+  int64_t experts_per_token = 0;
+  bool layer_norm = false;      ///< LayerNorm with bias (GPT-2) instead of RMSNorm
+  std::string activation;       ///< hidden_act / activation_function
+  double attention_dropout = 0; ///< GPT-2 attn_pdrop, llama attention_dropout
+  double residual_dropout = 0;  ///< GPT-2 resid_pdrop
+  double embedding_dropout = 0; ///< GPT-2 embd_pdrop
+  std::vector<TensorSpec> tensors;  ///< in forward execution order; a tied lm_head is not repeated
+
+  int64_t ParamsTotal() const;
+  /// Parameters of decoder block `block`.
+  int64_t BlockParams(int block) const;
+  /// Parameters active per token (MoE: only experts_per_token experts count).
+  int64_t ActiveParamsPerToken() const;
+  /// Module path prefix of decoder blocks ("model.layers" or "transformer.h").
+  std::string BlockPrefix() const;
+};
+
+/// Builds a ModelSpec from a parsed HF config.json. Supported model_type: llama, mistral, mixtral,
+/// qwen2, gpt2. Missing keys take the defaults of transformers' configuration_<type>.py; absurd or
+/// inconsistent values (hidden not divisible by heads, heads not divisible by kv heads, non-positive
+/// sizes) give BadInput naming `origin` and the key.
+Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);
+
+/// Loads a catalog id (models/<id>.json) or a path to a config.json.
+Result<ModelSpec> LoadModel(const std::string& id_or_path);
+
+}  // namespace fsdp

@@ -1,0 +1,176 @@
+#include "core/workload.h"
+
+#include <functional>
+#include <map>
+
+#include <fmt/format.h>
+
+namespace fsdp {
+namespace {
+
+bool IsNumber(const std::string& s) {
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
+}
+
+std::string LastComponent(const std::string& path) {
+  auto dot = path.rfind('.');
+  return dot == std::string::npos ? path : path.substr(dot + 1);
+}
+
+// Creates (or finds) the node for `path` and all its ancestors.
+int EnsureNode(std::vector<ModuleNode>& nodes, std::map<std::string, int>& index, const std::string& path) {
+  if (auto it = index.find(path); it != index.end()) return it->second;
+  auto dot = path.rfind('.');
+  int parent = EnsureNode(nodes, index, dot == std::string::npos ? std::string() : path.substr(0, dot));
+  int id = static_cast<int>(nodes.size());
+  nodes.push_back(ModuleNode{path, parent, {}, {}, ModuleNode::Role::kOther, -1, -1, 0});
+  nodes[parent].children.push_back(id);
+  index[path] = id;
+  return id;
+}
+
+void AssignRoles(std::vector<ModuleNode>& nodes, const ModelSpec& model) {
+  const std::string prefix = model.BlockPrefix() + ".";
+  const bool gpt2 = model.family == ModelFamily::kGpt2;
+  for (auto& n : nodes) {
+    if (n.path.starts_with(prefix) && IsNumber(n.path.substr(prefix.size()))) {
+      n.role = ModuleNode::Role::kBlock;
+      n.block = std::stoi(n.path.substr(prefix.size()));
+    } else if (n.path == (gpt2 ? "transformer.wte" : "model.embed_tokens")) {
+      n.role = ModuleNode::Role::kEmbedding;
+    } else if (n.path == (gpt2 ? "transformer.ln_f" : "model.norm")) {
+      n.role = ModuleNode::Role::kFinalNorm;
+    } else if (n.path == "lm_head") {
+      n.role = ModuleNode::Role::kLmHead;
+    }
+  }
+}
+
+std::vector<ModuleNode> BuildModuleTree(const ModelSpec& model) {
+  std::vector<ModuleNode> nodes;
+  nodes.push_back(ModuleNode{});
+  std::map<std::string, int> index{{"", 0}};
+  for (int t = 0; t < static_cast<int>(model.tensors.size()); ++t) {
+    int node = EnsureNode(nodes, index, model.tensors[t].module());
+    nodes[node].tensors.push_back(t);
+  }
+  // A tied lm_head owns no parameter but still runs (and holds the logits): give it a node.
+  EnsureNode(nodes, index, "lm_head");
+  AssignRoles(nodes, model);
+  std::function<int64_t(int)> count = [&](int id) {
+    int64_t n = 0;
+    for (int t : nodes[id].tensors) n += model.tensors[t].numel();
+    for (int c : nodes[id].children) n += count(c);
+    nodes[id].numel = n;
+    return n;
+  };
+  count(0);
+  return nodes;
+}
+
+// True for containers that size_based_auto_wrap_policy never wraps (nn.ModuleList / ModuleDict).
+bool IsModuleList(const std::vector<ModuleNode>& nodes, const ModuleNode& n) {
+  if (n.children.empty() || !n.tensors.empty()) return false;
+  for (int c : n.children) if (!IsNumber(LastComponent(nodes[c].path))) return false;
+  return true;
+}
+
+// size_based_auto_wrap_policy: bottom-up, wrap a module when the parameters not already wrapped
+// below it reach min_params (torch/distributed/fsdp/wrap.py). Returns the unwrapped count.
+int64_t MarkSizeBased(std::vector<ModuleNode>& nodes, const ModelSpec& model, int id, int64_t min_params) {
+  int64_t nonwrapped = 0;
+  for (int t : nodes[id].tensors) nonwrapped += model.tensors[t].numel();
+  for (int c : nodes[id].children) nonwrapped += MarkSizeBased(nodes, model, c, min_params);
+  if (id != 0 && nonwrapped >= min_params && !IsModuleList(nodes, nodes[id])) {
+    nodes[id].unit = 1;  // marked; numbered later in pre-order
+    return 0;
+  }
+  return nonwrapped;
+}
+
+void MarkUnits(std::vector<ModuleNode>& nodes, const ModelSpec& model, const FsdpConfig& config) {
+  for (auto& n : nodes) {
+    switch (config.wrap) {
+      case WrapPolicy::kBlock: if (n.role == ModuleNode::Role::kBlock) n.unit = 1; break;
+      case WrapPolicy::kLinear:
+        if (!n.tensors.empty() && model.tensors[n.tensors.front()].in_linear) n.unit = 1;
+        break;
+      case WrapPolicy::kNone:
+      case WrapPolicy::kSize: break;
+    }
+  }
+  if (config.wrap == WrapPolicy::kSize) MarkSizeBased(nodes, model, 0, config.wrap_min_params);
+  nodes[0].unit = 1;
+}
+
+// Numbers marked nodes in pre-order and collects each unit's tensors (those not claimed by a
+// nested unit).
+void CollectUnits(Workload& w, int id, int enclosing_unit) {
+  ModuleNode& n = w.nodes[id];
+  int unit = enclosing_unit;
+  if (n.unit >= 0) {
+    unit = static_cast<int>(w.units.size());
+    n.unit = unit;
+    WrapUnit u;
+    u.name = id == 0 ? "root" : n.path;
+    u.node = id;
+    u.parent_unit = enclosing_unit;
+    u.is_root = id == 0;
+    w.units.push_back(std::move(u));
+  }
+  for (int t : n.tensors) w.units[unit].tensors.push_back(t);
+  for (int c : w.nodes[id].children) CollectUnits(w, c, unit);
+}
+
+}  // namespace
+
+int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world) {
+  if (config.framework == Framework::kFsdp2) {
+    int64_t total = 0;
+    for (int t : tensors) {
+      const auto& shape = model.tensors[t].shape;
+      int64_t rest = model.tensors[t].numel() / shape[0];
+      total += RoundUp(shape[0], world) * rest;
+    }
+    return total;
+  }
+  // FSDP1 FlatParamHandle: with use_orig_params each parameter starts at a 16-byte boundary of the
+  // flat parameter's dtype (_get_aligned_numel); the total is then padded to a multiple of world.
+  const int64_t align = config.use_orig_params ? 16 / BytesPerElement(config.master_dtype) : 1;
+  int64_t total = 0;
+  for (int t : tensors) total = RoundUp(total, align) + model.tensors[t].numel();
+  return RoundUp(total, world);
+}
+
+int64_t Workload::ShardNumelTotal() const {
+  int64_t total = 0;
+  for (const auto& u : units) total += u.shard_numel;
+  return total;
+}
+
+int64_t Workload::PaddedNumelTotal() const {
+  int64_t total = 0;
+  for (const auto& u : units) total += u.padded_numel;
+  return total;
+}
+
+Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config) {
+  if (Status s = ResolveAndValidate(config, model, hardware); !s.ok()) return s.error();
+  Workload w;
+  w.shard_world = ShardWorldSize(config);
+  w.replicas = ReplicaCount(config);
+  w.nodes = BuildModuleTree(model);
+  MarkUnits(w.nodes, model, config);
+  CollectUnits(w, 0, -1);
+  for (auto& u : w.units) {
+    for (int t : u.tensors) u.numel += model.tensors[t].numel();
+    u.padded_numel = PaddedNumel(model, u.tensors, config, w.shard_world);
+    u.shard_numel = u.padded_numel / w.shard_world;
+  }
+  w.model = std::move(model);
+  w.hardware = std::move(hardware);
+  w.config = config;
+  return w;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,65 @@
+// The Workload: model + hardware + configuration resolved into FSDP wrap units with their
+// padded shard sizes. Built once here; planner, simulator and runtime consume it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/fsdp_config.h"
+#include "core/hardware_spec.h"
+#include "core/model_spec.h"
+
+namespace fsdp {
+
+/// A node of the model's module tree (derived from tensor names), in forward execution order.
+struct ModuleNode {
+  enum class Role { kOther, kEmbedding, kBlock, kFinalNorm, kLmHead };
+  std::string path;            ///< "" for the model itself
+  int parent = -1;
+  std::vector<int> children;   ///< node indices in execution order
+  std::vector<int> tensors;    ///< tensors this module owns directly
+  Role role = Role::kOther;
+  int block = -1;              ///< decoder block index when role == kBlock
+  int unit = -1;               ///< FSDP unit rooted here, -1 if not wrapped
+  int64_t numel = 0;           ///< parameters in this subtree
+};
+
+/// One FSDP unit (FSDP1 FlatParameter / FSDP2 parameter group).
+struct WrapUnit {
+  std::string name;            ///< module path, "root" for the root unit
+  int node = 0;                ///< ModuleNode the unit wraps
+  int parent_unit = -1;        ///< enclosing unit (-1 for the root)
+  bool is_root = false;
+  std::vector<int> tensors;    ///< parameters managed by this unit
+  int64_t numel = 0;           ///< sum of its parameters' elements
+  int64_t padded_numel = 0;    ///< unsharded size after alignment and padding to the shard group
+  int64_t shard_numel = 0;     ///< per-rank shard: padded_numel / shard world size
+};
+
+struct Workload {
+  ModelSpec model;
+  HardwareSpec hardware;
+  FsdpConfig config;
+  int64_t shard_world = 1;     ///< W: ranks sharing one shard group
+  int64_t replicas = 1;        ///< gpus / W
+  std::vector<ModuleNode> nodes;  ///< nodes[0] is the model
+  std::vector<WrapUnit> units;    ///< units[0] is the root; the rest in pre-forward order
+
+  int64_t TokensPerMicroBatch() const { return config.micro_batch * config.seq_len; }
+  /// Sum of all units' shard_numel (elements each rank stores).
+  int64_t ShardNumelTotal() const;
+  /// Sum of all units' padded_numel.
+  int64_t PaddedNumelTotal() const;
+};
+
+/// Resolves the configuration against model and hardware (ResolveAndValidate), builds the module
+/// tree, applies the wrap policy and computes padding. BadInput on inconsistent configurations.
+Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config);
+
+/// Padded unsharded numel of a unit's tensors for a shard world of `world` ranks:
+/// FSDP1 flat parameter (16-byte alignment per parameter when use_orig_params, total padded to a
+/// multiple of world) or FSDP2 per-parameter dim-0 padding.
+int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world);
+
+}  // namespace fsdp

@@ -1,0 +1,190 @@
+#include "planner/activation_model.h"
+
+#include <algorithm>
+
+namespace fsdp {
+namespace {
+
+// Shapes of one micro-batch, in elements.
+struct Dims {
+  int64_t tokens;      // T = micro_batch * seq_len
+  int64_t seq;         // s
+  int64_t c;           // compute dtype bytes (param_dtype under mixed precision)
+  int64_t h, inner, heads, kv_heads, head_dim, experts, top_k;
+};
+
+Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg) {
+  return Dims{cfg.micro_batch * cfg.seq_len, cfg.seq_len, BytesPerElement(cfg.param_dtype), m.hidden_size,
+              m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token};
+}
+
+// Tensors saved by HF's attention core (scores, softmax, dropout): recomputed by selective checkpointing.
+constexpr const char* kCoreTag = "attn_core.";
+
+// LlamaRMSNorm upcasts to fp32: pow() saves the fp32 input, rsqrt() its [T,1] result, and
+// weight * x.to(dtype) the normalised input in the compute dtype.
+void AddRmsNorm(std::vector<SavedTensor>& out, const std::string& name, const Dims& d) {
+  out.push_back({name + ".x_fp32", 4 * d.h * d.tokens});
+  out.push_back({name + ".rsqrt", 4 * d.tokens});
+  out.push_back({name + ".normed", d.c * d.h * d.tokens});
+}
+
+void AddLlamaAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
+  const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
+  out.push_back({"self_attn.q_rope", d.c * q});
+  if (cfg.attention == Attention::kEager) {
+    // repeat_kv expands k and v to all heads before the two matmuls save them.
+    out.push_back({"self_attn.k_repeated", d.c * q});
+    out.push_back({"self_attn.v_repeated", d.c * q});
+    out.push_back({std::string(kCoreTag) + "softmax_fp32", 4 * scores});
+    if (d.c != 4) out.push_back({std::string(kCoreTag) + "probs", d.c * scores});
+    if (m.attention_dropout > 0) {
+      out.push_back({std::string(kCoreTag) + "dropout_mask", scores});
+      out.push_back({std::string(kCoreTag) + "dropout_out", d.c * scores});
+    }
+  } else {
+    // SDPA flash/memory-efficient kernels save q, k, v, the output and a fp32 log-sum-exp per row.
+    out.push_back({"self_attn.k_rope", d.c * kv});
+    out.push_back({"self_attn.v", d.c * kv});
+    out.push_back({"self_attn.sdpa_out", d.c * q});
+    out.push_back({"self_attn.lse", 4 * d.heads * d.tokens});
+  }
+  out.push_back({"self_attn.o_proj_in", d.c * q});
+}
+
+void AddLlamaMlp(std::vector<SavedTensor>& out, const Dims& d) {
+  const int64_t x = d.c * d.inner * d.tokens;
+  if (d.experts == 0) {
+    out.push_back({"mlp.gate_out", x});
+    out.push_back({"mlp.act_out", x});
+    out.push_back({"mlp.up_out", x});
+    out.push_back({"mlp.down_in", x});
+    return;
+  }
+  // MixtralSparseMoeBlock: router logits, fp32 routing softmax, then for each of the top_k
+  // (token, expert) pairs the gathered input, w1/act/w3/product and w2's output.
+  const int64_t pairs = d.top_k * d.tokens;
+  out.push_back({"moe.router_logits", d.c * d.experts * d.tokens});
+  out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
+  out.push_back({"moe.expert_in", d.c * d.h * pairs});
+  out.push_back({"moe.w1_w3_act_prod", 4 * d.c * d.inner * pairs});
+  out.push_back({"moe.w2_out", d.c * d.h * pairs});
+}
+
+std::vector<SavedTensor> LlamaBlock(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  std::vector<SavedTensor> out;
+  AddRmsNorm(out, "input_layernorm", d);
+  AddLlamaAttention(out, m, cfg, d);
+  AddRmsNorm(out, "post_attention_layernorm", d);
+  AddLlamaMlp(out, d);
+  return out;
+}
+
+// HF GPT2Block: native LayerNorm saves input + fp32 mean/rstd; Conv1D saves its input; the q/k/v
+// views keep the whole c_attn output alive; dropout saves a bool mask; NewGELUActivation is written
+// in Python and saves input, tanh, 0.5*x and 1+tanh.
+std::vector<SavedTensor> Gpt2Block(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  std::vector<SavedTensor> out;
+  const int64_t hT = d.h * d.tokens, iT = d.inner * d.tokens, scores = d.heads * d.seq * d.tokens;
+  out.push_back({"ln_1.in", d.c * hT});
+  out.push_back({"ln_1.stats", 8 * d.tokens});
+  out.push_back({"attn.c_attn_in", d.c * hT});
+  out.push_back({"attn.qkv", 3 * d.c * hT});
+  if (cfg.attention == Attention::kEager) {
+    out.push_back({std::string(kCoreTag) + "probs", d.c * scores});
+    if (m.attention_dropout > 0) {
+      out.push_back({std::string(kCoreTag) + "dropout_mask", scores});
+      out.push_back({std::string(kCoreTag) + "dropout_out", d.c * scores});
+    }
+  } else {
+    out.push_back({"attn.sdpa_out", d.c * hT});
+    out.push_back({"attn.lse", 4 * d.heads * d.tokens});
+  }
+  out.push_back({"attn.c_proj_in", d.c * hT});
+  if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", hT});
+  out.push_back({"ln_2.in", d.c * hT});
+  out.push_back({"ln_2.stats", 8 * d.tokens});
+  out.push_back({"mlp.c_fc_in", d.c * hT});
+  if (m.activation == "gelu_new") {
+    out.push_back({"mlp.gelu_new_saved", 4 * d.c * iT});
+  } else {
+    out.push_back({"mlp.act_in", d.c * iT});
+  }
+  out.push_back({"mlp.c_proj_in", d.c * iT});
+  if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", hT});
+  return out;
+}
+
+// Largest set of gradients alive at once inside a block's backward, beyond its saved tensors:
+// the incoming and outgoing hidden-state gradients plus the largest op-level transient.
+int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  const int64_t hT = d.h * d.tokens, scores = d.heads * d.seq * d.tokens;
+  const bool gpt2 = m.family == ModelFamily::kGpt2;
+  int64_t attention = 0;
+  if (cfg.attention == Attention::kEager) {
+    // grad of probs, its fp32 upcast and the fp32 softmax gradient (GPT-2: all in compute dtype).
+    attention = gpt2 ? 3 * d.c * scores : (d.c + 8) * scores;
+  } else {
+    attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
+  }
+  const int64_t mlp_factor = d.experts > 0 ? d.top_k : 1;
+  const int64_t mlp = (gpt2 ? 4 : 3) * d.c * d.inner * d.tokens * mlp_factor;
+  const int64_t norm = 12 * hT;
+  return 2 * d.c * hT + std::max({attention, mlp, norm});
+}
+
+}  // namespace
+
+int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.bytes;
+  return total;
+}
+
+int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
+int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
+int64_t HeadActivations::SavedBytes() const {
+  return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
+}
+
+BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cfg) {
+  const Dims d = DimsOf(m, cfg);
+  BlockActivations a;
+  a.full = m.family == ModelFamily::kGpt2 ? Gpt2Block(m, cfg, d) : LlamaBlock(m, cfg, d);
+  switch (cfg.checkpointing) {
+    case Checkpointing::kNone: a.kept = a.full; break;
+    case Checkpointing::kSelective:
+      for (const auto& t : a.full) if (!t.name.starts_with(kCoreTag)) a.kept.push_back(t);
+      break;
+    case Checkpointing::kFull:
+      // checkpoint_wrapper (non-reentrant) saves only the block's input hidden states.
+      a.kept = {{"checkpoint.block_input", d.c * d.h * d.tokens}};
+      break;
+  }
+  a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d);
+  return a;
+}
+
+HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg) {
+  const Dims d = DimsOf(m, cfg);
+  const int64_t vT = m.vocab_size * d.tokens;
+  HeadActivations head;
+  if (m.family == ModelFamily::kGpt2) {
+    if (m.embedding_dropout > 0) head.embedding.push_back({"embedding.dropout_mask", d.h * d.tokens});
+    head.final_norm = {{"ln_f.in", d.c * d.h * d.tokens}, {"ln_f.stats", 8 * d.tokens}};
+  } else {
+    AddRmsNorm(head.final_norm, "norm", d);
+  }
+  // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
+  // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the
+  // model output until backward ends.
+  head.logits_bytes = d.c * vT;
+  head.loss_saved_bytes = 4 * vT;
+  head.loss_forward_transient_bytes = d.c == 4 ? 0 : 4 * vT;
+  // nll_loss_backward's dense fp32 gradient + log_softmax_backward's fp32 result.
+  head.loss_backward_transient_bytes = 8 * vT;
+  return head;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,49 @@
+// What PyTorch's autograd keeps alive for one micro-batch of a HuggingFace decoder: the tensors each
+// op saves for backward (docs/memory-model.md, "Activations", derives every entry).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/fsdp_config.h"
+#include "core/model_spec.h"
+
+namespace fsdp {
+
+/// One tensor saved for backward, in bytes for one micro-batch.
+struct SavedTensor {
+  std::string name;
+  int64_t bytes = 0;
+};
+
+/// Activation memory of one decoder block for one micro-batch.
+struct BlockActivations {
+  std::vector<SavedTensor> full;       ///< saved by an un-checkpointed forward (eager or flash attention)
+  std::vector<SavedTensor> kept;       ///< kept until backward under the configured checkpointing
+  int64_t backward_working_bytes = 0;  ///< transient gradients alive inside the block's backward
+  int64_t FullBytes() const;
+  int64_t KeptBytes() const;
+};
+
+/// Activation memory outside the blocks (embedding, final norm, logits and loss).
+struct HeadActivations {
+  std::vector<SavedTensor> embedding;     ///< kept from embedding forward to its backward
+  std::vector<SavedTensor> final_norm;    ///< kept from final norm forward to its backward
+  int64_t logits_bytes = 0;               ///< lm_head output, alive from forward to the end of the loss backward
+  int64_t loss_saved_bytes = 0;           ///< log_softmax output saved by cross_entropy
+  int64_t loss_forward_transient_bytes = 0;   ///< fp32 upcast of the logits while the loss is computed
+  int64_t loss_backward_transient_bytes = 0;  ///< gradients alive in the loss/log_softmax backward
+  int64_t SavedBytes() const;
+};
+
+/// Saved tensors of one block for the model family, micro-batch, sequence length, attention kernel
+/// and checkpointing mode in `config` (compute dtype = config.param_dtype).
+BlockActivations BlockActivationProfile(const ModelSpec& model, const FsdpConfig& config);
+
+/// Saved tensors of the embedding, final norm and HF's ForCausalLMLoss.
+HeadActivations HeadActivationProfile(const ModelSpec& model, const FsdpConfig& config);
+
+int64_t SumBytes(const std::vector<SavedTensor>& tensors);
+
+}  // namespace fsdp

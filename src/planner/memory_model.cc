@@ -1,0 +1,441 @@
+#include "planner/memory_model.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "planner/activation_model.h"
+#include "planner/memory_tracker.h"
+
+namespace fsdp {
+namespace {
+
+using Cat = MemCategory;
+
+// NCCL's default per-connection buffers (src/include/collectives.h / device.h, NCCL 2.18+):
+// Simple 4 MiB (NCCL_BUFFSIZE), LL128 120*640*8*8 B, LL 8*512*8*16 B.
+constexpr int64_t kNcclSimpleBufferBytes = 4 * 1024 * 1024;
+constexpr int64_t kNcclLl128BufferBytes = 120 * 640 * 8 * 8;
+constexpr int64_t kNcclLlBufferBytes = 8 * 512 * 8 * 16;
+// Channels NCCL typically opens on an NVLink node, counted twice (ring + tree connections).
+constexpr int64_t kNcclChannels = 16;
+constexpr int64_t kNcclConnectionsPerChannel = 2;
+// PyTorch CublasHandlePool.cpp _getDefaultWorkspaceSize(): 4096*8*1024 on Hopper and newer,
+// 4096*1024*2 + 16*1024*8 before.
+constexpr int64_t kCublasWorkspaceHopper = 4096 * 8 * 1024;
+constexpr int64_t kCublasWorkspaceOlder = 4096 * 1024 * 2 + 16 * 1024 * 8;
+
+// Plays one optimizer step through a MemoryTracker in PyTorch FSDP's order of operations.
+class StepPlayer {
+ public:
+  StepPlayer(const Workload& w, MemoryTracker& mem)
+      : w_(w), c_(w.config), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
+        head_(HeadActivationProfile(w.model, w.config)) {
+    const size_t n = w.units.size();
+    unsharded_.assign(n, kNoBlock);
+    unit_grad_pieces_.assign(n, {});
+    sharded_grad_.assign(n, kNoBlock);
+    kept_grad_.assign(n, kNoBlock);
+    node_saved_.assign(w.nodes.size(), {});
+    pb_ = BytesPerElement(c_.param_dtype);
+    rb_ = BytesPerElement(c_.reduce_dtype);
+    mb_ = BytesPerElement(c_.master_dtype);
+    mixed_ = c_.param_dtype != c_.master_dtype;
+  }
+
+  void PlayStep(int64_t cublas_workspace_bytes, CategoryBytes& host) {
+    mem_.SetPhase("start of step");
+    const int64_t shard_elems = w_.ShardNumelTotal();
+    const int64_t state_bytes = OptimizerStateBytesPerParam(c_.optimizer) * shard_elems;
+    if (c_.cpu_offload) {
+      host[static_cast<int>(Cat::kShardedParams)] = shard_elems * mb_;
+      host[static_cast<int>(Cat::kGradients)] = shard_elems * mb_;
+      host[static_cast<int>(Cat::kOptimizerStates)] = state_bytes;
+    } else {
+      for (const auto& u : w_.units) mem_.Alloc(Cat::kShardedParams, u.shard_numel * mb_);
+      mem_.Alloc(Cat::kOptimizerStates, state_bytes);
+    }
+    mem_.Alloc(Cat::kFramework, cublas_workspace_bytes);
+    for (micro_ = 0; micro_ < c_.grad_accum; ++micro_) {
+      Forward(0);
+      Backward(0);
+      FinishBackward();
+    }
+    OptimizerStep();
+  }
+
+ private:
+  std::string Label(const char* what, int node) const {
+    std::string name = node == 0 ? "root" : w_.nodes[node].path;
+    if (c_.grad_accum > 1) return fmt::format("{} {} (micro-batch {}/{})", what, name, micro_ + 1, c_.grad_accum);
+    return fmt::format("{} {}", what, name);
+  }
+  bool LastMicro() const { return micro_ == c_.grad_accum - 1; }
+  bool Fsdp2() const { return c_.framework == Framework::kFsdp2; }
+  bool Sharded() const { return c_.strategy != Strategy::kNoShard; }
+
+  // ---- unshard / reshard -------------------------------------------------------------------
+  void Unshard(int u) {
+    if (u < 0 || unsharded_[u] != kNoBlock) return;
+    const WrapUnit& unit = w_.units[u];
+    if (unit.numel == 0) return;
+    if (!Sharded()) {
+      // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard).
+      if (mixed_ || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_);
+      return;
+    }
+    // All-gather input: the param_dtype copy of the shard (and an fp32 staging copy under offload).
+    BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * mb_) : kNoBlock;
+    BlockId input = (mixed_ || Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_) : kNoBlock;
+    mem_.Free(staging);
+    if (!Fsdp2() && c_.limit_all_gathers) {
+      // _limiter_utils: before an all-gather, sync on the oldest free event once 2 are queued.
+      while (mem_.PendingCount() >= 2) mem_.ReleaseOldestPending();
+    }
+    if (Fsdp2()) {
+      BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_);
+      mem_.Free(input);
+      if (fsdp2_deferred_ != kNoBlock && forward_) mem_.Free(fsdp2_deferred_);
+      unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_);
+      if (forward_) fsdp2_deferred_ = flat; else mem_.Free(flat);
+      return;
+    }
+    unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_);
+    mem_.Free(input);
+  }
+
+  void Reshard(int u) {
+    if (Fsdp2() || !Sharded()) mem_.Free(unsharded_[u]);
+    else mem_.FreeToPending(unsharded_[u]);
+  }
+
+  bool ReshardAfterForward(int u) const {
+    if (w_.units[u].is_root) return false;  // the root stays unsharded until its backward
+    return c_.strategy == Strategy::kFullShard || c_.strategy == Strategy::kHybridShard || c_.strategy == Strategy::kNoShard;
+  }
+
+  // ---- forward -----------------------------------------------------------------------------
+  void Forward(int node_id) {
+    const ModuleNode& node = w_.nodes[node_id];
+    forward_ = true;
+    if (node.unit >= 0) {
+      mem_.SetPhase(Label("forward: unshard", node_id));
+      Unshard(node.unit);
+      if (c_.forward_prefetch && node.unit + 1 < static_cast<int>(w_.units.size())) Unshard(node.unit + 1);
+    }
+    for (int child : node.children) Forward(child);
+    mem_.SetPhase(Label("forward:", node_id));
+    ForwardActivations(node_id);
+    if (node.unit >= 0 && ReshardAfterForward(node.unit)) Reshard(node.unit);
+    if (node_id == 0 && Fsdp2()) mem_.Free(fsdp2_deferred_);  // root post-forward drops the held all-gather output
+    if (node_id == 0) mem_.SetPhase(c_.grad_accum > 1 ? fmt::format("end of forward (micro-batch {}/{})", micro_ + 1, c_.grad_accum) : "end of forward");
+  }
+
+  void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
+    for (const auto& t : tensors) node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+  }
+
+  void ForwardActivations(int node_id) {
+    const ModuleNode& node = w_.nodes[node_id];
+    switch (node.role) {
+      case ModuleNode::Role::kEmbedding:
+        AllocSaved(node_id, head_.embedding);
+        if (c_.attention == Attention::kEager) {
+          // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention.
+          causal_mask_ = mem_.Alloc(Cat::kActivations, pb_ * c_.micro_batch * c_.seq_len * c_.seq_len);
+        }
+        break;
+      case ModuleNode::Role::kBlock: AllocSaved(node_id, block_.kept); break;
+      case ModuleNode::Role::kFinalNorm:
+        AllocSaved(node_id, head_.final_norm);
+        mem_.Free(causal_mask_);
+        break;
+      case ModuleNode::Role::kLmHead: {
+        BlockId logits = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
+        BlockId upcast = mem_.Alloc(Cat::kActivations, head_.loss_forward_transient_bytes);
+        node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, head_.loss_saved_bytes));
+        mem_.Free(upcast);
+        mem_.Free(logits);  // Trainer / torchtitan drop the logits before backward
+        break;
+      }
+      case ModuleNode::Role::kOther: break;
+    }
+  }
+
+  // ---- backward ----------------------------------------------------------------------------
+  void Backward(int node_id) {
+    const ModuleNode& node = w_.nodes[node_id];
+    forward_ = false;
+    if (node.unit >= 0) PreBackward(node_id);
+    mem_.SetPhase(Label("backward:", node_id));
+    std::vector<BlockId> transient = BackwardActivations(node_id);
+    for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) Backward(*it);
+    mem_.SetPhase(Label("backward:", node_id));
+    for (int t : node.tensors) {
+      int unit = OwningUnit(node_id);
+      unit_grad_pieces_[unit].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
+    }
+    for (BlockId& b : transient) mem_.Free(b);
+    for (BlockId& b : node_saved_[node_id]) mem_.Free(b);
+    node_saved_[node_id].clear();
+    if (node.unit >= 0) PostBackward(node_id);
+  }
+
+  int OwningUnit(int node_id) const {
+    while (w_.nodes[node_id].unit < 0) node_id = w_.nodes[node_id].parent;
+    return w_.nodes[node_id].unit;
+  }
+
+  void PreBackward(int node_id) {
+    const int u = w_.nodes[node_id].unit;
+    mem_.SetPhase(Label("backward: unshard", node_id));
+    Unshard(u);
+    if (c_.backward_prefetch == BackwardPrefetch::kPre) Unshard(u - 1);
+  }
+
+  // Recomputation, gradient working memory and loss-backward buffers of a node's own ops.
+  std::vector<BlockId> BackwardActivations(int node_id) {
+    std::vector<BlockId> transient;
+    switch (w_.nodes[node_id].role) {
+      case ModuleNode::Role::kBlock:
+        if (c_.checkpointing != Checkpointing::kNone) {
+          for (const auto& t : block_.full) {
+            bool kept = std::any_of(block_.kept.begin(), block_.kept.end(), [&](const SavedTensor& k) { return k.name == t.name; });
+            if (!kept) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+          }
+        }
+        transient.push_back(mem_.Alloc(Cat::kActivations, block_.backward_working_bytes));
+        break;
+      case ModuleNode::Role::kLmHead: {
+        BlockId grads = mem_.Alloc(Cat::kActivations, head_.loss_backward_transient_bytes);
+        for (BlockId& b : node_saved_[node_id]) mem_.Free(b);
+        node_saved_[node_id].clear();
+        mem_.Free(grads);
+        transient.push_back(mem_.Alloc(Cat::kActivations, head_.logits_bytes));  // grad of the logits
+        break;
+      }
+      default: break;
+    }
+    return transient;
+  }
+
+  void PostBackward(int node_id) {
+    const int u = w_.nodes[node_id].unit;
+    const WrapUnit& unit = w_.units[u];
+    mem_.SetPhase(Label("backward: reduce-scatter", node_id));
+    BlockId grad = GatherUnitGrad(u);
+    if (c_.no_sync && !LastMicro()) {
+      KeepUnsyncedGrad(u, grad);
+      Reshard(u);
+      return;
+    }
+    if (kept_grad_[u] != kNoBlock) mem_.Free(kept_grad_[u]);  // accumulated in place, then reduced
+    Reshard(u);
+    if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(u - 1);
+    if (unit.numel == 0) return;
+    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, grad) : ReduceFsdp1(unit, grad);
+    if (rb_ != mb_) {
+      BlockId upcast = mem_.Alloc(Cat::kGradients, unit.shard_numel * mb_);
+      mem_.Free(shard);
+      shard = upcast;
+    }
+    AccumulateShard(u, shard);
+  }
+
+  // The unit's gradient as one tensor: FSDP1 concatenates the views' gradients into the flat
+  // parameter's gradient (split_with_sizes backward); FSDP2 keeps per-parameter gradients.
+  BlockId GatherUnitGrad(int u) {
+    auto& pieces = unit_grad_pieces_[u];
+    BlockId grad = kNoBlock;
+    if (!Fsdp2() && pieces.size() > 1) {
+      grad = mem_.Alloc(Cat::kGradients, w_.units[u].numel * pb_);
+      for (BlockId& b : pieces) mem_.Free(b);
+    } else if (pieces.size() == 1) {
+      grad = pieces.front();
+    } else if (!pieces.empty()) {
+      // FSDP2: account the per-parameter gradients as one block (they are freed together).
+      for (BlockId& b : pieces) mem_.Free(b);
+      grad = mem_.Alloc(Cat::kGradients, w_.units[u].numel * pb_);
+    }
+    pieces.clear();
+    return grad;
+  }
+
+  void KeepUnsyncedGrad(int u, BlockId grad) {
+    if (kept_grad_[u] == kNoBlock) kept_grad_[u] = grad;
+    else mem_.Free(grad);  // added into the kept unsharded gradient
+  }
+
+  // FSDP1 _reduce_grad: cast to reduce_dtype, pad to the shard group, reduce-scatter into a new
+  // shard (NO_SHARD: all-reduce in place; HYBRID_SHARD: then all-reduce the shard across replicas).
+  BlockId ReduceFsdp1(const WrapUnit& unit, BlockId grad) {
+    if (rb_ != pb_) {
+      BlockId cast = mem_.Alloc(Cat::kGradients, unit.numel * rb_);
+      mem_.Free(grad);
+      grad = cast;
+    }
+    if (!Sharded()) return grad;
+    if (unit.padded_numel != unit.numel) {
+      BlockId padded = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * rb_);
+      mem_.Free(grad);
+      grad = padded;
+    }
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * rb_);
+    mem_.Free(grad);
+    return shard;
+  }
+
+  // FSDP2 foreach_reduce: copy-in to a reduce_dtype buffer of the padded size, reduce-scatter into
+  // a shard; the input is kept until the next reduce-scatter (reduce_scatter_state).
+  BlockId ReduceFsdp2(const WrapUnit& unit, BlockId grad) {
+    BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * rb_);
+    mem_.Free(grad);
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * rb_);
+    mem_.Free(fsdp2_rs_deferred_);
+    fsdp2_rs_deferred_ = input;
+    return shard;
+  }
+
+  void AccumulateShard(int u, BlockId shard) {
+    if (c_.cpu_offload) {  // copied into the pinned host gradient (host memory counted separately)
+      mem_.Free(shard);
+      return;
+    }
+    if (sharded_grad_[u] == kNoBlock) sharded_grad_[u] = shard;
+    else mem_.Free(shard);  // added into _saved_grad_shard
+  }
+
+  void FinishBackward() {
+    mem_.Free(fsdp2_rs_deferred_);
+    mem_.Free(fsdp2_deferred_);
+    mem_.ReleaseAllPending();
+  }
+
+  void OptimizerStep() {
+    mem_.SetPhase("optimizer step");
+    if (!c_.cpu_offload && (c_.optimizer == Optimizer::kAdamW || c_.optimizer == Optimizer::kAdam)) {
+      // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), one fp32 shard-size temporary.
+      BlockId temp = mem_.Alloc(Cat::kOptimizerStates, w_.ShardNumelTotal() * 4);
+      mem_.Free(temp);
+    }
+    mem_.SetPhase("after zero_grad");
+    for (BlockId& b : sharded_grad_) mem_.Free(b);
+    for (BlockId& b : unsharded_) mem_.Free(b);
+  }
+
+  const Workload& w_;
+  const FsdpConfig& c_;
+  MemoryTracker& mem_;
+  BlockActivations block_;
+  HeadActivations head_;
+  int64_t pb_ = 2, rb_ = 4, mb_ = 4;
+  bool mixed_ = true;
+  int micro_ = 0;
+  bool forward_ = true;
+  std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
+  std::vector<std::vector<BlockId>> unit_grad_pieces_;
+  std::vector<std::vector<BlockId>> node_saved_;
+  BlockId causal_mask_ = kNoBlock;
+  BlockId fsdp2_deferred_ = kNoBlock;
+  BlockId fsdp2_rs_deferred_ = kNoBlock;
+};
+
+int64_t CommunicatorCount(const Workload& w) {
+  if (w.config.gpus <= 1) return 0;
+  if (w.config.strategy == Strategy::kHybridShard && w.shard_world > 1 && w.replicas > 1) return 2;
+  return 1;
+}
+
+CheckpointMemory EstimateCheckpoint(const Workload& w) {
+  CheckpointMemory ck;
+  const int64_t mb = BytesPerElement(w.config.master_dtype);
+  const int64_t params = w.model.ParamsTotal();
+  int64_t largest_unit = 0;
+  for (const auto& u : w.units) largest_unit = std::max(largest_unit, u.padded_numel);
+  const int64_t states = OptimizerStateBytesPerParam(w.config.optimizer);
+  // FULL_STATE_DICT all-gathers each unit in full precision (_full_prec_full_param_padded) and
+  // clones its parameters: to the GPU (accumulating the whole model) or to the CPU.
+  ck.full_gpu_extra_bytes = params * mb + largest_unit * mb;
+  ck.full_offload_gpu_extra_bytes = largest_unit * mb;
+  ck.full_offload_host_rank0_bytes = params * mb;
+  ck.full_offload_host_per_node_bytes = params * mb * w.config.gpus_per_node;
+  ck.full_optim_host_rank0_bytes = params * states;
+  ck.sharded_gpu_extra_bytes = 0;
+  ck.model_file_bytes = params * mb;
+  ck.optimizer_file_bytes = params * states;
+  const int64_t writers = w.config.strategy == Strategy::kNoShard ? 1 : w.shard_world;
+  ck.sharded_file_bytes_per_rank = CeilDiv(params * (mb + states), writers);
+  return ck;
+}
+
+}  // namespace
+
+std::string_view MemCategoryKey(MemCategory c) {
+  static constexpr std::string_view kKeys[] = {"sharded_params", "unsharded_params", "gradients", "optimizer_states",
+                                               "activations", "comm_buffers", "framework"};
+  return kKeys[static_cast<int>(c)];
+}
+
+std::string_view MemCategoryLabel(MemCategory c) {
+  static constexpr std::string_view kLabels[] = {"sharded parameters", "unsharded parameters", "gradients", "optimizer states",
+                                                 "activations", "communication buffers", "framework overhead"};
+  return kLabels[static_cast<int>(c)];
+}
+
+int64_t TotalBytes(const CategoryBytes& bytes) {
+  int64_t total = 0;
+  for (int64_t b : bytes) total += b;
+  return total;
+}
+
+int64_t OptimizerStateBytesPerParam(Optimizer optimizer) {
+  switch (optimizer) {
+    case Optimizer::kAdamW:
+    case Optimizer::kAdam: return 8;   // exp_avg + exp_avg_sq in fp32
+    case Optimizer::kSgdMomentum: return 4;  // momentum_buffer
+    case Optimizer::kSgd: return 0;
+  }
+  return 0;
+}
+
+FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {
+  FrameworkOverheads o;
+  o.cuda_context_bytes = w.hardware.cuda_context_bytes;
+  o.nccl_bytes_per_communicator = kNcclChannels * kNcclConnectionsPerChannel *
+                                  (kNcclSimpleBufferBytes + kNcclLl128BufferBytes + kNcclLlBufferBytes);
+  const auto& arch = w.hardware.architecture;
+  o.cublas_workspace_bytes = (arch == "hopper" || arch == "blackwell") ? kCublasWorkspaceHopper : kCublasWorkspaceOlder;
+  if (arch == "cpu") o.cublas_workspace_bytes = 0;
+  return o;
+}
+
+MemoryEstimate EstimateMemory(const Workload& w, const MemoryOptions& options) {
+  MemoryEstimate e;
+  e.overheads = options.overheads;
+  MemoryTracker mem(options.overheads.allocation_rounding_bytes, options.record_timeline);
+  StepPlayer(w, mem).PlayStep(options.overheads.cublas_workspace_bytes, e.host);
+  e.allocated_peak_bytes = mem.allocated_peak();
+  e.allocated_peak_phase = mem.allocated_peak_phase();
+  e.peak = mem.device_peak();
+  e.peak_phase = mem.device_peak_phase();
+  e.pending_free_bytes_at_peak = mem.pending_at_peak();
+  const int64_t fragmentation = static_cast<int64_t>(options.overheads.fragmentation_fraction * static_cast<double>(TotalBytes(e.peak)));
+  e.peak[static_cast<int>(Cat::kFramework)] += options.overheads.cuda_context_bytes +
+                                               CommunicatorCount(w) * options.overheads.nccl_bytes_per_communicator + fragmentation;
+  e.peak_bytes = TotalBytes(e.peak);
+  e.capacity_bytes = w.hardware.memory_bytes;
+  e.headroom_bytes = e.capacity_bytes - e.peak_bytes;
+  e.fits = e.headroom_bytes >= 0;
+  e.host_bytes = TotalBytes(e.host);
+  e.checkpoint = EstimateCheckpoint(w);
+  e.timeline = mem.TakeTimeline();
+  return e;
+}
+
+MemoryEstimate EstimateMemory(const Workload& w) {
+  MemoryOptions options;
+  options.overheads = FrameworkOverheadsFor(w);
+  return EstimateMemory(w, options);
+}
+
+}  // namespace fsdp

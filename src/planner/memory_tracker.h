@@ -1,0 +1,70 @@
+// Live-bytes bookkeeping for a played-out step: allocations by category, frees, buffers whose free
+// the GPU has not reached yet, and the peaks of both views.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "planner/memory_model.h"
+
+namespace fsdp {
+
+/// Handle of one live allocation; kNoBlock for zero-byte requests.
+using BlockId = int;
+constexpr BlockId kNoBlock = -1;
+
+class MemoryTracker {
+ public:
+  /// `rounding_bytes`: every allocation is rounded up to a multiple (PyTorch: 512).
+  MemoryTracker(int64_t rounding_bytes, bool record_timeline);
+
+  /// Names what the step is doing; peaks report the phase they happened in.
+  void SetPhase(std::string phase);
+  const std::string& phase() const { return phase_; }
+
+  BlockId Alloc(MemCategory category, int64_t bytes);
+  /// Frees a block (kNoBlock is ignored) and sets the handle to kNoBlock.
+  void Free(BlockId& block);
+  /// Frees a block for the allocator's bookkeeping while the GPU may still read it: the bytes stay
+  /// on the device (as unsharded parameters) until ReleasePending drops them.
+  void FreeToPending(BlockId& block);
+  /// Number of buffers waiting in the pending queue.
+  size_t PendingCount() const { return pending_.size(); }
+  /// Drops the oldest pending buffer (the rate limiter synchronising on its free event).
+  void ReleaseOldestPending();
+  void ReleaseAllPending();
+
+  int64_t allocated_peak() const { return allocated_peak_; }
+  const std::string& allocated_peak_phase() const { return allocated_peak_phase_; }
+  /// Device view (allocated + pending) at its peak, by category.
+  const CategoryBytes& device_peak() const { return device_peak_; }
+  const std::string& device_peak_phase() const { return device_peak_phase_; }
+  int64_t pending_at_peak() const { return pending_at_peak_; }
+  std::vector<MemoryPoint> TakeTimeline() { return std::move(timeline_); }
+
+ private:
+  struct Block {
+    MemCategory category;
+    int64_t bytes;
+  };
+  void Changed();
+
+  int64_t rounding_;
+  bool record_;
+  std::string phase_;
+  std::vector<Block> blocks_;
+  CategoryBytes live_{};
+  std::deque<int64_t> pending_;
+  int64_t pending_bytes_ = 0;
+  int64_t allocated_peak_ = 0;
+  std::string allocated_peak_phase_;
+  CategoryBytes device_peak_{};
+  int64_t device_peak_total_ = -1;
+  std::string device_peak_phase_;
+  int64_t pending_at_peak_ = 0;
+  std::vector<MemoryPoint> timeline_;
+};
+
+}  // namespace fsdp

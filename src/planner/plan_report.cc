@@ -1,0 +1,105 @@
+#include "planner/plan_report.h"
+
+#include <string>
+
+namespace fsdp {
+namespace {
+
+Json CategoriesToJson(const CategoryBytes& bytes) {
+  Json out = Json::object();
+  for (int i = 0; i < kMemCategoryCount; ++i) {
+    out[std::string(MemCategoryKey(static_cast<MemCategory>(i))) + "_bytes"] = bytes[i];
+  }
+  return out;
+}
+
+Json UnitsToJson(const Workload& w) {
+  int64_t largest = 0, padding = 0;
+  for (const auto& u : w.units) {
+    largest = std::max(largest, u.padded_numel);
+    padding += u.padded_numel - u.numel;
+  }
+  return {{"count", w.units.size()},
+          {"root_numel", w.units.front().numel},
+          {"largest_padded_numel", largest},
+          {"padding_numel", padding},
+          {"shard_numel_per_gpu", w.ShardNumelTotal()},
+          {"shard_world_size", w.shard_world},
+          {"replicas", w.replicas}};
+}
+
+Json CheckpointToJson(const CheckpointMemory& c) {
+  return {{"full_state_dict_gpu_extra_bytes", c.full_gpu_extra_bytes},
+          {"full_state_dict_offload_gpu_extra_bytes", c.full_offload_gpu_extra_bytes},
+          {"full_state_dict_offload_host_rank0_bytes", c.full_offload_host_rank0_bytes},
+          {"full_state_dict_offload_host_per_node_bytes", c.full_offload_host_per_node_bytes},
+          {"full_optim_state_dict_host_rank0_bytes", c.full_optim_host_rank0_bytes},
+          {"sharded_state_dict_gpu_extra_bytes", c.sharded_gpu_extra_bytes},
+          {"model_file_bytes", c.model_file_bytes},
+          {"optimizer_file_bytes", c.optimizer_file_bytes},
+          {"sharded_file_bytes_per_rank", c.sharded_file_bytes_per_rank}};
+}
+
+Json OverheadsToJson(const FrameworkOverheads& o) {
+  return {{"cuda_context_bytes", o.cuda_context_bytes},
+          {"nccl_bytes_per_communicator", o.nccl_bytes_per_communicator},
+          {"cublas_workspace_bytes", o.cublas_workspace_bytes},
+          {"fragmentation_fraction", o.fragmentation_fraction},
+          {"allocation_rounding_bytes", o.allocation_rounding_bytes}};
+}
+
+}  // namespace
+
+Json ConfigToJson(const FsdpConfig& c) {
+  return {{"gpus", c.gpus},
+          {"gpus_per_node", c.gpus_per_node},
+          {"shard_group_size", c.shard_group_size},
+          {"strategy", StrategyName(c.strategy)},
+          {"wrap", WrapPolicyName(c.wrap)},
+          {"wrap_min_params", c.wrap_min_params},
+          {"seq_len", c.seq_len},
+          {"micro_batch", c.micro_batch},
+          {"grad_accum", c.grad_accum},
+          {"no_sync", c.no_sync},
+          {"activation_checkpointing", CheckpointingName(c.checkpointing)},
+          {"attention", AttentionName(c.attention)},
+          {"param_dtype", DTypeName(c.param_dtype)},
+          {"reduce_dtype", DTypeName(c.reduce_dtype)},
+          {"buffer_dtype", DTypeName(c.buffer_dtype)},
+          {"optimizer", OptimizerName(c.optimizer)},
+          {"cpu_offload", c.cpu_offload},
+          {"framework", FrameworkName(c.framework)},
+          {"forward_prefetch", c.forward_prefetch},
+          {"backward_prefetch", BackwardPrefetchName(c.backward_prefetch)},
+          {"limit_all_gathers", c.limit_all_gathers},
+          {"use_orig_params", c.use_orig_params}};
+}
+
+Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
+  Json per_gpu = {{"peak_bytes", m.peak_bytes},
+                  {"peak_phase", m.peak_phase},
+                  {"allocated_peak_bytes", m.allocated_peak_bytes},
+                  {"allocated_peak_phase", m.allocated_peak_phase},
+                  {"pending_free_bytes_at_peak", m.pending_free_bytes_at_peak},
+                  {"categories", CategoriesToJson(m.peak)}};
+  Json host = {{"total_bytes", m.host_bytes}, {"categories", CategoriesToJson(m.host)}};
+  return {{"model",
+           {{"id", w.model.id},
+            {"model_type", w.model.model_type},
+            {"params_total", w.model.ParamsTotal()},
+            {"layers", w.model.num_layers},
+            {"hidden_size", w.model.hidden_size}}},
+          {"hardware", {{"id", w.hardware.id}, {"name", w.hardware.name}, {"memory_bytes", w.hardware.memory_bytes}}},
+          {"config", ConfigToJson(w.config)},
+          {"units", UnitsToJson(w)},
+          {"memory",
+           {{"per_gpu", per_gpu},
+            {"host_per_gpu", host},
+            {"fits", m.fits},
+            {"capacity_bytes", m.capacity_bytes},
+            {"headroom_bytes", m.headroom_bytes},
+            {"framework_terms", OverheadsToJson(m.overheads)},
+            {"checkpoint", CheckpointToJson(m.checkpoint)}}}};
+}
+
+}  // namespace fsdp
