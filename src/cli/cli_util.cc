@@ -34,3 +34,17 @@ int ParseOrExitCode(CLI::App& app, int argc, char** argv, const std::string& too
 std::string Gib(int64_t bytes) { return fmt::format("{:.2f}", static_cast<double>(bytes) / kGiB); }
 
 }  // namespace fsdp
+
+namespace fsdp {
+
+std::string WithCommas(int64_t value) {
+  std::string digits = std::to_string(value < 0 ? -value : value);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return value < 0 ? "-" + out : out;
+}
+
+}  // namespace fsdp

@@ -23,4 +23,7 @@ int ParseOrExitCode(CLI::App& app, int argc, char** argv, const std::string& too
 /// Formats bytes as GiB with two decimals ("12.34").
 std::string Gib(int64_t bytes);
 
+/// 6738415616 -> "6,738,415,616".
+std::string WithCommas(int64_t value);
+
 }  // namespace fsdp

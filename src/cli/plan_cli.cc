@@ -44,7 +44,7 @@ std::string Percent(int64_t part, int64_t whole) {
 
 void PrintHeader(const Workload& w, std::ostream& out) {
   const FsdpConfig& c = w.config;
-  fmt::print(out, "{} ({:L} parameters) on {} x {} ({} GiB each), {} GPUs per node\n", w.model.id, w.model.ParamsTotal(), c.gpus,
+  fmt::print(out, "{} ({} parameters) on {} x {} ({} GiB each), {} GPUs per node\n", w.model.id, WithCommas(w.model.ParamsTotal()), c.gpus,
              w.hardware.id, Gib(w.hardware.memory_bytes), c.gpus_per_node);
   fmt::print(out, "{} {}, {} wrap ({} units), seq {} x micro-batch {}, grad-accum {}{}, params {}, reduce {}, {}, AC {}, {} attention{}\n",
              FrameworkName(c.framework), StrategyName(c.strategy), WrapPolicyName(c.wrap), w.units.size(), c.seq_len, c.micro_batch,
@@ -75,12 +75,14 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
 }
 
 void PrintTimeline(const MemoryEstimate& m, std::ostream& out) {
-  fmt::print(out, "\n  {:<60}{:>10}\n", "timeline (device GiB after each event)", "GiB");
-  std::string last;
-  for (const auto& p : m.timeline) {
-    if (p.phase == last) continue;
-    last = p.phase;
-    fmt::print(out, "  {:<60}{:>10}\n", p.phase, Gib(TotalBytes(p.device)));
+  fmt::print(out, "\n  {:<60}{:>10}\n", "timeline (highest device GiB in each phase)", "GiB");
+  // One line per run of events in the same phase, with the highest total reached in it.
+  for (size_t i = 0; i < m.timeline.size();) {
+    int64_t high = 0;
+    size_t j = i;
+    for (; j < m.timeline.size() && m.timeline[j].phase == m.timeline[i].phase; ++j) high = std::max(high, TotalBytes(m.timeline[j].device));
+    fmt::print(out, "  {:<60}{:>10}\n", m.timeline[i].phase, Gib(high));
+    i = j;
   }
 }
 
@@ -185,7 +187,7 @@ Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
   if (!flags.json) {
     fmt::print(out, "DDP vs FSDP: peak memory per GPU, 4 x {}, seq {} x micro-batch {}, bf16 mixed precision, AdamW, AC {}\n\n",
                flags.gpu, flags.config.seq_len, flags.config.micro_batch, flags.ac);
-    fmt::print(out, "  {:<15}{:>8}{:>16}{:>16}{:>16}{:>18}\n", "model", "params", "NO_SHARD (DDP)", "SHARD_GRAD_OP", "FULL_SHARD",
+    fmt::print(out, "  {:<15}{:>8}{:>17}{:>17}{:>17}{:>20}\n", "model", "params", "NO_SHARD (DDP)", "SHARD_GRAD_OP", "FULL_SHARD",
                "seed's 2 B/param/4");
   }
   for (const char* model : models) {
@@ -202,7 +204,7 @@ Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
       rows.push_back(PlanToJson(w, m));
     }
     if (!flags.json) {
-      fmt::print(out, "  {:<15}{:>7.1f}B{:>16}{:>16}{:>16}{:>14} GiB\n", model, static_cast<double>(params) / 1e9, cells[0], cells[1], cells[2],
+      fmt::print(out, "  {:<15}{:>7.1f}B{:>17}{:>17}{:>17}{:>16} GiB\n", model, static_cast<double>(params) / 1e9, cells[0], cells[1], cells[2],
                  Gib(params * 2 / 4));
     }
     (void)capacity;

@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -43,16 +44,17 @@ int EditDistance(const std::string& a, const std::string& b) {
 }
 
 std::vector<std::string> ClosestIds(const std::string& query, const std::vector<std::string>& candidates, size_t max_count) {
-  std::vector<std::pair<int, std::string>> scored;
+  // Ranked by (distance, capped at 1 for prefix matches), then true distance, then name.
+  std::vector<std::tuple<int, int, std::string>> scored;
   int limit = std::max<int>(2, static_cast<int>(query.size()) / 3);
   for (const auto& c : candidates) {
     int d = EditDistance(query, c);
     bool prefix = c.rfind(query, 0) == 0 || query.rfind(c, 0) == 0;
-    if (d <= limit || prefix) scored.emplace_back(prefix ? std::min(d, 1) : d, c);
+    if (d <= limit || prefix) scored.emplace_back(prefix ? std::min(d, 1) : d, d, c);
   }
   std::sort(scored.begin(), scored.end());
   std::vector<std::string> out;
-  for (size_t i = 0; i < scored.size() && i < max_count; ++i) out.push_back(scored[i].second);
+  for (size_t i = 0; i < scored.size() && i < max_count; ++i) out.push_back(std::get<2>(scored[i]));
   return out;
 }
 

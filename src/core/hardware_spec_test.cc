@@ -1,1 +1,65 @@
+#include "core/hardware_spec.h"
+
 #include <doctest/doctest.h>
+
+#include "core/catalog.h"
+#include "core/json_io.h"
+
+namespace fsdp {
+namespace {
+
+TEST_CASE("every catalog GPU loads with positive figures") {
+  const char* ids[] = {"rtx-3090", "rtx-4090", "rtx-a6000", "l40s", "a100-40gb-sxm", "a100-80gb-sxm",
+                       "a100-80gb-pcie", "h100-sxm", "h100-pcie", "h200-sxm", "b200", "mi300x"};
+  for (const char* id : ids) {
+    CAPTURE(id);
+    auto hw = LoadHardware(id);
+    REQUIRE_MESSAGE(hw.ok(), (hw.ok() ? "" : hw.error().message));
+    CHECK(hw.value().id == id);
+    CHECK(hw.value().memory_bytes > 16LL << 30);
+    CHECK(hw.value().peak_flops_bf16 > hw.value().peak_flops_fp32);
+    CHECK(hw.value().memory_bandwidth_bytes_per_s > 5e11);
+    CHECK(hw.value().pcie_bandwidth_bytes_per_s > 1e10);
+    CHECK(hw.value().gpus_per_node >= 1);
+    CHECK(hw.value().price_per_gpu_hour_usd > 0);
+  }
+  auto h100 = LoadHardware("h100-sxm").value();
+  CHECK(h100.memory_bytes == 81559LL * 1024 * 1024);
+  CHECK(h100.peak_flops_bf16 == doctest::Approx(989.4e12));
+  CHECK(h100.intra_node_switched);
+  CHECK(h100.intra_node_bandwidth_bytes_per_s == doctest::Approx(450e9));
+  CHECK(h100.gpus_per_node == 8);
+}
+
+Result<HardwareSpec> FromText(const std::string& text) {
+  auto json = ParseJson(text, "gpu.json");
+  REQUIRE(json.ok());
+  return HardwareFromJson(json.value(), "gpu", "gpu.json");
+}
+
+TEST_CASE("bad hardware files name the key") {
+  const std::string good_links =
+      R"("intra_node_link": {"type": "none", "bandwidth_bytes_per_s": 0}, "pcie": {"generation": 4, "bandwidth_bytes_per_s": 31.5e9},)"
+      R"("node": {"gpus_per_node": 8, "inter_node_bandwidth_per_gpu_bytes_per_s": 1e9, "inter_node_latency_s": 1e-5}, "cuda_context_bytes": 0)";
+  auto ok = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14, "fp32": 1e13}, "memory_bandwidth_bytes_per_s": 1e12, )" + good_links + "}");
+  CHECK_MESSAGE(ok.ok(), (ok.ok() ? "" : ok.error().message));
+
+  auto negative = FromText(R"({"name": "x", "memory_bytes": -5, "peak_flops": {}, )" + good_links + "}");
+  REQUIRE_FALSE(negative.ok());
+  CHECK(negative.error().message == "gpu.json: key 'memory_bytes': must be a positive number, got -5");
+
+  auto no_fp32 = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14}, )" + good_links + "}");
+  REQUIRE_FALSE(no_fp32.ok());
+  CHECK(no_fp32.error().message == "gpu.json: peak_flops: key 'fp32': missing");
+
+  auto zero_link = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14, "fp32": 1e13}, "memory_bandwidth_bytes_per_s": 1e12, "intra_node_link": {"type": "nvlink4", "bandwidth_bytes_per_s": 0}})");
+  REQUIRE_FALSE(zero_link.ok());
+  CHECK(zero_link.error().message.find("link 'nvlink4' needs a positive bandwidth") != std::string::npos);
+
+  auto unknown = LoadHardware("h100");
+  REQUIRE_FALSE(unknown.ok());
+  CHECK(unknown.error().message.starts_with("unknown GPU 'h100' (did you mean h100-sxm, h100-pcie"));
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,1 +1,148 @@
+#include "core/model_spec.h"
+
 #include <doctest/doctest.h>
+
+#include <string>
+
+#include "core/catalog.h"
+
+namespace fsdp {
+namespace {
+
+int64_t CountOf(const std::string& id_or_path) {
+  auto m = LoadModel(id_or_path);
+  REQUIRE_MESSAGE(m.ok(), (m.ok() ? "" : m.error().message));
+  return m.value().ParamsTotal();
+}
+
+Result<ModelSpec> FromText(const std::string& text) {
+  auto json = ParseJson(text, "inline.json");
+  REQUIRE(json.ok());
+  return ModelFromHfConfig(json.value(), "inline", "inline.json");
+}
+
+TEST_CASE("catalog models have the exact parameter counts of their real checkpoints") {
+  // Counts of nn.Parameter elements (tied weights once, buffers excluded); sources in models/README.md.
+  CHECK(CountOf("gpt2") == 124'439'808);
+  CHECK(CountOf("gpt2-medium") == 354'823'168);
+  CHECK(CountOf("gpt2-large") == 774'030'080);
+  CHECK(CountOf("gpt2-xl") == 1'557'611'200);
+  CHECK(CountOf("llama-2-7b") == 6'738'415'616);
+  CHECK(CountOf("llama-2-13b") == 13'015'864'320);
+  CHECK(CountOf("llama-2-70b") == 68'976'648'192);
+  CHECK(CountOf("codellama-34b") == 33'743'970'304);
+  CHECK(CountOf("llama-3.1-8b") == 8'030'261'248);
+  CHECK(CountOf("llama-3.1-70b") == 70'553'706'496);
+  CHECK(CountOf("llama-3.1-405b") == 405'853'388'800);
+  CHECK(CountOf("mistral-7b") == 7'241'732'096);
+  CHECK(CountOf("mixtral-8x7b") == 46'702'792'704);
+  CHECK(CountOf("qwen2.5-7b") == 7'615'616'512);
+  CHECK(CountOf("qwen2.5-72b") == 72'706'203'648);
+  CHECK(CountOf("tiny-llama") == 1'038'720);
+  CHECK(CountOf("llama-100m") == 105'788'160);
+}
+
+TEST_CASE("Hub configs outside the catalog load with exact counts (tests/data/hf_configs/EXPECTED.md)") {
+  const std::string dir = DataDir() + "/tests/data/hf_configs/";
+  CHECK(CountOf(dir + "qwen2.5-0.5b.json") == 494'032'768);      // tied embeddings
+  CHECK(CountOf(dir + "qwen2-1.5b.json") == 1'543'714'304);
+  CHECK(CountOf(dir + "llama-3.2-1b.json") == 1'235'814'400);    // tied, rope_scaling llama3
+  CHECK(CountOf(dir + "tinyllama-1.1b-3t.json") == 1'100'048'384);
+  CHECK(CountOf(dir + "mistral-nemo-base-2407.json") == 12'247'782'400);  // head_dim 128 != 5120/32
+  CHECK(CountOf(dir + "mixtral-8x22b.json") == 140'620'634'112);
+  CHECK(CountOf(dir + "distilgpt2.json") == 81'912'576);
+}
+
+TEST_CASE("missing keys take transformers' defaults for each model type") {
+  const std::string dir = DataDir() + "/tests/data/hf_configs/";
+  CHECK(CountOf(dir + "minimal-llama.json") == 2'094'336);    // kv heads = heads
+  CHECK(CountOf(dir + "minimal-qwen2.json") == 1'964'288);    // kv heads 32, q/k/v bias
+  CHECK(CountOf(dir + "minimal-mistral.json") == 1'963'264);  // kv heads 8
+  CHECK(CountOf(dir + "minimal-mixtral.json") == 9'364'736);  // 8 experts, router without bias
+  CHECK(CountOf(dir + "minimal-gpt2.json") == 2'098'176);     // n_inner = 4*n_embd, n_positions 1024
+
+  auto m = FromText(R"({"model_type":"llama","hidden_size":256,"intermediate_size":688,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":1000})");
+  REQUIRE(m.ok());
+  CHECK(m.value().num_kv_heads == 4);
+  CHECK(m.value().head_dim == 64);
+  CHECK_FALSE(m.value().tie_word_embeddings);
+  CHECK(m.value().max_position_embeddings == 2048);
+}
+
+TEST_CASE("tensor inventory uses HF names and shapes") {
+  auto m = LoadModel("qwen2.5-7b");
+  REQUIRE(m.ok());
+  const auto& t = m.value().tensors;
+  CHECK(t.front().name == "model.embed_tokens.weight");
+  CHECK(t.front().shape == std::vector<int64_t>{152064, 3584});
+  bool found_k_bias = false;
+  for (const auto& x : t) {
+    if (x.name == "model.layers.0.self_attn.k_proj.bias") {
+      found_k_bias = true;
+      CHECK(x.shape == std::vector<int64_t>{512});
+    }
+    CHECK(x.name != "model.layers.0.self_attn.o_proj.bias");
+  }
+  CHECK(found_k_bias);
+  CHECK(t.back().name == "lm_head.weight");
+
+  auto g = LoadModel("gpt2");
+  REQUIRE(g.ok());
+  CHECK(g.value().tensors[2].name == "transformer.h.0.ln_1.weight");
+  CHECK(g.value().tensors.back().name == "transformer.ln_f.bias");  // lm_head tied to wte
+  CHECK(g.value().intermediate_size == 3072);
+
+  auto mix = LoadModel("mixtral-8x7b");
+  REQUIRE(mix.ok());
+  CHECK(mix.value().ActiveParamsPerToken() == 12'879'925'248);  // 46.7B total, 2 of 8 experts active
+}
+
+TEST_CASE("bad model configs give one-line errors naming the problem") {
+  auto no_type = FromText(R"({"hidden_size": 64})");
+  REQUIRE_FALSE(no_type.ok());
+  CHECK(no_type.error().message == "inline.json: key 'model_type': missing");
+
+  auto bad_type = FromText(R"({"model_type": "bert"})");
+  REQUIRE_FALSE(bad_type.ok());
+  CHECK(bad_type.error().message.find("unsupported model type 'bert'") != std::string::npos);
+
+  auto negative = FromText(R"({"model_type":"llama","hidden_size":-8})");
+  REQUIRE_FALSE(negative.ok());
+  CHECK(negative.error().message == "inline.json: key 'hidden_size': must be between 1 and 1048576, got -8");
+
+  auto mistyped = FromText(R"({"model_type":"llama","num_hidden_layers":"32"})");
+  REQUIRE_FALSE(mistyped.ok());
+  CHECK(mistyped.error().message == "inline.json: key 'num_hidden_layers': expected an integer, got string \"32\"");
+
+  auto indivisible = FromText(R"({"model_type":"llama","hidden_size":100,"num_attention_heads":3})");
+  REQUIRE_FALSE(indivisible.ok());
+  CHECK(indivisible.error().message.find("not divisible by 3 attention heads") != std::string::npos);
+
+  auto kv = FromText(R"({"model_type":"llama","hidden_size":96,"num_attention_heads":6,"num_key_value_heads":4})");
+  REQUIRE_FALSE(kv.ok());
+  CHECK(kv.error().message.find("6 attention heads are not divisible by 4 key/value heads") != std::string::npos);
+
+  auto experts = FromText(R"({"model_type":"mixtral","num_local_experts":2,"num_experts_per_tok":3})");
+  REQUIRE_FALSE(experts.ok());
+
+  auto absurd = FromText(R"({"model_type":"gpt2","n_layer":1000000})");
+  REQUIRE_FALSE(absurd.ok());
+  CHECK(absurd.error().message.find("'n_layer'") != std::string::npos);
+
+  auto not_object = FromText("[1, 2]");
+  REQUIRE_FALSE(not_object.ok());
+}
+
+TEST_CASE("unknown catalog ids suggest the closest ones") {
+  auto m = LoadModel("llama-2-7");
+  REQUIRE_FALSE(m.ok());
+  CHECK(m.error().kind == Error::Kind::kBadInput);
+  CHECK(m.error().message.starts_with("unknown model 'llama-2-7' (did you mean llama-2-7b"));
+
+  auto missing = LoadModel("no/such/config.json");
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.error().message == "model file 'no/such/config.json' does not exist");
+}
+
+}  // namespace
+}  // namespace fsdp

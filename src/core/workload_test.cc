@@ -1,1 +1,175 @@
+#include "core/workload.h"
+
 #include <doctest/doctest.h>
+
+namespace fsdp {
+namespace {
+
+// A llama small enough to count by hand: V=16, h=8, I=16, 2 layers, 2 heads, 1 kv head (head_dim 4).
+// Per block: norms 8+8, q 64, k 32, v 32, o 64, gate/up/down 128 each = 592. Root: embed 128 +
+// norm 8 + lm_head 128 = 264. Total 1,448.
+constexpr const char* kHandLlama =
+    R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+    R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})";
+
+ModelSpec HandModel(const char* text = kHandLlama) {
+  auto json = ParseJson(text, "hand.json");
+  REQUIRE(json.ok());
+  auto m = ModelFromHfConfig(json.value(), "hand", "hand.json");
+  REQUIRE(m.ok());
+  return m.value();
+}
+
+HardwareSpec Gpu() {
+  HardwareSpec hw;
+  hw.id = "test";
+  hw.memory_bytes = 1LL << 30;
+  hw.gpus_per_node = 8;
+  return hw;
+}
+
+Workload Build(FsdpConfig c, const char* text = kHandLlama) {
+  auto w = BuildWorkload(HandModel(text), Gpu(), c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
+TEST_CASE("block wrap: root unit plus one unit per block, padded to the shard group") {
+  FsdpConfig c;
+  c.gpus = 3;  // 592 is not a multiple of 3: FSDP1 pads the flat parameter to 594
+  Workload w = Build(c);
+  REQUIRE(w.units.size() == 3);
+  CHECK(w.units[0].name == "root");
+  CHECK(w.units[0].numel == 264);
+  CHECK(w.units[0].padded_numel == 264);
+  CHECK(w.units[0].shard_numel == 88);
+  CHECK(w.units[1].name == "model.layers.0");
+  CHECK(w.units[1].numel == 592);
+  CHECK(w.units[1].padded_numel == 594);
+  CHECK(w.units[1].shard_numel == 198);
+  CHECK(w.units[2].parent_unit == 0);
+  CHECK(w.ShardNumelTotal() == 88 + 198 + 198);
+  CHECK(w.shard_world == 3);
+  CHECK(w.replicas == 1);
+}
+
+TEST_CASE("strategies set the shard group") {
+  FsdpConfig c;
+  c.gpus = 16;
+  c.gpus_per_node = 8;
+  c.strategy = Strategy::kHybridShard;
+  Workload hybrid = Build(c);
+  CHECK(hybrid.shard_world == 8);
+  CHECK(hybrid.replicas == 2);
+  c.strategy = Strategy::kNoShard;
+  Workload ddp = Build(c);
+  CHECK(ddp.shard_world == 1);
+  CHECK(ddp.units[1].padded_numel == 592);
+  CHECK(ddp.units[1].shard_numel == 592);
+}
+
+TEST_CASE("use_orig_params aligns every parameter to 16 bytes before padding") {
+  // h=6, I=10, heads 2 (head_dim 3), 1 kv head. Block tensors: norm 6 (pad to 8), q 36 (->44),
+  // k 18 (62 -> 64), v 18 (->82, pad to 84), o 36 (->120), norm 6 (->126, pad to 128), gate 60 (->188),
+  // up 60 (->248), down 60 (->308): 300 elements, 308 aligned, 309 padded for 3 ranks.
+  const char* odd = R"({"model_type":"llama","vocab_size":10,"hidden_size":6,"intermediate_size":10,"num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1})";
+  FsdpConfig c;
+  c.gpus = 3;
+  CHECK(Build(c, odd).units[1].padded_numel == 300);
+  c.use_orig_params = true;
+  CHECK(Build(c, odd).units[1].padded_numel == 309);
+  // FSDP2 pads each parameter's dim 0 to a multiple of 3: 6 + 36 + 18 + 18 + 36 + 6 + 12*6 + 12*6 + 6*10 = 324.
+  c.use_orig_params = false;
+  c.framework = Framework::kFsdp2;
+  CHECK(Build(c, odd).units[1].padded_numel == 324);
+  CHECK(Build(c, odd).units[1].shard_numel == 108);
+}
+
+TEST_CASE("wrap policies: none, linear and size-based") {
+  FsdpConfig c;
+  c.gpus = 2;
+  c.wrap = WrapPolicy::kNone;
+  Workload none = Build(c);
+  REQUIRE(none.units.size() == 1);
+  CHECK(none.units[0].numel == 1448);
+
+  c.wrap = WrapPolicy::kLinear;
+  Workload linear = Build(c);
+  // 7 linears per block x 2 + lm_head + root (embed, norms).
+  REQUIRE(linear.units.size() == 16);
+  CHECK(linear.units[0].numel == 128 + 2 * 16 + 8);
+  CHECK(linear.units[1].name == "model.layers.0.self_attn.q_proj");
+
+  // size:150 -> q_proj (64) is too small; self_attn (192) and mlp (384) of each block are wrapped;
+  // a block's 16 norm weights are not, and "model" then holds embed 128 + 2*16 + norm 8 = 168 >= 150
+  // and is wrapped too; lm_head (128) stays in the root.
+  c.wrap = WrapPolicy::kSize;
+  c.wrap_min_params = 150;
+  Workload sized = Build(c);
+  REQUIRE(sized.units.size() == 6);
+  CHECK(sized.units[1].name == "model");
+  CHECK(sized.units[1].numel == 168);
+  CHECK(sized.units[2].name == "model.layers.0.self_attn");
+  CHECK(sized.units[2].numel == 192);
+  CHECK(sized.units[3].name == "model.layers.0.mlp");
+  CHECK(sized.units[0].numel == 128);
+
+  // size:250 -> mlp (384) wrapped; a block's rest (208) is not; "model" then holds embed + 2*208
+  // + norm = 552 >= 250 and is wrapped; lm_head (128) stays in the root. layers (a ModuleList) never is.
+  c.wrap_min_params = 250;
+  Workload nested = Build(c);
+  REQUIRE(nested.units.size() == 4);
+  CHECK(nested.units[1].name == "model");
+  CHECK(nested.units[1].numel == 552);
+  CHECK(nested.units[2].name == "model.layers.0.mlp");
+  CHECK(nested.units[2].parent_unit == 1);
+  CHECK(nested.units[0].numel == 128);
+}
+
+TEST_CASE("inconsistent configurations are rejected") {
+  FsdpConfig c;
+  c.gpus = 12;
+  c.gpus_per_node = 8;
+  auto w = BuildWorkload(HandModel(), Gpu(), c);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message == "--gpus 12 is not a whole number of nodes of 8 GPUs (--gpus-per-node)");
+
+  c.gpus = 16;
+  c.strategy = Strategy::kHybridShard;
+  c.shard_group_size = 6;
+  w = BuildWorkload(HandModel(), Gpu(), c);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message == "HYBRID_SHARD shard group of 6 GPUs does not divide --gpus 16");
+
+  c.strategy = Strategy::kFullShard;
+  w = BuildWorkload(HandModel(), Gpu(), c);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message.starts_with("--shard-group-size only applies to --strategy hybrid_shard"));
+
+  FsdpConfig d;
+  d.micro_batch = 0;
+  CHECK_FALSE(BuildWorkload(HandModel(), Gpu(), d).ok());
+  d.micro_batch = 1;
+  d.no_sync = true;
+  CHECK_FALSE(BuildWorkload(HandModel(), Gpu(), d).ok());
+  d.no_sync = false;
+  d.framework = Framework::kFsdp2;
+  d.strategy = Strategy::kNoShard;
+  CHECK_FALSE(BuildWorkload(HandModel(), Gpu(), d).ok());
+  FsdpConfig e;
+  e.seq_len = 0;
+  CHECK(BuildWorkload(HandModel(), Gpu(), e).value().config.seq_len == 64);  // min(4096, max positions)
+}
+
+TEST_CASE("wrap flag parsing") {
+  FsdpConfig c;
+  CHECK(ParseWrap("size:1e8", c).ok());
+  CHECK(c.wrap == WrapPolicy::kSize);
+  CHECK(c.wrap_min_params == 100'000'000);
+  CHECK_FALSE(ParseWrap("size:-3", c).ok());
+  CHECK_FALSE(ParseWrap("size:", c).ok());
+  CHECK_FALSE(ParseWrap("layer", c).ok());
+}
+
+}  // namespace
+}  // namespace fsdp

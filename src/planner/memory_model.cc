@@ -66,9 +66,14 @@ class StepPlayer {
 
  private:
   std::string Label(const char* what, int node) const {
-    std::string name = node == 0 ? "root" : w_.nodes[node].path;
+    const ModuleNode& n = w_.nodes[node];
+    std::string name = node == 0 ? "root" : n.role == ModuleNode::Role::kLmHead ? "lm_head + loss" : n.path;
     if (c_.grad_accum > 1) return fmt::format("{} {} (micro-batch {}/{})", what, name, micro_ + 1, c_.grad_accum);
     return fmt::format("{} {}", what, name);
+  }
+  // Phases are named after units and after the modules that hold activations.
+  bool Named(int node_id) const {
+    return w_.nodes[node_id].unit >= 0 || w_.nodes[node_id].role != ModuleNode::Role::kOther;
   }
   bool LastMicro() const { return micro_ == c_.grad_accum - 1; }
   bool Fsdp2() const { return c_.framework == Framework::kFsdp2; }
@@ -124,7 +129,7 @@ class StepPlayer {
       if (c_.forward_prefetch && node.unit + 1 < static_cast<int>(w_.units.size())) Unshard(node.unit + 1);
     }
     for (int child : node.children) Forward(child);
-    mem_.SetPhase(Label("forward:", node_id));
+    if (Named(node_id)) mem_.SetPhase(Label("forward:", node_id));
     ForwardActivations(node_id);
     if (node.unit >= 0 && ReshardAfterForward(node.unit)) Reshard(node.unit);
     if (node_id == 0 && Fsdp2()) mem_.Free(fsdp2_deferred_);  // root post-forward drops the held all-gather output
@@ -167,10 +172,11 @@ class StepPlayer {
     const ModuleNode& node = w_.nodes[node_id];
     forward_ = false;
     if (node.unit >= 0) PreBackward(node_id);
-    mem_.SetPhase(Label("backward:", node_id));
+    const bool named = Named(node_id);
+    if (named) mem_.SetPhase(Label("backward:", node_id));
     std::vector<BlockId> transient = BackwardActivations(node_id);
     for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) Backward(*it);
-    mem_.SetPhase(Label("backward:", node_id));
+    if (named) mem_.SetPhase(Label("backward:", node_id));
     for (int t : node.tensors) {
       int unit = OwningUnit(node_id);
       unit_grad_pieces_[unit].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));

@@ -1,1 +1,251 @@
+#include "planner/memory_model.h"
+
 #include <doctest/doctest.h>
+
+#include "planner/activation_model.h"
+
+#include <algorithm>
+#include <string>
+
+namespace fsdp {
+namespace {
+
+// The hand-countable llama of core/workload_test.cc: blocks of 592 parameters, root of 264.
+constexpr const char* kHandLlama =
+    R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+    R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})";
+
+Workload Build(FsdpConfig c) {
+  auto json = ParseJson(kHandLlama, "hand.json");
+  auto m = ModelFromHfConfig(json.value(), "hand", "hand.json");
+  REQUIRE(m.ok());
+  HardwareSpec hw;
+  hw.id = "test";
+  hw.memory_bytes = 20000;
+  hw.gpus_per_node = 8;
+  auto w = BuildWorkload(m.value(), hw, c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
+// Everything in fp32, SGD without momentum, exact byte counts (no 512-byte rounding, no framework terms).
+FsdpConfig HandConfig() {
+  FsdpConfig c;
+  c.gpus = 3;
+  c.seq_len = 2;
+  c.micro_batch = 1;
+  c.param_dtype = DType::kFp32;
+  c.reduce_dtype = DType::kFp32;
+  c.optimizer = Optimizer::kSgd;
+  return c;
+}
+
+MemoryOptions Exact() {
+  MemoryOptions o;
+  o.overheads.allocation_rounding_bytes = 1;
+  return o;
+}
+
+int64_t Cat(const MemoryEstimate& m, MemCategory c) { return m.peak[static_cast<int>(c)]; }
+
+TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
+  Workload w = Build(HandConfig());
+  BlockActivations a = BlockActivationProfile(w.model, w.config);
+  // Per token: 2 RMSNorms x (4h + 4 + 4h) = 136; q 32, k 16, v 16, sdpa out 32, lse 8, o_proj in 32 = 136;
+  // SwiGLU 4 x 4I = 256. 528 bytes x 2 tokens.
+  CHECK(a.FullBytes() == 1056);
+  CHECK(a.KeptBytes() == 1056);
+  // 2ch*T = 128 plus the largest transient, the MLP's 3cI*T = 384.
+  CHECK(a.backward_working_bytes == 512);
+  HeadActivations head = HeadActivationProfile(w.model, w.config);
+  CHECK(SumBytes(head.final_norm) == 136);
+  CHECK(head.logits_bytes == 128);
+  CHECK(head.loss_saved_bytes == 128);
+  CHECK(head.loss_forward_transient_bytes == 0);  // logits already fp32: .float() copies nothing
+  CHECK(head.loss_backward_transient_bytes == 256);
+}
+
+TEST_CASE("FULL_SHARD on 3 ranks, counted by hand event by event") {
+  // Sharded fp32 params: (88 + 198 + 198) * 4 = 1936. Unsharded units: root 264*4 = 1056, block
+  // 594*4 = 2376 (padded). In backward of model.layers.1 (BACKWARD_PRE prefetches layers.0):
+  //   flat-gradient concat: 1936 + root 1056 + layers.1 2376 + layers.0 2376 + grads (lm_head 512 +
+  //   norm 32 + layers.1 pieces 2368 + flat 2368) + layers.0 activations 1056 = 14080 allocated (the
+  //   allocated peak);
+  //   then layers.1 is resharded (its buffer joins layers.1's forward buffer behind the rate limiter,
+  //   4752 pending) and the 592-element gradient is padded to 594 for the reduce-scatter (2376):
+  //   1936 + 1056 + 2376 + grads 2912 + padded 2376 + activations 1056 = 11712 allocated,
+  //   + 4752 pending = 16464 on the device (the device peak).
+  MemoryEstimate m = EstimateMemory(Build(HandConfig()), Exact());
+  CHECK(m.allocated_peak_bytes == 14080);
+  CHECK(m.allocated_peak_phase == "backward: reduce-scatter model.layers.1");
+  CHECK(m.peak_bytes == 16464);
+  CHECK(m.peak_phase == "backward: reduce-scatter model.layers.1");
+  CHECK(m.pending_free_bytes_at_peak == 4752);
+  CHECK(Cat(m, MemCategory::kShardedParams) == 1936);
+  CHECK(Cat(m, MemCategory::kUnshardedParams) == 1056 + 2376 + 4752);
+  CHECK(Cat(m, MemCategory::kGradients) == 512 + 32 + 2368);
+  CHECK(Cat(m, MemCategory::kActivations) == 1056);
+  CHECK(Cat(m, MemCategory::kOptimizerStates) == 0);
+  CHECK(Cat(m, MemCategory::kCommBuffers) == 2376);
+  CHECK(Cat(m, MemCategory::kFramework) == 0);
+  CHECK(m.fits);
+  CHECK(m.headroom_bytes == 20000 - 16464);
+}
+
+TEST_CASE("without limit_all_gathers every freed buffer stays reserved until backward ends") {
+  FsdpConfig c = HandConfig();
+  c.limit_all_gathers = false;
+  MemoryEstimate m = EstimateMemory(Build(c), Exact());
+  CHECK(m.allocated_peak_bytes == 14080);  // allocations are the same
+  // layers.0's forward buffer is no longer released by the limiter: 11712 + 3 x 2376
+  CHECK(m.peak_bytes == 11712 + 3 * 2376);
+}
+
+TEST_CASE("AdamW adds 8 bytes per sharded element and a foreach temporary at the step") {
+  FsdpConfig c = HandConfig();
+  c.optimizer = Optimizer::kAdamW;
+  MemoryEstimate m = EstimateMemory(Build(c), Exact());
+  CHECK(Cat(m, MemCategory::kOptimizerStates) == 8 * 484);
+  CHECK(m.allocated_peak_bytes == 14080 + 8 * 484);
+  c.optimizer = Optimizer::kSgdMomentum;
+  CHECK(Cat(EstimateMemory(Build(c), Exact()), MemCategory::kOptimizerStates) == 4 * 484);
+}
+
+TEST_CASE("allocations are rounded to 512 bytes like PyTorch's caching allocator") {
+  MemoryOptions o;  // rounding 512, no framework terms
+  MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);
+  // sharded params: 352 -> 512, 792 -> 1024 (x2)
+  CHECK(Cat(m, MemCategory::kShardedParams) == 512 + 2 * 1024);
+}
+
+TEST_CASE("framework terms add to the device peak but not to the tensors") {
+  MemoryOptions o = Exact();
+  o.overheads.cuda_context_bytes = 1000;
+  o.overheads.nccl_bytes_per_communicator = 300;
+  o.overheads.cublas_workspace_bytes = 64;
+  MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);
+  CHECK(m.allocated_peak_bytes == 14080 + 64);
+  CHECK(m.peak_bytes == 16464 + 64 + 1000 + 300);
+  CHECK(Cat(m, MemCategory::kFramework) == 1364);
+}
+
+TEST_CASE("strategies order as the seeds say: FULL_SHARD < SHARD_GRAD_OP < NO_SHARD") {
+  auto model = LoadModel("llama-100m");
+  auto hw = LoadHardware("a100-80gb-sxm");
+  REQUIRE(model.ok());
+  REQUIRE(hw.ok());
+  FsdpConfig c;
+  c.gpus = 4;
+  int64_t peaks[3];
+  const Strategy order[] = {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard};
+  for (int i = 0; i < 3; ++i) {
+    c.strategy = order[i];
+    peaks[i] = EstimateMemory(BuildWorkload(model.value(), hw.value(), c).value()).peak_bytes;
+  }
+  CHECK(peaks[0] < peaks[1]);
+  CHECK(peaks[1] < peaks[2]);
+}
+
+TEST_CASE("NO_SHARD keeps full fp32 parameters and AdamW states on every rank") {
+  FsdpConfig c = HandConfig();
+  c.optimizer = Optimizer::kAdamW;
+  c.strategy = Strategy::kNoShard;
+  MemoryEstimate ddp = EstimateMemory(Build(c), Exact());
+  CHECK(Cat(ddp, MemCategory::kShardedParams) == 1448 * 4);
+  // the peak is the optimizer step: 8 B/param of states + the foreach sqrt temporary (4 B/param)
+  CHECK(ddp.peak_phase == "optimizer step");
+  CHECK(Cat(ddp, MemCategory::kOptimizerStates) == 1448 * 12);
+  CHECK(Cat(ddp, MemCategory::kGradients) == 1448 * 4);
+}
+
+TEST_CASE("mixed precision: bf16 all-gather buffers, fp32 reduce adds a cast copy") {
+  FsdpConfig c = HandConfig();
+  c.param_dtype = DType::kBf16;
+  c.reduce_dtype = DType::kBf16;
+  MemoryEstimate bf16_reduce = EstimateMemory(Build(c), Exact());
+  c.reduce_dtype = DType::kFp32;
+  MemoryEstimate fp32_reduce = EstimateMemory(Build(c), Exact());
+  CHECK(bf16_reduce.peak_bytes < EstimateMemory(Build(HandConfig()), Exact()).peak_bytes);
+  CHECK(fp32_reduce.allocated_peak_bytes >= bf16_reduce.allocated_peak_bytes);
+}
+
+TEST_CASE("CPU offload moves sharded params, gradients and optimizer states to the host") {
+  FsdpConfig c = HandConfig();
+  c.optimizer = Optimizer::kAdamW;
+  c.cpu_offload = true;
+  MemoryEstimate m = EstimateMemory(Build(c), Exact());
+  CHECK(Cat(m, MemCategory::kShardedParams) == 0);
+  CHECK(Cat(m, MemCategory::kOptimizerStates) == 0);
+  CHECK(m.host[static_cast<int>(MemCategory::kShardedParams)] == 484 * 4);
+  CHECK(m.host[static_cast<int>(MemCategory::kGradients)] == 484 * 4);
+  CHECK(m.host[static_cast<int>(MemCategory::kOptimizerStates)] == 484 * 8);
+  CHECK(m.host_bytes == 484 * 16);
+}
+
+TEST_CASE("activation checkpointing keeps block inputs only and recomputes in backward") {
+  FsdpConfig c = HandConfig();
+  c.seq_len = 32;
+  c.checkpointing = Checkpointing::kNone;
+  MemoryEstimate none = EstimateMemory(Build(c), Exact());
+  c.checkpointing = Checkpointing::kFull;
+  Workload w = Build(c);
+  CHECK(BlockActivationProfile(w.model, w.config).KeptBytes() == 4 * 8 * 32);
+  MemoryEstimate full = EstimateMemory(w, Exact());
+  CHECK(full.peak_bytes < none.peak_bytes);
+  c.attention = Attention::kEager;
+  c.checkpointing = Checkpointing::kSelective;
+  Workload eager = Build(c);
+  BlockActivations a = BlockActivationProfile(eager.model, eager.config);
+  CHECK(a.FullBytes() - a.KeptBytes() == 4 * 2 * 32 * 32);  // the fp32 softmax of 2 heads x 32 x 32
+}
+
+TEST_CASE("gradient accumulation: sharded grads persist, no_sync keeps unsharded ones") {
+  FsdpConfig c = HandConfig();
+  c.grad_accum = 2;
+  MemoryEstimate accum = EstimateMemory(Build(c), Exact());
+  c.no_sync = true;
+  MemoryEstimate no_sync = EstimateMemory(Build(c), Exact());
+  CHECK(accum.allocated_peak_bytes > 14080);  // micro-batch 2 runs with 1936 bytes of sharded grads
+  CHECK(no_sync.allocated_peak_bytes > accum.allocated_peak_bytes);
+  CHECK(no_sync.peak_phase.find("micro-batch 2/2") != std::string::npos);
+}
+
+// Highest device total recorded in a phase of the timeline.
+int64_t PhaseMax(const MemoryEstimate& m, const std::string& phase) {
+  int64_t high = -1;
+  for (const auto& p : m.timeline) if (p.phase == phase) high = std::max(high, TotalBytes(p.device));
+  return high;
+}
+
+TEST_CASE("FSDP2 holds the previous all-gather output until the next copy-out") {
+  FsdpConfig c = HandConfig();
+  c.framework = Framework::kFsdp2;
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  MemoryEstimate m = EstimateMemory(Build(c), o);
+  CHECK(m.pending_free_bytes_at_peak == 0);  // FSDP2 does not use record_stream
+  // FSDP2 pads each parameter's dim 0 to a multiple of 3: root 144 + 9 + 144 = 297 (shard 99),
+  // block 9 + 72 + 48 + 48 + 72 + 9 + 144 + 144 + 144 = 690 (shard 230). Forward of layers.0:
+  // sharded (99 + 230 + 230) * 4 = 2236 + root unsharded 1188 + layers.0's flat all-gather output
+  // 2760 (held until the next copy-out) + its per-parameter copy 2760 + activations 1056 = 10000
+  // (the root's flat output was freed at layers.0's copy-out).
+  CHECK(PhaseMax(m, "forward: model.layers.0") == 10000);
+  // FSDP1 frees the all-gather output as the unsharded parameter itself: 1936 + 1056 + 2376 + 1056.
+  c.framework = Framework::kFsdp1;
+  CHECK(PhaseMax(EstimateMemory(Build(c), o), "forward: model.layers.0") == 6424);
+}
+
+TEST_CASE("full state dict checkpoint memory") {
+  FsdpConfig c = HandConfig();
+  c.optimizer = Optimizer::kAdamW;
+  MemoryEstimate m = EstimateMemory(Build(c), Exact());
+  CHECK(m.checkpoint.model_file_bytes == 1448 * 4);
+  CHECK(m.checkpoint.optimizer_file_bytes == 1448 * 8);
+  CHECK(m.checkpoint.full_gpu_extra_bytes == 1448 * 4 + 594 * 4);
+  CHECK(m.checkpoint.full_offload_gpu_extra_bytes == 594 * 4);
+  CHECK(m.checkpoint.full_offload_host_rank0_bytes == 1448 * 4);
+  CHECK(m.checkpoint.sharded_file_bytes_per_rank == (1448 * 12 + 2) / 3);
+}
+
+}  // namespace
+}  // namespace fsdp
