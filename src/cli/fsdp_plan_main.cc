@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   fsdp::PlanFlags flags;
   fsdp::AddPlanFlags(app, flags);
   if (int code = fsdp::ParseOrExitCode(app, argc, argv, "fsdp-plan"); code >= 0) return code;
+  fsdp::FinishPlanFlags(app, flags);
   fsdp::Status status = flags.model.empty() ? fsdp::RunDefaultScenario(flags, std::cout) : fsdp::RunPlan(flags, std::cout);
   if (!status.ok()) return fsdp::ReportError("fsdp-plan", status.error());
   return fsdp::kExitOk;

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
+#include <optional>
+
 #include "cli/cli_util.h"
 #include "core/workload.h"
 #include "planner/memory_model.h"
@@ -91,8 +93,19 @@ Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, con
   if (!config.ok()) return config.error();
   auto model = LoadModel(model_id);
   if (!model.ok()) return model.error();
-  auto hw = LoadHardware(flags.gpu);
+  std::string gpu = flags.gpu;
+  std::optional<ClusterSpec> cluster;
+  if (!flags.cluster.empty()) {
+    auto c = LoadCluster(flags.cluster);
+    if (!c.ok()) return c.error();
+    cluster = c.value();
+    if (!flags.gpu_given) gpu = cluster->gpu;
+    if (!flags.gpus_given) config.value().gpus = cluster->Gpus();
+    if (config.value().gpus_per_node == 0) config.value().gpus_per_node = cluster->gpus_per_node;
+  }
+  auto hw = LoadHardware(gpu);
   if (!hw.ok()) return hw.error();
+  if (cluster) ApplyCluster(*cluster, hw.value());
   auto w = BuildWorkload(std::move(model).value(), std::move(hw).value(), config.value());
   if (!w.ok()) return w.error();
   auto overheads = OverheadsFromFlags(flags, w.value());
@@ -107,6 +120,7 @@ Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, con
 void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--model", f.model, "catalog id (models/) or path to a HuggingFace config.json");
   app.add_option("--gpu", f.gpu, "catalog id (hardware/) or path to a hardware JSON")->capture_default_str();
+  app.add_option("--cluster", f.cluster, "cluster id (hardware/clusters/) or path: sets --gpu, --gpus and --gpus-per-node unless given");
   app.add_option("--gpus", f.config.gpus, "total number of GPUs")->capture_default_str();
   app.add_option("--gpus-per-node", f.config.gpus_per_node, "GPUs per node (default: the hardware file's)");
   app.add_option("--shard-group-size", f.config.shard_group_size, "HYBRID_SHARD shard group (default: one node)");
@@ -134,6 +148,11 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--fragmentation", f.fragmentation, "allocator fragmentation as a fraction of the peak (default 0)");
   app.add_flag("--json", f.json, "print one JSON object (schema: docs/cli.md)");
   app.add_flag("--timeline", f.timeline, "also print the memory after each phase of the step");
+}
+
+void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {
+  flags.gpu_given = app.count("--gpu") > 0;
+  flags.gpus_given = app.count("--gpus") > 0;
 }
 
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {

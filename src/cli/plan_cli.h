@@ -16,6 +16,8 @@ namespace fsdp {
 struct PlanFlags {
   std::string model;
   std::string gpu = "h100-sxm";
+  std::string cluster;           ///< hardware/clusters id or path; sets GPU, GPUs per node and count
+  bool gpu_given = false, gpus_given = false;
   FsdpConfig config;
   std::string strategy = "full_shard", wrap = "block", ac = "none", attention = "flash";
   std::string param_dtype = "bf16", reduce_dtype = "fp32", buffer_dtype = "bf16";
@@ -29,6 +31,9 @@ struct PlanFlags {
 
 /// Registers every fsdp-plan flag on `app`, bound to `flags`.
 void AddPlanFlags(CLI::App& app, PlanFlags& flags);
+
+/// Records which flags were given explicitly (a cluster only fills in what was not). Call after parsing.
+void FinishPlanFlags(const CLI::App& app, PlanFlags& flags);
 
 /// Converts the textual flags into an FsdpConfig (BadInput on unknown names or inconsistent flags).
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& flags);

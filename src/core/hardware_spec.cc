@@ -96,4 +96,27 @@ Result<HardwareSpec> LoadHardware(const std::string& id_or_path) {
   return HardwareFromJson(json.value(), std::filesystem::path(path.value()).stem().string(), path.value());
 }
 
+Result<ClusterSpec> LoadCluster(const std::string& id_or_path) {
+  auto path = ResolveCatalogPath("hardware/clusters", "cluster", id_or_path);
+  if (!path.ok()) return path.error();
+  auto json = LoadJsonFile(path.value());
+  if (!json.ok()) return json.error();
+  if (!json.value().is_object()) return Error::BadInput(fmt::format("{}: expected a JSON object describing a cluster", path.value()));
+  JsonReader r(json.value(), path.value());
+  ClusterSpec c;
+  c.id = std::filesystem::path(path.value()).stem().string();
+  FSDP_ASSIGN(c.gpu, r.String("gpu"));
+  FSDP_ASSIGN(c.gpus_per_node, r.IntAtLeast("gpus_per_node", 1));
+  FSDP_ASSIGN(c.nodes, r.IntAtLeast("nodes", 1));
+  FSDP_ASSIGN(c.inter_node_bandwidth_per_gpu_bytes_per_s, r.PositiveNumber("inter_node_bandwidth_per_gpu_bytes_per_s"));
+  FSDP_ASSIGN(c.inter_node_latency_s, r.NonNegativeNumber("inter_node_latency_s"));
+  return c;
+}
+
+void ApplyCluster(const ClusterSpec& cluster, HardwareSpec& hw) {
+  hw.gpus_per_node = cluster.gpus_per_node;
+  hw.inter_node_bandwidth_per_gpu_bytes_per_s = cluster.inter_node_bandwidth_per_gpu_bytes_per_s;
+  hw.inter_node_latency_s = cluster.inter_node_latency_s;
+}
+
 }  // namespace fsdp

@@ -34,6 +34,23 @@ struct HardwareSpec {
   double PeakFlops(DType dtype) const;
 };
 
+/// A cluster of identical nodes (hardware/clusters/<id>.json).
+struct ClusterSpec {
+  std::string id;
+  std::string gpu;               ///< hardware id or path of its GPU
+  int64_t gpus_per_node = 1;
+  int64_t nodes = 1;
+  double inter_node_bandwidth_per_gpu_bytes_per_s = 0;
+  double inter_node_latency_s = 0;
+  int64_t Gpus() const { return gpus_per_node * nodes; }
+};
+
+/// Loads hardware/clusters/<id>.json or a path; BadInput naming the file and key.
+Result<ClusterSpec> LoadCluster(const std::string& id_or_path);
+
+/// Replaces the node figures of `hw` by the cluster's (GPUs per node, inter-node bandwidth, latency).
+void ApplyCluster(const ClusterSpec& cluster, HardwareSpec& hw);
+
 /// Parses a hardware JSON document (schema in hardware/README.md); BadInput naming origin and key.
 Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, const std::string& origin);
 
