@@ -195,48 +195,67 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
   return {};
 }
 
+// One column of the default scenario: a strategy with optional checkpointing and offload.
+struct ScenarioColumn {
+  const char* title;
+  const char* strategy;
+  const char* ac;
+  bool offload;
+};
+
 Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
   PlanFlags flags = base;
-  if (flags.gpu == "h100-sxm") flags.gpu = "a100-80gb-sxm";
-  flags.config.gpus = 4;
-  flags.config.seq_len = flags.config.seq_len == 0 ? 2048 : flags.config.seq_len;
+  if (!flags.gpu_given) flags.gpu = "a100-80gb-sxm";
+  if (!flags.gpus_given) flags.config.gpus = 4;
+  if (flags.config.seq_len == 0) flags.config.seq_len = 2048;
   const char* models[] = {"llama-2-7b", "llama-2-13b", "codellama-34b", "llama-2-70b"};
-  const char* strategies[] = {"no_shard", "shard_grad_op", "full_shard"};
+  const ScenarioColumn columns[] = {{"NO_SHARD (DDP)", "no_shard", "none", false},
+                                    {"SHARD_GRAD_OP", "shard_grad_op", "none", false},
+                                    {"FULL_SHARD", "full_shard", "none", false},
+                                    {"+ AC full", "full_shard", "full", false},
+                                    {"+ CPU offload", "full_shard", "full", true}};
   Json rows = Json::array();
+  std::string host_note;
   if (!flags.json) {
-    fmt::print(out, "DDP vs FSDP: peak memory per GPU, 4 x {}, seq {} x micro-batch {}, bf16 mixed precision, AdamW, AC {}\n\n",
-               flags.gpu, flags.config.seq_len, flags.config.micro_batch, flags.ac);
-    fmt::print(out, "  {:<15}{:>8}{:>17}{:>17}{:>17}{:>20}\n", "model", "params", "NO_SHARD (DDP)", "SHARD_GRAD_OP", "FULL_SHARD",
-               "seed's 2 B/param/4");
+    fmt::print(out, "DDP vs FSDP: peak memory per GPU, {} x {}, seq {} x micro-batch {}, bf16 mixed precision, AdamW\n\n",
+               flags.config.gpus, flags.gpu, flags.config.seq_len, flags.config.micro_batch);
+    fmt::print(out, "  {:<14}{:>7}", "model", "params");
+    for (const auto& col : columns) fmt::print(out, "{:>16}", col.title);
+    fmt::print(out, "{:>16}\n", "seed's 2 B/p/N");
   }
   for (const char* model : models) {
-    std::string cells[3];
-    int64_t params = 0, capacity = 0;
-    for (int i = 0; i < 3; ++i) {
-      flags.strategy = strategies[i];
+    std::string line;
+    int64_t params = 0;
+    for (const auto& col : columns) {
+      flags.strategy = col.strategy;
+      flags.ac = col.ac;
+      flags.config.cpu_offload = col.offload;
       auto result = Evaluate(flags, model, false);
       if (!result.ok()) return result.error();
       const auto& [w, m] = result.value();
       params = w.model.ParamsTotal();
-      capacity = m.capacity_bytes;
-      cells[i] = fmt::format("{} GiB{}", Gib(m.peak_bytes), m.fits ? " " : "*");
+      line += fmt::format("{:>16}", fmt::format("{} GiB{}", Gib(m.peak_bytes), m.fits ? " " : "*"));
+      if (col.offload) host_note += fmt::format("{}{} {} GiB", host_note.empty() ? "" : ", ", model, Gib(m.host_bytes * w.config.gpus_per_node));
       rows.push_back(PlanToJson(w, m));
     }
     if (!flags.json) {
-      fmt::print(out, "  {:<15}{:>7.1f}B{:>17}{:>17}{:>17}{:>16} GiB\n", model, static_cast<double>(params) / 1e9, cells[0], cells[1], cells[2],
-                 Gib(params * 2 / 4));
+      fmt::print(out, "  {:<14}{:>6.1f}B{}{:>12} GiB\n", model, static_cast<double>(params) / 1e9, line,
+                 Gib(params * 2 / flags.config.gpus));
     }
-    (void)capacity;
   }
   if (flags.json) {
     out << Json{{"scenario", "ddp-vs-fsdp"}, {"plans", rows}}.dump(2) << "\n";
     return {};
   }
-  fmt::print(out, "\n  * does not fit in the card's memory.\n");
-  fmt::print(out, "The seed's table counts only the bf16 weights (2 bytes/parameter, divided by 4 for FSDP). It leaves out the fp32\n"
-                  "master weights (4 B/param), fp32 gradients (4 B/param), AdamW's two fp32 states (8 B/param), the all-gathered\n"
-                  "bf16 units, activations and logits, and the CUDA/NCCL/cuBLAS overheads -- this table counts all of them.\n"
-                  "Try: fsdp-plan --model llama-2-70b --gpu a100-80gb-sxm --gpus 4 --ac full   (one configuration in detail)\n");
+  fmt::print(out, "\n  * does not fit in the card's memory. \"+ AC full\": FULL_SHARD with activation checkpointing;\n"
+                  "    \"+ CPU offload\": also CPUOffload(offload_params=True) (parameters, gradients, AdamW on the host).\n"
+                  "    Pinned host memory that offload needs per node: {}.\n"
+                  "The seed's table counts only the bf16 weights (2 bytes/parameter, divided by the GPU count for FSDP). It\n"
+                  "leaves out the fp32 master weights (4 B/param), the fp32 gradients (4 B/param), AdamW's two fp32 states\n"
+                  "(8 B/param), the all-gathered bf16 units, activations and logits, and the CUDA/NCCL/cuBLAS overheads;\n"
+                  "this table counts all of them.\n"
+                  "One configuration in detail: fsdp-plan --model llama-2-13b --gpu a100-80gb-sxm --gpus 4 --ac full\n",
+             host_note);
   return {};
 }
 
