@@ -45,9 +45,10 @@ void AddLlamaAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
     }
   } else {
     // SDPA flash/memory-efficient kernels save q, k, v, the output and a fp32 log-sum-exp per row.
+    // The output is [B, s, a, d] underneath, so HF's transpose(1, 2).contiguous() copies nothing and
+    // o_proj saves that same tensor (counted once, as o_proj_in).
     out.push_back({"self_attn.k_rope", d.c * kv});
     out.push_back({"self_attn.v", d.c * kv});
-    out.push_back({"self_attn.sdpa_out", d.c * q});
     out.push_back({"self_attn.lse", 4 * d.heads * d.tokens});
   }
   out.push_back({"self_attn.o_proj_in", d.c * q});
@@ -98,8 +99,7 @@ std::vector<SavedTensor> Gpt2Block(const ModelSpec& m, const FsdpConfig& cfg, co
       out.push_back({std::string(kCoreTag) + "dropout_out", d.c * scores});
     }
   } else {
-    out.push_back({"attn.sdpa_out", d.c * hT});
-    out.push_back({"attn.lse", 4 * d.heads * d.tokens});
+    out.push_back({"attn.lse", 4 * d.heads * d.tokens});  // its output is c_proj's input below
   }
   out.push_back({"attn.c_proj_in", d.c * hT});
   if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", hT});

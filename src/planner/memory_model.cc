@@ -11,6 +11,7 @@ namespace fsdp {
 namespace {
 
 using Cat = MemCategory;
+using Pool = MemoryTracker::Pool;
 
 // NCCL's default per-connection buffers (src/include/collectives.h / device.h, NCCL 2.18+):
 // Simple 4 MiB (NCCL_BUFFSIZE), LL128 120*640*8*8 B, LL 8*512*8*16 B.
@@ -20,10 +21,15 @@ constexpr int64_t kNcclLlBufferBytes = 8 * 512 * 8 * 16;
 // Channels NCCL typically opens on an NVLink node, counted twice (ring + tree connections).
 constexpr int64_t kNcclChannels = 16;
 constexpr int64_t kNcclConnectionsPerChannel = 2;
-// PyTorch CublasHandlePool.cpp _getDefaultWorkspaceSize(): 4096*8*1024 on Hopper and newer,
-// 4096*1024*2 + 16*1024*8 before.
-constexpr int64_t kCublasWorkspaceHopper = 4096 * 8 * 1024;
+// PyTorch CublasHandlePool.cpp _getDefaultWorkspaceSize(): 4096*8*1024 on compute capability 9.x
+// and newer (Hopper, Blackwell), 4096*1024*2 + 16*1024*8 before; ROCm 32 MiB, 128 MiB on gfx94x.
+// One workspace per (handle, stream): the forward thread and autograd's backward thread each get
+// one, plus a 1 MiB cuBLASLt workspace each (getCUDABlasLtWorkspace).
+constexpr int64_t kCublasWorkspaceSm90 = 4096 * 8 * 1024;
 constexpr int64_t kCublasWorkspaceOlder = 4096 * 1024 * 2 + 16 * 1024 * 8;
+constexpr int64_t kHipblasWorkspaceGfx94x = 128 * 1024 * 1024;
+constexpr int64_t kCublasLtWorkspace = 1024 * 1024;
+constexpr int64_t kBlasThreads = 2;
 
 // Plays one optimizer step through a MemoryTracker in PyTorch FSDP's order of operations.
 class StepPlayer {
@@ -91,11 +97,12 @@ class StepPlayer {
     }
     // All-gather input: the param_dtype copy of the shard (and an fp32 staging copy under offload).
     BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * mb_) : kNoBlock;
-    BlockId input = (mixed_ || Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_) : kNoBlock;
+    // FSDP2's all_gather_copy_in writes the input into a view of the output: no separate buffer.
+    BlockId input = (mixed_ && !Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_) : kNoBlock;
     mem_.Free(staging);
     if (!Fsdp2() && c_.limit_all_gathers) {
       // _limiter_utils: before an all-gather, sync on the oldest free event once 2 are queued.
-      while (mem_.PendingCount() >= 2) mem_.ReleaseOldestPending();
+      while (mem_.PendingCount(Pool::kAllGather) >= 2) mem_.ReleaseOldestPending(Pool::kAllGather);
     }
     if (Fsdp2()) {
       BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_);
@@ -111,10 +118,11 @@ class StepPlayer {
 
   void Reshard(int u) {
     if (Fsdp2() || !Sharded()) mem_.Free(unsharded_[u]);
-    else mem_.FreeToPending(unsharded_[u]);
+    else mem_.FreeToPending(unsharded_[u], Pool::kAllGather);
   }
 
   bool ReshardAfterForward(int u) const {
+    if (!Sharded()) return true;  // NO_SHARD: post_reshard frees every unit's low-precision copy, the root's too
     if (w_.units[u].is_root) return false;  // the root stays unsharded until its backward
     return c_.strategy == Strategy::kFullShard || c_.strategy == Strategy::kHybridShard || c_.strategy == Strategy::kNoShard;
   }
@@ -229,6 +237,7 @@ class StepPlayer {
     const int u = w_.nodes[node_id].unit;
     const WrapUnit& unit = w_.units[u];
     mem_.SetPhase(Label("backward: reduce-scatter", node_id));
+    if (!Fsdp2()) mem_.ReleaseAllPending(Pool::kPostBackward);  // the previous unit's reduction has run
     BlockId grad = GatherUnitGrad(u);
     if (c_.no_sync && !LastMicro()) {
       KeepUnsyncedGrad(u, grad);
@@ -239,11 +248,18 @@ class StepPlayer {
     Reshard(u);
     if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(u - 1);
     if (unit.numel == 0) return;
-    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, grad) : ReduceFsdp1(unit, grad);
+    // FSDP1 keeps autograd's gradient (autograd_computed_grad) until the hook returns, then
+    // record_stream()s it to the post-backward stream.
+    const BlockId computed = grad;
+    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, grad) : ReduceFsdp1(unit, computed);
     if (rb_ != mb_) {
       BlockId upcast = mem_.Alloc(Cat::kGradients, unit.shard_numel * mb_);
-      mem_.Free(shard);
+      if (shard != computed) mem_.Free(shard);
       shard = upcast;
+    }
+    if (!Fsdp2() && shard != computed) {
+      BlockId pending = computed;
+      mem_.FreeToPending(pending, Pool::kPostBackward);
     }
     AccumulateShard(u, shard);
   }
@@ -274,30 +290,29 @@ class StepPlayer {
 
   // FSDP1 _reduce_grad: cast to reduce_dtype, pad to the shard group, reduce-scatter into a new
   // shard (NO_SHARD: all-reduce in place; HYBRID_SHARD: then all-reduce the shard across replicas).
-  BlockId ReduceFsdp1(const WrapUnit& unit, BlockId grad) {
-    if (rb_ != pb_) {
-      BlockId cast = mem_.Alloc(Cat::kGradients, unit.numel * rb_);
-      mem_.Free(grad);
-      grad = cast;
-    }
-    if (!Sharded()) return grad;
+  // `computed` (autograd's gradient) is not freed here; intermediate copies are.
+  BlockId ReduceFsdp1(const WrapUnit& unit, BlockId computed) {
+    BlockId current = computed;
+    if (rb_ != pb_) current = mem_.Alloc(Cat::kGradients, unit.numel * rb_);
+    if (!Sharded()) return current;
     if (unit.padded_numel != unit.numel) {
       BlockId padded = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * rb_);
-      mem_.Free(grad);
-      grad = padded;
+      if (current != computed) mem_.Free(current);
+      current = padded;
     }
     BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * rb_);
-    mem_.Free(grad);
+    if (current != computed) mem_.Free(current);
     return shard;
   }
 
-  // FSDP2 foreach_reduce: copy-in to a reduce_dtype buffer of the padded size, reduce-scatter into
-  // a shard; the input is kept until the next reduce-scatter (reduce_scatter_state).
+  // FSDP2 post_backward: the previous reduce-scatter input (reduce_scatter_state) is released, then
+  // foreach_reduce copies the gradients into a reduce_dtype buffer of the padded size and
+  // reduce-scatters it into a shard; the input is kept until the next post_backward.
   BlockId ReduceFsdp2(const WrapUnit& unit, BlockId grad) {
+    mem_.Free(fsdp2_rs_deferred_);
     BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * rb_);
     mem_.Free(grad);
     BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * rb_);
-    mem_.Free(fsdp2_rs_deferred_);
     fsdp2_rs_deferred_ = input;
     return shard;
   }
@@ -307,8 +322,12 @@ class StepPlayer {
       mem_.Free(shard);
       return;
     }
-    if (sharded_grad_[u] == kNoBlock) sharded_grad_[u] = shard;
-    else mem_.Free(shard);  // added into _saved_grad_shard
+    if (sharded_grad_[u] == kNoBlock) {
+      sharded_grad_[u] = shard;
+      mem_.Recategorize(shard, Cat::kGradients);
+    } else {
+      mem_.Free(shard);  // added into _saved_grad_shard
+    }
   }
 
   void FinishBackward() {
@@ -410,8 +429,10 @@ FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {
   o.nccl_bytes_per_communicator = kNcclChannels * kNcclConnectionsPerChannel *
                                   (kNcclSimpleBufferBytes + kNcclLl128BufferBytes + kNcclLlBufferBytes);
   const auto& arch = w.hardware.architecture;
-  o.cublas_workspace_bytes = (arch == "hopper" || arch == "blackwell") ? kCublasWorkspaceHopper : kCublasWorkspaceOlder;
-  if (arch == "cpu") o.cublas_workspace_bytes = 0;
+  int64_t per_thread = kCublasWorkspaceOlder;
+  if (arch == "hopper" || arch == "blackwell") per_thread = kCublasWorkspaceSm90;
+  if (arch == "cdna3") per_thread = kHipblasWorkspaceGfx94x;
+  o.cublas_workspace_bytes = arch == "cpu" ? 0 : kBlasThreads * (per_thread + kCublasLtWorkspace);
   return o;
 }
 

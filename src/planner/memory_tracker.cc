@@ -18,6 +18,15 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes) {
   return static_cast<BlockId>(blocks_.size() - 1);
 }
 
+void MemoryTracker::Recategorize(BlockId block, MemCategory category) {
+  if (block == kNoBlock) return;
+  Block& b = blocks_[block];
+  live_[static_cast<int>(b.category)] -= b.bytes;
+  b.category = category;
+  live_[static_cast<int>(category)] += b.bytes;
+  Changed();
+}
+
 void MemoryTracker::Free(BlockId& block) {
   if (block == kNoBlock) return;
   Block& b = blocks_[block];
@@ -27,24 +36,34 @@ void MemoryTracker::Free(BlockId& block) {
   Changed();
 }
 
-void MemoryTracker::FreeToPending(BlockId& block) {
+void MemoryTracker::FreeToPending(BlockId& block, Pool pool) {
   if (block == kNoBlock) return;
-  pending_.push_back(blocks_[block].bytes);
-  pending_bytes_ += blocks_[block].bytes;
+  const Block& b = blocks_[block];
+  pending_[static_cast<int>(pool)].push_back(b);
+  pending_bytes_[static_cast<int>(b.category)] += b.bytes;
   Free(block);
 }
 
-void MemoryTracker::ReleaseOldestPending() {
-  if (pending_.empty()) return;
-  pending_bytes_ -= pending_.front();
-  pending_.pop_front();
+void MemoryTracker::Release(Pool, const Block& block) {
+  pending_bytes_[static_cast<int>(block.category)] -= block.bytes;
+}
+
+void MemoryTracker::ReleaseOldestPending(Pool pool) {
+  auto& queue = pending_[static_cast<int>(pool)];
+  if (queue.empty()) return;
+  Release(pool, queue.front());
+  queue.pop_front();
+  Changed();
+}
+
+void MemoryTracker::ReleaseAllPending(Pool pool) {
+  for (const Block& b : pending_[static_cast<int>(pool)]) Release(pool, b);
+  pending_[static_cast<int>(pool)].clear();
   Changed();
 }
 
 void MemoryTracker::ReleaseAllPending() {
-  pending_.clear();
-  pending_bytes_ = 0;
-  Changed();
+  for (int p = 0; p < kPoolCount; ++p) ReleaseAllPending(static_cast<Pool>(p));
 }
 
 void MemoryTracker::Changed() {
@@ -54,13 +73,14 @@ void MemoryTracker::Changed() {
     allocated_peak_phase_ = phase_;
   }
   CategoryBytes device = live_;
-  device[static_cast<int>(MemCategory::kUnshardedParams)] += pending_bytes_;
-  int64_t total = allocated + pending_bytes_;
+  for (int c = 0; c < kMemCategoryCount; ++c) device[c] += pending_bytes_[c];
+  const int64_t pending = TotalBytes(pending_bytes_);
+  const int64_t total = allocated + pending;
   if (total > device_peak_total_) {
     device_peak_total_ = total;
     device_peak_ = device;
     device_peak_phase_ = phase_;
-    pending_at_peak_ = pending_bytes_;
+    pending_at_peak_ = pending;
   }
   if (record_) timeline_.push_back(MemoryPoint{phase_, device});
 }

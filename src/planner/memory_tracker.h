@@ -25,15 +25,23 @@ class MemoryTracker {
   const std::string& phase() const { return phase_; }
 
   BlockId Alloc(MemCategory category, int64_t bytes);
+  /// Moves a live block to another category (a reduce-scatter output that becomes the sharded gradient).
+  void Recategorize(BlockId block, MemCategory category);
   /// Frees a block (kNoBlock is ignored) and sets the handle to kNoBlock.
   void Free(BlockId& block);
-  /// Frees a block for the allocator's bookkeeping while the GPU may still read it: the bytes stay
-  /// on the device (as unsharded parameters) until ReleasePending drops them.
-  void FreeToPending(BlockId& block);
-  /// Number of buffers waiting in the pending queue.
-  size_t PendingCount() const { return pending_.size(); }
-  /// Drops the oldest pending buffer (the rate limiter synchronising on its free event).
-  void ReleaseOldestPending();
+  /// Streams whose freed blocks the caching allocator cannot reuse until the stream passes them
+  /// (record_stream): the all-gather stream's unsharded buffers, the post-backward stream's gradients.
+  enum class Pool { kAllGather, kPostBackward };
+  static constexpr int kPoolCount = 2;
+
+  /// Frees a block for the allocator's bookkeeping (allocated bytes drop) while the GPU may still
+  /// use it: its bytes stay on the device, in their category, until the pool releases them.
+  void FreeToPending(BlockId& block, Pool pool);
+  /// Number of buffers waiting in a pool.
+  size_t PendingCount(Pool pool) const { return pending_[static_cast<int>(pool)].size(); }
+  /// Drops the oldest pending buffer of a pool (e.g. the rate limiter synchronising on its event).
+  void ReleaseOldestPending(Pool pool);
+  void ReleaseAllPending(Pool pool);
   void ReleaseAllPending();
 
   int64_t allocated_peak() const { return allocated_peak_; }
@@ -49,6 +57,7 @@ class MemoryTracker {
     MemCategory category;
     int64_t bytes;
   };
+  void Release(Pool pool, const Block& block);
   void Changed();
 
   int64_t rounding_;
@@ -56,8 +65,8 @@ class MemoryTracker {
   std::string phase_;
   std::vector<Block> blocks_;
   CategoryBytes live_{};
-  std::deque<int64_t> pending_;
-  int64_t pending_bytes_ = 0;
+  std::deque<Block> pending_[kPoolCount];
+  CategoryBytes pending_bytes_{};
   int64_t allocated_peak_ = 0;
   std::string allocated_peak_phase_;
   CategoryBytes device_peak_{};
