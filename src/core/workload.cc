@@ -122,7 +122,19 @@ void CollectUnits(Workload& w, int id, int enclosing_unit) {
   for (int c : w.nodes[id].children) CollectUnits(w, c, unit);
 }
 
+void CollectPostOrder(const Workload& w, int id, std::vector<int>& order) {
+  for (int c : w.nodes[id].children) CollectPostOrder(w, c, order);
+  if (w.nodes[id].unit >= 0) order.push_back(w.nodes[id].unit);
+}
+
 }  // namespace
+
+int Workload::BackwardPrefetchTarget(int u) const {
+  for (size_t i = 1; i < post_forward_order.size(); ++i) {
+    if (post_forward_order[i] == u) return post_forward_order[i - 1];
+  }
+  return -1;
+}
 
 int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world) {
   if (config.framework == Framework::kFsdp2) {
@@ -162,6 +174,7 @@ Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfi
   w.nodes = BuildModuleTree(model);
   MarkUnits(w.nodes, model, config);
   CollectUnits(w, 0, -1);
+  CollectPostOrder(w, 0, w.post_forward_order);
   for (auto& u : w.units) {
     for (int t : u.tensors) u.numel += model.tensors[t].numel();
     u.padded_numel = PaddedNumel(model, u.tensors, config, w.shard_world);

@@ -51,6 +51,11 @@ TEST_CASE("block wrap: root unit plus one unit per block, padded to the shard gr
   CHECK(w.ShardNumelTotal() == 88 + 198 + 198);
   CHECK(w.shard_world == 3);
   CHECK(w.replicas == 1);
+  // Forward ends layers.0, layers.1, then the root: in backward the root's hook prefetches layers.1.
+  CHECK(w.post_forward_order == std::vector<int>{1, 2, 0});
+  CHECK(w.BackwardPrefetchTarget(0) == 2);
+  CHECK(w.BackwardPrefetchTarget(2) == 1);
+  CHECK(w.BackwardPrefetchTarget(1) == -1);
 }
 
 TEST_CASE("strategies set the shard group") {

@@ -31,6 +31,25 @@ constexpr int64_t kHipblasWorkspaceGfx94x = 128 * 1024 * 1024;
 constexpr int64_t kCublasLtWorkspace = 1024 * 1024;
 constexpr int64_t kBlasThreads = 2;
 
+enum class PhaseKind { kStart, kForwardUnshard, kForward, kEndForward, kBackwardUnshard, kBackward, kReduce, kOptimizer, kAfterZeroGrad };
+
+// "backward: reduce-scatter model.layers.3 (micro-batch 2/4)".
+std::string PhaseName(const Workload& w, const Phase& p) {
+  static constexpr const char* kWhat[] = {"start of step", "forward: unshard", "forward:", "end of forward", "backward: unshard",
+                                          "backward:", "backward: reduce-scatter", "optimizer step", "after zero_grad"};
+  std::string name = kWhat[p.kind];
+  if (p.node >= 0) {
+    const ModuleNode& n = w.nodes[p.node];
+    name += " ";
+    name += p.node == 0 ? "root" : n.role == ModuleNode::Role::kLmHead ? "lm_head + loss" : n.path;
+  }
+  const auto kind = static_cast<PhaseKind>(p.kind);
+  if (w.config.grad_accum > 1 && kind != PhaseKind::kOptimizer && kind != PhaseKind::kAfterZeroGrad && kind != PhaseKind::kStart) {
+    name += fmt::format(" (micro-batch {}/{})", p.micro + 1, w.config.grad_accum);
+  }
+  return name;
+}
+
 // Plays one optimizer step through a MemoryTracker in PyTorch FSDP's order of operations.
 class StepPlayer {
  public:
@@ -50,7 +69,7 @@ class StepPlayer {
   }
 
   void PlayStep(int64_t cublas_workspace_bytes, CategoryBytes& host) {
-    mem_.SetPhase("start of step");
+    mem_.SetPhase(At(PhaseKind::kStart));
     const int64_t shard_elems = w_.ShardNumelTotal();
     const int64_t state_bytes = OptimizerStateBytesPerParam(c_.optimizer) * shard_elems;
     if (c_.cpu_offload) {
@@ -71,12 +90,8 @@ class StepPlayer {
   }
 
  private:
-  std::string Label(const char* what, int node) const {
-    const ModuleNode& n = w_.nodes[node];
-    std::string name = node == 0 ? "root" : n.role == ModuleNode::Role::kLmHead ? "lm_head + loss" : n.path;
-    if (c_.grad_accum > 1) return fmt::format("{} {} (micro-batch {}/{})", what, name, micro_ + 1, c_.grad_accum);
-    return fmt::format("{} {}", what, name);
-  }
+  Phase At(PhaseKind kind, int node = -1) const { return Phase{static_cast<int>(kind), node, micro_}; }
+
   // Phases are named after units and after the modules that hold activations.
   bool Named(int node_id) const {
     return w_.nodes[node_id].unit >= 0 || w_.nodes[node_id].role != ModuleNode::Role::kOther;
@@ -132,16 +147,16 @@ class StepPlayer {
     const ModuleNode& node = w_.nodes[node_id];
     forward_ = true;
     if (node.unit >= 0) {
-      mem_.SetPhase(Label("forward: unshard", node_id));
+      mem_.SetPhase(At(PhaseKind::kForwardUnshard, node_id));
       Unshard(node.unit);
       if (c_.forward_prefetch && node.unit + 1 < static_cast<int>(w_.units.size())) Unshard(node.unit + 1);
     }
     for (int child : node.children) Forward(child);
-    if (Named(node_id)) mem_.SetPhase(Label("forward:", node_id));
+    if (Named(node_id)) mem_.SetPhase(At(PhaseKind::kForward, node_id));
     ForwardActivations(node_id);
     if (node.unit >= 0 && ReshardAfterForward(node.unit)) Reshard(node.unit);
     if (node_id == 0 && Fsdp2()) mem_.Free(fsdp2_deferred_);  // root post-forward drops the held all-gather output
-    if (node_id == 0) mem_.SetPhase(c_.grad_accum > 1 ? fmt::format("end of forward (micro-batch {}/{})", micro_ + 1, c_.grad_accum) : "end of forward");
+    if (node_id == 0) mem_.SetPhase(At(PhaseKind::kEndForward));
   }
 
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
@@ -181,10 +196,10 @@ class StepPlayer {
     forward_ = false;
     if (node.unit >= 0) PreBackward(node_id);
     const bool named = Named(node_id);
-    if (named) mem_.SetPhase(Label("backward:", node_id));
+    if (named) mem_.SetPhase(At(PhaseKind::kBackward, node_id));
     std::vector<BlockId> transient = BackwardActivations(node_id);
     for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) Backward(*it);
-    if (named) mem_.SetPhase(Label("backward:", node_id));
+    if (named) mem_.SetPhase(At(PhaseKind::kBackward, node_id));
     for (int t : node.tensors) {
       int unit = OwningUnit(node_id);
       unit_grad_pieces_[unit].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
@@ -202,9 +217,9 @@ class StepPlayer {
 
   void PreBackward(int node_id) {
     const int u = w_.nodes[node_id].unit;
-    mem_.SetPhase(Label("backward: unshard", node_id));
+    mem_.SetPhase(At(PhaseKind::kBackwardUnshard, node_id));
     Unshard(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPre) Unshard(u - 1);
+    if (c_.backward_prefetch == BackwardPrefetch::kPre) Unshard(w_.BackwardPrefetchTarget(u));
   }
 
   // Recomputation, gradient working memory and loss-backward buffers of a node's own ops.
@@ -236,7 +251,7 @@ class StepPlayer {
   void PostBackward(int node_id) {
     const int u = w_.nodes[node_id].unit;
     const WrapUnit& unit = w_.units[u];
-    mem_.SetPhase(Label("backward: reduce-scatter", node_id));
+    mem_.SetPhase(At(PhaseKind::kReduce, node_id));
     if (!Fsdp2()) mem_.ReleaseAllPending(Pool::kPostBackward);  // the previous unit's reduction has run
     BlockId grad = GatherUnitGrad(u);
     if (c_.no_sync && !LastMicro()) {
@@ -246,7 +261,7 @@ class StepPlayer {
     }
     if (kept_grad_[u] != kNoBlock) mem_.Free(kept_grad_[u]);  // accumulated in place, then reduced
     Reshard(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(u - 1);
+    if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u));
     if (unit.numel == 0) return;
     // FSDP1 keeps autograd's gradient (autograd_computed_grad) until the hook returns, then
     // record_stream()s it to the post-backward stream.
@@ -337,13 +352,13 @@ class StepPlayer {
   }
 
   void OptimizerStep() {
-    mem_.SetPhase("optimizer step");
+    mem_.SetPhase(At(PhaseKind::kOptimizer));
     if (!c_.cpu_offload && (c_.optimizer == Optimizer::kAdamW || c_.optimizer == Optimizer::kAdam)) {
       // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), one fp32 shard-size temporary.
       BlockId temp = mem_.Alloc(Cat::kOptimizerStates, w_.ShardNumelTotal() * 4);
       mem_.Free(temp);
     }
-    mem_.SetPhase("after zero_grad");
+    mem_.SetPhase(At(PhaseKind::kAfterZeroGrad));
     for (BlockId& b : sharded_grad_) mem_.Free(b);
     for (BlockId& b : unsharded_) mem_.Free(b);
   }
@@ -442,9 +457,9 @@ MemoryEstimate EstimateMemory(const Workload& w, const MemoryOptions& options) {
   MemoryTracker mem(options.overheads.allocation_rounding_bytes, options.record_timeline);
   StepPlayer(w, mem).PlayStep(options.overheads.cublas_workspace_bytes, e.host);
   e.allocated_peak_bytes = mem.allocated_peak();
-  e.allocated_peak_phase = mem.allocated_peak_phase();
+  e.allocated_peak_phase = PhaseName(w, mem.allocated_peak_phase());
   e.peak = mem.device_peak();
-  e.peak_phase = mem.device_peak_phase();
+  e.peak_phase = PhaseName(w, mem.device_peak_phase());
   e.pending_free_bytes_at_peak = mem.pending_at_peak();
   const int64_t fragmentation = static_cast<int64_t>(options.overheads.fragmentation_fraction * static_cast<double>(TotalBytes(e.peak)));
   e.peak[static_cast<int>(Cat::kFramework)] += options.overheads.cuda_context_bytes +
@@ -455,7 +470,7 @@ MemoryEstimate EstimateMemory(const Workload& w, const MemoryOptions& options) {
   e.fits = e.headroom_bytes >= 0;
   e.host_bytes = TotalBytes(e.host);
   e.checkpoint = EstimateCheckpoint(w);
-  e.timeline = mem.TakeTimeline();
+  for (TrackedPoint& p : mem.TakeTimeline()) e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), p.device});
   return e;
 }
 

@@ -5,9 +5,9 @@
 namespace fsdp {
 
 MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline)
-    : rounding_(rounding_bytes > 0 ? rounding_bytes : 1), record_(record_timeline) {}
-
-void MemoryTracker::SetPhase(std::string phase) { phase_ = std::move(phase); }
+    : rounding_(rounding_bytes > 0 ? rounding_bytes : 1), record_(record_timeline) {
+  blocks_.reserve(1024);
+}
 
 BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes) {
   if (bytes <= 0) return kNoBlock;
@@ -82,7 +82,7 @@ void MemoryTracker::Changed() {
     device_peak_phase_ = phase_;
     pending_at_peak_ = pending;
   }
-  if (record_) timeline_.push_back(MemoryPoint{phase_, device});
+  if (record_) timeline_.push_back(TrackedPoint{phase_, device});
 }
 
 }  // namespace fsdp

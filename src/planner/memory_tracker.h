@@ -11,6 +11,21 @@
 
 namespace fsdp {
 
+/// Where the step is: a kind the caller defines, a module-tree node and the micro-batch. Kept as
+/// numbers so that playing a step formats no strings; the caller names the phases it reports.
+struct Phase {
+  int kind = 0;
+  int node = -1;
+  int micro = 0;
+  bool operator==(const Phase&) const = default;
+};
+
+/// Device bytes by category after one event, with the phase it happened in.
+struct TrackedPoint {
+  Phase phase;
+  CategoryBytes device{};
+};
+
 /// Handle of one live allocation; kNoBlock for zero-byte requests.
 using BlockId = int;
 constexpr BlockId kNoBlock = -1;
@@ -21,8 +36,8 @@ class MemoryTracker {
   MemoryTracker(int64_t rounding_bytes, bool record_timeline);
 
   /// Names what the step is doing; peaks report the phase they happened in.
-  void SetPhase(std::string phase);
-  const std::string& phase() const { return phase_; }
+  void SetPhase(Phase phase) { phase_ = phase; }
+  const Phase& phase() const { return phase_; }
 
   BlockId Alloc(MemCategory category, int64_t bytes);
   /// Moves a live block to another category (a reduce-scatter output that becomes the sharded gradient).
@@ -45,12 +60,12 @@ class MemoryTracker {
   void ReleaseAllPending();
 
   int64_t allocated_peak() const { return allocated_peak_; }
-  const std::string& allocated_peak_phase() const { return allocated_peak_phase_; }
+  const Phase& allocated_peak_phase() const { return allocated_peak_phase_; }
   /// Device view (allocated + pending) at its peak, by category.
   const CategoryBytes& device_peak() const { return device_peak_; }
-  const std::string& device_peak_phase() const { return device_peak_phase_; }
+  const Phase& device_peak_phase() const { return device_peak_phase_; }
   int64_t pending_at_peak() const { return pending_at_peak_; }
-  std::vector<MemoryPoint> TakeTimeline() { return std::move(timeline_); }
+  std::vector<TrackedPoint> TakeTimeline() { return std::move(timeline_); }
 
  private:
   struct Block {
@@ -62,18 +77,18 @@ class MemoryTracker {
 
   int64_t rounding_;
   bool record_;
-  std::string phase_;
+  Phase phase_;
   std::vector<Block> blocks_;
   CategoryBytes live_{};
   std::deque<Block> pending_[kPoolCount];
   CategoryBytes pending_bytes_{};
   int64_t allocated_peak_ = 0;
-  std::string allocated_peak_phase_;
+  Phase allocated_peak_phase_;
   CategoryBytes device_peak_{};
   int64_t device_peak_total_ = -1;
-  std::string device_peak_phase_;
+  Phase device_peak_phase_;
   int64_t pending_at_peak_ = 0;
-  std::vector<MemoryPoint> timeline_;
+  std::vector<TrackedPoint> timeline_;
 };
 
 }  // namespace fsdp
