@@ -9,6 +9,9 @@
 #include "core/workload.h"
 #include "planner/memory_model.h"
 #include "planner/plan_report.h"
+#include "planner/step_model.h"
+
+#include <cmath>
 
 namespace fsdp {
 namespace {
@@ -115,6 +118,41 @@ Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, con
   return std::make_pair(std::move(w).value(), std::move(m));
 }
 
+// Step time of the same run under NO_SHARD (DDP), for the slowdown figure; 0 if it cannot be built.
+double DdpStepSeconds(const Workload& w) {
+  FsdpConfig ddp = w.config;
+  ddp.strategy = Strategy::kNoShard;
+  ddp.shard_group_size = 0;
+  ddp.framework = Framework::kFsdp1;
+  auto dw = BuildWorkload(w.model, w.hardware, ddp);
+  return dw.ok() ? EstimateTime(dw.value()).step.step_s : 0.0;
+}
+
+std::string Ms(double seconds) { return fmt::format("{:.1f} ms", seconds * 1e3); }
+std::string Gb(double bytes) { return fmt::format("{:.2f} GB", bytes / 1e9); }
+
+void PrintTime(const Workload& w, const TimeEstimate& t, double ddp_step_s, std::ostream& out) {
+  const CommVolume& v = t.comm.volume;
+  fmt::print(out, "\ncommunication per step per GPU (nccl-tests sizes; {} ranks per shard group, {} per node):\n",
+             t.comm.shard_group.ranks, t.comm.shard_group.ranks_per_node);
+  if (v.forward_all_gather_count > 0) fmt::print(out, "  forward all-gathers   {:>5} x  {:>10}\n", v.forward_all_gather_count, Gb(v.forward_all_gather_bytes));
+  if (v.backward_all_gather_count > 0) fmt::print(out, "  backward all-gathers  {:>5} x  {:>10}\n", v.backward_all_gather_count, Gb(v.backward_all_gather_bytes));
+  if (v.reduce_scatter_count > 0) fmt::print(out, "  reduce-scatters       {:>5} x  {:>10}\n", v.reduce_scatter_count, Gb(v.reduce_scatter_bytes));
+  if (v.all_reduce_count > 0) fmt::print(out, "  all-reduces           {:>5} x  {:>10}\n", v.all_reduce_count, Gb(v.all_reduce_bytes));
+  if (v.host_to_device_bytes > 0) fmt::print(out, "  host<->device (PCIe)          {:>10} in, {} out\n", Gb(v.host_to_device_bytes), Gb(v.device_to_host_bytes));
+  fmt::print(out, "  sent on the links {} in {} of collectives if nothing overlapped\n", Gb(v.sent_bytes), Ms(v.total_comm_s));
+  const StepEstimate& s = t.step;
+  fmt::print(out, "\nstep time {} = compute {} + exposed communication {} (first all-gather {}, after the last backward {})\n",
+             Ms(s.step_s), Ms(s.compute_s), Ms(s.exposed_comm_s), Ms(s.first_all_gather_s), Ms(s.last_reduce_s));
+  fmt::print(out, "  {:.0f} tokens/s per GPU, {:.0f} TFLOP/s per GPU, MFU {:.1f}% ({} peak {:.0f} TFLOP/s x matmul efficiency {:.2f})\n",
+             s.tokens_per_s_per_gpu, s.tflops_per_gpu, 100 * s.mfu, DTypeName(w.config.param_dtype),
+             w.hardware.PeakFlops(w.config.param_dtype) / 1e12, w.hardware.matmul_efficiency);
+  if (ddp_step_s > 0 && w.config.strategy != Strategy::kNoShard) {
+    fmt::print(out, "  vs DDP (NO_SHARD, same batch, memory permitting): {} per step, so {} is {:+.1f}% {}\n", Ms(ddp_step_s),
+               StrategyName(w.config.strategy), 100.0 * std::fabs(s.step_s / ddp_step_s - 1.0), s.step_s >= ddp_step_s ? "slower" : "faster");
+  }
+}
+
 }  // namespace
 
 void AddPlanFlags(CLI::App& app, PlanFlags& f) {
@@ -179,8 +217,11 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
   auto result = Evaluate(flags, flags.model, flags.timeline);
   if (!result.ok()) return result.error();
   const auto& [w, m] = result.value();
+  const TimeEstimate time = EstimateTime(w);
+  const double ddp_step_s = DdpStepSeconds(w);
   if (flags.json) {
     Json j = PlanToJson(w, m);
+    AddTimeToJson(time, ddp_step_s, j);
     if (flags.timeline) {
       Json points = Json::array();
       for (const auto& p : m.timeline) points.push_back({{"phase", p.phase}, {"bytes", TotalBytes(p.device)}});
@@ -191,6 +232,7 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
   }
   PrintHeader(w, out);
   PrintTable(w, m, out);
+  PrintTime(w, time, ddp_step_s, out);
   if (flags.timeline) PrintTimeline(m, out);
   return {};
 }

@@ -85,6 +85,13 @@ Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, c
   if (!price.ok()) return price.error();
   hw.price_per_gpu_hour_usd = price.value().value_or(0.0);
   if (hw.price_per_gpu_hour_usd < 0) return r.KeyError("price_per_gpu_hour_usd", "must be >= 0");
+  auto eff = r.Object("efficiency");
+  if (!eff.ok()) return eff.error();
+  FSDP_ASSIGN(hw.matmul_efficiency, eff.value().PositiveNumber("matmul"));
+  FSDP_ASSIGN(hw.memory_efficiency, eff.value().PositiveNumber("memory_bandwidth"));
+  if (hw.matmul_efficiency > 1 || hw.memory_efficiency > 1) {
+    return eff.value().KeyError(hw.matmul_efficiency > 1 ? "matmul" : "memory_bandwidth", "an efficiency is a share of the peak, at most 1");
+  }
   return hw;
 }
 

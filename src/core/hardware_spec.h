@@ -29,6 +29,8 @@ struct HardwareSpec {
   double inter_node_latency_s = 0;
   int64_t cuda_context_bytes = 0;   ///< device memory of the CUDA/ROCm context of one process
   double price_per_gpu_hour_usd = 0;
+  double matmul_efficiency = 0.7;     ///< share of dense peak reached by GEMMs at training shapes
+  double memory_efficiency = 0.85;    ///< share of memory bandwidth reached by memory-bound kernels
 
   /// Dense peak FLOP/s for arithmetic in `dtype`.
   double PeakFlops(DType dtype) const;

@@ -40,7 +40,8 @@ Result<HardwareSpec> FromText(const std::string& text) {
 TEST_CASE("bad hardware files name the key") {
   const std::string good_links =
       R"("intra_node_link": {"type": "none", "bandwidth_bytes_per_s": 0}, "pcie": {"generation": 4, "bandwidth_bytes_per_s": 31.5e9},)"
-      R"("node": {"gpus_per_node": 8, "inter_node_bandwidth_per_gpu_bytes_per_s": 1e9, "inter_node_latency_s": 1e-5}, "cuda_context_bytes": 0)";
+      R"("node": {"gpus_per_node": 8, "inter_node_bandwidth_per_gpu_bytes_per_s": 1e9, "inter_node_latency_s": 1e-5}, "cuda_context_bytes": 0,)"
+      R"("efficiency": {"matmul": 0.7, "memory_bandwidth": 0.8})";
   auto ok = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14, "fp32": 1e13}, "memory_bandwidth_bytes_per_s": 1e12, )" + good_links + "}");
   CHECK_MESSAGE(ok.ok(), (ok.ok() ? "" : ok.error().message));
 
@@ -55,6 +56,11 @@ TEST_CASE("bad hardware files name the key") {
   auto zero_link = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14, "fp32": 1e13}, "memory_bandwidth_bytes_per_s": 1e12, "intra_node_link": {"type": "nvlink4", "bandwidth_bytes_per_s": 0}})");
   REQUIRE_FALSE(zero_link.ok());
   CHECK(zero_link.error().message.find("link 'nvlink4' needs a positive bandwidth") != std::string::npos);
+
+  auto over = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14, "fp32": 1e13}, "memory_bandwidth_bytes_per_s": 1e12, )" +
+                       good_links.substr(0, good_links.find("\"efficiency\"")) + R"("efficiency": {"matmul": 1.5, "memory_bandwidth": 0.8}})");
+  REQUIRE_FALSE(over.ok());
+  CHECK(over.error().message == "gpu.json: efficiency: key 'matmul': an efficiency is a share of the peak, at most 1");
 
   auto unknown = LoadHardware("h100");
   REQUIRE_FALSE(unknown.ok());

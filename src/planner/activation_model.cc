@@ -18,15 +18,20 @@ Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg) {
               m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token};
 }
 
-// Tensors saved by HF's attention core (scores, softmax, dropout): recomputed by selective checkpointing.
-constexpr const char* kCoreTag = "attn_core.";
+// Which RMSNorm of the model, for the names of its saved tensors.
+enum class Norm { kInput, kPostAttention, kFinal };
 
 // LlamaRMSNorm upcasts to fp32: pow() saves the fp32 input, rsqrt() its [T,1] result, and
 // weight * x.to(dtype) the normalised input in the compute dtype.
-void AddRmsNorm(std::vector<SavedTensor>& out, const std::string& name, const Dims& d) {
-  out.push_back({name + ".x_fp32", 4 * d.h * d.tokens});
-  out.push_back({name + ".rsqrt", 4 * d.tokens});
-  out.push_back({name + ".normed", d.c * d.h * d.tokens});
+void AddRmsNorm(std::vector<SavedTensor>& out, Norm which, const Dims& d) {
+  static constexpr std::string_view kNames[3][3] = {
+      {"input_layernorm.x_fp32", "input_layernorm.rsqrt", "input_layernorm.normed"},
+      {"post_attention_layernorm.x_fp32", "post_attention_layernorm.rsqrt", "post_attention_layernorm.normed"},
+      {"norm.x_fp32", "norm.rsqrt", "norm.normed"}};
+  const auto& names = kNames[static_cast<int>(which)];
+  out.push_back({names[0], 4 * d.h * d.tokens});
+  out.push_back({names[1], 4 * d.tokens});
+  out.push_back({names[2], d.c * d.h * d.tokens});
 }
 
 void AddLlamaAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
@@ -37,11 +42,11 @@ void AddLlamaAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
     // repeat_kv expands k and v to all heads before the two matmuls save them.
     out.push_back({"self_attn.k_repeated", d.c * q});
     out.push_back({"self_attn.v_repeated", d.c * q});
-    out.push_back({std::string(kCoreTag) + "softmax_fp32", 4 * scores});
-    if (d.c != 4) out.push_back({std::string(kCoreTag) + "probs", d.c * scores});
+    out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
+    if (d.c != 4) out.push_back({"attn_core.probs", d.c * scores, true});
     if (m.attention_dropout > 0) {
-      out.push_back({std::string(kCoreTag) + "dropout_mask", scores});
-      out.push_back({std::string(kCoreTag) + "dropout_out", d.c * scores});
+      out.push_back({"attn_core.dropout_mask", scores, true});
+      out.push_back({"attn_core.dropout_out", d.c * scores, true});
     }
   } else {
     // SDPA flash/memory-efficient kernels save q, k, v, the output and a fp32 log-sum-exp per row.
@@ -75,9 +80,9 @@ void AddLlamaMlp(std::vector<SavedTensor>& out, const Dims& d) {
 
 std::vector<SavedTensor> LlamaBlock(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
   std::vector<SavedTensor> out;
-  AddRmsNorm(out, "input_layernorm", d);
+  AddRmsNorm(out, Norm::kInput, d);
   AddLlamaAttention(out, m, cfg, d);
-  AddRmsNorm(out, "post_attention_layernorm", d);
+  AddRmsNorm(out, Norm::kPostAttention, d);
   AddLlamaMlp(out, d);
   return out;
 }
@@ -93,10 +98,10 @@ std::vector<SavedTensor> Gpt2Block(const ModelSpec& m, const FsdpConfig& cfg, co
   out.push_back({"attn.c_attn_in", d.c * hT});
   out.push_back({"attn.qkv", 3 * d.c * hT});
   if (cfg.attention == Attention::kEager) {
-    out.push_back({std::string(kCoreTag) + "probs", d.c * scores});
+    out.push_back({"attn_core.probs", d.c * scores, true});
     if (m.attention_dropout > 0) {
-      out.push_back({std::string(kCoreTag) + "dropout_mask", scores});
-      out.push_back({std::string(kCoreTag) + "dropout_out", d.c * scores});
+      out.push_back({"attn_core.dropout_mask", scores, true});
+      out.push_back({"attn_core.dropout_out", d.c * scores, true});
     }
   } else {
     out.push_back({"attn.lse", 4 * d.heads * d.tokens});  // its output is c_proj's input below
@@ -155,7 +160,7 @@ BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cf
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
-      for (const auto& t : a.full) if (!t.name.starts_with(kCoreTag)) a.kept.push_back(t);
+      for (const auto& t : a.full) if (!t.attention_core) a.kept.push_back(t);
       break;
     case Checkpointing::kFull:
       // checkpoint_wrapper (non-reentrant) saves only the block's input hidden states.
@@ -174,7 +179,7 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
     if (m.embedding_dropout > 0) head.embedding.push_back({"embedding.dropout_mask", d.h * d.tokens});
     head.final_norm = {{"ln_f.in", d.c * d.h * d.tokens}, {"ln_f.stats", 8 * d.tokens}};
   } else {
-    AddRmsNorm(head.final_norm, "norm", d);
+    AddRmsNorm(head.final_norm, Norm::kFinal, d);
   }
   // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
   // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the

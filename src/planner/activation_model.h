@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/fsdp_config.h"
@@ -13,8 +14,9 @@ namespace fsdp {
 
 /// One tensor saved for backward, in bytes for one micro-batch.
 struct SavedTensor {
-  std::string name;
+  std::string_view name;          ///< static text, e.g. "self_attn.q_rope"
   int64_t bytes = 0;
+  bool attention_core = false;    ///< scores/softmax/dropout: recomputed by selective checkpointing
 };
 
 /// Activation memory of one decoder block for one micro-batch.

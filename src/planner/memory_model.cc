@@ -228,9 +228,9 @@ class StepPlayer {
     switch (w_.nodes[node_id].role) {
       case ModuleNode::Role::kBlock:
         if (c_.checkpointing != Checkpointing::kNone) {
+          // full: the whole block runs again; selective: only the attention core
           for (const auto& t : block_.full) {
-            bool kept = std::any_of(block_.kept.begin(), block_.kept.end(), [&](const SavedTensor& k) { return k.name == t.name; });
-            if (!kept) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+            if (c_.checkpointing == Checkpointing::kFull || t.attention_core) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
           }
         }
         transient.push_back(mem_.Alloc(Cat::kActivations, block_.backward_working_bytes));

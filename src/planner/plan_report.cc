@@ -50,6 +50,45 @@ Json OverheadsToJson(const FrameworkOverheads& o) {
 
 }  // namespace
 
+void AddTimeToJson(const TimeEstimate& t, double ddp_step_s, Json& plan) {
+  const CommVolume& v = t.comm.volume;
+  plan["comm"] = {{"per_step",
+                   {{"forward_all_gather_bytes", v.forward_all_gather_bytes},
+                    {"forward_all_gather_count", v.forward_all_gather_count},
+                    {"backward_all_gather_bytes", v.backward_all_gather_bytes},
+                    {"backward_all_gather_count", v.backward_all_gather_count},
+                    {"reduce_scatter_bytes", v.reduce_scatter_bytes},
+                    {"reduce_scatter_count", v.reduce_scatter_count},
+                    {"all_reduce_bytes", v.all_reduce_bytes},
+                    {"all_reduce_count", v.all_reduce_count},
+                    {"host_to_device_bytes", v.host_to_device_bytes},
+                    {"device_to_host_bytes", v.device_to_host_bytes},
+                    {"sent_bytes", v.sent_bytes},
+                    {"total_comm_s", v.total_comm_s}}},
+                  {"shard_group", {{"ranks", t.comm.shard_group.ranks}, {"ranks_per_node", t.comm.shard_group.ranks_per_node}}},
+                  {"replica_group", {{"ranks", t.comm.replica_group.ranks}, {"ranks_per_node", t.comm.replica_group.ranks_per_node}}}};
+  const StepEstimate& s = t.step;
+  Json time = {{"step_s", s.step_s},
+               {"compute_s", s.compute_s},
+               {"comm_s", s.comm_s},
+               {"exposed_comm_s", s.exposed_comm_s},
+               {"first_all_gather_s", s.first_all_gather_s},
+               {"last_reduce_s", s.last_reduce_s},
+               {"forward_s", s.forward_s},
+               {"backward_s", s.backward_s},
+               {"optimizer_s", s.optimizer_s},
+               {"tokens_per_s_per_gpu", s.tokens_per_s_per_gpu},
+               {"tflops_per_gpu", s.tflops_per_gpu},
+               {"mfu", s.mfu},
+               {"model_flops_per_token", t.compute.model_flops_per_token},
+               {"executed_flops_per_step", t.compute.executed_flops_per_step}};
+  if (ddp_step_s > 0) {
+    time["ddp_step_s"] = ddp_step_s;
+    time["slowdown_vs_ddp_pct"] = 100.0 * (s.step_s / ddp_step_s - 1.0);
+  }
+  plan["time"] = time;
+}
+
 Json ConfigToJson(const FsdpConfig& c) {
   return {{"gpus", c.gpus},
           {"gpus_per_node", c.gpus_per_node},

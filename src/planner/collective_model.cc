@@ -1,0 +1,135 @@
+#include "planner/collective_model.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+namespace fsdp {
+namespace {
+
+enum Proto { kLL = 0, kLL128 = 1, kSimple = 2 };
+enum Link { kNvlink = 0, kPci = 1, kNet = 2 };
+constexpr std::array<std::string_view, 3> kProtoNames = {"LL", "LL128", "Simple"};
+
+// NCCL src/graph/tuning.cc: baseLat[algorithm][protocol] and hwLat[hw][algorithm][protocol], in µs.
+constexpr double kBaseLatRing[3] = {6.6, 14.0, 8.4};
+constexpr double kBaseLatTree[3] = {6.8, 14.0, 8.4};
+constexpr double kHwLatRing[3][3] = {{0.6, 1.9, 3.4}, {1.0, 2.5, 5.7}, {2.7, 4.0, 14.0}};
+constexpr double kHwLatTree[3][3] = {{0.6, 1.25, 4.0}, {1.0, 1.9, 4.0}, {5.0, 8.5, 14.0}};
+// NVLS (NVLink SHARP through NVSwitch, sm90+): Simple only; base + per-hop latency (tuning.cc).
+constexpr double kNvlsLatUs = 25.0;
+
+// Share of the raw link bandwidth that the data of each protocol gets: LL sends a 4-byte flag with
+// every 4 bytes of data; LL128 one 8-byte flag per 128-byte line (tuning.cc, collectives.h).
+constexpr double kProtoBwFactor[3] = {0.5, 120.0 / 128.0, 1.0};
+
+// Fitted to published nccl-tests results (docs/time-model.md, test collective_model_test.cc):
+// the largest bus bandwidth reached, as a share of the per-direction link bandwidth, and the
+// message size at which half of it is reached (bandwidth(S) = peak * S / (S + half_size)).
+constexpr double kPeakShare[3] = {0.80, 0.80, 0.92};
+constexpr double kHalfSizeBytes[3] = {6.0 * (1 << 20), 2.0 * (1 << 20), 8.0 * (1 << 20)};
+// NVLS all-reduce bus bandwidth relative to ring on the same NVSwitch node (NVIDIA, H100 nccl-tests).
+constexpr double kNvlsAllReduceGain = 1.3;
+
+struct Path {
+  double bandwidth_bytes_per_s;  // per-rank bus bandwidth ceiling
+  Link bottleneck;
+  Link intra;
+};
+
+Link IntraLink(const HardwareSpec& hw, int64_t ranks_per_node) {
+  if (hw.intra_node_bandwidth_bytes_per_s <= 0) return kPci;
+  if (hw.intra_node_link == "nvlink-bridge" && ranks_per_node > 2) return kPci;  // bridges join pairs only
+  return kNvlink;
+}
+
+double IntraBandwidth(const HardwareSpec& hw, Link link) {
+  return link == kNvlink ? hw.intra_node_bandwidth_bytes_per_s : hw.pcie_bandwidth_bytes_per_s;
+}
+
+// A ring crosses each node boundary once per channel; with one NIC per GPU the channels spread
+// over the node's NICs, so the inter-node share of the bus bandwidth is the node's NIC total.
+Path PathFor(const CommGroup& g, const HardwareSpec& hw) {
+  const Link intra = IntraLink(hw, g.ranks_per_node);
+  const double intra_bw = IntraBandwidth(hw, intra) * kPeakShare[intra];
+  if (g.Nodes() <= 1) return {intra_bw, intra, intra};
+  const double net_bw = hw.inter_node_bandwidth_per_gpu_bytes_per_s * static_cast<double>(g.ranks_per_node) * kPeakShare[kNet];
+  if (g.ranks_per_node <= 1 || net_bw < intra_bw) return {net_bw, kNet, intra};
+  return {intra_bw, intra, intra};
+}
+
+double SaturatedBandwidth(double peak, Link link, double size_bytes) {
+  return peak * size_bytes / (size_bytes + kHalfSizeBytes[link]);
+}
+
+// NCCL's ring latency: nsteps hops, the ones that cross nodes at network latency.
+double RingLatencyUs(Collective c, const CommGroup& g, Link intra, Proto p) {
+  const int64_t n = g.ranks, nodes = g.Nodes();
+  const int64_t steps = c == Collective::kAllReduce ? 2 * (n - 1) : n - 1;
+  const int64_t inter_steps = nodes > 1 ? (c == Collective::kAllReduce ? 2 * (nodes - 1) : nodes - 1) : 0;
+  return kBaseLatRing[p] + static_cast<double>(steps - inter_steps) * kHwLatRing[intra][p] +
+         static_cast<double>(inter_steps) * kHwLatRing[kNet][p];
+}
+
+// NCCL's tree (all-reduce across nodes): up and down a chain inside the node and a tree across nodes.
+double TreeLatencyUs(const CommGroup& g, Link intra, Proto p) {
+  const double levels = std::ceil(std::log2(static_cast<double>(g.Nodes())));
+  return kBaseLatTree[p] + 2.0 * (static_cast<double>(g.ranks_per_node - 1) * kHwLatTree[intra][p] + levels * kHwLatTree[kNet][p]);
+}
+
+CollectiveEstimate Make(Collective c, int64_t size, int64_t ranks, double latency_us, double busbw, std::string_view algo, Proto p) {
+  CollectiveEstimate e;
+  const double bus_bytes = static_cast<double>(size) * BusFactor(c, ranks);
+  e.time_s = latency_us * 1e-6 + bus_bytes / busbw;
+  e.algbw_bytes_per_s = static_cast<double>(size) / e.time_s;
+  e.busbw_bytes_per_s = e.algbw_bytes_per_s * BusFactor(c, ranks);
+  e.algorithm = algo;
+  e.protocol = kProtoNames[p];
+  return e;
+}
+
+}  // namespace
+
+std::string_view CollectiveName(Collective c) {
+  switch (c) {
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kReduceScatter: return "reduce_scatter";
+    case Collective::kAllReduce: return "all_reduce";
+  }
+  return "?";
+}
+
+double BusFactor(Collective c, int64_t ranks) {
+  if (ranks <= 1) return 0.0;
+  const double n = static_cast<double>(ranks);
+  return c == Collective::kAllReduce ? 2.0 * (n - 1) / n : (n - 1) / n;
+}
+
+CollectiveEstimate EstimateCollective(Collective c, int64_t size_bytes, const CommGroup& g, const HardwareSpec& hw) {
+  if (g.ranks <= 1 || size_bytes <= 0) return {};
+  const Path path = PathFor(g, hw);
+  const double size = static_cast<double>(size_bytes);
+  CollectiveEstimate best;
+  best.time_s = INFINITY;
+  auto consider = [&](const CollectiveEstimate& e) { if (e.time_s < best.time_s) best = e; };
+  for (Proto p : {kLL, kLL128, kSimple}) {
+    const double bw = SaturatedBandwidth(path.bandwidth_bytes_per_s * kProtoBwFactor[p], path.bottleneck, size);
+    consider(Make(c, size_bytes, g.ranks, RingLatencyUs(c, g, path.intra, p), bw, "ring", p));
+    if (c == Collective::kAllReduce && g.Nodes() > 1) consider(Make(c, size_bytes, g.ranks, TreeLatencyUs(g, path.intra, p), bw, "tree", p));
+  }
+  const bool nvls = hw.intra_node_switched && g.Nodes() == 1 && g.ranks > 2 &&
+                    (hw.architecture == "hopper" || hw.architecture == "blackwell");
+  if (nvls && c == Collective::kAllReduce) {
+    const double bw = SaturatedBandwidth(path.bandwidth_bytes_per_s * kNvlsAllReduceGain, kNvlink, size);
+    consider(Make(c, size_bytes, g.ranks, kNvlsLatUs, bw, "nvls", kSimple));
+  }
+  return best;
+}
+
+double HostCopySeconds(int64_t bytes, const HardwareSpec& hw) {
+  if (bytes <= 0) return 0.0;
+  const double size = static_cast<double>(bytes);
+  return size / SaturatedBandwidth(hw.pcie_bandwidth_bytes_per_s * kPeakShare[kPci], kPci, size);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,87 @@
+#include "planner/comm_model.h"
+
+#include <algorithm>
+
+namespace fsdp {
+namespace {
+
+CommGroup ShardGroup(const Workload& w) {
+  return {w.shard_world, std::min(w.shard_world, w.config.gpus_per_node)};
+}
+
+// Replicas of one shard: one per shard group. Shard groups of at least a node put one replica per
+// node; smaller ones put gpus_per_node / W replicas on each node.
+CommGroup ReplicaGroup(const Workload& w) {
+  if (w.config.strategy == Strategy::kNoShard) return {w.config.gpus, std::min(w.config.gpus, w.config.gpus_per_node)};
+  const int64_t per_node = std::max<int64_t>(1, w.config.gpus_per_node / w.shard_world);
+  return {w.replicas, std::min(w.replicas, per_node)};
+}
+
+}  // namespace
+
+bool RegathersInBackward(const Workload& w, int u) {
+  if (w.units[u].is_root) return false;
+  return w.config.strategy == Strategy::kFullShard || w.config.strategy == Strategy::kHybridShard;
+}
+
+CommModel EstimateComm(const Workload& w) {
+  CommModel cm;
+  cm.shard_group = ShardGroup(w);
+  cm.replica_group = ReplicaGroup(w);
+  const FsdpConfig& c = w.config;
+  const int64_t p = BytesPerElement(c.param_dtype), r = BytesPerElement(c.reduce_dtype), m = BytesPerElement(c.master_dtype);
+  const int64_t micro = c.grad_accum;
+  const int64_t reductions = c.no_sync ? 1 : micro;  // no_sync reduces once per step
+  const bool no_shard = c.strategy == Strategy::kNoShard;
+  CommVolume& v = cm.volume;
+  for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
+    const WrapUnit& unit = w.units[u];
+    UnitComm uc;
+    if (unit.numel == 0) { cm.units.push_back(uc); continue; }
+    if (no_shard) {
+      auto ar = EstimateCollective(Collective::kAllReduce, unit.numel * r, cm.replica_group, w.hardware);
+      uc.all_reduce_s = ar.time_s;
+      v.all_reduce_bytes += reductions * unit.numel * r;
+      v.all_reduce_count += ar.time_s > 0 ? reductions : 0;
+      v.sent_bytes += static_cast<double>(reductions * unit.numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
+    } else {
+      auto ag = EstimateCollective(Collective::kAllGather, unit.padded_numel * p, cm.shard_group, w.hardware);
+      auto rs = EstimateCollective(Collective::kReduceScatter, unit.padded_numel * r, cm.shard_group, w.hardware);
+      uc.all_gather_s = ag.time_s;
+      uc.reduce_scatter_s = rs.time_s;
+      const int64_t gathers_bwd = RegathersInBackward(w, u) ? micro : 0;
+      if (ag.time_s > 0) {
+        v.forward_all_gather_bytes += micro * unit.padded_numel * p;
+        v.forward_all_gather_count += micro;
+        v.backward_all_gather_bytes += gathers_bwd * unit.padded_numel * p;
+        v.backward_all_gather_count += gathers_bwd;
+        v.reduce_scatter_bytes += reductions * unit.padded_numel * r;
+        v.reduce_scatter_count += reductions;
+      }
+      const double ag_factor = BusFactor(Collective::kAllGather, cm.shard_group.ranks);
+      v.sent_bytes += static_cast<double>((micro + gathers_bwd) * unit.padded_numel * p + reductions * unit.padded_numel * r) * ag_factor;
+      if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
+        auto ar = EstimateCollective(Collective::kAllReduce, unit.shard_numel * r, cm.replica_group, w.hardware);
+        uc.all_reduce_s = ar.time_s;
+        v.all_reduce_bytes += reductions * unit.shard_numel * r;
+        v.all_reduce_count += reductions;
+        v.sent_bytes += static_cast<double>(reductions * unit.shard_numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
+      }
+    }
+    if (c.cpu_offload) {
+      const int64_t gathers = micro * (1 + (RegathersInBackward(w, u) ? 1 : 0));
+      uc.host_to_device_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
+      uc.device_to_host_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
+      v.host_to_device_bytes += gathers * unit.shard_numel * m;
+      v.device_to_host_bytes += reductions * unit.shard_numel * m;
+    }
+    const int64_t gathers = no_shard ? 0 : micro * (1 + (RegathersInBackward(w, u) ? 1 : 0));
+    v.total_comm_s += static_cast<double>(gathers) * uc.all_gather_s +
+                      static_cast<double>(reductions) * (uc.reduce_scatter_s + uc.all_reduce_s + uc.device_to_host_s) +
+                      static_cast<double>(c.cpu_offload ? gathers : 0) * uc.host_to_device_s;
+    cm.units.push_back(uc);
+  }
+  return cm;
+}
+
+}  // namespace fsdp

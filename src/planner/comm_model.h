@@ -1,0 +1,47 @@
+// The collectives of one training step, per GPU: what FSDP issues for each wrap unit, their sizes
+// (nccl-tests convention) and their times from the collective model.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/workload.h"
+#include "planner/collective_model.h"
+
+namespace fsdp {
+
+/// Per-unit collective times for one micro-batch (0 when the strategy issues none).
+struct UnitComm {
+  double all_gather_s = 0;        ///< one all-gather of the unit (shard group)
+  double reduce_scatter_s = 0;    ///< one reduce-scatter of its gradient (shard group)
+  double all_reduce_s = 0;        ///< NO_SHARD all-reduce, or HYBRID_SHARD's replica all-reduce of the shard
+  double host_to_device_s = 0;    ///< CPU offload: shard copied to the GPU before each all-gather
+  double device_to_host_s = 0;    ///< CPU offload: gradient shard copied to the host
+};
+
+/// Totals per optimizer step and per GPU. Sizes follow nccl-tests (all-gather output,
+/// reduce-scatter input, all-reduce buffer); sent_bytes are what the GPU puts on its links.
+struct CommVolume {
+  int64_t forward_all_gather_bytes = 0, forward_all_gather_count = 0;
+  int64_t backward_all_gather_bytes = 0, backward_all_gather_count = 0;
+  int64_t reduce_scatter_bytes = 0, reduce_scatter_count = 0;
+  int64_t all_reduce_bytes = 0, all_reduce_count = 0;   ///< NO_SHARD gradients, HYBRID_SHARD replicas
+  int64_t host_to_device_bytes = 0, device_to_host_bytes = 0;
+  double sent_bytes = 0;          ///< sum of size * BusFactor over all collectives
+  double total_comm_s = 0;        ///< sum of all collective and copy times (no overlap)
+};
+
+struct CommModel {
+  std::vector<UnitComm> units;    ///< indexed like Workload::units
+  CommVolume volume;
+  CommGroup shard_group;          ///< ranks of the all-gathers and reduce-scatters
+  CommGroup replica_group;        ///< HYBRID_SHARD's replica all-reduce / NO_SHARD's all-reduce
+};
+
+/// Builds the per-unit collective times and the per-step volume for the workload.
+CommModel EstimateComm(const Workload& workload);
+
+/// Whether FSDP gathers unit u again in backward (it was freed after forward).
+bool RegathersInBackward(const Workload& workload, int u);
+
+}  // namespace fsdp

@@ -1,0 +1,134 @@
+#include "planner/compute_model.h"
+
+#include "planner/activation_model.h"
+
+namespace fsdp {
+namespace {
+
+// Bytes AdamW's foreach step moves per sharded element: param r+w (8), grad r (4), exp_avg and
+// exp_avg_sq r+w (16), the sqrt temporary w+r (8).
+constexpr double kAdamBytesPerElement = 36.0;
+constexpr double kSgdBytesPerElement = 12.0;   // param r+w, grad r
+// Memory-bound traffic: each saved activation is written once and read once in forward, and its
+// gradient written and read in backward (twice the forward traffic).
+constexpr double kForwardTrafficPerSavedByte = 2.0;
+constexpr double kBackwardTrafficFactor = 2.0;
+// Backward GEMMs compute the input and the weight gradients: 2x the forward FLOPs. FlashAttention-2
+// backward runs 5 matmuls for the forward's 2 (it recomputes the scores): 2.5x.
+constexpr double kBackwardGemmFactor = 2.0;
+constexpr double kFlashBackwardFactor = 2.5;
+
+struct NodeWork {
+  double gemm_flops = 0;        // forward GEMMs of the node's own weights, per micro-batch
+  double attention_flops = 0;   // forward score and value products
+  double traffic_bytes = 0;     // forward memory-bound traffic
+};
+
+// Forward work of a module-tree node (its own tensors and role), not of its children.
+NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations& block, const HeadActivations& head) {
+  const ModelSpec& m = w.model;
+  const double tokens = static_cast<double>(w.TokensPerMicroBatch());
+  NodeWork work;
+  for (int t : n.tensors) {
+    const TensorSpec& ts = m.tensors[t];
+    if (!ts.in_linear || ts.shape.size() != 2) continue;
+    double share = 1.0;
+    if (m.num_experts > 0 && ts.name.find(".experts.") != std::string::npos) {
+      share = static_cast<double>(m.experts_per_token) / static_cast<double>(m.num_experts);
+    }
+    work.gemm_flops += 2.0 * static_cast<double>(ts.numel()) * tokens * share;
+  }
+  const bool flash = w.config.attention == Attention::kFlash;
+  const double seq = static_cast<double>(w.config.seq_len);
+  const double keys = flash ? (seq + 1) / 2 : seq;  // causal flash skips the masked half
+  if (n.role == ModuleNode::Role::kBlock) {
+    work.attention_flops = 4.0 * keys * static_cast<double>(m.num_heads * m.head_dim) * tokens;
+    work.traffic_bytes = kForwardTrafficPerSavedByte * static_cast<double>(block.FullBytes());
+  } else if (n.role == ModuleNode::Role::kLmHead) {
+    if (n.tensors.empty()) work.gemm_flops += 2.0 * static_cast<double>(m.vocab_size * m.hidden_size) * tokens;  // tied
+    work.traffic_bytes = kForwardTrafficPerSavedByte *
+                         static_cast<double>(head.logits_bytes + head.loss_saved_bytes + head.loss_forward_transient_bytes);
+  } else if (n.role == ModuleNode::Role::kFinalNorm) {
+    work.traffic_bytes = kForwardTrafficPerSavedByte * static_cast<double>(SumBytes(head.final_norm));
+  }
+  return work;
+}
+
+bool InsideBlock(const Workload& w, int node) {
+  for (; node >= 0; node = w.nodes[node].parent) {
+    if (w.nodes[node].role == ModuleNode::Role::kBlock) return true;
+  }
+  return false;
+}
+
+int OwningUnit(const Workload& w, int node) {
+  while (w.nodes[node].unit < 0) node = w.nodes[node].parent;
+  return w.nodes[node].unit;
+}
+
+double MatmulParams(const ModelSpec& m) {
+  double n = 0;
+  for (const auto& t : m.tensors) {
+    if (!t.in_linear || t.shape.size() != 2) continue;
+    double share = m.num_experts > 0 && t.name.find(".experts.") != std::string::npos
+                       ? static_cast<double>(m.experts_per_token) / static_cast<double>(m.num_experts) : 1.0;
+    n += static_cast<double>(t.numel()) * share;
+  }
+  if (m.tie_word_embeddings) n += static_cast<double>(m.vocab_size * m.hidden_size);
+  return n;
+}
+
+double OptimizerSeconds(const Workload& w) {
+  const double elements = static_cast<double>(w.ShardNumelTotal());
+  const bool adam = w.config.optimizer == Optimizer::kAdamW || w.config.optimizer == Optimizer::kAdam;
+  if (w.config.cpu_offload) return elements / kHostAdamElementsPerSecond * (adam ? 1.0 : kSgdBytesPerElement / kAdamBytesPerElement);
+  const double bytes = elements * (adam ? kAdamBytesPerElement : kSgdBytesPerElement);
+  return bytes / (w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency);
+}
+
+}  // namespace
+
+ComputeModel EstimateCompute(const Workload& w) {
+  ComputeModel cm;
+  cm.units.assign(w.units.size(), UnitCompute{});
+  const BlockActivations block = BlockActivationProfile(w.model, w.config);
+  const HeadActivations head = HeadActivationProfile(w.model, w.config);
+  const double gemm_rate = w.hardware.PeakFlops(w.config.param_dtype) * w.hardware.matmul_efficiency;
+  const double mem_rate = w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency;
+  const bool flash = w.config.attention == Attention::kFlash;
+  const Checkpointing ac = w.config.checkpointing;
+  for (int id = 0; id < static_cast<int>(w.nodes.size()); ++id) {
+    const ModuleNode& n = w.nodes[id];
+    const NodeWork work = OwnWork(w, n, block, head);
+    UnitCompute& u = cm.units[OwningUnit(w, id)];
+    const double fwd_flops = work.gemm_flops + work.attention_flops;
+    const double bwd_flops = kBackwardGemmFactor * work.gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
+    const double fwd_s = fwd_flops / gemm_rate + work.traffic_bytes / mem_rate;
+    u.forward_flops += fwd_flops;
+    u.forward_s += fwd_s;
+    u.backward_flops += bwd_flops;
+    u.backward_s += bwd_flops / gemm_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
+    if (ac == Checkpointing::kFull && InsideBlock(w, id)) {
+      // checkpoint_wrapper reruns the whole block forward (its linears included) in backward
+      u.recompute_flops += fwd_flops;
+      u.recompute_s += fwd_s;
+    } else if (ac == Checkpointing::kSelective && n.role == ModuleNode::Role::kBlock && !flash) {
+      const double core_bytes = static_cast<double>(block.FullBytes() - block.KeptBytes());
+      u.recompute_flops += work.attention_flops;
+      u.recompute_s += work.attention_flops / gemm_rate + kForwardTrafficPerSavedByte * core_bytes / mem_rate;
+    }
+  }
+  const double micro = static_cast<double>(w.config.grad_accum);
+  for (const auto& u : cm.units) {
+    cm.executed_flops_per_step += micro * (u.forward_flops + u.backward_flops + u.recompute_flops);
+    cm.compute_s_per_step += micro * (u.forward_s + u.backward_s + u.recompute_s);
+  }
+  cm.optimizer_s = OptimizerSeconds(w);
+  cm.compute_s_per_step += cm.optimizer_s;
+  const ModelSpec& m = w.model;
+  cm.model_flops_per_token = 6.0 * MatmulParams(m) +
+                             12.0 * static_cast<double>(m.num_layers * w.config.seq_len * m.num_heads * m.head_dim);
+  return cm;
+}
+
+}  // namespace fsdp

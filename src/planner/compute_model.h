@@ -1,0 +1,33 @@
+// Floating-point work and compute time of one training step, per wrap unit (docs/time-model.md).
+#pragma once
+
+#include <vector>
+
+#include "core/workload.h"
+
+namespace fsdp {
+
+/// Compute of one unit for one micro-batch, on one GPU.
+struct UnitCompute {
+  double forward_flops = 0, backward_flops = 0, recompute_flops = 0;
+  double forward_s = 0, backward_s = 0, recompute_s = 0;   ///< GEMMs at peak x efficiency + memory-bound work
+};
+
+struct ComputeModel {
+  std::vector<UnitCompute> units;      ///< indexed like Workload::units
+  double optimizer_s = 0;              ///< the optimizer step (on the GPU, or on the host under CPU offload)
+  double model_flops_per_token = 0;    ///< 6 N + 12 L s a d (PaLM's MFU convention; N = matmul parameters)
+  double executed_flops_per_step = 0;  ///< what the GPU really computes (attention as run, recomputation)
+  double compute_s_per_step = 0;       ///< sum of all units' times over the micro-batches + optimizer
+};
+
+/// GEMM FLOPs from the tensor inventory (2 x weight elements per token; experts weighted by
+/// top_k / experts), attention from the sequence length (causal flash computes half the scores),
+/// backward 2x forward (flash attention 2.5x), recomputation under checkpointing; times from
+/// peak FLOP/s x matmul efficiency plus activation traffic / (bandwidth x memory efficiency).
+ComputeModel EstimateCompute(const Workload& workload);
+
+/// Host elements per second of PyTorch's CPU AdamW under CPU offload (docs/time-model.md).
+constexpr double kHostAdamElementsPerSecond = 1.0e9;
+
+}  // namespace fsdp

@@ -1,0 +1,38 @@
+// Step time with overlap: the compute stream and the communication stream of one GPU played
+// unit by unit in FSDP's issue order (docs/time-model.md, "Overlap").
+#pragma once
+
+#include "core/workload.h"
+#include "planner/comm_model.h"
+#include "planner/compute_model.h"
+
+namespace fsdp {
+
+struct StepEstimate {
+  double step_s = 0;              ///< one optimizer step (all micro-batches + optimizer)
+  double compute_s = 0;           ///< compute-stream busy time
+  double comm_s = 0;              ///< all collectives and copies back to back (no overlap)
+  double exposed_comm_s = 0;      ///< step_s - compute_s: time the compute stream waits on communication
+  double first_all_gather_s = 0;  ///< the step's first all-gather, always exposed
+  double last_reduce_s = 0;       ///< communication after the last backward compute, always exposed
+  double forward_s = 0, backward_s = 0, optimizer_s = 0;  ///< wall time of each phase (summed over micro-batches)
+  double tokens_per_s_per_gpu = 0;
+  double tflops_per_gpu = 0;      ///< model FLOPs (6N + 12Lsad per token) per second, in TFLOP/s
+  double mfu = 0;                 ///< model FLOPs utilisation of the param_dtype peak
+};
+
+/// Plays the step's compute and communication in FSDP's order: all-gathers wait for the stream
+/// and (FSDP1 limit_all_gathers) for the compute of the unit two back; compute waits for its
+/// unit's all-gather; reduce-scatters follow each unit's backward on the same stream; the
+/// optimizer waits for the last reduction. CPU launch overheads are not modelled (fsdp-sim does).
+StepEstimate EstimateStep(const Workload& workload, const ComputeModel& compute, const CommModel& comm);
+
+/// Compute, communication and step estimates for one workload.
+struct TimeEstimate {
+  ComputeModel compute;
+  CommModel comm;
+  StepEstimate step;
+};
+TimeEstimate EstimateTime(const Workload& workload);
+
+}  // namespace fsdp
