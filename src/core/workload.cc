@@ -166,23 +166,44 @@ int64_t Workload::PaddedNumelTotal() const {
   return total;
 }
 
-Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config) {
-  if (Status s = ResolveAndValidate(config, model, hardware); !s.ok()) return s.error();
-  Workload w;
-  w.shard_world = ShardWorldSize(config);
-  w.replicas = ReplicaCount(config);
-  w.nodes = BuildModuleTree(model);
-  MarkUnits(w.nodes, model, config);
+namespace {
+
+void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
+  for (auto& n : w.nodes) n.unit = -1;
+  w.units.clear();
+  w.post_forward_order.clear();
+  MarkUnits(w.nodes, w.model, config);
   CollectUnits(w, 0, -1);
   CollectPostOrder(w, 0, w.post_forward_order);
   for (auto& u : w.units) {
-    for (int t : u.tensors) u.numel += model.tensors[t].numel();
-    u.padded_numel = PaddedNumel(model, u.tensors, config, w.shard_world);
+    for (int t : u.tensors) u.numel += w.model.tensors[t].numel();
+  }
+}
+
+}  // namespace
+
+Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config) {
+  if (Status s = ResolveAndValidate(config, w.model, hardware); !s.ok()) return s;
+  const bool rewrap = w.units.empty() || config.wrap != w.config.wrap ||
+                      (config.wrap == WrapPolicy::kSize && config.wrap_min_params != w.config.wrap_min_params);
+  if (rewrap) ApplyWrapPolicy(w, config);
+  w.shard_world = ShardWorldSize(config);
+  w.replicas = ReplicaCount(config);
+  for (auto& u : w.units) {
+    u.padded_numel = PaddedNumel(w.model, u.tensors, config, w.shard_world);
     u.shard_numel = u.padded_numel / w.shard_world;
   }
-  w.model = std::move(model);
-  w.hardware = std::move(hardware);
+  w.hardware = hardware;
   w.config = config;
+  return {};
+}
+
+Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config) {
+  if (Status s = ResolveAndValidate(config, model, hardware); !s.ok()) return s.error();
+  Workload w;
+  w.nodes = BuildModuleTree(model);
+  w.model = std::move(model);
+  if (Status s = Reconfigure(w, hardware, config); !s.ok()) return s.error();
   return w;
 }
 

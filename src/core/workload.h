@@ -63,6 +63,11 @@ struct Workload {
 /// tree, applies the wrap policy and computes padding. BadInput on inconsistent configurations.
 Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config);
 
+/// Re-targets an existing workload (same model) at another GPU and configuration: re-applies the
+/// wrap policy only when it changed and recomputes the padding. Cheaper than BuildWorkload, for
+/// searches. On error the workload is left unchanged.
+Status Reconfigure(Workload& workload, const HardwareSpec& hardware, FsdpConfig config);
+
 /// Padded unsharded numel of a unit's tensors for a shard world of `world` ranks:
 /// FSDP1 flat parameter (16-byte alignment per parameter when use_orig_params, total padded to a
 /// multiple of world) or FSDP2 per-parameter dim-0 padding.

@@ -68,7 +68,7 @@ class StepPlayer {
     mixed_ = c_.param_dtype != c_.master_dtype;
   }
 
-  void PlayStep(int64_t cublas_workspace_bytes, CategoryBytes& host) {
+  void PlayStep(CategoryBytes& host) {
     mem_.SetPhase(At(PhaseKind::kStart));
     const int64_t shard_elems = w_.ShardNumelTotal();
     const int64_t state_bytes = OptimizerStateBytesPerParam(c_.optimizer) * shard_elems;
@@ -80,7 +80,6 @@ class StepPlayer {
       for (const auto& u : w_.units) mem_.Alloc(Cat::kShardedParams, u.shard_numel * mb_);
       mem_.Alloc(Cat::kOptimizerStates, state_bytes);
     }
-    mem_.Alloc(Cat::kFramework, cublas_workspace_bytes);
     for (micro_ = 0; micro_ < c_.grad_accum; ++micro_) {
       Forward(0);
       Backward(0);
@@ -451,27 +450,41 @@ FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {
   return o;
 }
 
-MemoryEstimate EstimateMemory(const Workload& w, const MemoryOptions& options) {
+MemoryEstimate EstimateTensorMemory(const Workload& w, int64_t rounding_bytes, bool record_timeline) {
   MemoryEstimate e;
-  e.overheads = options.overheads;
-  MemoryTracker mem(options.overheads.allocation_rounding_bytes, options.record_timeline);
-  StepPlayer(w, mem).PlayStep(options.overheads.cublas_workspace_bytes, e.host);
+  MemoryTracker mem(rounding_bytes, record_timeline);
+  StepPlayer(w, mem).PlayStep(e.host);
   e.allocated_peak_bytes = mem.allocated_peak();
   e.allocated_peak_phase = PhaseName(w, mem.allocated_peak_phase());
   e.peak = mem.device_peak();
   e.peak_phase = PhaseName(w, mem.device_peak_phase());
   e.pending_free_bytes_at_peak = mem.pending_at_peak();
-  const int64_t fragmentation = static_cast<int64_t>(options.overheads.fragmentation_fraction * static_cast<double>(TotalBytes(e.peak)));
-  e.peak[static_cast<int>(Cat::kFramework)] += options.overheads.cuda_context_bytes +
-                                               CommunicatorCount(w) * options.overheads.nccl_bytes_per_communicator + fragmentation;
-  e.peak_bytes = TotalBytes(e.peak);
-  e.capacity_bytes = w.hardware.memory_bytes;
-  e.headroom_bytes = e.capacity_bytes - e.peak_bytes;
-  e.fits = e.headroom_bytes >= 0;
   e.host_bytes = TotalBytes(e.host);
   e.checkpoint = EstimateCheckpoint(w);
   for (TrackedPoint& p : mem.TakeTimeline()) e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), p.device});
   return e;
+}
+
+MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o, MemoryEstimate e) {
+  e.overheads = o;
+  // The cuBLAS workspaces live in the caching allocator from the first GEMM on: a constant under
+  // every point of the step, so adding them to the peak is the same as allocating them first.
+  e.allocated_peak_bytes += o.cublas_workspace_bytes;
+  CategoryBytes& peak = e.peak;
+  peak[static_cast<int>(Cat::kFramework)] += o.cublas_workspace_bytes;
+  const int64_t fragmentation = static_cast<int64_t>(o.fragmentation_fraction * static_cast<double>(TotalBytes(peak)));
+  peak[static_cast<int>(Cat::kFramework)] += o.cuda_context_bytes + CommunicatorCount(w) * o.nccl_bytes_per_communicator + fragmentation;
+  for (auto& p : e.timeline) p.device[static_cast<int>(Cat::kFramework)] += o.cublas_workspace_bytes;
+  e.peak_bytes = TotalBytes(peak);
+  e.capacity_bytes = w.hardware.memory_bytes;
+  e.headroom_bytes = e.capacity_bytes - e.peak_bytes;
+  e.fits = e.headroom_bytes >= 0;
+  return e;
+}
+
+MemoryEstimate EstimateMemory(const Workload& w, const MemoryOptions& options) {
+  return AddFrameworkTerms(w, options.overheads,
+                           EstimateTensorMemory(w, options.overheads.allocation_rounding_bytes, options.record_timeline));
 }
 
 MemoryEstimate EstimateMemory(const Workload& w) {

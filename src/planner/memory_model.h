@@ -91,6 +91,14 @@ struct MemoryOptions {
 /// (optimizer states exist, gradients were set to None by zero_grad) and returns the memory.
 MemoryEstimate EstimateMemory(const Workload& workload, const MemoryOptions& options);
 
+/// The tensors alone (no framework terms; capacity and fits not set): what depends on the model and
+/// configuration but not on the GPU type, so that a search can reuse it across GPU types.
+MemoryEstimate EstimateTensorMemory(const Workload& workload, int64_t rounding_bytes, bool record_timeline);
+
+/// Adds the framework terms (cuBLAS workspaces, CUDA context, NCCL buffers, fragmentation) to a
+/// tensor estimate and compares the peak with the workload's GPU.
+MemoryEstimate AddFrameworkTerms(const Workload& workload, const FrameworkOverheads& overheads, MemoryEstimate tensors);
+
 /// Same with FrameworkOverheadsFor(workload).
 MemoryEstimate EstimateMemory(const Workload& workload);
 
