@@ -11,23 +11,32 @@ enum Proto { kLL = 0, kLL128 = 1, kSimple = 2 };
 enum Link { kNvlink = 0, kPci = 1, kNet = 2 };
 constexpr std::array<std::string_view, 3> kProtoNames = {"LL", "LL128", "Simple"};
 
-// NCCL src/graph/tuning.cc: baseLat[algorithm][protocol] and hwLat[hw][algorithm][protocol], in µs.
+// NCCL src/graph/tuning.cc (2.20.3): baseLat[algorithm][protocol] and hwLat[hw][algorithm][protocol], µs.
 constexpr double kBaseLatRing[3] = {6.6, 14.0, 8.4};
-constexpr double kBaseLatTree[3] = {6.8, 14.0, 8.4};
+constexpr double kBaseLatTree[3] = {6.8, 14.0, 0.0};
 constexpr double kHwLatRing[3][3] = {{0.6, 1.9, 3.4}, {1.0, 2.5, 5.7}, {2.7, 4.0, 14.0}};
-constexpr double kHwLatTree[3][3] = {{0.6, 1.25, 4.0}, {1.0, 1.9, 4.0}, {5.0, 8.5, 14.0}};
-// NVLS (NVLink SHARP through NVSwitch, sm90+): Simple only; base + per-hop latency (tuning.cc).
-constexpr double kNvlsLatUs = 25.0;
+constexpr double kHwLatTree[3][3] = {{0.6, 1.25, 28.0}, {1.0, 1.9, 28.0}, {5.0, 8.5, 28.0}};
+// NVLS (NVLink SHARP through NVSwitch, sm90+): Simple only, hwLat[NVLINK][NVLS] = 23.
+constexpr double kNvlsLatUs = 23.0;
 
-// Share of the raw link bandwidth that the data of each protocol gets: LL sends a 4-byte flag with
-// every 4 bytes of data; LL128 one 8-byte flag per 128-byte line (tuning.cc, collectives.h).
-constexpr double kProtoBwFactor[3] = {0.5, 120.0 / 128.0, 1.0};
+// Share of the link bandwidth the data gets per protocol (tuning.cc): ring LL 1/3 on one node for
+// all-gather/reduce-scatter, 1/4 across nodes or for all-reduce; LL128 0.92 (0.7 with one GPU per
+// node); Simple 1.
+double ProtoBwFactor(int proto, Collective c, int64_t nodes, int64_t ranks_per_node) {
+  if (proto == 0) return (nodes > 1 || c == Collective::kAllReduce) ? 0.25 : 1.0 / 3.0;
+  if (proto == 1) return ranks_per_node < 2 ? 0.7 : 0.92;
+  return 1.0;
+}
 
-// Fitted to published nccl-tests results (docs/time-model.md, test collective_model_test.cc):
-// the largest bus bandwidth reached, as a share of the per-direction link bandwidth, and the
-// message size at which half of it is reached (bandwidth(S) = peak * S / (S + half_size)).
+// Fitted to published nccl-tests results (docs/time-model.md; bench/collective_check prints the
+// comparison): the largest bus bandwidth reached, as a share of the per-direction link bandwidth,
+// and, per protocol, the message size at which half of it is reached
+// (bandwidth(S) = peak * S / (S + half_size)): LL is built for small messages, Simple pipelines
+// large chunks over many channels.
 constexpr double kPeakShare[3] = {0.80, 0.80, 0.92};
-constexpr double kHalfSizeBytes[3] = {6.0 * (1 << 20), 2.0 * (1 << 20), 8.0 * (1 << 20)};
+constexpr double kHalfSizeBytes[3] = {64.0 * 1024, 1.0 * (1 << 20), 6.0 * (1 << 20)};
+// Across nodes every protocol needs far larger messages (network round trips, proxy threads).
+constexpr double kNetHalfSizeBytes = 16.0 * (1 << 20);
 // NVLS all-reduce bus bandwidth relative to ring on the same NVSwitch node (NVIDIA, H100 nccl-tests).
 constexpr double kNvlsAllReduceGain = 1.3;
 
@@ -58,8 +67,23 @@ Path PathFor(const CommGroup& g, const HardwareSpec& hw) {
   return {intra_bw, intra, intra};
 }
 
-double SaturatedBandwidth(double peak, Link link, double size_bytes) {
-  return peak * size_bytes / (size_bytes + kHalfSizeBytes[link]);
+// NCCL's tree all-reduce reduces inside each node, then each node sends its data across once (a
+// ring sends 2(n-1)/n of it): the network allows BusFactor x the node's NIC bandwidth. Inside the
+// node the chain reaches kTreeIntraShare of the ring's bus bandwidth (NVLS-capable nodes more).
+constexpr double kTreeIntraShare = 0.8;
+
+double TreeBandwidth(const CommGroup& g, const HardwareSpec& hw) {
+  const Link intra = IntraLink(hw, g.ranks_per_node);
+  double intra_bw = IntraBandwidth(hw, intra) * kPeakShare[intra] * kTreeIntraShare;
+  if (hw.intra_node_switched && (hw.architecture == "hopper" || hw.architecture == "blackwell")) intra_bw *= kNvlsAllReduceGain;
+  const double net_bw = hw.inter_node_bandwidth_per_gpu_bytes_per_s * static_cast<double>(g.ranks_per_node) * kPeakShare[kNet] *
+                        BusFactor(Collective::kAllReduce, g.ranks);
+  return std::min(intra_bw, net_bw);
+}
+
+double SaturatedBandwidth(double peak, int proto, double size_bytes, bool multi_node = false) {
+  const double half = multi_node ? std::max(kNetHalfSizeBytes, kHalfSizeBytes[proto]) : kHalfSizeBytes[proto];
+  return peak * size_bytes / (size_bytes + half);
 }
 
 // NCCL's ring latency: nsteps hops, the ones that cross nodes at network latency.
@@ -113,14 +137,17 @@ CollectiveEstimate EstimateCollective(Collective c, int64_t size_bytes, const Co
   best.time_s = INFINITY;
   auto consider = [&](const CollectiveEstimate& e) { if (e.time_s < best.time_s) best = e; };
   for (Proto p : {kLL, kLL128, kSimple}) {
-    const double bw = SaturatedBandwidth(path.bandwidth_bytes_per_s * kProtoBwFactor[p], path.bottleneck, size);
+    const double bw = SaturatedBandwidth(path.bandwidth_bytes_per_s * ProtoBwFactor(p, c, g.Nodes(), g.ranks_per_node), p, size, g.Nodes() > 1);
     consider(Make(c, size_bytes, g.ranks, RingLatencyUs(c, g, path.intra, p), bw, "ring", p));
-    if (c == Collective::kAllReduce && g.Nodes() > 1) consider(Make(c, size_bytes, g.ranks, TreeLatencyUs(g, path.intra, p), bw, "tree", p));
+    if (c == Collective::kAllReduce && g.Nodes() > 1) {
+      const double tree_bw = SaturatedBandwidth(TreeBandwidth(g, hw) * ProtoBwFactor(p, c, g.Nodes(), g.ranks_per_node), p, size, true);
+      consider(Make(c, size_bytes, g.ranks, TreeLatencyUs(g, path.intra, p), tree_bw, "tree", p));
+    }
   }
   const bool nvls = hw.intra_node_switched && g.Nodes() == 1 && g.ranks > 2 &&
                     (hw.architecture == "hopper" || hw.architecture == "blackwell");
   if (nvls && c == Collective::kAllReduce) {
-    const double bw = SaturatedBandwidth(path.bandwidth_bytes_per_s * kNvlsAllReduceGain, kNvlink, size);
+    const double bw = SaturatedBandwidth(path.bandwidth_bytes_per_s * kNvlsAllReduceGain, kSimple, size);
     consider(Make(c, size_bytes, g.ranks, kNvlsLatUs, bw, "nvls", kSimple));
   }
   return best;
@@ -129,7 +156,7 @@ CollectiveEstimate EstimateCollective(Collective c, int64_t size_bytes, const Co
 double HostCopySeconds(int64_t bytes, const HardwareSpec& hw) {
   if (bytes <= 0) return 0.0;
   const double size = static_cast<double>(bytes);
-  return size / SaturatedBandwidth(hw.pcie_bandwidth_bytes_per_s * kPeakShare[kPci], kPci, size);
+  return size / SaturatedBandwidth(hw.pcie_bandwidth_bytes_per_s * kPeakShare[kPci], kSimple, size);
 }
 
 }  // namespace fsdp

@@ -1,0 +1,148 @@
+#include "planner/step_model.h"
+
+#include <doctest/doctest.h>
+
+namespace fsdp {
+namespace {
+
+// The hand-countable llama (units: root 264, two blocks of 592 parameters).
+constexpr const char* kHandLlama =
+    R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+    R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})";
+
+Workload Build(FsdpConfig c, const char* gpu = "a100-80gb-sxm") {
+  auto json = ParseJson(kHandLlama, "hand.json");
+  auto m = ModelFromHfConfig(json.value(), "hand", "hand.json");
+  auto hw = LoadHardware(gpu);
+  REQUIRE(m.ok());
+  REQUIRE(hw.ok());
+  auto w = BuildWorkload(m.value(), hw.value(), c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
+FsdpConfig ThreeRanks() {
+  FsdpConfig c;
+  c.gpus = 3;
+  c.seq_len = 2;
+  c.param_dtype = DType::kFp32;
+  return c;
+}
+
+TEST_CASE("collective inventory per step (FULL_SHARD, 3 ranks, fp32)") {
+  CommModel cm = EstimateComm(Build(ThreeRanks()));
+  const CommVolume& v = cm.volume;
+  // forward: root 264 + two blocks padded to 594, 4 bytes each; backward re-gathers the blocks only.
+  CHECK(v.forward_all_gather_count == 3);
+  CHECK(v.forward_all_gather_bytes == (264 + 594 + 594) * 4);
+  CHECK(v.backward_all_gather_count == 2);
+  CHECK(v.backward_all_gather_bytes == 2 * 594 * 4);
+  CHECK(v.reduce_scatter_count == 3);
+  CHECK(v.reduce_scatter_bytes == (264 + 594 + 594) * 4);
+  CHECK(v.all_reduce_count == 0);
+  CHECK(v.sent_bytes == doctest::Approx((5808.0 + 4752 + 5808) * 2 / 3));
+}
+
+TEST_CASE("collective inventory follows strategy, accumulation and no_sync") {
+  FsdpConfig c = ThreeRanks();
+  c.strategy = Strategy::kShardGradOp;
+  CHECK(EstimateComm(Build(c)).volume.backward_all_gather_count == 0);
+  c.strategy = Strategy::kNoShard;
+  CommVolume ddp = EstimateComm(Build(c)).volume;
+  CHECK(ddp.forward_all_gather_count == 0);
+  CHECK(ddp.all_reduce_count == 3);
+  CHECK(ddp.all_reduce_bytes == 1448 * 4);  // unpadded, reduce dtype
+  c.strategy = Strategy::kFullShard;
+  c.grad_accum = 4;
+  CommVolume accum = EstimateComm(Build(c)).volume;
+  CHECK(accum.forward_all_gather_count == 12);
+  CHECK(accum.reduce_scatter_count == 12);
+  c.no_sync = true;
+  CommVolume no_sync = EstimateComm(Build(c)).volume;
+  CHECK(no_sync.forward_all_gather_count == 12);
+  CHECK(no_sync.reduce_scatter_count == 3);
+}
+
+TEST_CASE("HYBRID_SHARD: reduce-scatter in the node, all-reduce of the shard across nodes") {
+  FsdpConfig c = ThreeRanks();
+  c.gpus = 16;
+  c.strategy = Strategy::kHybridShard;
+  CommModel cm = EstimateComm(Build(c));
+  CHECK(cm.shard_group.ranks == 8);
+  CHECK(cm.replica_group.ranks == 2);
+  CHECK(cm.replica_group.ranks_per_node == 1);
+  CHECK(cm.volume.all_reduce_count == 3);
+  CHECK(cm.volume.all_reduce_bytes == (33 + 74 + 74) * 4);  // shards of 264, 592 -> 592/8 = 74
+}
+
+TEST_CASE("step timeline computed by hand: 3 units, known durations") {
+  Workload w = Build(ThreeRanks());
+  ComputeModel cm;
+  cm.units = {{0, 0, 0, 1.0, 1.0, 0}, {0, 0, 0, 2.0, 4.0, 0}, {0, 0, 0, 2.0, 4.0, 0}};
+  cm.optimizer_s = 0.5;
+  cm.compute_s_per_step = 1 + 2 + 2 + 1 + 4 + 4 + 0.5;
+  cm.model_flops_per_token = 1;
+  CommModel comm;
+  comm.units = {{0.5, 0.5, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}};
+  // forward: AG root [0, .5], root [.5, 1.5]; AG L0 [.5, 1.5], L0 [1.5, 3.5]; AG L1 [1.5, 2.5], L1 [3.5, 5.5].
+  // backward: the root's hook prefetches L1, but two free events are queued (L0, L1 at 3.5 and 5.5):
+  //   AG L1 waits for L0's, [3.5, 4.5]; root backward [5.5, 6.5]; L1 prefetches L0: AG [4.5, 5.5];
+  //   L1 backward [6.5, 10.5], RS L1 [10.5, 11.5]; L0 backward [10.5, 14.5], RS L0 [14.5, 15.5];
+  //   RS root [15.5, 16.0]; optimizer [16.0, 16.5].
+  StepEstimate s = EstimateStep(w, cm, comm);
+  CHECK(s.step_s == doctest::Approx(16.5));
+  CHECK(s.forward_s == doctest::Approx(5.5));
+  CHECK(s.backward_s == doctest::Approx(9.0));
+  CHECK(s.exposed_comm_s == doctest::Approx(2.0));
+  CHECK(s.first_all_gather_s == doctest::Approx(0.5));
+  CHECK(s.last_reduce_s == doctest::Approx(1.5));
+}
+
+TEST_CASE("invariants: compute <= step <= compute + all communication; infinite bandwidth gives compute") {
+  for (Strategy strategy : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard}) {
+    FsdpConfig c = ThreeRanks();
+    c.strategy = strategy;
+    c.seq_len = 64;
+    TimeEstimate t = EstimateTime(Build(c));
+    CHECK(t.step.step_s >= t.step.compute_s * (1 - 1e-12));
+    CHECK(t.step.step_s <= (t.step.compute_s + t.step.comm_s) * (1 + 1e-12));
+  }
+  Workload w = Build(ThreeRanks());
+  w.hardware.intra_node_bandwidth_bytes_per_s = 1e30;
+  ComputeModel cm = EstimateCompute(w);
+  CommModel comm = EstimateComm(w);
+  for (auto& u : comm.units) u = UnitComm{};  // zero-time communication
+  CHECK(EstimateStep(w, cm, comm).step_s == doctest::Approx(cm.compute_s_per_step));
+}
+
+TEST_CASE("zero compute gives the communication time") {
+  Workload w = Build(ThreeRanks());
+  ComputeModel cm = EstimateCompute(w);
+  for (auto& u : cm.units) u = UnitCompute{};
+  cm.optimizer_s = 0;
+  cm.compute_s_per_step = 0;
+  CommModel comm = EstimateComm(w);
+  CHECK(EstimateStep(w, cm, comm).step_s == doctest::Approx(comm.volume.total_comm_s));
+}
+
+TEST_CASE("a real model: FLOPs, MFU and tokens per second are consistent") {
+  auto m = LoadModel("llama-2-7b");
+  auto hw = LoadHardware("h100-sxm");
+  FsdpConfig c;
+  c.gpus = 8;
+  c.seq_len = 4096;
+  Workload w = BuildWorkload(m.value(), hw.value(), c).value();
+  TimeEstimate t = EstimateTime(w);
+  // 6N + 12 L s a d with N = 6,476,267,520 block linears + 131,072,000 lm_head (embedding excluded)
+  const double n = 6'476'267'520.0 - 32 * 2 * 4096.0 + 131'072'000.0;
+  CHECK(t.compute.model_flops_per_token == doctest::Approx(6 * n + 12.0 * 32 * 4096 * 4096));
+  CHECK(t.step.tokens_per_s_per_gpu == doctest::Approx(4096 / t.step.step_s));
+  CHECK(t.step.mfu == doctest::Approx(t.compute.model_flops_per_token * t.step.tokens_per_s_per_gpu / 989.4e12));
+  CHECK(t.step.mfu < 0.75);  // never above the GEMM efficiency
+  c.checkpointing = Checkpointing::kFull;
+  TimeEstimate ac = EstimateTime(BuildWorkload(m.value(), hw.value(), c).value());
+  CHECK(ac.compute.executed_flops_per_step > t.compute.executed_flops_per_step * 1.25);  // forward recomputed
+}
+
+}  // namespace
+}  // namespace fsdp
