@@ -129,13 +129,6 @@ void CollectPostOrder(const Workload& w, int id, std::vector<int>& order) {
 
 }  // namespace
 
-int Workload::BackwardPrefetchTarget(int u) const {
-  for (size_t i = 1; i < post_forward_order.size(); ++i) {
-    if (post_forward_order[i] == u) return post_forward_order[i - 1];
-  }
-  return -1;
-}
-
 int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world) {
   if (config.framework == Framework::kFsdp2) {
     int64_t total = 0;
@@ -175,6 +168,10 @@ void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
   MarkUnits(w.nodes, w.model, config);
   CollectUnits(w, 0, -1);
   CollectPostOrder(w, 0, w.post_forward_order);
+  w.backward_prefetch_target.assign(w.units.size(), -1);
+  for (size_t i = 1; i < w.post_forward_order.size(); ++i) {
+    w.backward_prefetch_target[w.post_forward_order[i]] = w.post_forward_order[i - 1];
+  }
   for (auto& u : w.units) {
     for (int t : u.tensors) u.numel += w.model.tensors[t].numel();
   }

@@ -46,11 +46,12 @@ struct Workload {
   std::vector<ModuleNode> nodes;  ///< nodes[0] is the model
   std::vector<WrapUnit> units;    ///< units[0] is the root; the rest in pre-forward order
   std::vector<int> post_forward_order;  ///< unit indices in the order their forward ends (root last)
+  std::vector<int> backward_prefetch_target;  ///< per unit: BackwardPrefetchTarget, precomputed
 
   /// The unit FSDP1 prefetches in backward when unit u's backward starts (BACKWARD_PRE) or its
   /// gradient is ready (BACKWARD_POST): the one before u in post-forward order
   /// (_ExecOrderData.get_handle_to_backward_prefetch); -1 for none.
-  int BackwardPrefetchTarget(int u) const;
+  int BackwardPrefetchTarget(int u) const { return backward_prefetch_target[u]; }
 
   int64_t TokensPerMicroBatch() const { return config.micro_batch * config.seq_len; }
   /// Sum of all units' shard_numel (elements each rank stores).

@@ -17,6 +17,26 @@ CommGroup ReplicaGroup(const Workload& w) {
   return {w.replicas, std::min(w.replicas, per_node)};
 }
 
+// Decoder blocks have identical sizes: remember the last answer per collective.
+class CollectiveCache {
+ public:
+  CollectiveCache(const CommGroup& group, const HardwareSpec& hw) : group_(group), hw_(hw) {}
+  CollectiveEstimate Get(Collective c, int64_t bytes) {
+    Entry& e = entries_[static_cast<int>(c)];
+    if (e.bytes != bytes) e = {bytes, EstimateCollective(c, bytes, group_, hw_)};
+    return e.estimate;
+  }
+
+ private:
+  struct Entry {
+    int64_t bytes = -1;
+    CollectiveEstimate estimate;
+  };
+  CommGroup group_;
+  const HardwareSpec& hw_;
+  Entry entries_[3];
+};
+
 }  // namespace
 
 bool RegathersInBackward(const Workload& w, int u) {
@@ -34,19 +54,20 @@ CommModel EstimateComm(const Workload& w) {
   const int64_t reductions = c.no_sync ? 1 : micro;  // no_sync reduces once per step
   const bool no_shard = c.strategy == Strategy::kNoShard;
   CommVolume& v = cm.volume;
+  CollectiveCache shard_cache(cm.shard_group, w.hardware), replica_cache(cm.replica_group, w.hardware);
   for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
     const WrapUnit& unit = w.units[u];
     UnitComm uc;
     if (unit.numel == 0) { cm.units.push_back(uc); continue; }
     if (no_shard) {
-      auto ar = EstimateCollective(Collective::kAllReduce, unit.numel * r, cm.replica_group, w.hardware);
+      auto ar = replica_cache.Get(Collective::kAllReduce, unit.numel * r);
       uc.all_reduce_s = ar.time_s;
       v.all_reduce_bytes += reductions * unit.numel * r;
       v.all_reduce_count += ar.time_s > 0 ? reductions : 0;
       v.sent_bytes += static_cast<double>(reductions * unit.numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
     } else {
-      auto ag = EstimateCollective(Collective::kAllGather, unit.padded_numel * p, cm.shard_group, w.hardware);
-      auto rs = EstimateCollective(Collective::kReduceScatter, unit.padded_numel * r, cm.shard_group, w.hardware);
+      auto ag = shard_cache.Get(Collective::kAllGather, unit.padded_numel * p);
+      auto rs = shard_cache.Get(Collective::kReduceScatter, unit.padded_numel * r);
       uc.all_gather_s = ag.time_s;
       uc.reduce_scatter_s = rs.time_s;
       const int64_t gathers_bwd = RegathersInBackward(w, u) ? micro : 0;
@@ -61,7 +82,7 @@ CommModel EstimateComm(const Workload& w) {
       const double ag_factor = BusFactor(Collective::kAllGather, cm.shard_group.ranks);
       v.sent_bytes += static_cast<double>((micro + gathers_bwd) * unit.padded_numel * p + reductions * unit.padded_numel * r) * ag_factor;
       if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
-        auto ar = EstimateCollective(Collective::kAllReduce, unit.shard_numel * r, cm.replica_group, w.hardware);
+        auto ar = replica_cache.Get(Collective::kAllReduce, unit.shard_numel * r);
         uc.all_reduce_s = ar.time_s;
         v.all_reduce_bytes += reductions * unit.shard_numel * r;
         v.all_reduce_count += reductions;

@@ -78,6 +78,8 @@ double MatmulParams(const ModelSpec& m) {
   return n;
 }
 
+}  // namespace
+
 double OptimizerSeconds(const Workload& w) {
   const double elements = static_cast<double>(w.ShardNumelTotal());
   const bool adam = w.config.optimizer == Optimizer::kAdamW || w.config.optimizer == Optimizer::kAdam;
@@ -86,9 +88,7 @@ double OptimizerSeconds(const Workload& w) {
   return bytes / (w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency);
 }
 
-}  // namespace
-
-ComputeModel EstimateCompute(const Workload& w) {
+ComputeModel EstimateUnitCompute(const Workload& w) {
   ComputeModel cm;
   cm.units.assign(w.units.size(), UnitCompute{});
   const BlockActivations block = BlockActivationProfile(w.model, w.config);
@@ -118,16 +118,27 @@ ComputeModel EstimateCompute(const Workload& w) {
       u.recompute_s += work.attention_flops / gemm_rate + kForwardTrafficPerSavedByte * core_bytes / mem_rate;
     }
   }
+  const ModelSpec& m = w.model;
+  cm.model_flops_per_token = 6.0 * MatmulParams(m) +
+                             12.0 * static_cast<double>(m.num_layers * w.config.seq_len * m.num_heads * m.head_dim);
+  return cm;
+}
+
+void FinishCompute(const Workload& w, ComputeModel& cm) {
   const double micro = static_cast<double>(w.config.grad_accum);
+  cm.executed_flops_per_step = 0;
+  cm.compute_s_per_step = 0;
   for (const auto& u : cm.units) {
     cm.executed_flops_per_step += micro * (u.forward_flops + u.backward_flops + u.recompute_flops);
     cm.compute_s_per_step += micro * (u.forward_s + u.backward_s + u.recompute_s);
   }
   cm.optimizer_s = OptimizerSeconds(w);
   cm.compute_s_per_step += cm.optimizer_s;
-  const ModelSpec& m = w.model;
-  cm.model_flops_per_token = 6.0 * MatmulParams(m) +
-                             12.0 * static_cast<double>(m.num_layers * w.config.seq_len * m.num_heads * m.head_dim);
+}
+
+ComputeModel EstimateCompute(const Workload& w) {
+  ComputeModel cm = EstimateUnitCompute(w);
+  FinishCompute(w, cm);
   return cm;
 }
 

@@ -27,6 +27,17 @@ struct ComputeModel {
 /// peak FLOP/s x matmul efficiency plus activation traffic / (bandwidth x memory efficiency).
 ComputeModel EstimateCompute(const Workload& workload);
 
+/// The per-unit part of EstimateCompute (units, model FLOPs per token): depends on the GPU type,
+/// wrap policy, micro-batch, sequence and checkpointing, not on the GPU count or strategy.
+ComputeModel EstimateUnitCompute(const Workload& workload);
+/// Completes a per-unit estimate for the workload's strategy, offload and accumulation: the
+/// optimizer step and the per-step totals.
+void FinishCompute(const Workload& workload, ComputeModel& model);
+
+/// The optimizer step alone: memory-bound on the GPU (AdamW moves 36 bytes per sharded element),
+/// or PyTorch's CPU AdamW under CPU offload.
+double OptimizerSeconds(const Workload& workload);
+
 /// Host elements per second of PyTorch's CPU AdamW under CPU offload (docs/time-model.md).
 constexpr double kHostAdamElementsPerSecond = 1.0e9;
 

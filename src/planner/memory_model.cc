@@ -465,7 +465,17 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, int64_t rounding_bytes, b
   return e;
 }
 
-MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o, MemoryEstimate e) {
+MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors, bool with_timeline) {
+  MemoryEstimate e;
+  e.peak = tensors.peak;
+  e.peak_phase = tensors.peak_phase;
+  e.allocated_peak_bytes = tensors.allocated_peak_bytes;
+  e.allocated_peak_phase = tensors.allocated_peak_phase;
+  e.pending_free_bytes_at_peak = tensors.pending_free_bytes_at_peak;
+  e.host = tensors.host;
+  e.host_bytes = tensors.host_bytes;
+  e.checkpoint = tensors.checkpoint;
+  if (with_timeline) e.timeline = tensors.timeline;
   e.overheads = o;
   // The cuBLAS workspaces live in the caching allocator from the first GEMM on: a constant under
   // every point of the step, so adding them to the peak is the same as allocating them first.

@@ -97,7 +97,9 @@ MemoryEstimate EstimateTensorMemory(const Workload& workload, int64_t rounding_b
 
 /// Adds the framework terms (cuBLAS workspaces, CUDA context, NCCL buffers, fragmentation) to a
 /// tensor estimate and compares the peak with the workload's GPU.
-MemoryEstimate AddFrameworkTerms(const Workload& workload, const FrameworkOverheads& overheads, MemoryEstimate tensors);
+/// `with_timeline` false skips copying the timeline (searches do not keep it).
+MemoryEstimate AddFrameworkTerms(const Workload& workload, const FrameworkOverheads& overheads, const MemoryEstimate& tensors,
+                                 bool with_timeline = true);
 
 /// Same with FrameworkOverheadsFor(workload).
 MemoryEstimate EstimateMemory(const Workload& workload);

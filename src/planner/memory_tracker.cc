@@ -14,6 +14,7 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes) {
   int64_t rounded = RoundUp(bytes, rounding_);
   blocks_.push_back(Block{category, rounded});
   live_[static_cast<int>(category)] += rounded;
+  allocated_total_ += rounded;
   Changed();
   return static_cast<BlockId>(blocks_.size() - 1);
 }
@@ -31,6 +32,7 @@ void MemoryTracker::Free(BlockId& block) {
   if (block == kNoBlock) return;
   Block& b = blocks_[block];
   live_[static_cast<int>(b.category)] -= b.bytes;
+  allocated_total_ -= b.bytes;
   b.bytes = 0;
   block = kNoBlock;
   Changed();
@@ -41,11 +43,13 @@ void MemoryTracker::FreeToPending(BlockId& block, Pool pool) {
   const Block& b = blocks_[block];
   pending_[static_cast<int>(pool)].push_back(b);
   pending_bytes_[static_cast<int>(b.category)] += b.bytes;
+  pending_total_ += b.bytes;
   Free(block);
 }
 
 void MemoryTracker::Release(Pool, const Block& block) {
   pending_bytes_[static_cast<int>(block.category)] -= block.bytes;
+  pending_total_ -= block.bytes;
 }
 
 void MemoryTracker::ReleaseOldestPending(Pool pool) {
@@ -67,22 +71,23 @@ void MemoryTracker::ReleaseAllPending() {
 }
 
 void MemoryTracker::Changed() {
-  int64_t allocated = TotalBytes(live_);
+  const int64_t allocated = allocated_total_;
   if (allocated > allocated_peak_) {
     allocated_peak_ = allocated;
     allocated_peak_phase_ = phase_;
   }
-  CategoryBytes device = live_;
-  for (int c = 0; c < kMemCategoryCount; ++c) device[c] += pending_bytes_[c];
-  const int64_t pending = TotalBytes(pending_bytes_);
-  const int64_t total = allocated + pending;
-  if (total > device_peak_total_) {
-    device_peak_total_ = total;
-    device_peak_ = device;
-    device_peak_phase_ = phase_;
-    pending_at_peak_ = pending;
+  const int64_t total = allocated + pending_total_;
+  if (total > device_peak_total_ || record_) {
+    CategoryBytes device = live_;
+    for (int c = 0; c < kMemCategoryCount; ++c) device[c] += pending_bytes_[c];
+    if (total > device_peak_total_) {
+      device_peak_total_ = total;
+      device_peak_ = device;
+      device_peak_phase_ = phase_;
+      pending_at_peak_ = pending_total_;
+    }
+    if (record_) timeline_.push_back(TrackedPoint{phase_, device});
   }
-  if (record_) timeline_.push_back(TrackedPoint{phase_, device});
 }
 
 }  // namespace fsdp

@@ -82,6 +82,8 @@ class MemoryTracker {
   CategoryBytes live_{};
   std::deque<Block> pending_[kPoolCount];
   CategoryBytes pending_bytes_{};
+  int64_t allocated_total_ = 0;   // sum of live_
+  int64_t pending_total_ = 0;     // sum of pending_bytes_
   int64_t allocated_peak_ = 0;
   Phase allocated_peak_phase_;
   CategoryBytes device_peak_{};

@@ -1,0 +1,223 @@
+#include "cli/recommend_cli.h"
+
+#include <chrono>
+#include <iostream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include "cli/cli_util.h"
+#include "core/catalog.h"
+#include "planner/export.h"
+#include "planner/memory_model.h"
+#include "planner/plan_report.h"
+#include "planner/search.h"
+#include "planner/step_model.h"
+
+namespace fsdp {
+namespace {
+
+std::vector<std::string> Split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, sep);) if (!part.empty()) parts.push_back(part);
+  return parts;
+}
+
+Status ParsePrices(const std::vector<std::string>& prices, std::map<std::string, double>& out) {
+  for (const auto& p : prices) {
+    auto eq = p.find('=');
+    char* end = nullptr;
+    double usd = eq == std::string::npos ? -1 : std::strtod(p.c_str() + eq + 1, &end);
+    if (eq == std::string::npos || end == p.c_str() + eq + 1 || *end != '\0' || !(usd >= 0) || usd > 1e4) {
+      return Error::BadInput(fmt::format("--price expects GPU_ID=USD_PER_GPU_HOUR (e.g. h100-sxm=2.5), got '{}'", p));
+    }
+    out[p.substr(0, eq)] = usd;
+  }
+  return {};
+}
+
+Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec& model) {
+  SearchOptions o;
+  std::vector<std::string> ids = f.gpu_types.empty() ? ListCatalogIds("hardware") : Split(f.gpu_types, ',');
+  for (const auto& id : ids) {
+    auto hw = LoadHardware(id);
+    if (!hw.ok()) return hw.error();
+    o.gpu_types.push_back(hw.value());
+  }
+  if (Status s = ParsePrices(f.prices, o.price_per_gpu_hour); !s.ok()) return s.error();
+  if (f.gpus_max < 1 || f.gpus_max > 100000) return Error::BadInput(fmt::format("--gpus-max must be between 1 and 100000, got {}", f.gpus_max));
+  o.gpus_max = f.gpus_max;
+  o.base.seq_len = f.seq_len > 0 ? f.seq_len : std::min<int64_t>(4096, model.max_position_embeddings);
+  if (f.seq_len < 0 || o.base.seq_len > 10'000'000) return Error::BadInput(fmt::format("--seq-len must be positive, got {}", f.seq_len));
+  if (f.global_batch && f.global_batch_tokens) return Error::BadInput("give --global-batch or --global-batch-tokens, not both");
+  if (f.global_batch) {
+    if (*f.global_batch < 1) return Error::BadInput(fmt::format("--global-batch must be at least 1, got {}", *f.global_batch));
+    o.global_batch_seqs = *f.global_batch;
+  } else {
+    // Default: Llama 2's 4M-token batch (Touvron et al. 2023, Table 1)
+    const int64_t tokens = f.global_batch_tokens.value_or(4 * 1024 * 1024);
+    if (tokens < 1 || tokens % o.base.seq_len != 0) {
+      return Error::BadInput(fmt::format("--global-batch-tokens {} is not a whole number of {}-token sequences", tokens, o.base.seq_len));
+    }
+    o.global_batch_seqs = tokens / o.base.seq_len;
+  }
+  if (f.budget_per_hour) {
+    if (!(*f.budget_per_hour > 0)) return Error::BadInput(fmt::format("--budget-per-hour must be positive, got {}", *f.budget_per_hour));
+    o.budget_per_hour = f.budget_per_hour;
+  }
+  auto objective = ParseObjective(f.objective);
+  if (!objective.ok()) return objective.error();
+  o.objective = objective.value();
+  if (f.tokens) {
+    if (!(*f.tokens > 0)) return Error::BadInput(fmt::format("--tokens must be positive, got {}", *f.tokens));
+    o.train_tokens = *f.tokens;
+  }
+  auto fw = ParseFramework(f.framework);
+  if (!fw.ok()) return fw.error();
+  o.base.framework = fw.value();
+  auto att = ParseAttention(f.attention);
+  if (!att.ok()) return att.error();
+  o.base.attention = att.value();
+  o.top = f.top;
+  return o;
+}
+
+std::string Describe(const Candidate& c) {
+  return fmt::format("{:>4} x {:<14} {:<13} AC {:<9} mb {:>2} x ga {:>4} {:<7}{}", c.config.gpus, c.gpu_id, StrategyName(c.config.strategy),
+                     CheckpointingName(c.config.checkpointing), c.config.micro_batch, c.config.grad_accum, WrapPolicyName(c.config.wrap),
+                     c.config.cpu_offload ? " offload" : "");
+}
+
+void PrintRow(const Candidate& c, std::ostream& out) {
+  fmt::print(out, "  {}  {:>9.0f} tok/s {:>6.0f}/GPU  MFU {:>4.1f}%  {:>6.2f}/{:<6.2f} GiB  ${:>8.2f}/h  ${:>6.2f}/Mtok", Describe(c),
+             c.tokens_per_s, c.tokens_per_s_per_gpu, 100 * c.mfu, c.peak_bytes / kGiB, c.capacity_bytes / kGiB, c.usd_per_hour,
+             c.usd_per_million_tokens);
+  if (c.time_to_train_s > 0) fmt::print(out, "  {:.1f} days ${:.0f}", c.time_to_train_s / 86400, c.usd_to_train);
+  fmt::print(out, "\n");
+}
+
+Json CandidateJson(const Candidate& c) {
+  Json j = {{"gpu", c.gpu_id}, {"config", ConfigToJson(c.config)}, {"feasible", c.feasible}, {"peak_bytes", c.peak_bytes},
+            {"capacity_bytes", c.capacity_bytes}, {"step_s", c.step_s}, {"tokens_per_s", c.tokens_per_s},
+            {"tokens_per_s_per_gpu", c.tokens_per_s_per_gpu}, {"mfu", c.mfu}, {"usd_per_hour", c.usd_per_hour},
+            {"usd_per_million_tokens", c.usd_per_million_tokens}};
+  if (c.time_to_train_s > 0) {
+    j["time_to_train_s"] = c.time_to_train_s;
+    j["usd_to_train"] = c.usd_to_train;
+  }
+  if (!c.feasible) j["rejection"] = c.rejection;
+  return j;
+}
+
+// Progress on stderr once a search has run for more than a second.
+class Progress {
+ public:
+  explicit Progress(bool quiet) : quiet_(quiet), start_(std::chrono::steady_clock::now()) {}
+  ~Progress() { if (shown_) std::cerr << "\n"; }
+  void operator()(int64_t done, int64_t total) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (quiet_ || elapsed < 1.0) return;
+    shown_ = true;
+    std::cerr << fmt::format("\rfsdp-plan: searched {}/{} configurations ({:.0f}%), {:.1f} s", done, total, 100.0 * done / total, elapsed)
+              << std::flush;
+  }
+
+ private:
+  bool quiet_;
+  bool shown_ = false;
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace
+
+void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
+  app.add_option("--model", f.model, "catalog id or path to a HuggingFace config.json")->required();
+  app.add_option("--gpu-types", f.gpu_types, "comma-separated GPU ids to consider (default: the whole catalog)");
+  app.add_option("--seq-len", f.seq_len, "sequence length (default: min(4096, max positions))");
+  app.add_option("--global-batch-tokens", f.global_batch_tokens, "tokens per optimizer step (default 4194304)");
+  app.add_option("--global-batch", f.global_batch, "sequences per optimizer step");
+  app.add_option("--gpus-max", f.gpus_max, "largest GPU count to consider")->capture_default_str();
+  app.add_option("--budget-per-hour", f.budget_per_hour, "USD per hour for the whole cluster");
+  app.add_option("--objective", f.objective, "throughput | cost | time-to-train")->capture_default_str();
+  app.add_option("--tokens", f.tokens, "tokens to train on (time-to-train and cost to train)");
+  app.add_option("--price", f.prices, "override a price: GPU_ID=USD_PER_GPU_HOUR (repeatable)");
+  app.add_option("--framework", f.framework, "fsdp1 | fsdp2")->capture_default_str();
+  app.add_option("--attention", f.attention, "eager | flash")->capture_default_str();
+  app.add_option("--top", f.top, "how many configurations to list")->capture_default_str();
+  app.add_option("--export", f.export_format, "print the best configuration as pytorch | fsdp2 | accelerate | lightning");
+  app.add_flag("--json", f.json, "print one JSON object");
+  app.add_flag("--quiet", f.quiet, "no progress on stderr");
+}
+
+Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
+  auto model = LoadModel(f.model);
+  if (!model.ok()) return model.error();
+  auto options = OptionsFromFlags(f, model.value());
+  if (!options.ok()) return options.error();
+  std::optional<ExportFormat> format;
+  if (!f.export_format.empty()) {
+    auto ef = ParseExportFormat(f.export_format);
+    if (!ef.ok()) return ef.error();
+    format = ef.value();
+  }
+  Progress progress(f.quiet);
+  auto result = Recommend(model.value(), options.value(), [&](int64_t d, int64_t t) { progress(d, t); });
+  if (!result.ok()) return result.error();
+  const SearchResult& r = result.value();
+  if (f.json) {
+    Json j = {{"model", model.value().id}, {"evaluated", r.evaluated}, {"feasible", r.feasible}};
+    for (const char* key : {"top", "pareto", "best_rejected"}) j[key] = Json::array();
+    for (const auto& c : r.top) j["top"].push_back(CandidateJson(c));
+    for (const auto& c : r.pareto) j["pareto"].push_back(CandidateJson(c));
+    for (const auto& c : r.best_rejected) j["best_rejected"].push_back(CandidateJson(c));
+    out << j.dump(2) << "\n";
+    return {};
+  }
+  fmt::print(out, "{}: {} configurations evaluated, {} feasible; global batch {} sequences of {} tokens; objective {}\n\n", model.value().id,
+             r.evaluated, r.feasible, options.value().global_batch_seqs, options.value().base.seq_len, f.objective);
+  fmt::print(out, "best configurations:\n");
+  for (const auto& c : r.top) PrintRow(c, out);
+  fmt::print(out, "\nPareto front (cheaper per token or faster than every other):\n");
+  for (const auto& c : r.pareto) PrintRow(c, out);
+  if (!r.best_rejected.empty()) {
+    fmt::print(out, "\nbetter-scoring configurations that were rejected:\n");
+    for (const auto& c : r.best_rejected) fmt::print(out, "  {}  {}\n", Describe(c), c.rejection);
+  }
+  if (format) {
+    const Candidate& best = r.top.front();
+    auto hw = LoadHardware(best.gpu_id);
+    auto w = BuildWorkload(model.value(), hw.value(), best.config);
+    if (!w.ok()) return w.error();
+    fmt::print(out, "\n{}", ExportConfig(w.value(), *format));
+  }
+  return {};
+}
+
+Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
+  auto config = ConfigFromFlags(flags);
+  if (!config.ok()) return config.error();
+  auto model = LoadModel(flags.model);
+  if (!model.ok()) return model.error();
+  auto hw = LoadHardware(flags.gpu);
+  if (!hw.ok()) return hw.error();
+  auto w = BuildWorkload(model.value(), hw.value(), config.value());
+  if (!w.ok()) return w.error();
+  const MemoryEstimate m = EstimateMemory(w.value());
+  fmt::print(out, "{} on {} x {}: peak {} GiB of {} GiB ({})\n", model.value().id, config.value().gpus, hw.value().id, Gib(m.peak_bytes),
+             Gib(m.capacity_bytes), m.fits ? "fits" : fmt::format("does not fit by {} GiB", Gib(-m.headroom_bytes)));
+  std::vector<Advice> advice = AdviseFit(w.value());
+  if (m.fits) fmt::print(out, "It already fits; changes that also fit, by their cost in tokens/s per GPU:\n");
+  else fmt::print(out, "Smallest changes that make it fit, by their cost in tokens/s per GPU:\n");
+  if (advice.empty()) {
+    fmt::print(out, "  none of the single or paired changes fits: more GPUs with CPU offload, or a larger GPU, is needed\n");
+    return {};
+  }
+  for (const Advice& a : advice) {
+    fmt::print(out, "  {:<44} peak {:>7} GiB  step {:>8.1f} ms  {:+6.1f}% tokens/s per GPU\n", a.change, Gib(a.peak_bytes), a.step_s * 1e3, -a.slowdown_pct);
+  }
+  return {};
+}
+
+}  // namespace fsdp

@@ -1,0 +1,40 @@
+// fsdp-plan's "recommend" and "advise" subcommands.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/plan_cli.h"
+#include "core/status.h"
+
+namespace fsdp {
+
+struct RecommendFlags {
+  std::string model;
+  std::string gpu_types;                 ///< comma-separated ids; empty: every catalog GPU
+  int64_t seq_len = 0;
+  std::optional<int64_t> global_batch_tokens, global_batch;
+  int64_t gpus_max = 64;
+  std::optional<double> budget_per_hour;
+  std::string objective = "throughput";
+  std::optional<double> tokens;
+  std::vector<std::string> prices;       ///< "id=usd" overrides
+  std::string framework = "fsdp1", attention = "flash";
+  size_t top = 10;
+  std::string export_format;
+  bool json = false;
+  bool quiet = false;
+};
+
+void AddRecommendFlags(CLI::App& app, RecommendFlags& flags);
+Status RunRecommend(const RecommendFlags& flags, std::ostream& out);
+
+/// advise: the plan flags; prints the smallest changes that make the configuration fit.
+Status RunAdvise(const PlanFlags& flags, std::ostream& out);
+
+}  // namespace fsdp

@@ -1,0 +1,214 @@
+#include "planner/export.h"
+
+#include <fmt/format.h>
+
+namespace fsdp {
+namespace {
+
+std::string_view TorchDType(DType d) {
+  switch (d) {
+    case DType::kFp32: return "torch.float32";
+    case DType::kBf16: return "torch.bfloat16";
+    case DType::kFp16: return "torch.float16";
+  }
+  return "?";
+}
+
+std::string_view ModelingModule(const ModelSpec& m) {
+  switch (m.family) {
+    case ModelFamily::kLlama: return "llama";
+    case ModelFamily::kMistral: return "mistral";
+    case ModelFamily::kMixtral: return "mixtral";
+    case ModelFamily::kQwen2: return "qwen2";
+    case ModelFamily::kGpt2: return "gpt2";
+  }
+  return "?";
+}
+
+std::string Python(bool b) { return b ? "True" : "False"; }
+
+std::string LayerImport(const ModelSpec& m) {
+  return fmt::format("from transformers.models.{0}.modeling_{0} import {1}\n", ModelingModule(m), DecoderLayerClass(m));
+}
+
+std::string Header(const Workload& w) {
+  const FsdpConfig& c = w.config;
+  const int64_t nodes = (c.gpus + c.gpus_per_node - 1) / c.gpus_per_node;
+  return fmt::format("# fsdpkit plan: {} on {} x {} ({} node(s) x {}), {}, micro-batch {} x seq {}, grad-accum {}\n"
+                     "# launch: torchrun --nnodes {} --nproc-per-node {} train.py\n",
+                     w.model.id, c.gpus, w.hardware.id, nodes, c.gpus_per_node, StrategyName(c.strategy), c.micro_batch, c.seq_len,
+                     c.grad_accum, nodes, c.gpus_per_node);
+}
+
+std::string AutoWrapPolicy(const Workload& w) {
+  switch (w.config.wrap) {
+    case WrapPolicy::kBlock:
+      return fmt::format("functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{}}})", DecoderLayerClass(w.model));
+    case WrapPolicy::kSize: return fmt::format("functools.partial(size_based_auto_wrap_policy, min_num_params={})", w.config.wrap_min_params);
+    case WrapPolicy::kLinear: return "ModuleWrapPolicy({torch.nn.Linear})";
+    case WrapPolicy::kNone: return "None";
+  }
+  return "None";
+}
+
+std::string CheckpointingCode(const Workload& w, std::string_view model_var) {
+  if (w.config.checkpointing == Checkpointing::kNone) return "";
+  std::string note = w.config.checkpointing == Checkpointing::kSelective
+                         ? "# selective: fsdpkit modelled recomputing the attention core only; wrapping the blocks is the closest stock option\n" : "";
+  return fmt::format("{}apply_activation_checkpointing(\n    {},\n"
+                     "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),\n"
+                     "    check_fn=lambda m: isinstance(m, {}),\n)\n",
+                     note, model_var, DecoderLayerClass(w.model));
+}
+
+std::string MeshCode(const Workload& w) {
+  if (w.config.strategy == Strategy::kHybridShard) {
+    return fmt::format("mesh = init_device_mesh(\"cuda\", ({}, {}), mesh_dim_names=(\"replicate\", \"shard\"))\n", w.replicas, w.shard_world);
+  }
+  return fmt::format("mesh = init_device_mesh(\"cuda\", ({},))\n", w.config.gpus);
+}
+
+std::string Fsdp1(const Workload& w) {
+  const FsdpConfig& c = w.config;
+  std::string out = Header(w);
+  out += "import functools\nimport torch\n"
+         "from torch.distributed.device_mesh import init_device_mesh\n"
+         "from torch.distributed.fsdp import (\n    BackwardPrefetch,\n    CPUOffload,\n    FullyShardedDataParallel as FSDP,\n"
+         "    MixedPrecision,\n    ShardingStrategy,\n)\n"
+         "from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy\n"
+         "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+         "    CheckpointImpl,\n    apply_activation_checkpointing,\n    checkpoint_wrapper,\n)\n";
+  out += LayerImport(w.model) + "\n";
+  out += MeshCode(w);
+  out += fmt::format("mixed_precision = MixedPrecision(param_dtype={}, reduce_dtype={}, buffer_dtype={})\n", TorchDType(c.param_dtype),
+                     TorchDType(c.reduce_dtype), TorchDType(c.buffer_dtype));
+  std::string prefetch = c.backward_prefetch == BackwardPrefetch::kNone ? "None"
+                         : c.backward_prefetch == BackwardPrefetch::kPre ? "BackwardPrefetch.BACKWARD_PRE" : "BackwardPrefetch.BACKWARD_POST";
+  out += fmt::format("model = FSDP(\n    model,\n    sharding_strategy=ShardingStrategy.{},\n    auto_wrap_policy={},\n"
+                     "    mixed_precision=mixed_precision,\n    cpu_offload=CPUOffload(offload_params={}),\n    backward_prefetch={},\n"
+                     "    forward_prefetch={},\n    limit_all_gathers={},\n    use_orig_params={},\n    device_mesh=mesh,\n"
+                     "    device_id=torch.cuda.current_device(),\n)\n",
+                     StrategyName(c.strategy), AutoWrapPolicy(w), Python(c.cpu_offload), prefetch, Python(c.forward_prefetch),
+                     Python(c.limit_all_gathers), Python(c.use_orig_params));
+  out += CheckpointingCode(w, "model");
+  return out;
+}
+
+std::string Fsdp2(const Workload& w) {
+  const FsdpConfig& c = w.config;
+  std::string out = Header(w);
+  out += "import functools\nimport torch\n"
+         "from torch.distributed.device_mesh import init_device_mesh\n"
+         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # torch >= 2.6\n"
+         "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+         "    CheckpointImpl,\n    apply_activation_checkpointing,\n    checkpoint_wrapper,\n)\n";
+  out += LayerImport(w.model) + "\n";
+  out += CheckpointingCode(w, "model");
+  out += MeshCode(w);
+  const bool reshard = c.strategy == Strategy::kFullShard || c.strategy == Strategy::kHybridShard;
+  out += fmt::format("fsdp_kwargs = dict(\n    mesh=mesh,\n    mp_policy=MixedPrecisionPolicy(param_dtype={}, reduce_dtype={}),\n"
+                     "    offload_policy={},\n    reshard_after_forward={},\n)\n",
+                     TorchDType(c.param_dtype), TorchDType(c.reduce_dtype), c.cpu_offload ? "CPUOffloadPolicy()" : "OffloadPolicy()", Python(reshard));
+  if (c.wrap == WrapPolicy::kBlock) {
+    out += fmt::format("for module in model.modules():\n    if isinstance(module, {}):\n        fully_shard(module, **fsdp_kwargs)\n",
+                       DecoderLayerClass(w.model));
+  } else if (c.wrap == WrapPolicy::kLinear) {
+    out += "for module in model.modules():\n    if isinstance(module, torch.nn.Linear):\n        fully_shard(module, **fsdp_kwargs)\n";
+  }
+  out += "fully_shard(model, **fsdp_kwargs)  # the root: embeddings, final norm, lm_head\n";
+  return out;
+}
+
+std::string Accelerate(const Workload& w) {
+  const FsdpConfig& c = w.config;
+  const int64_t nodes = (c.gpus + c.gpus_per_node - 1) / c.gpus_per_node;
+  std::string wrap = c.wrap == WrapPolicy::kBlock ? "TRANSFORMER_BASED_WRAP" : c.wrap == WrapPolicy::kSize ? "SIZE_BASED_WRAP" : "NO_WRAP";
+  std::string prefetch = c.backward_prefetch == BackwardPrefetch::kNone ? "NO_PREFETCH"
+                         : c.backward_prefetch == BackwardPrefetch::kPre ? "BACKWARD_PRE" : "BACKWARD_POST";
+  const bool fsdp2 = c.framework == Framework::kFsdp2;
+  std::string out = Header(w);
+  out += fmt::format("# accelerate launch --config_file fsdp.yaml train.py   (mixed_precision {} maps to MixedPrecision({}) )\n",
+                     c.param_dtype == DType::kFp32 ? "'no'" : DTypeName(c.param_dtype), DTypeName(c.param_dtype));
+  out += "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
+  out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing != Checkpointing::kNone ? "true" : "false");
+  out += fmt::format("  fsdp_auto_wrap_policy: {}\n", wrap);
+  if (!fsdp2) out += fmt::format("  fsdp_backward_prefetch: {}\n", prefetch);
+  out += "  fsdp_cpu_ram_efficient_loading: true\n";
+  if (!fsdp2) out += fmt::format("  fsdp_forward_prefetch: {}\n", c.forward_prefetch ? "true" : "false");
+  if (c.wrap == WrapPolicy::kSize) out += fmt::format("  fsdp_min_num_params: {}\n", c.wrap_min_params);
+  out += fmt::format("  fsdp_offload_params: {}\n", c.cpu_offload ? "true" : "false");
+  if (fsdp2) {
+    const bool reshard = c.strategy == Strategy::kFullShard || c.strategy == Strategy::kHybridShard;
+    out += fmt::format("  fsdp_reshard_after_forward: {}\n", reshard ? "true" : "false");
+  } else {
+    out += fmt::format("  fsdp_sharding_strategy: {}\n", StrategyName(c.strategy));
+  }
+  out += "  fsdp_state_dict_type: SHARDED_STATE_DICT\n";
+  if (!fsdp2) out += "  fsdp_sync_module_states: true\n";
+  if (c.wrap == WrapPolicy::kBlock) out += fmt::format("  fsdp_transformer_layer_cls_to_wrap: {}\n", DecoderLayerClass(w.model));
+  if (!fsdp2) out += fmt::format("  fsdp_use_orig_params: {}\n", c.use_orig_params ? "true" : "false");
+  out += fmt::format("  fsdp_version: {}\n", fsdp2 ? 2 : 1);
+  out += fmt::format("machine_rank: 0\nmain_training_function: main\nmixed_precision: {}\nnum_machines: {}\nnum_processes: {}\n"
+                     "rdzv_backend: static\nsame_network: true\nuse_cpu: false\n",
+                     c.param_dtype == DType::kFp32 ? "'no'" : DTypeName(c.param_dtype), nodes, c.gpus);
+  return out;
+}
+
+std::string Lightning(const Workload& w) {
+  const FsdpConfig& c = w.config;
+  const int64_t nodes = (c.gpus + c.gpus_per_node - 1) / c.gpus_per_node;
+  std::string out = Header(w);
+  out += "import torch\nfrom lightning.pytorch import Trainer\nfrom lightning.pytorch.strategies import FSDPStrategy\n"
+         "from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision\n";
+  out += LayerImport(w.model) + "\n";
+  std::string wrap = c.wrap == WrapPolicy::kBlock ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
+  std::string ac = c.checkpointing != Checkpointing::kNone ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
+  std::string prefetch = c.backward_prefetch == BackwardPrefetch::kNone ? "None"
+                         : c.backward_prefetch == BackwardPrefetch::kPre ? "BackwardPrefetch.BACKWARD_PRE" : "BackwardPrefetch.BACKWARD_POST";
+  out += fmt::format("strategy = FSDPStrategy(\n    sharding_strategy=\"{}\",\n    auto_wrap_policy={},\n"
+                     "    activation_checkpointing_policy={},\n    cpu_offload={},\n"
+                     "    mixed_precision=MixedPrecision(param_dtype={}, reduce_dtype={}, buffer_dtype={}),\n"
+                     "    state_dict_type=\"sharded\",\n    # passed through to FullyShardedDataParallel:\n"
+                     "    backward_prefetch={},\n    forward_prefetch={},\n    limit_all_gathers={},\n    use_orig_params={},\n)\n",
+                     StrategyName(c.strategy), wrap, ac, Python(c.cpu_offload), TorchDType(c.param_dtype), TorchDType(c.reduce_dtype),
+                     TorchDType(c.buffer_dtype), prefetch, Python(c.forward_prefetch), Python(c.limit_all_gathers), Python(c.use_orig_params));
+  out += fmt::format("trainer = Trainer(\n    accelerator=\"gpu\",\n    devices={},\n    num_nodes={},\n    strategy=strategy,\n"
+                     "    precision=\"{}\",\n    accumulate_grad_batches={},\n)\n",
+                     c.gpus_per_node, nodes, c.param_dtype == DType::kFp32 ? "32-true" : c.param_dtype == DType::kBf16 ? "bf16-mixed" : "16-mixed",
+                     c.grad_accum);
+  out += fmt::format("# DataLoader batch_size={} (micro-batch per GPU), sequences of {} tokens\n", c.micro_batch, c.seq_len);
+  return out;
+}
+
+}  // namespace
+
+std::string_view DecoderLayerClass(const ModelSpec& m) {
+  switch (m.family) {
+    case ModelFamily::kLlama: return "LlamaDecoderLayer";
+    case ModelFamily::kMistral: return "MistralDecoderLayer";
+    case ModelFamily::kMixtral: return "MixtralDecoderLayer";
+    case ModelFamily::kQwen2: return "Qwen2DecoderLayer";
+    case ModelFamily::kGpt2: return "GPT2Block";
+  }
+  return "?";
+}
+
+Result<ExportFormat> ParseExportFormat(std::string_view t) {
+  if (t == "pytorch" || t == "fsdp1") return ExportFormat::kFsdp1;
+  if (t == "fsdp2") return ExportFormat::kFsdp2;
+  if (t == "accelerate") return ExportFormat::kAccelerate;
+  if (t == "lightning") return ExportFormat::kLightning;
+  return Error::BadInput(fmt::format("unknown export format '{}' (expected pytorch, fsdp2, accelerate or lightning)", t));
+}
+
+std::string ExportConfig(const Workload& w, ExportFormat f) {
+  switch (f) {
+    case ExportFormat::kFsdp1: return Fsdp1(w);
+    case ExportFormat::kFsdp2: return Fsdp2(w);
+    case ExportFormat::kAccelerate: return Accelerate(w);
+    case ExportFormat::kLightning: return Lightning(w);
+  }
+  return "";
+}
+
+}  // namespace fsdp

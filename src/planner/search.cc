@@ -1,0 +1,317 @@
+#include "planner/search.h"
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include <fmt/format.h>
+
+#include "planner/memory_model.h"
+#include "planner/step_model.h"
+
+namespace fsdp {
+namespace {
+
+constexpr int64_t kMicroBatches[] = {1, 2, 4, 8, 16, 32};
+constexpr WrapPolicy kWraps[] = {WrapPolicy::kBlock, WrapPolicy::kNone};
+constexpr Strategy kStrategies[] = {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard, Strategy::kHybridShard};
+
+std::vector<int64_t> GpuCounts(int64_t max) {
+  std::vector<int64_t> counts;
+  for (int64_t n = 1; n <= max; n *= 2) counts.push_back(n);
+  if (counts.back() != max) counts.push_back(max);
+  return counts;
+}
+
+std::vector<Checkpointing> CheckpointModes(const FsdpConfig& base) {
+  if (base.attention == Attention::kEager) return {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
+  return {Checkpointing::kNone, Checkpointing::kFull};  // selective changes nothing with flash attention
+}
+
+// Tensor memory does not depend on the GPU type, and from the second micro-batch on every
+// micro-batch looks the same: cache it by what it depends on.
+using MemoryKey = std::tuple<int, int64_t, int64_t, int, int, int64_t, bool, int64_t>;
+
+class Searcher {
+ public:
+  Searcher(const ModelSpec& model, const SearchOptions& o) : o_(o) {
+    for (WrapPolicy wrap : kWraps) {
+      FsdpConfig c = o.base;
+      c.wrap = wrap;
+      c.gpus = 1;
+      c.gpus_per_node = 1;
+      auto w = BuildWorkload(model, o.gpu_types.front(), c);
+      if (w.ok()) workloads_.push_back(std::move(w).value());
+    }
+  }
+
+  template <typename Visit>
+  void ForEach(Visit&& visit) {
+    for (size_t g = 0; g < o_.gpu_types.size(); ++g)
+      for (int64_t gpus : GpuCounts(o_.gpus_max))
+        for (Strategy s : kStrategies)
+          for (Checkpointing ac : CheckpointModes(o_.base))
+            for (int64_t mb : kMicroBatches)
+              for (bool offload : {false, true})
+                for (size_t wi = 0; wi < workloads_.size(); ++wi) visit(g, gpus, s, ac, mb, offload, wi);
+  }
+
+  Candidate Evaluate(size_t g, int64_t gpus, Strategy s, Checkpointing ac, int64_t mb, bool offload, size_t wi) {
+    const HardwareSpec& hw = o_.gpu_types[g];
+    Candidate cand;
+    cand.gpu_id = hw.id;
+    FsdpConfig c = o_.base;
+    c.gpus = gpus;
+    c.gpus_per_node = std::min(hw.gpus_per_node, gpus);
+    c.strategy = s;
+    c.checkpointing = ac;
+    c.micro_batch = mb;
+    c.cpu_offload = offload;
+    c.wrap = workloads_[wi].config.wrap;
+    cand.config = c;
+    auto price = o_.price_per_gpu_hour.find(hw.id);
+    cand.usd_per_hour = (price != o_.price_per_gpu_hour.end() ? price->second : hw.price_per_gpu_hour_usd) * static_cast<double>(gpus);
+    if (s == Strategy::kHybridShard && gpus <= c.gpus_per_node) return Reject(cand, "HYBRID_SHARD needs more than one node");
+    if (o_.global_batch_seqs % (gpus * mb) != 0) {
+      return Reject(cand, fmt::format("global batch of {} sequences is not divisible by {} GPUs x micro-batch {}", o_.global_batch_seqs, gpus, mb));
+    }
+    c.grad_accum = o_.global_batch_seqs / (gpus * mb);
+    Workload& w = workloads_[wi];
+    if (Status st = Reconfigure(w, hw, c); !st.ok()) return Reject(cand, st.error().message);
+    cand.config = w.config;
+    const MemoryEstimate mem = AddFrameworkTerms(w, FrameworkOverheadsFor(w), TensorMemory(w, wi), /*with_timeline=*/false);
+    cand.peak_bytes = mem.peak_bytes;
+    cand.capacity_bytes = mem.capacity_bytes;
+    TimeEstimate t;
+    t.compute = UnitCompute(w, g, wi);
+    FinishCompute(w, t.compute);
+    t.comm = EstimateComm(w);
+    t.step = EstimateStep(w, t.compute, t.comm);
+    cand.step_s = t.step.step_s;
+    cand.tokens_per_s_per_gpu = t.step.tokens_per_s_per_gpu;
+    cand.tokens_per_s = t.step.tokens_per_s_per_gpu * static_cast<double>(gpus);
+    cand.mfu = t.step.mfu;
+    cand.usd_per_million_tokens = cand.usd_per_hour / 3600.0 / cand.tokens_per_s * 1e6;
+    if (o_.train_tokens > 0) {
+      cand.time_to_train_s = o_.train_tokens / cand.tokens_per_s;
+      cand.usd_to_train = cand.time_to_train_s / 3600.0 * cand.usd_per_hour;
+    }
+    cand.score = Score(cand);
+    if (!mem.fits) return Reject(cand, fmt::format("out of memory by {:.2f} GiB ({:.2f} GiB needed, {:.2f} GiB card)", -mem.headroom_bytes / kGiB,
+                                                    mem.peak_bytes / kGiB, mem.capacity_bytes / kGiB));
+    if (o_.budget_per_hour && cand.usd_per_hour > *o_.budget_per_hour) {
+      return Reject(cand, fmt::format("over budget: ${:.2f}/h > ${:.2f}/h", cand.usd_per_hour, *o_.budget_per_hour));
+    }
+    cand.feasible = true;
+    return cand;
+  }
+
+ private:
+  Candidate Reject(Candidate c, std::string why) {
+    c.feasible = false;
+    c.rejection = std::move(why);
+    return c;
+  }
+
+  double Score(const Candidate& c) const {
+    switch (o_.objective) {
+      case Objective::kThroughput: return c.tokens_per_s;
+      case Objective::kCost: return -c.usd_per_million_tokens;
+      case Objective::kTimeToTrain: return -c.time_to_train_s;
+    }
+    return 0;
+  }
+
+  // Tensor memory depends on the shard world size, not on the GPU count (NO_SHARD and HYBRID_SHARD
+  // keep it across counts) nor on HYBRID_SHARD vs FULL_SHARD (the replica all-reduce is in place).
+  const MemoryEstimate& TensorMemory(Workload& w, size_t wi) {
+    FsdpConfig& c = w.config;
+    const int64_t accum = std::min<int64_t>(c.grad_accum, 2);
+    const Strategy strategy = c.strategy == Strategy::kHybridShard ? Strategy::kFullShard : c.strategy;
+    MemoryKey key{static_cast<int>(wi), w.shard_world, 0, static_cast<int>(strategy), static_cast<int>(c.checkpointing),
+                  c.micro_batch, c.cpu_offload, accum};
+    auto it = memory_cache_.find(key);
+    if (it != memory_cache_.end()) return it->second;
+    const int64_t saved_accum = c.grad_accum;
+    c.grad_accum = accum;
+    MemoryEstimate tensors = EstimateTensorMemory(w, FrameworkOverheads{}.allocation_rounding_bytes, false);
+    c.grad_accum = saved_accum;
+    return memory_cache_.emplace(key, std::move(tensors)).first->second;
+  }
+
+  // Per-unit compute depends on the GPU type, wrap, micro-batch and checkpointing only.
+  ComputeModel UnitCompute(const Workload& w, size_t g, size_t wi) {
+    const auto key = std::make_tuple(g, wi, w.config.micro_batch, static_cast<int>(w.config.checkpointing));
+    auto it = compute_cache_.find(key);
+    if (it != compute_cache_.end()) return it->second;
+    return compute_cache_.emplace(key, EstimateUnitCompute(w)).first->second;
+  }
+
+  const SearchOptions& o_;
+  std::vector<Workload> workloads_;
+  std::map<MemoryKey, MemoryEstimate> memory_cache_;
+  std::map<std::tuple<size_t, size_t, int64_t, int>, ComputeModel> compute_cache_;
+};
+
+std::vector<Candidate> ParetoFront(std::vector<Candidate> feasible) {
+  std::sort(feasible.begin(), feasible.end(), [](const Candidate& a, const Candidate& b) { return a.tokens_per_s > b.tokens_per_s; });
+  std::vector<Candidate> front;
+  double best_cost = INFINITY;
+  for (auto& c : feasible) {
+    if (c.usd_per_million_tokens < best_cost) {
+      best_cost = c.usd_per_million_tokens;
+      front.push_back(c);
+    }
+  }
+  return front;
+}
+
+// What to relax when nothing is feasible, from the best-scoring rejections.
+Error NothingFeasible(const std::vector<Candidate>& rejected, const SearchOptions& o) {
+  bool any_divisible = false, any_fits = false;
+  const Candidate* cheapest_fit = nullptr;
+  int64_t smallest_excess = INT64_MAX;
+  for (const auto& c : rejected) {
+    if (c.rejection.find("not divisible") == std::string::npos) any_divisible = true;
+    if (c.capacity_bytes > 0 && c.peak_bytes <= c.capacity_bytes && c.rejection.starts_with("over budget")) {
+      any_fits = true;
+      if (cheapest_fit == nullptr || c.usd_per_hour < cheapest_fit->usd_per_hour) cheapest_fit = &c;
+    }
+    if (c.capacity_bytes > 0 && c.peak_bytes > c.capacity_bytes) smallest_excess = std::min(smallest_excess, c.peak_bytes - c.capacity_bytes);
+  }
+  if (!any_divisible) {
+    return Error::BadInput(fmt::format("no GPU count up to {} divides the global batch of {} sequences; use a global batch that is a multiple of a power of two",
+                                       o.gpus_max, o.global_batch_seqs));
+  }
+  if (any_fits && cheapest_fit != nullptr) {
+    return Error::BadInput(fmt::format("budget too low: the cheapest configuration that fits ({} x {}) costs ${:.2f}/h, over --budget-per-hour {:.2f}",
+                                       cheapest_fit->config.gpus, cheapest_fit->gpu_id, cheapest_fit->usd_per_hour, o.budget_per_hour.value_or(0)));
+  }
+  return Error::BadInput(fmt::format("no GPU type fits with up to {} GPUs (the closest misses by {:.2f} GiB); raise --gpus-max, shorten --seq-len or add GPU types",
+                                     o.gpus_max, smallest_excess == INT64_MAX ? 0.0 : smallest_excess / kGiB));
+}
+
+}  // namespace
+
+Result<Objective> ParseObjective(std::string_view t) {
+  if (t == "throughput") return Objective::kThroughput;
+  if (t == "cost") return Objective::kCost;
+  if (t == "time-to-train") return Objective::kTimeToTrain;
+  return Error::BadInput(fmt::format("unknown objective '{}' (expected throughput, cost or time-to-train)", t));
+}
+
+int64_t CountCandidates(const ModelSpec& model, const SearchOptions& o) {
+  Searcher s(model, o);
+  int64_t n = 0;
+  s.ForEach([&](auto&&...) { ++n; });
+  return n;
+}
+
+Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& o, const ProgressFn& progress) {
+  if (o.gpu_types.empty()) return Error::BadInput("no GPU types to search");
+  if (o.global_batch_seqs < 1) return Error::BadInput("the global batch must be at least one sequence");
+  if (o.objective == Objective::kTimeToTrain && o.train_tokens <= 0) return Error::BadInput("--objective time-to-train needs --tokens T (tokens to train on)");
+  Searcher s(model, o);
+  const int64_t total = CountCandidates(model, o);
+  SearchResult r;
+  std::vector<Candidate> feasible, rejected;
+  s.ForEach([&](size_t g, int64_t gpus, Strategy st, Checkpointing ac, int64_t mb, bool off, size_t wi) {
+    Candidate c = s.Evaluate(g, gpus, st, ac, mb, off, wi);
+    ++r.evaluated;
+    if (progress && r.evaluated % 4096 == 0) progress(r.evaluated, total);
+    (c.feasible ? feasible : rejected).push_back(std::move(c));
+  });
+  if (progress) progress(r.evaluated, total);
+  r.feasible = static_cast<int64_t>(feasible.size());
+  auto by_score = [](const Candidate& a, const Candidate& b) { return a.score > b.score; };
+  std::sort(rejected.begin(), rejected.end(), by_score);
+  if (feasible.empty()) return NothingFeasible(rejected, o);
+  std::sort(feasible.begin(), feasible.end(), by_score);
+  r.pareto = ParetoFront(feasible);
+  r.top.assign(feasible.begin(), feasible.begin() + static_cast<std::ptrdiff_t>(std::min(o.top, feasible.size())));
+  const double best = feasible.front().score;
+  for (const auto& c : rejected) {
+    if (c.score > best && c.rejection.find("not divisible") == std::string::npos && r.best_rejected.size() < 5) r.best_rejected.push_back(c);
+  }
+  return r;
+}
+
+namespace {
+
+struct Change {
+  std::string text;
+  FsdpConfig config;
+};
+
+// The seeds' OOM checklist as configuration changes of `c`.
+std::vector<Change> SingleChanges(const FsdpConfig& c) {
+  std::vector<Change> out;
+  auto add = [&](std::string text, auto&& edit) {
+    FsdpConfig n = c;
+    edit(n);
+    out.push_back({std::move(text), n});
+  };
+  for (int64_t mb = c.micro_batch / 2; mb >= 1; mb /= 2) {
+    add(fmt::format("--micro-batch {} --grad-accum {}", mb, c.grad_accum * (c.micro_batch / mb)), [&](FsdpConfig& n) {
+      n.grad_accum = c.grad_accum * (c.micro_batch / mb);
+      n.micro_batch = mb;
+    });
+  }
+  for (int64_t s = c.seq_len / 2; s >= 512 && s >= c.seq_len / 4; s /= 2) add(fmt::format("--seq-len {}", s), [&](FsdpConfig& n) { n.seq_len = s; });
+  if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
+  if (c.checkpointing == Checkpointing::kNone && c.attention == Attention::kEager) add("--ac selective", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kSelective; });
+  if (c.attention == Attention::kEager) add("--attention flash", [](FsdpConfig& n) { n.attention = Attention::kFlash; });
+  if (c.strategy != Strategy::kFullShard) add("--strategy full_shard", [](FsdpConfig& n) { n.strategy = Strategy::kFullShard; n.shard_group_size = 0; });
+  if (c.strategy == Strategy::kNoShard) add("--strategy shard_grad_op", [](FsdpConfig& n) { n.strategy = Strategy::kShardGradOp; });
+  for (int64_t factor : {2, 4, 8}) {
+    add(fmt::format("--gpus {} (x{} GPUs)", c.gpus * factor, factor), [&](FsdpConfig& n) {
+      n.gpus = c.gpus * factor;
+      n.grad_accum = std::max<int64_t>(1, c.grad_accum / factor);
+      n.shard_group_size = 0;
+      n.gpus_per_node = c.gpus >= c.gpus_per_node ? c.gpus_per_node : 0;  // 0: re-derived from the hardware
+    });
+  }
+  if (!c.cpu_offload) add("--cpu-offload", [](FsdpConfig& n) { n.cpu_offload = true; });
+  if (c.framework == Framework::kFsdp1 && c.strategy != Strategy::kNoShard) {
+    add("--framework fsdp2", [](FsdpConfig& n) { n.framework = Framework::kFsdp2; n.backward_prefetch = BackwardPrefetch::kPre; });
+  }
+  return out;
+}
+
+Advice Try(const Workload& base, const Change& change, double base_tokens_per_s) {
+  Advice a;
+  a.change = change.text;
+  Workload w = base;
+  if (!Reconfigure(w, base.hardware, change.config).ok()) return a;
+  const MemoryEstimate m = EstimateMemory(w);
+  const TimeEstimate t = EstimateTime(w);
+  a.fits = m.fits;
+  a.peak_bytes = m.peak_bytes;
+  a.step_s = t.step.step_s;
+  a.slowdown_pct = 100.0 * (1.0 - t.step.tokens_per_s_per_gpu / base_tokens_per_s);
+  return a;
+}
+
+}  // namespace
+
+std::vector<Advice> AdviseFit(const Workload& workload) {
+  const double base_tps = EstimateTime(workload).step.tokens_per_s_per_gpu;
+  std::vector<Change> changes = SingleChanges(workload.config);
+  // Pairs: checkpointing first, then one more change, for configurations far from fitting.
+  FsdpConfig with_ac = workload.config;
+  with_ac.checkpointing = Checkpointing::kFull;
+  for (Change c : SingleChanges(with_ac)) {
+    if (c.text == "--ac full" || workload.config.checkpointing == Checkpointing::kFull) continue;
+    c.text = "--ac full " + c.text;
+    changes.push_back(c);
+  }
+  std::vector<Advice> fitting;
+  for (const Change& c : changes) {
+    Advice a = Try(workload, c, base_tps);
+    if (a.fits) fitting.push_back(a);
+  }
+  std::stable_sort(fitting.begin(), fitting.end(), [](const Advice& a, const Advice& b) { return a.slowdown_pct < b.slowdown_pct; });
+  return fitting;
+}
+
+}  // namespace fsdp

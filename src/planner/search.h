@@ -1,0 +1,75 @@
+// "Pick GPUs and strategy": enumerate GPU type x count x strategy x checkpointing x micro-batch x
+// CPU offload x wrap, keep what fits and reaches the global batch, rank by an objective; and, for
+// a configuration that does not fit, the smallest changes that make it fit.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/workload.h"
+
+namespace fsdp {
+
+enum class Objective { kThroughput, kCost, kTimeToTrain };
+Result<Objective> ParseObjective(std::string_view text);
+
+struct SearchOptions {
+  std::vector<HardwareSpec> gpu_types;
+  std::map<std::string, double> price_per_gpu_hour;  ///< overrides of the hardware files' prices, by id
+  int64_t gpus_max = 64;
+  int64_t global_batch_seqs = 0;          ///< sequences per optimizer step (required)
+  std::optional<double> budget_per_hour;  ///< USD per hour for the whole cluster
+  Objective objective = Objective::kThroughput;
+  double train_tokens = 0;                ///< for kTimeToTrain (and the cost to train)
+  FsdpConfig base;                        ///< seq_len, dtypes, framework, attention, optimizer...
+  size_t top = 10;
+};
+
+/// One evaluated candidate.
+struct Candidate {
+  std::string gpu_id;
+  FsdpConfig config;
+  bool feasible = false;
+  std::string rejection;                  ///< why not feasible
+  int64_t peak_bytes = 0, capacity_bytes = 0;
+  double step_s = 0, tokens_per_s = 0, tokens_per_s_per_gpu = 0, mfu = 0;
+  double usd_per_hour = 0, usd_per_million_tokens = 0;
+  double time_to_train_s = 0, usd_to_train = 0;
+  double score = 0;                       ///< larger is better, for the chosen objective
+};
+
+struct SearchResult {
+  std::vector<Candidate> top;             ///< best feasible, by score
+  std::vector<Candidate> pareto;          ///< feasible and not beaten on both cost per token and throughput
+  std::vector<Candidate> best_rejected;   ///< best-scoring candidates that were rejected, with why
+  int64_t evaluated = 0, feasible = 0;
+};
+
+using ProgressFn = std::function<void(int64_t done, int64_t total)>;
+
+/// Runs the search. BadInput when nothing is feasible, with what to relax (global batch not
+/// divisible, no GPU type fits, budget too low).
+Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& options, const ProgressFn& progress);
+
+/// Number of candidates Recommend would evaluate.
+int64_t CountCandidates(const ModelSpec& model, const SearchOptions& options);
+
+/// One change to a configuration that does not fit, with its effect.
+struct Advice {
+  std::string change;        ///< e.g. "--ac full", "--gpus 16", "--seq-len 2048"
+  bool fits = false;
+  int64_t peak_bytes = 0;
+  double step_s = 0;         ///< step time after the change
+  double slowdown_pct = 0;   ///< tokens/s per GPU lost vs the original configuration
+};
+
+/// For `workload` (which may not fit), single and paired changes of the seeds' OOM checklist
+/// (micro-batch, sequence length, activation checkpointing, strategy, more GPUs, CPU offload,
+/// FSDP2), the fitting ones ranked by the throughput they cost.
+std::vector<Advice> AdviseFit(const Workload& workload);
+
+}  // namespace fsdp
