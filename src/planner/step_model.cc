@@ -1,6 +1,7 @@
 #include "planner/step_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <deque>
 
 namespace fsdp {
@@ -8,8 +9,8 @@ namespace {
 
 class StepTimer {
  public:
-  StepTimer(const Workload& w, const ComputeModel& cm, const CommModel& comm)
-      : w_(w), cm_(cm), comm_(comm), gathered_(w.units.size(), false), gather_end_(w.units.size(), 0.0) {
+  StepTimer(const Workload& w, const ComputeModel& cm, const CommModel& comm, bool fast_forward)
+      : w_(w), cm_(cm), comm_(comm), fast_forward_(fast_forward), gathered_(w.units.size(), false), gather_end_(w.units.size(), 0.0) {
     children_.resize(w.units.size());
     for (int u = 1; u < static_cast<int>(w.units.size()); ++u) children_[w.units[u].parent_unit].push_back(u);
   }
@@ -17,30 +18,38 @@ class StepTimer {
   StepEstimate Run() {
     StepEstimate e;
     const int accum = w_.config.grad_accum;
+    std::vector<double> previous;
     for (micro_ = 0; micro_ < accum; ++micro_) {
-      if (micro_ == 2 && accum > 3) {
-        // Micro-batches 1 .. accum-2 are identical (steady state): play micro-batch 1, then
-        // shift every clock by the remaining ones' duration and play the last one.
-        const double repeats = static_cast<double>(accum - 3);
-        Shift(repeats * last_micro_s_);
-        e.forward_s += repeats * last_forward_s_;
-        e.backward_s += repeats * last_backward_s_;
-        micro_ = accum - 1;
-      }
-      const double micro_start = compute_end_;
+      const double start_c = compute_end_;
       const double fwd_start = compute_end_;
       for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) ForwardUnit(u);
-      last_forward_s_ = compute_end_ - fwd_start;
+      const double fwd = compute_end_ - fwd_start;
       const double bwd_start = compute_end_;
       BackwardUnit(0);
-      last_backward_s_ = compute_end_ - bwd_start;
-      last_micro_s_ = compute_end_ - micro_start;
-      e.forward_s += last_forward_s_;
-      e.backward_s += last_backward_s_;
+      last_backward_compute_ = compute_end_;
+      // The post-backward callback makes the compute stream wait for the reductions
+      // (FSDP1 _post_backward_final_callback: current_stream.wait_stream(post_backward_stream);
+      // FSDP2's root waits for its last reduce-scatter).
+      if (ReducesNow()) compute_end_ = std::max(compute_end_, comm_free_);
+      const double bwd = compute_end_ - bwd_start;
+      e.forward_s += fwd;
+      e.backward_s += bwd;
+      // When the state seen from the compute clock repeats, so does every following micro-batch
+      // before the last: shift every clock by their total instead of replaying them.
+      const double period = compute_end_ - start_c;
+      const int middle_left = accum - 2 - micro_;
+      if (!fast_forward_ || middle_left <= 0) continue;
+      std::vector<double> state = RelativeState();
+      if (SameState(state, previous, period)) {
+        Shift(static_cast<double>(middle_left) * period);
+        e.forward_s += middle_left * fwd;
+        e.backward_s += middle_left * bwd;
+        micro_ += middle_left;
+      }
+      previous = std::move(state);
     }
-    const double last_compute = compute_end_;
     const double opt_start = std::max(compute_end_, comm_free_);
-    e.last_reduce_s = opt_start - last_compute;
+    e.last_reduce_s = opt_start - last_backward_compute_;
     e.optimizer_s = cm_.optimizer_s;
     e.step_s = opt_start + cm_.optimizer_s;
     e.compute_s = cm_.compute_s_per_step;
@@ -58,6 +67,31 @@ class StepTimer {
   bool Sharded() const { return w_.config.strategy != Strategy::kNoShard; }
   bool Limited() const { return w_.config.framework == Framework::kFsdp1 && w_.config.limit_all_gathers; }
   bool ReducesNow() const { return !w_.config.no_sync || micro_ == w_.config.grad_accum - 1; }
+
+  // Everything that decides the future, relative to the compute clock. A time further in the past
+  // than one step's worth of communication cannot delay anything any more, nor can a finished
+  // all-gather: such values are clamped so that idle streams do not look like changing state.
+  std::vector<double> RelativeState() const {
+    const double floor = -(comm_.volume.total_comm_s + 1e-9);
+    std::vector<double> state;
+    state.push_back(std::max(comm_free_ - compute_end_, floor));
+    state.push_back(static_cast<double>(free_events_.size()));
+    for (double t : free_events_) state.push_back(std::max(t - compute_end_, floor));
+    for (size_t u = 0; u < gathered_.size(); ++u) {
+      if (!gathered_[u]) continue;
+      state.push_back(static_cast<double>(u));
+      state.push_back(std::max(gather_end_[u] - compute_end_, 0.0));
+    }
+    return state;
+  }
+
+  static bool SameState(const std::vector<double>& a, const std::vector<double>& b, double period) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (std::fabs(a[i] - b[i]) > 1e-9 * std::max(period, 1e-12)) return false;
+    }
+    return true;
+  }
 
   void Shift(double dt) {
     compute_end_ += dt;
@@ -118,19 +152,19 @@ class StepTimer {
   const Workload& w_;
   const ComputeModel& cm_;
   const CommModel& comm_;
+  bool fast_forward_;
   std::vector<bool> gathered_;
   std::vector<double> gather_end_;
   std::vector<std::vector<int>> children_;
   std::deque<double> free_events_;
-  double comm_free_ = 0, compute_end_ = 0, first_gather_s_ = 0;
-  double last_micro_s_ = 0, last_forward_s_ = 0, last_backward_s_ = 0;
+  double comm_free_ = 0, compute_end_ = 0, first_gather_s_ = 0, last_backward_compute_ = 0;
   int micro_ = 0;
 };
 
 }  // namespace
 
-StepEstimate EstimateStep(const Workload& w, const ComputeModel& cm, const CommModel& comm) {
-  return StepTimer(w, cm, comm).Run();
+StepEstimate EstimateStep(const Workload& w, const ComputeModel& cm, const CommModel& comm, bool fast_forward) {
+  return StepTimer(w, cm, comm, fast_forward).Run();
 }
 
 TimeEstimate EstimateTime(const Workload& w) {

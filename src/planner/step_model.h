@@ -25,7 +25,9 @@ struct StepEstimate {
 /// and (FSDP1 limit_all_gathers) for the compute of the unit two back; compute waits for its
 /// unit's all-gather; reduce-scatters follow each unit's backward on the same stream; the
 /// optimizer waits for the last reduction. CPU launch overheads are not modelled (fsdp-sim does).
-StepEstimate EstimateStep(const Workload& workload, const ComputeModel& compute, const CommModel& comm);
+/// With `fast_forward`, micro-batches 2 .. grad_accum-2 (identical to micro-batch 1) are not
+/// replayed one by one but added as a shift of every clock; the result is the same.
+StepEstimate EstimateStep(const Workload& workload, const ComputeModel& compute, const CommModel& comm, bool fast_forward = true);
 
 /// Compute, communication and step estimates for one workload.
 struct TimeEstimate {
