@@ -8,6 +8,7 @@
 #include "cli/cli_util.h"
 #include "core/workload.h"
 #include "planner/memory_model.h"
+#include "planner/export.h"
 #include "planner/plan_report.h"
 #include "planner/step_model.h"
 
@@ -186,6 +187,7 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--fragmentation", f.fragmentation, "allocator fragmentation as a fraction of the peak (default 0)");
   app.add_flag("--json", f.json, "print one JSON object (schema: docs/cli.md)");
   app.add_flag("--timeline", f.timeline, "also print the memory after each phase of the step");
+  app.add_option("--export", f.export_format, "print the configuration as code: pytorch (FSDP1) | fsdp2 | accelerate | lightning");
 }
 
 void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {
@@ -217,6 +219,12 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
   auto result = Evaluate(flags, flags.model, flags.timeline);
   if (!result.ok()) return result.error();
   const auto& [w, m] = result.value();
+  if (!flags.export_format.empty()) {
+    auto format = ParseExportFormat(flags.export_format);
+    if (!format.ok()) return format.error();
+    out << ExportConfig(w, format.value());
+    return {};
+  }
   const TimeEstimate time = EstimateTime(w);
   const double ddp_step_s = DdpStepSeconds(w);
   if (flags.json) {

@@ -27,6 +27,7 @@ struct PlanFlags {
   std::optional<double> fragmentation;
   bool json = false;
   bool timeline = false;
+  std::string export_format;     ///< pytorch | fsdp2 | accelerate | lightning: print code instead of the report
 };
 
 /// Registers every fsdp-plan flag on `app`, bound to `flags`.

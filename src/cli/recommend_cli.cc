@@ -49,6 +49,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   if (Status s = ParsePrices(f.prices, o.price_per_gpu_hour); !s.ok()) return s.error();
   if (f.gpus_max < 1 || f.gpus_max > 100000) return Error::BadInput(fmt::format("--gpus-max must be between 1 and 100000, got {}", f.gpus_max));
   o.gpus_max = f.gpus_max;
+  o.gpus_min = f.gpus_min;
   o.base.seq_len = f.seq_len > 0 ? f.seq_len : std::min<int64_t>(4096, model.max_position_embeddings);
   if (f.seq_len < 0 || o.base.seq_len > 10'000'000) return Error::BadInput(fmt::format("--seq-len must be positive, got {}", f.seq_len));
   if (f.global_batch && f.global_batch_tokens) return Error::BadInput("give --global-batch or --global-batch-tokens, not both");
@@ -138,6 +139,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--seq-len", f.seq_len, "sequence length (default: min(4096, max positions))");
   app.add_option("--global-batch-tokens", f.global_batch_tokens, "tokens per optimizer step (default 4194304)");
   app.add_option("--global-batch", f.global_batch, "sequences per optimizer step");
+  app.add_option("--gpus-min", f.gpus_min, "smallest GPU count to consider")->capture_default_str();
   app.add_option("--gpus-max", f.gpus_max, "largest GPU count to consider")->capture_default_str();
   app.add_option("--budget-per-hour", f.budget_per_hour, "USD per hour for the whole cluster");
   app.add_option("--objective", f.objective, "throughput | cost | time-to-train")->capture_default_str();

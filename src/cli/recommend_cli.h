@@ -19,6 +19,7 @@ struct RecommendFlags {
   std::string gpu_types;                 ///< comma-separated ids; empty: every catalog GPU
   int64_t seq_len = 0;
   std::optional<int64_t> global_batch_tokens, global_batch;
+  int64_t gpus_min = 1;
   int64_t gpus_max = 64;
   std::optional<double> budget_per_hour;
   std::string objective = "throughput";

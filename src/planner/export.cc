@@ -127,8 +127,11 @@ std::string Accelerate(const Workload& w) {
                          : c.backward_prefetch == BackwardPrefetch::kPre ? "BACKWARD_PRE" : "BACKWARD_POST";
   const bool fsdp2 = c.framework == Framework::kFsdp2;
   std::string out = Header(w);
-  out += fmt::format("# accelerate launch --config_file fsdp.yaml train.py   (mixed_precision {} maps to MixedPrecision({}) )\n",
-                     c.param_dtype == DType::kFp32 ? "'no'" : DTypeName(c.param_dtype), DTypeName(c.param_dtype));
+  out += "# accelerate launch --config_file fsdp.yaml train.py\n";
+  if (c.reduce_dtype != c.param_dtype) {
+    out += fmt::format("# the plan reduces gradients in {}: pass FullyShardedDataParallelPlugin(mixed_precision_policy=...) to Accelerator\n",
+                       DTypeName(c.reduce_dtype));
+  }
   out += "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
   out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing != Checkpointing::kNone ? "true" : "false");
   out += fmt::format("  fsdp_auto_wrap_policy: {}\n", wrap);

@@ -16,10 +16,10 @@ constexpr int64_t kMicroBatches[] = {1, 2, 4, 8, 16, 32};
 constexpr WrapPolicy kWraps[] = {WrapPolicy::kBlock, WrapPolicy::kNone};
 constexpr Strategy kStrategies[] = {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard, Strategy::kHybridShard};
 
-std::vector<int64_t> GpuCounts(int64_t max) {
+std::vector<int64_t> GpuCounts(int64_t min, int64_t max) {
   std::vector<int64_t> counts;
-  for (int64_t n = 1; n <= max; n *= 2) counts.push_back(n);
-  if (counts.back() != max) counts.push_back(max);
+  for (int64_t n = 1; n <= max; n *= 2) if (n >= min) counts.push_back(n);
+  if (counts.empty() || counts.back() != max) counts.push_back(max);
   return counts;
 }
 
@@ -48,7 +48,7 @@ class Searcher {
   template <typename Visit>
   void ForEach(Visit&& visit) {
     for (size_t g = 0; g < o_.gpu_types.size(); ++g)
-      for (int64_t gpus : GpuCounts(o_.gpus_max))
+      for (int64_t gpus : GpuCounts(o_.gpus_min, o_.gpus_max))
         for (Strategy s : kStrategies)
           for (Checkpointing ac : CheckpointModes(o_.base))
             for (int64_t mb : kMicroBatches)
@@ -71,13 +71,13 @@ class Searcher {
     cand.config = c;
     auto price = o_.price_per_gpu_hour.find(hw.id);
     cand.usd_per_hour = (price != o_.price_per_gpu_hour.end() ? price->second : hw.price_per_gpu_hour_usd) * static_cast<double>(gpus);
-    if (s == Strategy::kHybridShard && gpus <= c.gpus_per_node) return Reject(cand, "HYBRID_SHARD needs more than one node");
+    if (s == Strategy::kHybridShard && gpus <= c.gpus_per_node) return Reject(cand, Candidate::Reason::kInvalid, "HYBRID_SHARD needs more than one node");
     if (o_.global_batch_seqs % (gpus * mb) != 0) {
-      return Reject(cand, fmt::format("global batch of {} sequences is not divisible by {} GPUs x micro-batch {}", o_.global_batch_seqs, gpus, mb));
+      return Reject(cand, Candidate::Reason::kBatch, fmt::format("global batch of {} sequences is not divisible by {} GPUs x micro-batch {}", o_.global_batch_seqs, gpus, mb));
     }
     c.grad_accum = o_.global_batch_seqs / (gpus * mb);
     Workload& w = workloads_[wi];
-    if (Status st = Reconfigure(w, hw, c); !st.ok()) return Reject(cand, st.error().message);
+    if (Status st = Reconfigure(w, hw, c); !st.ok()) return Reject(cand, Candidate::Reason::kInvalid, st.error().message);
     cand.config = w.config;
     const MemoryEstimate mem = AddFrameworkTerms(w, FrameworkOverheadsFor(w), TensorMemory(w, wi), /*with_timeline=*/false);
     cand.peak_bytes = mem.peak_bytes;
@@ -97,18 +97,19 @@ class Searcher {
       cand.usd_to_train = cand.time_to_train_s / 3600.0 * cand.usd_per_hour;
     }
     cand.score = Score(cand);
-    if (!mem.fits) return Reject(cand, fmt::format("out of memory by {:.2f} GiB ({:.2f} GiB needed, {:.2f} GiB card)", -mem.headroom_bytes / kGiB,
+    if (!mem.fits) return Reject(cand, Candidate::Reason::kMemory, fmt::format("out of memory by {:.2f} GiB ({:.2f} GiB needed, {:.2f} GiB card)", -mem.headroom_bytes / kGiB,
                                                     mem.peak_bytes / kGiB, mem.capacity_bytes / kGiB));
     if (o_.budget_per_hour && cand.usd_per_hour > *o_.budget_per_hour) {
-      return Reject(cand, fmt::format("over budget: ${:.2f}/h > ${:.2f}/h", cand.usd_per_hour, *o_.budget_per_hour));
+      return Reject(cand, Candidate::Reason::kBudget, fmt::format("over budget: ${:.2f}/h > ${:.2f}/h", cand.usd_per_hour, *o_.budget_per_hour));
     }
     cand.feasible = true;
     return cand;
   }
 
  private:
-  Candidate Reject(Candidate c, std::string why) {
+  Candidate Reject(Candidate c, Candidate::Reason reason, std::string why) {
     c.feasible = false;
+    c.reason = reason;
     c.rejection = std::move(why);
     return c;
   }
@@ -166,24 +167,22 @@ std::vector<Candidate> ParetoFront(std::vector<Candidate> feasible) {
   return front;
 }
 
-// What to relax when nothing is feasible, from the best-scoring rejections.
+// What to relax when nothing is feasible, from the rejections.
 Error NothingFeasible(const std::vector<Candidate>& rejected, const SearchOptions& o) {
-  bool any_divisible = false, any_fits = false;
   const Candidate* cheapest_fit = nullptr;
   int64_t smallest_excess = INT64_MAX;
+  bool any_evaluated = false;
   for (const auto& c : rejected) {
-    if (c.rejection.find("not divisible") == std::string::npos) any_divisible = true;
-    if (c.capacity_bytes > 0 && c.peak_bytes <= c.capacity_bytes && c.rejection.starts_with("over budget")) {
-      any_fits = true;
-      if (cheapest_fit == nullptr || c.usd_per_hour < cheapest_fit->usd_per_hour) cheapest_fit = &c;
-    }
-    if (c.capacity_bytes > 0 && c.peak_bytes > c.capacity_bytes) smallest_excess = std::min(smallest_excess, c.peak_bytes - c.capacity_bytes);
+    if (c.reason == Candidate::Reason::kMemory || c.reason == Candidate::Reason::kBudget) any_evaluated = true;
+    if (c.reason == Candidate::Reason::kBudget && (cheapest_fit == nullptr || c.usd_per_hour < cheapest_fit->usd_per_hour)) cheapest_fit = &c;
+    if (c.reason == Candidate::Reason::kMemory) smallest_excess = std::min(smallest_excess, c.peak_bytes - c.capacity_bytes);
   }
-  if (!any_divisible) {
-    return Error::BadInput(fmt::format("no GPU count up to {} divides the global batch of {} sequences; use a global batch that is a multiple of a power of two",
-                                       o.gpus_max, o.global_batch_seqs));
+  if (!any_evaluated) {
+    return Error::BadInput(fmt::format("global batch not reachable: no GPU count from {} to {} x micro-batch divides {} sequences; "
+                                       "use a global batch that is a multiple of the GPU count",
+                                       o.gpus_min, o.gpus_max, o.global_batch_seqs));
   }
-  if (any_fits && cheapest_fit != nullptr) {
+  if (cheapest_fit != nullptr) {
     return Error::BadInput(fmt::format("budget too low: the cheapest configuration that fits ({} x {}) costs ${:.2f}/h, over --budget-per-hour {:.2f}",
                                        cheapest_fit->config.gpus, cheapest_fit->gpu_id, cheapest_fit->usd_per_hour, o.budget_per_hour.value_or(0)));
   }
@@ -209,6 +208,7 @@ int64_t CountCandidates(const ModelSpec& model, const SearchOptions& o) {
 
 Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& o, const ProgressFn& progress) {
   if (o.gpu_types.empty()) return Error::BadInput("no GPU types to search");
+  if (o.gpus_min < 1 || o.gpus_min > o.gpus_max) return Error::BadInput(fmt::format("--gpus-min {} must be between 1 and --gpus-max {}", o.gpus_min, o.gpus_max));
   if (o.global_batch_seqs < 1) return Error::BadInput("the global batch must be at least one sequence");
   if (o.objective == Objective::kTimeToTrain && o.train_tokens <= 0) return Error::BadInput("--objective time-to-train needs --tokens T (tokens to train on)");
   Searcher s(model, o);
@@ -231,7 +231,8 @@ Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& o, c
   r.top.assign(feasible.begin(), feasible.begin() + static_cast<std::ptrdiff_t>(std::min(o.top, feasible.size())));
   const double best = feasible.front().score;
   for (const auto& c : rejected) {
-    if (c.score > best && c.rejection.find("not divisible") == std::string::npos && r.best_rejected.size() < 5) r.best_rejected.push_back(c);
+    const bool evaluated = c.reason == Candidate::Reason::kMemory || c.reason == Candidate::Reason::kBudget;
+    if (evaluated && c.score > best && r.best_rejected.size() < 5) r.best_rejected.push_back(c);
   }
   return r;
 }

@@ -20,6 +20,7 @@ Result<Objective> ParseObjective(std::string_view text);
 struct SearchOptions {
   std::vector<HardwareSpec> gpu_types;
   std::map<std::string, double> price_per_gpu_hour;  ///< overrides of the hardware files' prices, by id
+  int64_t gpus_min = 1;                   ///< GPU counts searched: powers of two from gpus_min, and gpus_max
   int64_t gpus_max = 64;
   int64_t global_batch_seqs = 0;          ///< sequences per optimizer step (required)
   std::optional<double> budget_per_hour;  ///< USD per hour for the whole cluster
@@ -34,7 +35,9 @@ struct Candidate {
   std::string gpu_id;
   FsdpConfig config;
   bool feasible = false;
-  std::string rejection;                  ///< why not feasible
+  enum class Reason { kNone, kBatch, kMemory, kBudget, kInvalid };
+  Reason reason = Reason::kNone;          ///< why not feasible
+  std::string rejection;                  ///< the same, in words
   int64_t peak_bytes = 0, capacity_bytes = 0;
   double step_s = 0, tokens_per_s = 0, tokens_per_s_per_gpu = 0, mfu = 0;
   double usd_per_hour = 0, usd_per_million_tokens = 0;

@@ -1,0 +1,163 @@
+#include "planner/export.h"
+
+#include <doctest/doctest.h>
+
+#include <regex>
+#include <cctype>
+#include <set>
+#include <sstream>
+#include <string>
+
+#include "core/catalog.h"
+#include "core/json_io.h"
+
+namespace fsdp {
+namespace {
+
+// Exact names from the libraries' sources (tests/data/export_keys.json cites each).
+Json Keys() {
+  auto j = LoadJsonFile(DataDir() + "/tests/data/export_keys.json");
+  REQUIRE(j.ok());
+  return j.value();
+}
+
+std::set<std::string> Set(const Json& list) {
+  std::set<std::string> out;
+  for (const auto& v : list) out.insert(v.get<std::string>());
+  return out;
+}
+
+// Keyword arguments of the first call `name(` in `code`, up to its matching parenthesis.
+std::set<std::string> Kwargs(const std::string& code, const std::string& name) {
+  size_t start = code.find(name + "(");
+  REQUIRE_MESSAGE(start != std::string::npos, name);
+  start += name.size() + 1;
+  int depth = 1;
+  size_t end = start;
+  for (; end < code.size() && depth > 0; ++end) {
+    if (code[end] == '(' || code[end] == '{') ++depth;
+    if (code[end] == ')' || code[end] == '}') --depth;
+  }
+  std::string args = code.substr(start, end - start);
+  std::set<std::string> out;
+  // a keyword at nesting depth 0 of this call: preceded by '(' , ',' or a newline
+  int level = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == '(' || args[i] == '{') ++level;
+    if (args[i] == ')' || args[i] == '}') --level;
+    if (level != 0 || !(std::isalpha(static_cast<unsigned char>(args[i])) || args[i] == '_')) continue;
+    if (i > 0 && (std::isalnum(static_cast<unsigned char>(args[i - 1])) || args[i - 1] == '_' || args[i - 1] == '.')) continue;
+    size_t j = i;
+    while (j < args.size() && (std::isalnum(static_cast<unsigned char>(args[j])) || args[j] == '_')) ++j;
+    if (j < args.size() && args[j] == '=' && (j + 1 >= args.size() || args[j + 1] != '=')) out.insert(args.substr(i, j - i));
+    i = j - 1;  // the next character (maybe a parenthesis) is examined by the loop
+  }
+  return out;
+}
+
+Workload Plan(FsdpConfig c, const char* model = "llama-3.1-8b") {
+  auto m = LoadModel(model);
+  auto hw = LoadHardware("h100-sxm");
+  REQUIRE(m.ok());
+  auto w = BuildWorkload(m.value(), hw.value(), c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
+void CheckSubset(const std::set<std::string>& used, const std::set<std::string>& allowed, const char* what) {
+  for (const auto& k : used) {
+    CAPTURE(std::string(what));
+    CAPTURE(k);
+    CHECK(allowed.count(k) == 1);
+  }
+}
+
+TEST_CASE("FSDP1 export uses FullyShardedDataParallel's own argument and enum names") {
+  Json keys = Keys();
+  FsdpConfig c;
+  c.gpus = 16;
+  c.strategy = Strategy::kHybridShard;
+  c.checkpointing = Checkpointing::kFull;
+  const std::string code = ExportConfig(Plan(c), ExportFormat::kFsdp1);
+  std::set<std::string> fsdp_args = Kwargs(code, "FSDP");
+  CHECK(fsdp_args.count("sharding_strategy") == 1);
+  CHECK(fsdp_args.count("limit_all_gathers") == 1);
+  CheckSubset(fsdp_args, Set(keys["fsdp1_constructor_args"]) , "FSDP(...)");
+  CheckSubset(Kwargs(code, "MixedPrecision"), Set(keys["mixed_precision_fields"]), "MixedPrecision");
+  CheckSubset(Kwargs(code, "CPUOffload"), Set(keys["cpu_offload_fields"]), "CPUOffload");
+  CHECK(code.find("ShardingStrategy.HYBRID_SHARD") != std::string::npos);
+  CHECK(Set(keys["fsdp1_enums"]["ShardingStrategy"]).count("HYBRID_SHARD") == 1);
+  CHECK(code.find("BackwardPrefetch.BACKWARD_PRE") != std::string::npos);
+  CHECK(code.find("transformer_layer_cls={LlamaDecoderLayer}") != std::string::npos);
+  CHECK(code.find("init_device_mesh(\"cuda\", (2, 8)") != std::string::npos);
+  CHECK(code.find("apply_activation_checkpointing") != std::string::npos);
+}
+
+TEST_CASE("FSDP2 export uses fully_shard and MixedPrecisionPolicy names") {
+  Json keys = Keys();
+  FsdpConfig c;
+  c.framework = Framework::kFsdp2;
+  c.strategy = Strategy::kShardGradOp;
+  const std::string code = ExportConfig(Plan(c), ExportFormat::kFsdp2);
+  CheckSubset(Kwargs(code, "dict"), Set(keys["fsdp2_fully_shard_args"]), "fully_shard kwargs");
+  CheckSubset(Kwargs(code, "MixedPrecisionPolicy"), Set(keys["fsdp2_mixed_precision_policy_fields"]), "MixedPrecisionPolicy");
+  CHECK(code.find("reshard_after_forward=False") != std::string::npos);  // SHARD_GRAD_OP
+  CHECK(code.find("fully_shard(model, **fsdp_kwargs)") != std::string::npos);
+}
+
+TEST_CASE("accelerate YAML uses the keys and values accelerate reads") {
+  Json keys = Keys();
+  for (Framework fw : {Framework::kFsdp1, Framework::kFsdp2}) {
+    FsdpConfig c;
+    c.framework = fw;
+    c.cpu_offload = true;
+    c.wrap = WrapPolicy::kSize;
+    c.wrap_min_params = 100000000;
+    const std::string yaml = ExportConfig(Plan(c, "qwen2.5-7b"), ExportFormat::kAccelerate);
+    std::set<std::string> top, fsdp;
+    std::regex top_key("^([a-z_0-9]+):"), fsdp_key("^  ([a-z_0-9]+): (.*)$");
+    std::smatch m;
+    std::istringstream in(yaml);
+    Json values = keys["accelerate_fsdp_values"];
+    for (std::string line; std::getline(in, line);) {
+      if (line.starts_with("#")) continue;
+      if (std::regex_search(line, m, top_key)) top.insert(m[1]);
+      if (std::regex_match(line, m, fsdp_key)) {
+        fsdp.insert(m[1]);
+        if (values.contains(m[1].str())) {
+          CAPTURE(line);
+          CHECK(Set(values[m[1].str()]).count(m[2].str()) == 1);
+        }
+      }
+    }
+    CheckSubset(top, Set(keys["accelerate_top_level_keys"]), "accelerate top level");
+    CheckSubset(fsdp, Set(keys["accelerate_fsdp_config_keys"]), "fsdp_config");
+    CHECK(top.count("distributed_type") == 1);
+    CHECK(yaml.find("distributed_type: FSDP") != std::string::npos);
+    CHECK(fsdp.count("fsdp_offload_params") == 1);
+    CHECK(fsdp.count("fsdp_min_num_params") == 1);
+  }
+}
+
+TEST_CASE("Lightning export uses FSDPStrategy's arguments (the rest pass through to FSDP)") {
+  Json keys = Keys();
+  FsdpConfig c;
+  c.checkpointing = Checkpointing::kFull;
+  const std::string code = ExportConfig(Plan(c, "gpt2-xl"), ExportFormat::kLightning);
+  std::set<std::string> allowed = Set(keys["lightning_fsdp_strategy_args"]);
+  for (const auto& k : Set(keys["fsdp1_constructor_args"])) allowed.insert(k);  // **kwargs
+  CheckSubset(Kwargs(code, "FSDPStrategy"), allowed, "FSDPStrategy");
+  CHECK(code.find("sharding_strategy=\"FULL_SHARD\"") != std::string::npos);
+  CHECK(code.find("activation_checkpointing_policy={GPT2Block}") != std::string::npos);
+  std::smatch m;
+  REQUIRE(std::regex_search(code, m, std::regex("precision=\"([^\"]+)\"")));
+  CHECK(Set(keys["lightning_trainer_precision_values"]).count(m[1].str()) == 1);
+}
+
+TEST_CASE("unknown export formats are rejected") {
+  CHECK_FALSE(ParseExportFormat("deepspeed").ok());
+  CHECK(ParseExportFormat("pytorch").value() == ExportFormat::kFsdp1);
+}
+
+}  // namespace
+}  // namespace fsdp

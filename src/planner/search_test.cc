@@ -1,0 +1,129 @@
+#include "planner/search.h"
+
+#include <doctest/doctest.h>
+
+#include "planner/memory_model.h"
+#include "planner/step_model.h"
+
+namespace fsdp {
+namespace {
+
+SearchOptions Options(std::vector<const char*> gpus, int64_t gpus_max, int64_t global_batch) {
+  SearchOptions o;
+  for (const char* id : gpus) o.gpu_types.push_back(LoadHardware(id).value());
+  o.gpus_max = gpus_max;
+  o.global_batch_seqs = global_batch;
+  o.base.seq_len = 4096;
+  return o;
+}
+
+ModelSpec Model(const char* id) {
+  auto m = LoadModel(id);
+  REQUIRE(m.ok());
+  return m.value();
+}
+
+TEST_CASE("recommend: every listed configuration fits, reaches the global batch, and is ranked") {
+  SearchOptions o = Options({"a100-80gb-sxm", "h100-sxm"}, 16, 64);
+  auto r = Recommend(Model("llama-2-7b"), o, nullptr);
+  REQUIRE(r.ok());
+  const SearchResult& s = r.value();
+  // 2 GPU types x 5 counts (1..16) x 4 strategies x 2 checkpointing modes (flash) x 6 micro-batches x 2 offload x 2 wraps
+  CHECK(s.evaluated == 2 * 5 * 4 * 2 * 6 * 2 * 2);
+  CHECK(s.evaluated == CountCandidates(Model("llama-2-7b"), o));
+  REQUIRE(!s.top.empty());
+  for (size_t i = 0; i < s.top.size(); ++i) {
+    const Candidate& c = s.top[i];
+    CHECK(c.feasible);
+    CHECK(c.peak_bytes <= c.capacity_bytes);
+    CHECK(c.config.gpus * c.config.micro_batch * c.config.grad_accum == 64);
+    if (i > 0) CHECK(s.top[i - 1].tokens_per_s >= c.tokens_per_s);
+  }
+  // Pareto front: each entry is cheaper per token than every faster one
+  for (size_t i = 1; i < s.pareto.size(); ++i) {
+    CHECK(s.pareto[i].tokens_per_s <= s.pareto[i - 1].tokens_per_s);
+    CHECK(s.pareto[i].usd_per_million_tokens < s.pareto[i - 1].usd_per_million_tokens);
+  }
+  // the best-scoring rejections say why
+  for (const auto& c : s.best_rejected) CHECK_FALSE(c.rejection.empty());
+}
+
+TEST_CASE("a recommended configuration re-evaluates to the same figures") {
+  SearchOptions o = Options({"h100-sxm"}, 8, 32);
+  auto r = Recommend(Model("llama-2-7b"), o, nullptr);
+  REQUIRE(r.ok());
+  const Candidate& best = r.value().top.front();
+  auto w = BuildWorkload(Model("llama-2-7b"), LoadHardware("h100-sxm").value(), best.config);
+  REQUIRE(w.ok());
+  CHECK(EstimateMemory(w.value()).peak_bytes == best.peak_bytes);
+  CHECK(EstimateTime(w.value()).step.step_s == doctest::Approx(best.step_s));
+}
+
+TEST_CASE("objectives: cost ranks by dollars per token, time-to-train needs --tokens") {
+  SearchOptions o = Options({"a100-80gb-sxm", "h100-sxm"}, 16, 64);
+  o.objective = Objective::kCost;
+  auto r = Recommend(Model("llama-2-7b"), o, nullptr);
+  REQUIRE(r.ok());
+  for (size_t i = 1; i < r.value().top.size(); ++i) {
+    CHECK(r.value().top[i - 1].usd_per_million_tokens <= r.value().top[i].usd_per_million_tokens);
+  }
+  o.objective = Objective::kTimeToTrain;
+  CHECK_FALSE(Recommend(Model("llama-2-7b"), o, nullptr).ok());
+  o.train_tokens = 1e12;
+  auto t = Recommend(Model("llama-2-7b"), o, nullptr);
+  REQUIRE(t.ok());
+  CHECK(t.value().top.front().time_to_train_s == doctest::Approx(1e12 / t.value().top.front().tokens_per_s));
+}
+
+TEST_CASE("impossible targets say what to relax") {
+  // one 24 GB card cannot hold a 405B block unit plus the 4.2B-parameter root unit, even offloaded
+  SearchOptions o = Options({"rtx-3090"}, 1, 64);
+  auto no_fit = Recommend(Model("llama-3.1-405b"), o, nullptr);
+  REQUIRE_FALSE(no_fit.ok());
+  CHECK(no_fit.error().message.starts_with("no GPU type fits with up to 1 GPUs"));
+
+  SearchOptions odd = Options({"h100-sxm"}, 8, 63);
+  odd.base.seq_len = 1024;
+  auto r = Recommend(Model("gpt2"), odd, nullptr);
+  REQUIRE(r.ok());  // 1 GPU x micro-batch 1 reaches 63
+  SearchOptions odd2 = Options({"h100-sxm"}, 8, 63);
+  odd2.gpus_min = 2;  // 63 sequences cannot be split over 2, 4 or 8 GPUs
+  auto r2 = Recommend(Model("llama-2-7b"), odd2, nullptr);
+  REQUIRE_FALSE(r2.ok());
+  CHECK(r2.error().message.starts_with("global batch not reachable"));
+
+  SearchOptions poor = Options({"h100-sxm"}, 64, 64);
+  poor.budget_per_hour = 1.0;
+  auto b = Recommend(Model("llama-2-7b"), poor, nullptr);
+  REQUIRE_FALSE(b.ok());
+  CHECK(b.error().message.starts_with("budget too low"));
+}
+
+TEST_CASE("advise: the changes that make llama-2-13b fit on 4 x RTX 4090, cheapest in speed first") {
+  FsdpConfig c;
+  c.gpus = 4;
+  c.seq_len = 4096;
+  auto w = BuildWorkload(Model("llama-2-13b"), LoadHardware("rtx-4090").value(), c);
+  REQUIRE(w.ok());
+  CHECK_FALSE(EstimateMemory(w.value()).fits);
+  std::vector<Advice> advice = AdviseFit(w.value());
+  REQUIRE(!advice.empty());
+  for (size_t i = 0; i < advice.size(); ++i) {
+    CHECK(advice[i].fits);
+    CHECK(advice[i].peak_bytes <= w.value().hardware.memory_bytes);
+    if (i > 0) CHECK(advice[i - 1].slowdown_pct <= advice[i].slowdown_pct);
+  }
+}
+
+TEST_CASE("progress is reported and ends at the total") {
+  SearchOptions o = Options({"h100-sxm"}, 8, 32);
+  o.base.seq_len = 1024;
+  int64_t last = 0, total = 0;
+  auto r = Recommend(Model("gpt2"), o, [&](int64_t done, int64_t t) { last = done; total = t; });
+  REQUIRE(r.ok());
+  CHECK(last == total);
+  CHECK(total == r.value().evaluated);
+}
+
+}  // namespace
+}  // namespace fsdp
