@@ -6,6 +6,7 @@
 
 #include "core/catalog.h"
 #include "core/json_io.h"
+#include "planner/validation.h"
 
 namespace fsdp {
 namespace {
@@ -70,28 +71,18 @@ TEST_CASE("published nccl-tests results: mean absolute busbw error stays under 3
   // The same comparison bench/collective_check prints row by row (docs/time-model.md).
   auto doc = LoadJsonFile(DataDir() + "/docs/data/nccl_reference.json");
   REQUIRE(doc.ok());
-  struct Platform { const char* match; const char* gpu; double nic; };
-  const Platform platforms[] = {{"DGX H100", "h100-sxm", 50e9}, {"8 H100, NVLink", "h100-sxm", 50e9}, {"p5.48xlarge", "h100-sxm", 50e9},
-                                {"GCP A3", "h100-sxm", 25e9}, {"RoCE", "h100-sxm", 50e9}, {"ND96asr_v4", "a100-40gb-sxm", 25e9},
-                                {"ND96amsr", "a100-80gb-sxm", 25e9}, {"p4de", "a100-80gb-sxm", 6.25e9}, {"OCI", "a100-40gb-sxm", 25e9}};
-  double sum = 0;
-  int n = 0;
-  for (const auto& p : doc.value()["nccl_tests_results"]) {
-    const std::string text = p["gpu"].get<std::string>();
-    for (const auto& pl : platforms) {
-      if (text.find(pl.match) == std::string::npos) continue;
-      HardwareSpec hw = LoadHardware(pl.gpu).value();
-      hw.inter_node_bandwidth_per_gpu_bytes_per_s = pl.nic;
-      const int64_t ranks = p["gpus"].get<int64_t>(), nodes = p["nodes"].get<int64_t>();
-      const Collective c = p["collective"] == "all_gather" ? Collective::kAllGather : Collective::kAllReduce;
-      const double model = EstimateCollective(c, p["size_bytes"].get<int64_t>(), {ranks, ranks / nodes}, hw).busbw_bytes_per_s / 1e9;
-      sum += std::fabs(model / p["busbw_GBps"].get<double>() - 1.0);
-      ++n;
-      break;
-    }
-  }
-  CHECK(n >= 40);
-  CHECK(sum / n < 0.30);
+  const auto rows = CompareNcclTests(doc.value());
+  CHECK(rows.size() >= 40);
+  CHECK(MeanAbsoluteError(rows) < 0.30);
+}
+
+TEST_CASE("published FSDP results: tokens/s per GPU within 15% on average") {
+  // bench/accuracy_check prints the table quoted in docs/accuracy.md.
+  auto doc = LoadJsonFile(DataDir() + "/docs/data/published_results.json");
+  REQUIRE(doc.ok());
+  const auto rows = ComparePublishedResults(doc.value());
+  CHECK(rows.size() >= 16);
+  CHECK(MeanAbsoluteError(rows) < 0.15);
 }
 
 TEST_CASE("host copies over PCIe") {

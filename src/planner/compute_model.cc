@@ -11,7 +11,7 @@ constexpr double kAdamBytesPerElement = 36.0;
 constexpr double kSgdBytesPerElement = 12.0;   // param r+w, grad r
 // Memory-bound traffic: each saved activation is written once and read once in forward, and its
 // gradient written and read in backward (twice the forward traffic).
-constexpr double kForwardTrafficPerSavedByte = 2.0;
+constexpr double kForwardTrafficPerSavedByte = 5.0;
 constexpr double kBackwardTrafficFactor = 2.0;
 // Backward GEMMs compute the input and the weight gradients: 2x the forward FLOPs. FlashAttention-2
 // backward runs 5 matmuls for the forward's 2 (it recomputes the scores): 2.5x.
