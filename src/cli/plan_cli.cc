@@ -12,6 +12,7 @@
 #include "planner/plan_report.h"
 #include "planner/step_model.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace fsdp {
@@ -148,6 +149,14 @@ void PrintTime(const Workload& w, const TimeEstimate& t, double ddp_step_s, std:
   fmt::print(out, "  {:.0f} tokens/s per GPU, {:.0f} TFLOP/s per GPU, MFU {:.1f}% ({} peak {:.0f} TFLOP/s x matmul efficiency {:.2f})\n",
              s.tokens_per_s_per_gpu, s.tflops_per_gpu, 100 * s.mfu, DTypeName(w.config.param_dtype),
              w.hardware.PeakFlops(w.config.param_dtype) / 1e12, w.hardware.matmul_efficiency);
+  std::vector<std::pair<double, int>> waits;
+  for (int u = 0; u < static_cast<int>(s.unit_exposed_s.size()); ++u) if (s.unit_exposed_s[u] > 0) waits.emplace_back(s.unit_exposed_s[u], u);
+  std::sort(waits.rbegin(), waits.rend());
+  if (!waits.empty()) {
+    std::string list;
+    for (size_t i = 0; i < waits.size() && i < 4; ++i) list += fmt::format("{}{} {}", i ? ", " : "", w.units[waits[i].second].name, Ms(waits[i].first));
+    fmt::print(out, "  compute waits on all-gathers of {} unit(s): {}{}\n", waits.size(), list, waits.size() > 4 ? ", ..." : "");
+  }
   if (ddp_step_s > 0 && w.config.strategy != Strategy::kNoShard) {
     fmt::print(out, "  vs DDP (NO_SHARD, same batch, memory permitting): {} per step, so {} is {:+.1f}% {}\n", Ms(ddp_step_s),
                StrategyName(w.config.strategy), 100.0 * std::fabs(s.step_s / ddp_step_s - 1.0), s.step_s >= ddp_step_s ? "slower" : "faster");

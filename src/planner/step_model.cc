@@ -10,7 +10,8 @@ namespace {
 class StepTimer {
  public:
   StepTimer(const Workload& w, const ComputeModel& cm, const CommModel& comm, bool fast_forward)
-      : w_(w), cm_(cm), comm_(comm), fast_forward_(fast_forward), gathered_(w.units.size(), false), gather_end_(w.units.size(), 0.0) {
+      : w_(w), cm_(cm), comm_(comm), fast_forward_(fast_forward), gathered_(w.units.size(), false), gather_end_(w.units.size(), 0.0),
+        exposed_(w.units.size(), 0.0) {
     children_.resize(w.units.size());
     for (int u = 1; u < static_cast<int>(w.units.size()); ++u) children_[w.units[u].parent_unit].push_back(u);
   }
@@ -20,6 +21,7 @@ class StepTimer {
     const int accum = w_.config.grad_accum;
     std::vector<double> previous;
     for (micro_ = 0; micro_ < accum; ++micro_) {
+      exposed_before_ = exposed_;
       const double start_c = compute_end_;
       const double fwd_start = compute_end_;
       for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) ForwardUnit(u);
@@ -41,6 +43,8 @@ class StepTimer {
       if (!fast_forward_ || middle_left <= 0) continue;
       std::vector<double> state = RelativeState();
       if (SameState(state, previous, period)) {
+        // the skipped micro-batches wait exactly as this one did
+        for (size_t u = 0; u < exposed_.size(); ++u) exposed_[u] += middle_left * (exposed_[u] - exposed_before_[u]);
         Shift(static_cast<double>(middle_left) * period);
         e.forward_s += middle_left * fwd;
         e.backward_s += middle_left * bwd;
@@ -56,6 +60,7 @@ class StepTimer {
     e.comm_s = comm_.volume.total_comm_s;
     e.exposed_comm_s = std::max(0.0, e.step_s - e.compute_s);
     e.first_all_gather_s = first_gather_s_;
+    e.unit_exposed_s = exposed_;
     const double tokens = static_cast<double>(w_.TokensPerMicroBatch() * w_.config.grad_accum);
     e.tokens_per_s_per_gpu = tokens / e.step_s;
     e.tflops_per_gpu = cm_.model_flops_per_token * e.tokens_per_s_per_gpu / 1e12;
@@ -117,6 +122,7 @@ class StepTimer {
 
   void Compute(int u, double seconds) {
     const double ready = gathered_[u] ? gather_end_[u] : 0.0;
+    if (ready > compute_end_) exposed_[u] += (ready - compute_end_);
     compute_end_ = std::max(compute_end_, ready) + seconds;
   }
 
@@ -155,6 +161,7 @@ class StepTimer {
   bool fast_forward_;
   std::vector<bool> gathered_;
   std::vector<double> gather_end_;
+  std::vector<double> exposed_, exposed_before_;
   std::vector<std::vector<int>> children_;
   std::deque<double> free_events_;
   double comm_free_ = 0, compute_end_ = 0, first_gather_s_ = 0, last_backward_compute_ = 0;

@@ -2,6 +2,8 @@
 // unit by unit in FSDP's issue order (docs/time-model.md, "Overlap").
 #pragma once
 
+#include <vector>
+
 #include "core/workload.h"
 #include "planner/comm_model.h"
 #include "planner/compute_model.h"
@@ -19,6 +21,7 @@ struct StepEstimate {
   double tokens_per_s_per_gpu = 0;
   double tflops_per_gpu = 0;      ///< model FLOPs (6N + 12Lsad per token) per second, in TFLOP/s
   double mfu = 0;                 ///< model FLOPs utilisation of the param_dtype peak
+  std::vector<double> unit_exposed_s;  ///< per unit: compute-stream time spent waiting for its all-gather
 };
 
 /// Plays the step's compute and communication in FSDP's order: all-gathers wait for the stream

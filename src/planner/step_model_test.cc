@@ -96,6 +96,11 @@ TEST_CASE("step timeline computed by hand: 3 units, known durations") {
   CHECK(s.exposed_comm_s == doctest::Approx(2.0));
   CHECK(s.first_all_gather_s == doctest::Approx(0.5));
   CHECK(s.last_reduce_s == doctest::Approx(1.5));
+  // only the root's forward waited for its all-gather; the rest was hidden
+  REQUIRE(s.unit_exposed_s.size() == 3);
+  CHECK(s.unit_exposed_s[0] == doctest::Approx(0.5));
+  CHECK(s.unit_exposed_s[1] == 0.0);
+  CHECK(s.unit_exposed_s[2] == 0.0);
 }
 
 TEST_CASE("invariants: compute <= step <= compute + all communication; infinite bandwidth gives compute") {
