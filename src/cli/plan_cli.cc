@@ -93,7 +93,7 @@ void PrintTimeline(const MemoryEstimate& m, std::ostream& out) {
   }
 }
 
-Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, const std::string& model_id, bool timeline) {
+Result<Workload> BuildFromFlags(const PlanFlags& flags, const std::string& model_id) {
   auto config = ConfigFromFlags(flags);
   if (!config.ok()) return config.error();
   auto model = LoadModel(model_id);
@@ -111,7 +111,11 @@ Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, con
   auto hw = LoadHardware(gpu);
   if (!hw.ok()) return hw.error();
   if (cluster) ApplyCluster(*cluster, hw.value());
-  auto w = BuildWorkload(std::move(model).value(), std::move(hw).value(), config.value());
+  return BuildWorkload(std::move(model).value(), std::move(hw).value(), config.value());
+}
+
+Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, const std::string& model_id, bool timeline) {
+  auto w = BuildFromFlags(flags, model_id);
   if (!w.ok()) return w.error();
   auto overheads = OverheadsFromFlags(flags, w.value());
   if (!overheads.ok()) return overheads.error();
@@ -164,6 +168,11 @@ void PrintTime(const Workload& w, const TimeEstimate& t, double ddp_step_s, std:
 }
 
 }  // namespace
+
+Result<Workload> WorkloadFromFlags(const PlanFlags& flags) {
+  if (flags.model.empty()) return Error::BadInput("--model is required");
+  return BuildFromFlags(flags, flags.model);
+}
 
 void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--model", f.model, "catalog id (models/) or path to a HuggingFace config.json");

@@ -9,6 +9,7 @@
 
 #include "core/fsdp_config.h"
 #include "core/status.h"
+#include "core/workload.h"
 
 namespace fsdp {
 
@@ -38,6 +39,9 @@ void FinishPlanFlags(const CLI::App& app, PlanFlags& flags);
 
 /// Converts the textual flags into an FsdpConfig (BadInput on unknown names or inconsistent flags).
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& flags);
+
+/// Loads model and GPU (or cluster) and builds the workload the flags describe.
+Result<Workload> WorkloadFromFlags(const PlanFlags& flags);
 
 /// Runs the plan for one configuration and prints the table (or JSON) to `out`.
 Status RunPlan(const PlanFlags& flags, std::ostream& out);

@@ -104,7 +104,8 @@ double TreeLatencyUs(const CommGroup& g, Link intra, Proto p) {
 CollectiveEstimate Make(Collective c, int64_t size, int64_t ranks, double latency_us, double busbw, std::string_view algo, Proto p) {
   CollectiveEstimate e;
   const double bus_bytes = static_cast<double>(size) * BusFactor(c, ranks);
-  e.time_s = latency_us * 1e-6 + bus_bytes / busbw;
+  e.latency_s = latency_us * 1e-6;
+  e.time_s = e.latency_s + bus_bytes / busbw;
   e.algbw_bytes_per_s = static_cast<double>(size) / e.time_s;
   e.busbw_bytes_per_s = e.algbw_bytes_per_s * BusFactor(c, ranks);
   e.algorithm = algo;

@@ -24,6 +24,7 @@ double BusFactor(Collective c, int64_t ranks);
 
 struct CollectiveEstimate {
   double time_s = 0;
+  double latency_s = 0;           ///< the part of time_s that does not depend on bandwidth
   double algbw_bytes_per_s = 0;   ///< nccl-tests algbw = size / time
   double busbw_bytes_per_s = 0;   ///< algbw * BusFactor
   std::string_view algorithm = "none";  ///< "ring", "tree", "nvls", or "none" for one rank

@@ -31,7 +31,7 @@ constexpr int64_t kHipblasWorkspaceGfx94x = 128 * 1024 * 1024;
 constexpr int64_t kCublasLtWorkspace = 1024 * 1024;
 constexpr int64_t kBlasThreads = 2;
 
-enum class PhaseKind { kStart, kForwardUnshard, kForward, kEndForward, kBackwardUnshard, kBackward, kReduce, kOptimizer, kAfterZeroGrad };
+using PhaseKind = StepPhase;
 
 // "backward: reduce-scatter model.layers.3 (micro-batch 2/4)".
 std::string PhaseName(const Workload& w, const Phase& p) {
@@ -461,7 +461,9 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, int64_t rounding_bytes, b
   e.pending_free_bytes_at_peak = mem.pending_at_peak();
   e.host_bytes = TotalBytes(e.host);
   e.checkpoint = EstimateCheckpoint(w);
-  for (TrackedPoint& p : mem.TakeTimeline()) e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), p.device});
+  for (TrackedPoint& p : mem.TakeTimeline()) {
+    e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), static_cast<StepPhase>(p.phase.kind), p.phase.node, p.phase.micro, p.device});
+  }
   return e;
 }
 

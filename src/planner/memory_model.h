@@ -46,9 +46,15 @@ struct FrameworkOverheads {
 /// buffer sizes, cuBLAS workspace from PyTorch's CublasHandlePool.cpp for the architecture.
 FrameworkOverheads FrameworkOverheadsFor(const Workload& workload);
 
+/// Where in the step an allocation or free happens.
+enum class StepPhase { kStart, kForwardUnshard, kForward, kEndForward, kBackwardUnshard, kBackward, kReduce, kOptimizer, kAfterZeroGrad };
+
 /// One point of the memory timeline: device bytes by category after an event.
 struct MemoryPoint {
   std::string phase;
+  StepPhase kind = StepPhase::kStart;
+  int node = -1;        ///< module-tree node the phase belongs to (-1: none)
+  int micro = 0;        ///< micro-batch
   CategoryBytes device{};
 };
 

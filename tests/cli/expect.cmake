@@ -1,5 +1,6 @@
 # Runs a command and checks its exit code, that stderr is one line, and that the output matches.
-# Usage: cmake -DCMD="a;b;c" -DEXPECT_EXIT=2 -DEXPECT_REGEX="..." [-DSTREAM=stderr|stdout] -P expect.cmake
+# Usage: cmake -DCMD="a;b;c" -DEXPECT_EXIT=2 -DEXPECT_REGEX="..." [-DSTREAM=stderr|stdout]
+#              [-DEXPECT_FILE=path -DEXPECT_FILE_REGEX=...] -P expect.cmake
 execute_process(COMMAND ${CMD} RESULT_VARIABLE code OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
 if(NOT DEFINED STREAM)
   set(STREAM stderr)
@@ -14,6 +15,15 @@ if(NOT code STREQUAL "${EXPECT_EXIT}")
 endif()
 if(NOT text MATCHES "${EXPECT_REGEX}")
   message(FATAL_ERROR "${STREAM} does not match '${EXPECT_REGEX}':\n${text}")
+endif()
+if(DEFINED EXPECT_FILE)
+  if(NOT EXISTS "${EXPECT_FILE}")
+    message(FATAL_ERROR "${EXPECT_FILE} was not written")
+  endif()
+  file(READ "${EXPECT_FILE}" content)
+  if(NOT content MATCHES "${EXPECT_FILE_REGEX}")
+    message(FATAL_ERROR "${EXPECT_FILE} does not match '${EXPECT_FILE_REGEX}'")
+  endif()
 endif()
 if(NOT EXPECT_EXIT STREQUAL "0")
   string(REGEX REPLACE "\n$" "" trimmed "${err}")

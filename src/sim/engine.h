@@ -1,0 +1,142 @@
+// A general discrete-event engine for one training step: CPU threads that issue work in program
+// order (with a launch overhead, able to block on an event), in-order GPU streams, events and
+// cross-stream waits, links whose bandwidth concurrent transfers share, collectives that start when
+// every participating rank has reached them, and a memory pool that records allocations and frees.
+// Simulated time is integer nanoseconds; ties are broken by (time, sequence number).
+#pragma once
+
+#include <cstdint>
+#include <queue>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace fsdp::sim {
+
+using TimeNs = int64_t;  ///< simulated time in nanoseconds
+constexpr TimeNs kNever = INT64_MAX;
+
+/// A GPU stream of one rank (index into Engine's stream table).
+using StreamId = int;
+/// An event of one rank: fired when the op that records it completes (or at start, for kInitiallyFired).
+using EventId = int;
+using OpId = int;
+constexpr EventId kNoEvent = -1;
+
+/// Work placed on a stream.
+struct Op {
+  StreamId stream = 0;
+  std::string name;                  ///< e.g. "AG model.layers.3"
+  TimeNs fixed_ns = 0;               ///< latency / compute time, not shared
+  double link_solo_s = 0;            ///< transfer time alone on the link; stretched when others share it
+  int link = -1;                     ///< link used by the transfer (-1: none)
+  std::vector<EventId> waits;        ///< events that must have fired before the op starts
+  EventId records = kNoEvent;        ///< event fired when the op completes
+  int collective = -1;               ///< collective instance id: starts when all its ops are ready
+  // filled by the engine
+  TimeNs start_ns = kNever, end_ns = kNever;
+};
+
+/// What a CPU thread does next, in program order.
+struct LaunchOp { OpId op; };            ///< costs the launch overhead, enqueues the op
+struct SyncEvent { EventId event; };     ///< blocks the thread until the event fires
+struct CpuWork { TimeNs ns; std::string name; };  ///< host-side work (e.g. CPU optimizer step)
+struct Marker { int key; };              ///< records the thread's current time under `key`
+using CpuAction = std::variant<LaunchOp, SyncEvent, CpuWork, Marker>;
+
+struct StreamInfo {
+  std::string name;                  ///< "rank 0 compute", ...
+  int rank = 0;
+};
+
+class Engine {
+ public:
+  /// `launch_overhead_ns`: CPU time per LaunchOp.
+  explicit Engine(TimeNs launch_overhead_ns) : launch_overhead_ns_(launch_overhead_ns) {}
+
+  StreamId AddStream(std::string name, int rank);
+  int AddLink(double share_capacity = 1.0);
+  EventId AddEvent();
+  OpId AddOp(Op op);
+  /// Declares a collective made of these ops (one per participating rank).
+  int AddCollective(const std::vector<OpId>& ops);
+  /// Adds a CPU thread running `program`; returns its index.
+  int AddCpuThread(std::vector<CpuAction> program);
+
+  /// Runs until every thread finished its program and every stream drained. Returns the time of
+  /// the last completion.
+  TimeNs Run();
+
+  const std::vector<Op>& ops() const { return ops_; }
+  const std::vector<StreamInfo>& streams() const { return streams_; }
+  int64_t events_processed() const { return events_processed_; }
+  /// Time each Marker key was reached (kNever if not).
+  TimeNs MarkerTime(int key) const { return key < static_cast<int>(markers_.size()) ? markers_[key] : kNever; }
+  TimeNs CpuFinish(int thread) const { return threads_[thread].finish_ns; }
+  /// CPU time a thread spent blocked in SyncEvent.
+  TimeNs CpuBlocked(int thread) const { return threads_[thread].blocked_ns; }
+
+ private:
+  struct Thread {
+    std::vector<CpuAction> program;
+    size_t pc = 0;
+    TimeNs time = 0, finish_ns = kNever, blocked_ns = 0, block_start = 0;
+    EventId waiting = kNoEvent;   // or kLaunching while the launch overhead elapses
+  };
+  static constexpr EventId kLaunching = -2;
+  struct StreamState {
+    std::vector<OpId> queue;
+    size_t head = 0;
+    bool busy = false;
+  };
+  struct Transfer {
+    OpId op;
+    double remaining_s;   // solo seconds left
+  };
+  struct LinkState {
+    std::vector<Transfer> active;
+    TimeNs last_update = 0;
+    int64_t generation = 0;
+    double capacity = 1.0;
+  };
+  enum class Kind { kCpu, kOpDone, kLinkDone, kFixedDone };
+  struct Item {
+    TimeNs time;
+    int64_t seq;
+    Kind kind;
+    int a;            // thread, op or link
+    int64_t b;        // link generation
+    bool operator>(const Item& o) const { return time != o.time ? time > o.time : seq > o.seq; }
+  };
+
+  void Push(TimeNs t, Kind kind, int a, int64_t b = 0);
+  void StepThread(int t, TimeNs now);
+  void TryStart(StreamId s, TimeNs now);
+  bool Ready(const Op& op) const;
+  void StartOp(OpId id, TimeNs now);
+  void EnterLink(OpId id, TimeNs now);
+  void AdvanceLink(int link, TimeNs now);
+  void ScheduleLink(int link, TimeNs now);
+  void Complete(OpId id, TimeNs now);
+  void Fire(EventId e, TimeNs now);
+
+  TimeNs launch_overhead_ns_;
+  std::vector<Op> ops_;
+  std::vector<bool> arrived_;       // per op: counted towards its collective
+  std::vector<StreamInfo> streams_;
+  std::vector<StreamState> stream_state_;
+  std::vector<LinkState> links_;
+  std::vector<TimeNs> event_time_;
+  std::vector<std::vector<int>> event_waiters_threads_;
+  std::vector<std::vector<StreamId>> event_waiters_streams_;
+  std::vector<std::vector<OpId>> collectives_;
+  std::vector<int> collective_ready_;
+  std::vector<Thread> threads_;
+  std::vector<TimeNs> markers_;
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> heap_;
+  int64_t seq_ = 0;
+  int64_t events_processed_ = 0;
+  TimeNs last_time_ = 0;
+};
+
+}  // namespace fsdp::sim

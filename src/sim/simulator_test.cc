@@ -1,0 +1,178 @@
+#include "sim/simulator.h"
+
+#include <doctest/doctest.h>
+
+#include "planner/memory_model.h"
+#include "planner/step_model.h"
+
+namespace fsdp::sim {
+namespace {
+
+constexpr const char* kHandLlama =
+    R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+    R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})";
+
+Workload Hand(FsdpConfig c) {
+  auto m = ModelFromHfConfig(ParseJson(kHandLlama, "hand.json").value(), "hand", "hand.json");
+  auto w = BuildWorkload(m.value(), LoadHardware("a100-80gb-sxm").value(), c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
+Workload Real(const char* model, FsdpConfig c, const char* gpu = "h100-sxm") {
+  auto w = BuildWorkload(LoadModel(model).value(), LoadHardware(gpu).value(), c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
+SimOptions NoCpu() {
+  SimOptions o;
+  o.launch_overhead_s = 0;
+  return o;
+}
+
+TEST_CASE("golden: 3 units with known durations, timeline computed by hand") {
+  FsdpConfig c;
+  c.gpus = 3;
+  c.seq_len = 2;
+  Workload w = Hand(c);
+  SimOptions o = NoCpu();
+  ComputeModel cm;
+  cm.units = {{0, 0, 0, 1.0, 1.0, 0}, {0, 0, 0, 2.0, 4.0, 0}, {0, 0, 0, 2.0, 4.0, 0}};
+  cm.optimizer_s = 0.5;
+  o.compute_override = cm;
+  o.collective_override = std::vector<UnitComm>{{0.5, 0.5, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}};
+  // Same schedule as step_model_test's hand timeline: forward AG root [0, .5], root [.5, 1.5], AG L0
+  // [.5, 1.5], L0 [1.5, 3.5], AG L1 [1.5, 2.5], L1 [3.5, 5.5]; backward: the CPU blocks on L0's free
+  // event before re-gathering L1 [3.5, 4.5]; root [5.5, 6.5]; AG L0 [4.5, 5.5]; L1 [6.5, 10.5];
+  // RS L1 [10.5, 11.5]; L0 [10.5, 14.5]; RS L0 [14.5, 15.5]; RS root [15.5, 16.0]; wait; optimizer [16.0, 16.5].
+  auto r = Simulate(w, o);
+  REQUIRE(r.ok());
+  CHECK(r.value().step_s == doctest::Approx(16.5));
+  CHECK(r.value().compute_s == doctest::Approx(14.5));
+  CHECK(r.value().exposed_comm_s == doctest::Approx(2.0));
+  bool saw_rs_root = false;
+  for (const auto& op : r.value().ops) {
+    if (op.name == "RS root") {
+      saw_rs_root = true;
+      CHECK(op.start_s == doctest::Approx(15.5));
+      CHECK(op.end_s == doctest::Approx(16.0));
+    }
+    if (op.name == "AG model.layers.1" && op.start_s > 3) CHECK(op.start_s == doctest::Approx(3.5));
+  }
+  CHECK(saw_rs_root);
+  CHECK(r.value().cpu_blocked_s > 0);  // the limiter made the CPU wait
+}
+
+TEST_CASE("consistency with fsdp-plan: same peak memory, step time within 1% without CPU overheads") {
+  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard, Strategy::kHybridShard}) {
+    FsdpConfig c;
+    c.gpus = 16;
+    c.seq_len = 2048;
+    c.strategy = s;
+    c.grad_accum = 2;
+    Workload w = Real("llama-2-7b", c);
+    auto r = Simulate(w, NoCpu());
+    REQUIRE(r.ok());
+    CAPTURE(StrategyName(s));
+    CHECK(r.value().peak_bytes == EstimateMemory(w).peak_bytes);
+    CHECK(r.value().step_s == doctest::Approx(EstimateTime(w).step.step_s).epsilon(0.01));
+  }
+}
+
+TEST_CASE("invariants: compute <= step <= compute + communication") {
+  for (bool offload : {false, true}) {
+    FsdpConfig c;
+    c.gpus = 8;
+    c.seq_len = 1024;
+    c.cpu_offload = offload;
+    Workload w = Real("llama-2-7b", c, "a100-40gb-sxm");
+    auto r = Simulate(w, SimOptions{});
+    REQUIRE(r.ok());
+    CHECK(r.value().step_s >= r.value().compute_s);
+    CHECK(r.value().step_s <= r.value().compute_s + EstimateComm(w).volume.total_comm_s + 1.0);  // + CPU-side work
+  }
+}
+
+TEST_CASE("infinite bandwidth and no latency give the compute time; no compute gives the communication time") {
+  FsdpConfig c;
+  c.gpus = 8;
+  c.seq_len = 2048;
+  Workload w = Real("llama-2-7b", c);
+  SimOptions fast = NoCpu();
+  fast.bandwidth_override = 1e30;
+  fast.latency_scale = 0;
+  auto r = Simulate(w, fast);
+  REQUIRE(r.ok());
+  CHECK(r.value().step_s == doctest::Approx(r.value().compute_s).epsilon(1e-6));
+  SimOptions idle = NoCpu();
+  idle.compute_scale = 0;
+  auto z = Simulate(w, idle);
+  REQUIRE(z.ok());
+  CHECK(z.value().compute_s == doctest::Approx(0.0).epsilon(1e-9));
+  CHECK(z.value().step_s == doctest::Approx(z.value().comm_s).epsilon(1e-6));
+  CHECK(z.value().step_s == doctest::Approx(EstimateComm(w).volume.total_comm_s).epsilon(1e-3));
+}
+
+TEST_CASE("separate process groups let an all-gather and a reduce-scatter share the link") {
+  FsdpConfig c;
+  c.gpus = 16;
+  c.seq_len = 1024;
+  Workload w = Real("llama-2-13b", c, "a100-40gb-sxm");
+  SimOptions one = NoCpu(), two = NoCpu();
+  two.separate_process_groups = true;
+  auto a = Simulate(w, one), b = Simulate(w, two);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(b.value().stream_names.size() == a.value().stream_names.size() + 1);
+  CHECK(b.value().step_s <= a.value().step_s * 1.0001);
+}
+
+TEST_CASE("per-rank mode: no jitter reproduces the aggregate; one slow rank slows everyone") {
+  FsdpConfig c;
+  c.gpus = 8;
+  c.seq_len = 1024;
+  Workload w = Real("llama-2-7b", c);
+  SimOptions agg = NoCpu(), all = NoCpu();
+  all.ranks = 8;
+  auto a = Simulate(w, agg), p = Simulate(w, all);
+  REQUIRE(a.ok());
+  REQUIRE(p.ok());
+  CHECK(p.value().step_s == doctest::Approx(a.value().step_s).epsilon(1e-9));
+  SimOptions slow = all;
+  slow.slow_ranks[3] = 1.1;
+  auto s = Simulate(w, slow);
+  REQUIRE(s.ok());
+  // the collectives wait for rank 3, whose compute alone takes 1.1x rank 0's
+  CHECK(s.value().step_s >= a.value().compute_s * 1.1);
+  CHECK(s.value().step_s > a.value().step_s);
+  SimOptions jitter = all;
+  jitter.jitter = 0.05;
+  auto j1 = Simulate(w, jitter), j2 = Simulate(w, jitter);
+  CHECK(j1.value().step_s == j2.value().step_s);  // seeded
+  CHECK(j1.value().step_s > a.value().step_s);
+}
+
+TEST_CASE("bad options are rejected") {
+  FsdpConfig c;
+  c.gpus = 8;
+  Workload w = Real("gpt2", c);
+  SimOptions o;
+  o.bandwidth_override = -1;
+  CHECK_FALSE(Simulate(w, o).ok());
+  o = SimOptions{};
+  o.jitter = 2;
+  CHECK_FALSE(Simulate(w, o).ok());
+  o = SimOptions{};
+  o.ranks = 4;  // not the GPU count
+  CHECK_FALSE(Simulate(w, o).ok());
+  o = SimOptions{};
+  o.ranks = 8;
+  o.slow_ranks[9] = 1.1;
+  auto r = Simulate(w, o);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().message == "slow rank 9 is not one of the 8 simulated ranks");
+}
+
+}  // namespace
+}  // namespace fsdp::sim
