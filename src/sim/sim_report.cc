@@ -134,10 +134,12 @@ std::string HtmlReport(const Workload& w, const SimResult& r) {
 
 std::string WhatIfTable(const std::vector<std::string>& params, const std::vector<WhatIfRow>& rows) {
   std::string out;
-  for (const auto& p : params) out += fmt::format("{:>14}", p);
+  std::vector<size_t> widths;
+  for (const auto& p : params) widths.push_back(std::max<size_t>(14, p.size() + 2));
+  for (size_t i = 0; i < params.size(); ++i) out += fmt::format("{:>{}}", params[i], widths[i]);
   out += fmt::format("{:>12}{:>12}{:>12}{:>10}{:>12}\n", "step ms", "compute ms", "exposed ms", "overlap", "peak GiB");
   for (const auto& r : rows) {
-    for (const auto& v : r.values) out += fmt::format("{:>14}", v);
+    for (size_t i = 0; i < r.values.size(); ++i) out += fmt::format("{:>{}}", r.values[i], widths[i]);
     out += fmt::format("{:>12.2f}{:>12.2f}{:>12.2f}{:>9.1f}%{:>12.2f}\n", r.result.step_s * 1e3, r.result.compute_s * 1e3,
                        r.result.exposed_comm_s * 1e3, r.result.overlap_pct, r.result.peak_bytes / kGiB);
   }
