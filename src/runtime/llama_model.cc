@@ -1,0 +1,94 @@
+#include "runtime/llama_model.h"
+
+#include <fmt/format.h>
+
+namespace fsdp::runtime {
+
+int64_t LlamaDims::BlockNumel() const {
+  const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+  return 2 * hidden + q * hidden + 2 * kv * hidden + hidden * q + 3 * inner * hidden;
+}
+
+LlamaDims::BlockOffsets LlamaDims::Offsets() const {
+  const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+  BlockOffsets o;
+  o.in_norm = 0;
+  o.wq = hidden;
+  o.wk = o.wq + q * hidden;
+  o.wv = o.wk + kv * hidden;
+  o.wo = o.wv + kv * hidden;
+  o.post_norm = o.wo + hidden * q;
+  o.wg = o.post_norm + hidden;
+  o.wu = o.wg + inner * hidden;
+  o.wd = o.wu + inner * hidden;
+  return o;
+}
+
+Result<LlamaDims> DimsOf(const ModelSpec& m) {
+  if (m.family != ModelFamily::kLlama && m.family != ModelFamily::kMistral) {
+    return Error::BadInput(fmt::format("fsdp-run trains llama and mistral models; {} is {}", m.id, m.model_type));
+  }
+  if (m.qkv_bias || m.o_bias || m.mlp_bias) return Error::BadInput(fmt::format("fsdp-run does not implement biases ({})", m.id));
+  if (m.head_dim % 2 != 0) return Error::BadInput("RoPE needs an even head_dim");
+  return LlamaDims{m.vocab_size, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers, 1e-5f, 10000.0f,
+                   m.tie_word_embeddings};
+}
+
+int64_t BlockCache::SavedBytes() const {
+  int64_t floats = x.size() + n1.size() + q.size() + k.size() + v.size() + attn.size() + x2.size() + n2.size() + gate.size() + up.size() +
+                   mid.size() + inv1.size() + inv2.size();
+  for (const auto& p : probs) floats += p.size();
+  return floats * 4;
+}
+
+namespace {
+ConstMatMap W(const float* p, int64_t rows, int64_t cols) { return ConstMatMap(p, rows, cols); }
+Eigen::Map<const Vec> V(const float* p, int64_t n) { return Eigen::Map<const Vec>(p, n); }
+}  // namespace
+
+Mat BlockForward(const LlamaDims& d, const float* p, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache) {
+  const auto o = d.Offsets();
+  const int64_t qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim;
+  BlockCache local;
+  BlockCache& c = cache ? *cache : local;
+  c.x = x;
+  c.n1 = RmsNormForward(x, V(p + o.in_norm, d.hidden), d.rms_eps, c.inv1);
+  c.q = LinearForward(c.n1, W(p + o.wq, qd, d.hidden));
+  c.k = LinearForward(c.n1, W(p + o.wk, kvd, d.hidden));
+  c.v = LinearForward(c.n1, W(p + o.wv, kvd, d.hidden));
+  Rope(c.q, d.heads, d.head_dim, seq, d.rope_theta, false);
+  Rope(c.k, d.kv_heads, d.head_dim, seq, d.rope_theta, false);
+  c.attn = AttentionForward(c.q, c.k, c.v, batch, seq, d.heads, d.kv_heads, d.head_dim, c.probs);
+  c.x2 = x + LinearForward(c.attn, W(p + o.wo, d.hidden, qd));
+  c.n2 = RmsNormForward(c.x2, V(p + o.post_norm, d.hidden), d.rms_eps, c.inv2);
+  c.gate = LinearForward(c.n2, W(p + o.wg, d.inner, d.hidden));
+  c.up = LinearForward(c.n2, W(p + o.wu, d.inner, d.hidden));
+  c.mid = SwiGluForward(c.gate, c.up);
+  return c.x2 + LinearForward(c.mid, W(p + o.wd, d.hidden, d.inner));
+}
+
+Mat BlockBackward(const LlamaDims& d, const float* p, float* g, const Mat& dy, const BlockCache& c, int64_t batch, int64_t seq) {
+  const auto o = d.Offsets();
+  const int64_t qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim;
+  auto G = [&](int64_t off, int64_t rows, int64_t cols) { return MatMap(g + off, rows, cols); };
+  MatMap g_wd = G(o.wd, d.hidden, d.inner), g_wg = G(o.wg, d.inner, d.hidden), g_wu = G(o.wu, d.inner, d.hidden);
+  MatMap g_wo = G(o.wo, d.hidden, qd), g_wq = G(o.wq, qd, d.hidden), g_wk = G(o.wk, kvd, d.hidden), g_wv = G(o.wv, kvd, d.hidden);
+  Eigen::Map<Vec> g_post(g + o.post_norm, d.hidden), g_in(g + o.in_norm, d.hidden);
+  // MLP branch
+  Mat d_mid = LinearBackward(dy, c.mid, W(p + o.wd, d.hidden, d.inner), g_wd);
+  Mat d_gate, d_up;
+  SwiGluBackward(d_mid, c.gate, c.up, d_gate, d_up);
+  Mat d_n2 = LinearBackward(d_gate, c.n2, W(p + o.wg, d.inner, d.hidden), g_wg) + LinearBackward(d_up, c.n2, W(p + o.wu, d.inner, d.hidden), g_wu);
+  Mat d_x2 = dy + RmsNormBackward(d_n2, c.x2, V(p + o.post_norm, d.hidden), c.inv2, g_post);
+  // attention branch
+  Mat d_attn = LinearBackward(d_x2, c.attn, W(p + o.wo, d.hidden, qd), g_wo);
+  Mat dq, dk, dv;
+  AttentionBackward(d_attn, c.q, c.k, c.v, c.probs, batch, seq, d.heads, d.kv_heads, d.head_dim, dq, dk, dv);
+  Rope(dq, d.heads, d.head_dim, seq, d.rope_theta, true);
+  Rope(dk, d.kv_heads, d.head_dim, seq, d.rope_theta, true);
+  Mat d_n1 = LinearBackward(dq, c.n1, W(p + o.wq, qd, d.hidden), g_wq) + LinearBackward(dk, c.n1, W(p + o.wk, kvd, d.hidden), g_wk) +
+             LinearBackward(dv, c.n1, W(p + o.wv, kvd, d.hidden), g_wv);
+  return d_x2 + RmsNormBackward(d_n1, c.x, V(p + o.in_norm, d.hidden), c.inv1, g_in);
+}
+
+}  // namespace fsdp::runtime

@@ -1,0 +1,40 @@
+// A Llama-style decoder (embedding, blocks of RMSNorm + GQA attention with RoPE + SwiGLU MLP, final
+// norm, LM head, cross-entropy) over flat fp32 parameter buffers laid out like the checkpoint's
+// tensors (ModelSpec inventory order), so that FSDP units are contiguous slices.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/model_spec.h"
+#include "runtime/llama_ops.h"
+
+namespace fsdp::runtime {
+
+struct LlamaDims {
+  int64_t vocab, hidden, inner, heads, kv_heads, head_dim, layers;
+  float rms_eps = 1e-5f, rope_theta = 10000.0f;
+  bool tied = false;
+  int64_t BlockNumel() const;
+  /// Offsets of a block's tensors in its flat buffer, in inventory order.
+  struct BlockOffsets { int64_t in_norm, wq, wk, wv, wo, post_norm, wg, wu, wd; };
+  BlockOffsets Offsets() const;
+};
+
+/// Dimensions of a llama/mistral model without biases; BadInput for other models.
+Result<LlamaDims> DimsOf(const ModelSpec& model);
+
+/// What a block's forward keeps for its backward.
+struct BlockCache {
+  Mat x, n1, q, k, v, attn, x2, n2, gate, up, mid;
+  Vec inv1, inv2;
+  std::vector<Mat> probs;
+  int64_t SavedBytes() const;
+};
+
+/// x (T, h) -> block output; fills `cache` when non-null. `params` is the block's flat buffer.
+Mat BlockForward(const LlamaDims& d, const float* params, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache);
+/// Returns dx; accumulates the block's parameter gradients into `grads` (same layout as params).
+Mat BlockBackward(const LlamaDims& d, const float* params, float* grads, const Mat& dy, const BlockCache& cache, int64_t batch, int64_t seq);
+
+}  // namespace fsdp::runtime
