@@ -1,15 +1,54 @@
-// fsdp-run: placeholder until its issue lands (see README).
+// fsdp-run: train an FSDP configuration for real on CPU ranks (one process, or mpirun -np N) and
+// report the losses and step times (thin main; the engine is src/runtime).
+#include <cstdlib>
+#include <memory>
+
+#include <fmt/format.h>
 #include <iostream>
-#include <string>
+
+#include "cli/cli_util.h"
+#include "cli/run_cli.h"
+
+#ifdef FSDP_HAVE_MPI
+#include <mpi.h>
+#endif
+
+namespace {
+
+// Started by mpirun / srun: OpenMPI and PMI set these.
+bool LaunchedByMpi() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") {
-      std::cout << "fsdp-run: not yet implemented (see the open issue for fsdp-run)\n";
-      return 0;
-    }
+  CLI::App app{"fsdp-run: train an FSDP configuration on CPU ranks (single process, or under mpirun -np N) and report losses and step times."};
+  fsdp::RunFlags flags;
+  fsdp::AddRunFlags(app, flags);
+  if (int code = fsdp::ParseOrExitCode(app, argc, argv, "fsdp-run"); code >= 0) return code;
+  fsdp::FinishPlanFlags(app, flags.plan);
+  if (flags.plan.model.empty()) flags.plan.model = "tiny-llama";
+  if (!flags.plan.gpus_given) flags.plan.config.gpus = 1;
+  std::unique_ptr<fsdp::runtime::Comm> comm;
+  const bool mpi = LaunchedByMpi();
+#ifdef FSDP_HAVE_MPI
+  if (mpi) MPI_Init(&argc, &argv);
+#endif
+  if (mpi) {
+    auto c = fsdp::runtime::MakeMpiComm();
+    if (!c.ok()) return fsdp::ReportError("fsdp-run", c.error());
+    comm = std::move(c).value();
+    if (!flags.plan.gpus_given) flags.plan.config.gpus = comm->size();
+  } else {
+    comm = fsdp::runtime::MakeSingleComm();
   }
-  std::cerr << "fsdp-run: not yet implemented\n";
-  return 1;
+  fsdp::Status status = fsdp::RunTraining(flags, *comm, std::cout);
+  int code = status.ok() ? fsdp::kExitOk : fsdp::ReportError(fmt::format("fsdp-run (rank {})", comm->rank()), status.error());
+#ifdef FSDP_HAVE_MPI
+  if (mpi) {
+    comm.reset();
+    if (code != 0) MPI_Abort(MPI_COMM_WORLD, code);  // make every rank stop instead of waiting in a collective
+    MPI_Finalize();
+  }
+#endif
+  return code;
 }

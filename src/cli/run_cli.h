@@ -1,0 +1,28 @@
+// fsdp-run's command line: train a configuration for a few steps on CPU ranks (single process or
+// MPI) and report the losses and step times.
+#pragma once
+
+#include <ostream>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/plan_cli.h"
+#include "runtime/comm.h"
+
+namespace fsdp {
+
+struct RunFlags {
+  PlanFlags plan;
+  int64_t steps = 3;
+  uint64_t seed = 1;
+  float lr = 1e-3f;
+  std::string json_path;
+  bool quiet = false;
+};
+
+void AddRunFlags(CLI::App& app, RunFlags& flags);
+/// Builds the workload, trains `steps` steps on `comm` and prints (rank 0) the losses.
+Status RunTraining(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
+
+}  // namespace fsdp

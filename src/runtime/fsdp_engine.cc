@@ -1,0 +1,257 @@
+#include "runtime/fsdp_engine.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include <fmt/format.h>
+
+namespace fsdp::runtime {
+
+float RoundTo(float value, DType dtype) {
+  if (dtype == DType::kFp32) return value;
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if (dtype == DType::kBf16) {
+    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even on the upper 16 bits
+    bits &= 0xFFFF0000u;
+    std::memcpy(&value, &bits, 4);
+    return value;
+  }
+  // fp16: 10 mantissa bits
+  const float scaled = std::ldexp(std::round(std::ldexp(value, 10 - std::ilogb(value == 0 ? 1.0f : value))), std::ilogb(value == 0 ? 1.0f : value) - 10);
+  return scaled;
+}
+
+namespace {
+
+// Deterministic initial values of a unit's flat buffer, independent of the world size: norms 1,
+// everything else N(0, 0.02), padding 0.
+std::vector<float> InitialUnit(const Workload& w, int u, uint64_t seed) {
+  const WrapUnit& unit = w.units[u];
+  std::vector<float> flat(static_cast<size_t>(unit.padded_numel), 0.0f);
+  std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(u));
+  std::normal_distribution<float> normal(0.0f, 0.02f);
+  size_t offset = 0;
+  for (int t : unit.tensors) {
+    const TensorSpec& ts = w.model.tensors[t];
+    const bool norm = ts.shape.size() == 1;
+    for (int64_t i = 0; i < ts.numel(); ++i) flat[offset + i] = norm ? 1.0f : normal(rng);
+    offset += static_cast<size_t>(ts.numel());
+  }
+  return flat;
+}
+
+uint64_t Fingerprint(const Workload& w, const TrainOptions& o) {
+  const FsdpConfig& c = w.config;
+  uint64_t h = 1469598103934665603ULL;
+  auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
+  for (int64_t v : {w.model.ParamsTotal(), c.gpus, c.seq_len, c.micro_batch, c.grad_accum, static_cast<int64_t>(c.strategy),
+                    static_cast<int64_t>(c.checkpointing), static_cast<int64_t>(c.param_dtype), static_cast<int64_t>(c.reduce_dtype)}) {
+    mix(static_cast<uint64_t>(v));
+  }
+  mix(o.seed);
+  return h;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& world, const TrainOptions& o) {
+  auto dims = DimsOf(w.model);
+  if (!dims.ok()) return dims.error();
+  if (w.config.wrap != WrapPolicy::kBlock && w.config.wrap != WrapPolicy::kNone) {
+    return Error::BadInput("fsdp-run wraps per block (--wrap block) or the whole model (--wrap none)");
+  }
+  if (world.size() != w.config.gpus) {
+    return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start as many ranks as --gpus)", w.config.gpus, world.size()));
+  }
+  if (Status s = world.CheckSame(Fingerprint(w, o), "configurations"); !s.ok()) return s.error();
+  std::unique_ptr<FsdpEngine> e(new FsdpEngine(w, world, o));
+  e->dims_ = dims.value();
+  if (Status s = e->Init(); !s.ok()) return s.error();
+  return e;
+}
+
+Status FsdpEngine::Init() {
+  shard_world_ = w_.shard_world;
+  const int rank = world_.rank();
+  auto shard = world_.Split(rank / static_cast<int>(shard_world_), rank);
+  if (!shard.ok()) return shard.error();
+  shard_comm_ = std::move(shard).value();
+  auto replica = world_.Split(rank % static_cast<int>(shard_world_), rank);
+  if (!replica.ok()) return replica.error();
+  replica_comm_ = std::move(replica).value();
+  const size_t n = w_.units.size();
+  shard_.resize(n);
+  grad_shard_.resize(n);
+  exp_avg_.resize(n);
+  exp_avg_sq_.resize(n);
+  full_.resize(n);
+  full_grad_.resize(n);
+  const int shard_rank = shard_comm_->rank();
+  for (size_t u = 0; u < n; ++u) {
+    const int64_t s = w_.units[u].shard_numel;
+    std::vector<float> flat = InitialUnit(w_, static_cast<int>(u), o_.seed);
+    shard_[u].assign(flat.begin() + shard_rank * s, flat.begin() + (shard_rank + 1) * s);
+    exp_avg_[u].assign(static_cast<size_t>(s), 0.0f);
+    exp_avg_sq_[u].assign(static_cast<size_t>(s), 0.0f);
+  }
+  block_unit_.assign(static_cast<size_t>(dims_.layers), 0);
+  for (const auto& node : w_.nodes) {
+    if (node.role == ModuleNode::Role::kBlock) block_unit_[node.block] = node.unit >= 0 ? node.unit : 0;
+  }
+  tokens_per_micro_ = w_.config.micro_batch * w_.config.seq_len;
+  return {};
+}
+
+bool FsdpEngine::ReshardAfterForward(int u) const {
+  if (w_.units[u].is_root) return false;
+  return w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard;
+}
+
+Status FsdpEngine::Unshard(int u) {
+  if (!full_[u].empty()) return {};
+  const WrapUnit& unit = w_.units[u];
+  std::vector<float> low(shard_[u].size());
+  for (size_t i = 0; i < low.size(); ++i) low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
+  full_[u].resize(static_cast<size_t>(unit.padded_numel));
+  return shard_comm_->AllGather(low.data(), full_[u].data(), unit.shard_numel);
+}
+
+void FsdpEngine::Reshard(int u) { std::vector<float>().swap(full_[u]); }
+
+// Reduce-scatter the unit's gradient (rounded to reduce_dtype) within the shard group, all-reduce
+// the shard across replicas, average over the world, accumulate into the fp32 gradient shard.
+Status FsdpEngine::Reduce(int u) {
+  std::vector<float>& g = full_grad_[u];
+  for (float& v : g) v = RoundTo(v, w_.config.reduce_dtype);
+  std::vector<float> shard(static_cast<size_t>(w_.units[u].shard_numel));
+  if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), w_.units[u].shard_numel); !s.ok()) return s;
+  if (replica_comm_->size() > 1) {
+    if (Status s = replica_comm_->AllReduce(shard.data(), static_cast<int64_t>(shard.size())); !s.ok()) return s;
+  }
+  const float scale = 1.0f / static_cast<float>(world_.size() * w_.config.grad_accum);
+  if (grad_shard_[u].empty()) grad_shard_[u].assign(shard.size(), 0.0f);
+  for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u][i] += shard[i] * scale;
+  std::vector<float>().swap(g);
+  return {};
+}
+
+std::vector<int32_t> FsdpEngine::Tokens(int64_t step, int64_t micro) const {
+  // sequence index in the global batch: (micro * world + rank) * micro_batch + i, seq + 1 tokens each
+  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch;
+  std::vector<int32_t> tokens;
+  tokens.reserve(static_cast<size_t>(mb * (seq + 1)));
+  for (int64_t i = 0; i < mb; ++i) {
+    const int64_t sequence = ((step * w_.config.grad_accum + micro) * world_.size() + world_.rank()) * mb + i;
+    std::mt19937_64 rng(o_.seed * 1000003ULL + static_cast<uint64_t>(sequence));
+    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(dims_.vocab - 1));
+    // a random start, then a fixed recurrence the model can learn: t' = (5 t + 3) mod V
+    int64_t t = token(rng);
+    for (int64_t j = 0; j <= seq; ++j) {
+      tokens.push_back(static_cast<int32_t>(t));
+      t = (5 * t + 3) % dims_.vocab;
+    }
+  }
+  return tokens;
+}
+
+Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
+  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
+  const std::vector<int32_t> all = Tokens(step, micro);
+  std::vector<int32_t> inputs, targets;
+  for (int64_t i = 0; i < mb; ++i) {
+    inputs.insert(inputs.end(), all.begin() + i * (seq + 1), all.begin() + i * (seq + 1) + seq);
+    targets.insert(targets.end(), all.begin() + i * (seq + 1) + 1, all.begin() + (i + 1) * (seq + 1));
+  }
+  // root: embed (V*h), final norm (h), lm_head (V*h, absent when tied)
+  if (Status s = Unshard(0); !s.ok()) return s.error();
+  const float* root = full_[0].data();
+  const float* embed = root;
+  const float* norm_w = root + vocab * h;
+  const float* head = dims_.tied ? embed : norm_w + h;
+  const int64_t block_numel = dims_.BlockNumel();
+  auto block_params = [&](int b) -> float* {
+    const int u = block_unit_[b];
+    return full_[u].data() + (u == 0 ? vocab * h + static_cast<int64_t>(b) * block_numel : 0);
+  };
+  Mat x = EmbeddingForward(ConstMatMap(embed, vocab, h), inputs);
+  std::vector<BlockCache> caches(static_cast<size_t>(dims_.layers));
+  std::vector<Mat> inputs_saved(static_cast<size_t>(dims_.layers));
+  const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+  for (int b = 0; b < dims_.layers; ++b) {
+    const int u = block_unit_[b];
+    if (Status s = Unshard(u); !s.ok()) return s.error();
+    if (ac) inputs_saved[b] = x;
+    x = BlockForward(dims_, block_params(b), x, mb, seq, ac ? nullptr : &caches[b]);
+    if (u != 0 && ReshardAfterForward(u)) Reshard(u);
+  }
+  Vec inv;
+  const Mat normed = RmsNormForward(x, Eigen::Map<const Vec>(norm_w, h), dims_.rms_eps, inv);
+  const Mat logits = LinearForward(normed, ConstMatMap(head, vocab, h));
+  Mat d_logits;
+  const float loss = CrossEntropy(logits, targets, d_logits);
+  // backward
+  full_grad_[0].assign(full_[0].size(), 0.0f);
+  float* root_grad = full_grad_[0].data();
+  MatMap g_head(dims_.tied ? root_grad : root_grad + vocab * h + h, vocab, h);
+  Mat d_normed = LinearBackward(d_logits, normed, ConstMatMap(head, vocab, h), g_head);
+  Eigen::Map<Vec> g_norm(root_grad + vocab * h, h);
+  Mat dx = RmsNormBackward(d_normed, x, Eigen::Map<const Vec>(norm_w, h), inv, g_norm);
+  for (int b = static_cast<int>(dims_.layers) - 1; b >= 0; --b) {
+    const int u = block_unit_[b];
+    if (Status s = Unshard(u); !s.ok()) return s.error();
+    if (full_grad_[u].empty()) full_grad_[u].assign(full_[u].size(), 0.0f);
+    if (ac) BlockForward(dims_, block_params(b), inputs_saved[b], mb, seq, &caches[b]);
+    float* grads = full_grad_[u].data() + (u == 0 ? vocab * h + static_cast<int64_t>(b) * block_numel : 0);
+    dx = BlockBackward(dims_, block_params(b), grads, dx, caches[b], mb, seq);
+    BlockCache().x.swap(caches[b].x);
+    if (u != 0) {
+      Reshard(u);
+      if (reduce_now_) {
+        if (Status s = Reduce(u); !s.ok()) return s.error();
+      }
+    }
+  }
+  MatMap g_embed(root_grad, vocab, h);
+  EmbeddingBackward(dx, inputs, g_embed);
+  Reshard(0);
+  if (reduce_now_) {
+    if (Status s = Reduce(0); !s.ok()) return s.error();
+  }
+  (void)tokens_per_micro_;
+  return loss;
+}
+
+void FsdpEngine::Optimizer(int64_t step) {
+  const float t = static_cast<float>(step + 1);
+  const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
+  for (size_t u = 0; u < shard_.size(); ++u) {
+    for (size_t i = 0; i < shard_[u].size(); ++i) {
+      const float g = grad_shard_[u].empty() ? 0.0f : grad_shard_[u][i];
+      float& p = shard_[u][i];
+      exp_avg_[u][i] = o_.beta1 * exp_avg_[u][i] + (1 - o_.beta1) * g;
+      exp_avg_sq_[u][i] = o_.beta2 * exp_avg_sq_[u][i] + (1 - o_.beta2) * g * g;
+      p -= o_.lr * o_.weight_decay * p;
+      p -= o_.lr * (exp_avg_[u][i] / c1) / (std::sqrt(exp_avg_sq_[u][i] / c2) + o_.eps);
+    }
+    std::vector<float>().swap(grad_shard_[u]);  // zero_grad(set_to_none=True)
+  }
+}
+
+Result<float> FsdpEngine::Step(int64_t step) {
+  double loss_sum = 0;
+  for (int64_t m = 0; m < w_.config.grad_accum; ++m) {
+    reduce_now_ = !w_.config.no_sync || m == w_.config.grad_accum - 1;
+    if (!reduce_now_) return Error::BadInput("fsdp-run does not implement --no-sync yet");
+    auto loss = MicroBatch(step, m);
+    if (!loss.ok()) return loss.error();
+    loss_sum += loss.value();
+  }
+  Optimizer(step);
+  float mean = static_cast<float>(loss_sum / static_cast<double>(w_.config.grad_accum));
+  if (Status s = world_.AllReduce(&mean, 1); !s.ok()) return s.error();
+  return mean / static_cast<float>(world_.size());
+}
+
+}  // namespace fsdp::runtime

@@ -1,0 +1,63 @@
+// fsdp-run's FSDP engine on the CPU: flat parameter per wrap unit (the Workload's units), padded
+// to the shard group and sharded across ranks; unshard = all-gather into a buffer rounded to
+// param_dtype; reshard = free, following the strategy (the root stays unsharded until its
+// backward); gradients reduce-scattered (rounded to reduce_dtype) into fp32 shards, all-reduced
+// across HYBRID_SHARD replicas (NO_SHARD: all-reduced); sharded AdamW; activation checkpointing
+// (a block's forward rerun in its backward); gradient accumulation.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/workload.h"
+#include "runtime/comm.h"
+#include "runtime/llama_model.h"
+
+namespace fsdp::runtime {
+
+struct TrainOptions {
+  uint64_t seed = 1;        ///< initialisation and synthetic tokens
+  float lr = 1e-3f;
+  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+};
+
+class FsdpEngine {
+ public:
+  /// `world` is every rank; the engine splits shard and replica groups from it. Supports llama /
+  /// mistral models (no biases) with block or whole-model wrapping.
+  static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
+
+  /// One optimizer step over `grad_accum` micro-batches of this rank's share of the global batch;
+  /// returns the loss averaged over every rank's tokens.
+  Result<float> Step(int64_t step_index);
+
+  const CommStats& shard_stats() const { return shard_comm_->stats(); }
+
+ private:
+  FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o) {}
+  Status Init();
+  std::vector<int32_t> Tokens(int64_t step, int64_t micro) const;
+  Status Unshard(int u);
+  void Reshard(int u);
+  Status Reduce(int u);
+  Result<float> MicroBatch(int64_t step, int64_t micro);
+  void Optimizer(int64_t step);
+  bool ReshardAfterForward(int u) const;
+
+  const Workload& w_;
+  Comm& world_;
+  TrainOptions o_;
+  LlamaDims dims_{};
+  std::unique_ptr<Comm> shard_comm_, replica_comm_;
+  int64_t shard_world_ = 1, tokens_per_micro_ = 0;
+  std::vector<std::vector<float>> shard_, grad_shard_, exp_avg_, exp_avg_sq_;  // per unit, S_u floats
+  std::vector<std::vector<float>> full_, full_grad_;                          // per unit, P_u floats while live
+  std::vector<int> block_unit_;  // block index -> unit
+  bool reduce_now_ = true;
+};
+
+/// Rounds to the nearest value representable in `dtype` (bf16: round to nearest even).
+float RoundTo(float value, DType dtype);
+
+}  // namespace fsdp::runtime
