@@ -1,6 +1,8 @@
 // fsdp-run: train an FSDP configuration for real on CPU ranks (one process, or mpirun -np N) and
 // report the losses and step times (thin main; the engine is src/runtime).
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <memory>
 
 #include <fmt/format.h>
@@ -46,7 +48,12 @@ int main(int argc, char** argv) {
 #ifdef FSDP_HAVE_MPI
   if (mpi) {
     comm.reset();
-    if (code != 0) MPI_Abort(MPI_COMM_WORLD, code);  // make every rank stop instead of waiting in a collective
+    if (code != 0) {
+      // give ranks that hit the same error time to print it, then stop every rank instead of
+      // leaving some waiting in a collective
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      MPI_Abort(MPI_COMM_WORLD, code);
+    }
     MPI_Finalize();
   }
 #endif

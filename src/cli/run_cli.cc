@@ -1,6 +1,7 @@
 #include "cli/run_cli.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 
 #include <fmt/format.h>
@@ -20,6 +21,8 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
   app.add_option("--lr", f.lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--out", f.json_path, "write the results as JSON (measured.loss per step, measured.time.step_s)");
   app.add_flag("--quiet", f.quiet, "no progress on stderr");
+  app.add_option("--fail-rank", f.fail_rank, "fault injection: this rank exits abruptly at --fail-step (tests)");
+  app.add_option("--fail-step", f.fail_step, "fault injection: the step at which --fail-rank dies");
 }
 
 Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
@@ -37,6 +40,10 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   Json losses = Json::array(), times = Json::array();
   double total_s = 0;
   for (int64_t step = 0; step < f.steps; ++step) {
+    if (comm.rank() == f.fail_rank && step == f.fail_step) {
+      std::cerr << fmt::format("fsdp-run (rank {}): injected failure at step {}\n", comm.rank(), step + 1);
+      std::_Exit(3);  // dies like a crashed rank: no cleanup, no MPI_Finalize
+    }
     const auto start = std::chrono::steady_clock::now();
     auto loss = engine.value()->Step(step);
     if (!loss.ok()) return loss.error();

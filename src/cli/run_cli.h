@@ -19,6 +19,8 @@ struct RunFlags {
   float lr = 1e-3f;
   std::string json_path;
   bool quiet = false;
+  int fail_rank = -1;      ///< fault injection for tests: this rank exits abruptly...
+  int64_t fail_step = 0;   ///< ...at the start of this step
 };
 
 void AddRunFlags(CLI::App& app, RunFlags& flags);
