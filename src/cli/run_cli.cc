@@ -1,5 +1,6 @@
 #include "cli/run_cli.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
@@ -53,15 +54,48 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     times.push_back(s);
     if (comm.rank() == 0 && !f.quiet) std::cerr << fmt::format("fsdp-run: step {}/{} loss {:.6f} {:.3f} s\n", step + 1, f.steps, loss.value(), s);
   }
+  // every rank's peak (the largest is reported), gathered on rank 0
+  const runtime::MemoryLedger& mem = engine.value()->memory();
+  float peak = static_cast<float>(mem.peak_bytes());
+  std::vector<float> peaks(static_cast<size_t>(comm.size()));
+  if (Status s = comm.AllGather(&peak, peaks.data(), 1); !s.ok()) return s;
   if (comm.rank() != 0) return {};
+  const double step_s = total_s / static_cast<double>(f.steps);
   fmt::print(out, "{} on {} rank(s), {}: losses", w.value().model.id, comm.size(), StrategyName(w.value().config.strategy));
   for (const auto& l : losses) fmt::print(out, " {:.6f}", l.get<double>());
-  fmt::print(out, "; mean step {:.3f} s\n", total_s / static_cast<double>(f.steps));
+  fmt::print(out, "; mean step {:.3f} s\n", step_s);
+  fmt::print(out, "  rank 0 peak heap {:.2f} MiB at {}:", mem.peak_bytes() / 1048576.0, mem.peak_phase());
+  Json categories = Json::object();
+  for (int c = 0; c < runtime::kMemKinds; ++c) {
+    const auto kind = static_cast<runtime::Mem>(c);
+    fmt::print(out, " {} {:.2f}", runtime::MemKey(kind), mem.at_peak()[c] / 1048576.0);
+    categories[std::string(runtime::MemKey(kind)) + "_bytes"] = mem.at_peak()[c];
+  }
+  fmt::print(out, " MiB\n");
+  const runtime::CommStats& cs = engine.value()->shard_stats();
+  const runtime::FsdpEngine::PhaseTimes& t = engine.value()->times();
+  const int64_t n = engine.value()->shard_world();
+  auto busbw = [&](int64_t bytes, double seconds, double factor) { return seconds > 0 ? bytes / seconds * factor / 1e9 : 0.0; };
+  const double ag_factor = n > 1 ? static_cast<double>(n - 1) / static_cast<double>(n) : 0.0;
+  fmt::print(out, "  all-gathers {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s), reduce-scatters {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s)\n",
+             cs.all_gather_count, cs.all_gather_bytes / 1e6, cs.all_gather_s, busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor),
+             cs.reduce_scatter_count, cs.reduce_scatter_bytes / 1e6, cs.reduce_scatter_s, busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor));
   if (!f.json_path.empty()) {
+    Json comm_json = {{"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
+                      {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor) * 1e9},
+                      {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
+                      {"reduce_scatter_s", cs.reduce_scatter_s},
+                      {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor) * 1e9}};
     Json doc = {{"model", w.value().model.id},
                 {"ranks", comm.size()},
                 {"config", ConfigToJson(w.value().config)},
-                {"measured", {{"loss", losses}, {"time", {{"step_s", total_s / static_cast<double>(f.steps)}, {"steps_s", times}}}}}};
+                {"measured",
+                 {{"loss", losses},
+                  {"memory", {{"peak_bytes", *std::max_element(peaks.begin(), peaks.end())}, {"rank0_peak_bytes", mem.peak_bytes()},
+                              {"rank0_peak_phase", mem.peak_phase()}, {"rank0_categories", categories}}},
+                  {"time", {{"step_s", step_s}, {"steps_s", times}, {"forward_s", t.forward_s / f.steps}, {"backward_s", t.backward_s / f.steps},
+                            {"optimizer_s", t.optimizer_s / f.steps}}},
+                  {"comm", comm_json}}}};
     return sim::WriteText(f.json_path, doc.dump(2) + "\n");
   }
   return {};

@@ -1,5 +1,6 @@
 #include "runtime/fsdp_engine.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -24,6 +25,10 @@ float RoundTo(float value, DType dtype) {
 }
 
 namespace {
+
+double Seconds(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 // Deterministic initial values of a unit's flat buffer, independent of the world size: norms 1,
 // everything else N(0, 0.02), padding 0.
@@ -95,7 +100,10 @@ Status FsdpEngine::Init() {
     shard_[u].assign(flat.begin() + shard_rank * s, flat.begin() + (shard_rank + 1) * s);
     exp_avg_[u].assign(static_cast<size_t>(s), 0.0f);
     exp_avg_sq_[u].assign(static_cast<size_t>(s), 0.0f);
+    ledger_.Add(Mem::kShardedParams, s * 4);
+    ledger_.Add(Mem::kOptimizerStates, 2 * s * 4);
   }
+  ledger_.Sample("initialisation");
   block_unit_.assign(static_cast<size_t>(dims_.layers), 0);
   for (const auto& node : w_.nodes) {
     if (node.role == ModuleNode::Role::kBlock) block_unit_[node.block] = node.unit >= 0 ? node.unit : 0;
@@ -114,11 +122,19 @@ Status FsdpEngine::Unshard(int u) {
   const WrapUnit& unit = w_.units[u];
   std::vector<float> low(shard_[u].size());
   for (size_t i = 0; i < low.size(); ++i) low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
+  ledger_.Add(Mem::kCommBuffers, unit.shard_numel * 4);
   full_[u].resize(static_cast<size_t>(unit.padded_numel));
-  return shard_comm_->AllGather(low.data(), full_[u].data(), unit.shard_numel);
+  ledger_.Add(Mem::kUnshardedParams, unit.padded_numel * 4);
+  Status s = shard_comm_->AllGather(low.data(), full_[u].data(), unit.shard_numel);
+  ledger_.Sample(u == 0 ? "all-gather root" : "all-gather block");
+  ledger_.Sub(Mem::kCommBuffers, unit.shard_numel * 4);
+  return s;
 }
 
-void FsdpEngine::Reshard(int u) { std::vector<float>().swap(full_[u]); }
+void FsdpEngine::Reshard(int u) {
+  ledger_.Sub(Mem::kUnshardedParams, static_cast<int64_t>(full_[u].size()) * 4);
+  std::vector<float>().swap(full_[u]);
+}
 
 // Reduce-scatter the unit's gradient (rounded to reduce_dtype) within the shard group, all-reduce
 // the shard across replicas, average over the world, accumulate into the fp32 gradient shard.
@@ -126,6 +142,9 @@ Status FsdpEngine::Reduce(int u) {
   std::vector<float>& g = full_grad_[u];
   for (float& v : g) v = RoundTo(v, w_.config.reduce_dtype);
   std::vector<float> shard(static_cast<size_t>(w_.units[u].shard_numel));
+  ledger_.Add(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
+  if (grad_shard_[u].empty()) ledger_.Add(Mem::kGradients, w_.units[u].shard_numel * 4);
+  ledger_.Sample(u == 0 ? "reduce-scatter root" : "reduce-scatter block");
   if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), w_.units[u].shard_numel); !s.ok()) return s;
   if (replica_comm_->size() > 1) {
     if (Status s = replica_comm_->AllReduce(shard.data(), static_cast<int64_t>(shard.size())); !s.ok()) return s;
@@ -133,6 +152,8 @@ Status FsdpEngine::Reduce(int u) {
   const float scale = 1.0f / static_cast<float>(world_.size() * w_.config.grad_accum);
   if (grad_shard_[u].empty()) grad_shard_[u].assign(shard.size(), 0.0f);
   for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u][i] += shard[i] * scale;
+  ledger_.Sub(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
+  ledger_.Sub(Mem::kGradients, static_cast<int64_t>(g.size()) * 4);
   std::vector<float>().swap(g);
   return {};
 }
@@ -157,6 +178,7 @@ std::vector<int32_t> FsdpEngine::Tokens(int64_t step, int64_t micro) const {
 }
 
 Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
+  const auto forward_start = std::chrono::steady_clock::now();
   const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
   const std::vector<int32_t> all = Tokens(step, micro);
   std::vector<int32_t> inputs, targets;
@@ -182,8 +204,13 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   for (int b = 0; b < dims_.layers; ++b) {
     const int u = block_unit_[b];
     if (Status s = Unshard(u); !s.ok()) return s.error();
-    if (ac) inputs_saved[b] = x;
+    if (ac) {
+      inputs_saved[b] = x;
+      ledger_.Add(Mem::kActivations, x.size() * 4);
+    }
     x = BlockForward(dims_, block_params(b), x, mb, seq, ac ? nullptr : &caches[b]);
+    if (!ac) ledger_.Add(Mem::kActivations, caches[b].SavedBytes());
+    ledger_.Sample("forward block");
     if (u != 0 && ReshardAfterForward(u)) Reshard(u);
   }
   Vec inv;
@@ -191,8 +218,14 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   const Mat logits = LinearForward(normed, ConstMatMap(head, vocab, h));
   Mat d_logits;
   const float loss = CrossEntropy(logits, targets, d_logits);
+  const int64_t head_bytes = (logits.size() + d_logits.size() + normed.size() + x.size()) * 4;
+  ledger_.Add(Mem::kActivations, head_bytes);
+  ledger_.Sample("loss");
+  times_.forward_s += Seconds(forward_start);
+  const auto backward_start = std::chrono::steady_clock::now();
   // backward
   full_grad_[0].assign(full_[0].size(), 0.0f);
+  ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[0].size()) * 4);
   float* root_grad = full_grad_[0].data();
   MatMap g_head(dims_.tied ? root_grad : root_grad + vocab * h + h, vocab, h);
   Mat d_normed = LinearBackward(d_logits, normed, ConstMatMap(head, vocab, h), g_head);
@@ -201,11 +234,23 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   for (int b = static_cast<int>(dims_.layers) - 1; b >= 0; --b) {
     const int u = block_unit_[b];
     if (Status s = Unshard(u); !s.ok()) return s.error();
-    if (full_grad_[u].empty()) full_grad_[u].assign(full_[u].size(), 0.0f);
-    if (ac) BlockForward(dims_, block_params(b), inputs_saved[b], mb, seq, &caches[b]);
+    if (full_grad_[u].empty()) {
+      full_grad_[u].assign(full_[u].size(), 0.0f);
+      ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[u].size()) * 4);
+    }
+    if (ac) {
+      BlockForward(dims_, block_params(b), inputs_saved[b], mb, seq, &caches[b]);
+      ledger_.Add(Mem::kActivations, caches[b].SavedBytes());
+    }
     float* grads = full_grad_[u].data() + (u == 0 ? vocab * h + static_cast<int64_t>(b) * block_numel : 0);
     dx = BlockBackward(dims_, block_params(b), grads, dx, caches[b], mb, seq);
-    BlockCache().x.swap(caches[b].x);
+    ledger_.Sample("backward block");
+    ledger_.Sub(Mem::kActivations, caches[b].SavedBytes());
+    caches[b] = BlockCache();
+    if (ac) {
+      ledger_.Sub(Mem::kActivations, inputs_saved[b].size() * 4);
+      inputs_saved[b] = Mat();
+    }
     if (u != 0) {
       Reshard(u);
       if (reduce_now_) {
@@ -215,15 +260,19 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   }
   MatMap g_embed(root_grad, vocab, h);
   EmbeddingBackward(dx, inputs, g_embed);
+  ledger_.Sub(Mem::kActivations, head_bytes);
   Reshard(0);
   if (reduce_now_) {
     if (Status s = Reduce(0); !s.ok()) return s.error();
   }
   (void)tokens_per_micro_;
+  times_.backward_s += Seconds(backward_start);
   return loss;
 }
 
 void FsdpEngine::Optimizer(int64_t step) {
+  const auto start = std::chrono::steady_clock::now();
+  ledger_.Sample("optimizer step");
   const float t = static_cast<float>(step + 1);
   const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
   for (size_t u = 0; u < shard_.size(); ++u) {
@@ -235,8 +284,10 @@ void FsdpEngine::Optimizer(int64_t step) {
       p -= o_.lr * o_.weight_decay * p;
       p -= o_.lr * (exp_avg_[u][i] / c1) / (std::sqrt(exp_avg_sq_[u][i] / c2) + o_.eps);
     }
+    ledger_.Sub(Mem::kGradients, static_cast<int64_t>(grad_shard_[u].size()) * 4);
     std::vector<float>().swap(grad_shard_[u]);  // zero_grad(set_to_none=True)
   }
+  times_.optimizer_s += Seconds(start);
 }
 
 Result<float> FsdpEngine::Step(int64_t step) {

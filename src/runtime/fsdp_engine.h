@@ -13,6 +13,7 @@
 #include "core/workload.h"
 #include "runtime/comm.h"
 #include "runtime/llama_model.h"
+#include "runtime/memory_ledger.h"
 
 namespace fsdp::runtime {
 
@@ -33,6 +34,14 @@ class FsdpEngine {
   Result<float> Step(int64_t step_index);
 
   const CommStats& shard_stats() const { return shard_comm_->stats(); }
+  const CommStats& replica_stats() const { return replica_comm_->stats(); }
+  int64_t shard_world() const { return shard_world_; }
+  const MemoryLedger& memory() const { return ledger_; }
+  /// Wall time spent per phase over all steps so far (collective times are in the CommStats).
+  struct PhaseTimes {
+    double forward_s = 0, backward_s = 0, optimizer_s = 0;
+  };
+  const PhaseTimes& times() const { return times_; }
 
  private:
   FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o) {}
@@ -55,6 +64,8 @@ class FsdpEngine {
   std::vector<std::vector<float>> full_, full_grad_;                          // per unit, P_u floats while live
   std::vector<int> block_unit_;  // block index -> unit
   bool reduce_now_ = true;
+  MemoryLedger ledger_;
+  PhaseTimes times_;
 };
 
 /// Rounds to the nearest value representable in `dtype` (bf16: round to nearest even).
