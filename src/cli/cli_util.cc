@@ -1,5 +1,6 @@
 #include "cli/cli_util.h"
 
+#include <cstdio>
 #include <iostream>
 
 #include <fmt/format.h>
@@ -9,7 +10,10 @@
 namespace fsdp {
 
 int ReportError(const std::string& tool, const Error& error) {
-  std::cerr << tool << ": error: " << error.message << "\n";
+  // one write per line, so that lines of several MPI ranks sharing stderr do not interleave
+  const std::string line = tool + ": error: " + error.message + "\n";
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
   return error.kind == Error::Kind::kBadInput ? kExitBadInput : kExitRunFailed;
 }
 
