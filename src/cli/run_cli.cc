@@ -9,7 +9,9 @@
 #include <fmt/ostream.h>
 
 #include "core/json_io.h"
+#include "planner/comm_model.h"
 #include "planner/plan_report.h"
+#include "planner/runtime_profile.h"
 #include "runtime/fsdp_engine.h"
 #include "sim/sim_report.h"
 
@@ -72,7 +74,24 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     categories[std::string(runtime::MemKey(kind)) + "_bytes"] = mem.at_peak()[c];
   }
   fmt::print(out, " MiB\n");
+  // predicted (planner's profile of this engine) vs measured
+  const MemoryEstimate predicted = EstimateRuntimeMemory(w.value());
+  auto pct = [](double measured, double predicted_value) { return measured > 0 ? 100.0 * (predicted_value - measured) / measured : 0.0; };
+  fmt::print(out, "  {:<18}{:>14}{:>14}{:>9}\n", "rank 0 at peak", "measured MiB", "predicted MiB", "error");
+  Json predicted_categories = Json::object();
+  for (int c = 0; c < runtime::kMemKinds - 1; ++c) {
+    const double m = mem.at_peak()[c] / 1048576.0, p = predicted.peak[c] / 1048576.0;
+    predicted_categories[std::string(runtime::MemKey(static_cast<runtime::Mem>(c))) + "_bytes"] = predicted.peak[c];
+    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", runtime::MemKey(static_cast<runtime::Mem>(c)), m, p, pct(m, p));
+  }
+  fmt::print(out, "  {:<18}{:>14.3f}{:>14}\n", "temporaries", mem.at_peak()[runtime::kMemKinds - 1] / 1048576.0, "-");
+  fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", "peak", mem.peak_bytes() / 1048576.0, predicted.peak_bytes / 1048576.0,
+             pct(static_cast<double>(mem.peak_bytes()), static_cast<double>(predicted.peak_bytes)));
   const runtime::CommStats& cs = engine.value()->shard_stats();
+  Workload fp32 = w.value();
+  fp32.config.param_dtype = fp32.config.reduce_dtype = DType::kFp32;  // the engine moves fp32 words
+  const CommVolume volume = EstimateComm(fp32).volume;
+  const double steps = static_cast<double>(f.steps);
   const runtime::FsdpEngine::PhaseTimes& t = engine.value()->times();
   const int64_t n = engine.value()->shard_world();
   auto busbw = [&](int64_t bytes, double seconds, double factor) { return seconds > 0 ? bytes / seconds * factor / 1e9 : 0.0; };
@@ -80,13 +99,22 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   fmt::print(out, "  all-gathers {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s), reduce-scatters {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s)\n",
              cs.all_gather_count, cs.all_gather_bytes / 1e6, cs.all_gather_s, busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor),
              cs.reduce_scatter_count, cs.reduce_scatter_bytes / 1e6, cs.reduce_scatter_s, busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor));
+  if (n > 1) {
+    fmt::print(out, "  predicted collective bytes: all-gathers {:.3f} MB, reduce-scatters {:.3f} MB\n",
+               static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps / 1e6,
+               static_cast<double>(volume.reduce_scatter_bytes) * steps / 1e6);
+  }
   if (!f.json_path.empty()) {
     Json comm_json = {{"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
                       {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor) * 1e9},
                       {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
                       {"reduce_scatter_s", cs.reduce_scatter_s},
                       {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor) * 1e9}};
+    comm_json["predicted_all_gather_bytes"] = static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps;
+    comm_json["predicted_reduce_scatter_bytes"] = static_cast<double>(volume.reduce_scatter_bytes) * steps;
     Json doc = {{"model", w.value().model.id},
+                {"predicted", {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"categories", predicted_categories}}},
+                               {"time", {{"step_s", nullptr}, {"note", "needs fsdp-run calibrate (not implemented yet)"}}}}},
                 {"ranks", comm.size()},
                 {"config", ConfigToJson(w.value().config)},
                 {"measured",

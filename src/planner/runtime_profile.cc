@@ -1,0 +1,116 @@
+#include "planner/runtime_profile.h"
+
+#include <algorithm>
+
+#include "planner/memory_tracker.h"
+
+namespace fsdp {
+namespace {
+
+using Cat = MemCategory;
+
+// Replays fsdp-run's FsdpEngine::MicroBatch / Reduce / Optimizer allocations.
+class RuntimePlayer {
+ public:
+  RuntimePlayer(const Workload& w, MemoryTracker& mem) : w_(w), mem_(mem), full_(w.units.size(), kNoBlock), grad_(w.units.size(), kNoBlock),
+                                                         shard_grad_(w.units.size(), kNoBlock) {
+    const ModelSpec& m = w.model;
+    tokens_ = w.TokensPerMicroBatch();
+    hidden_bytes_ = tokens_ * m.hidden_size * 4;
+    head_bytes_ = (2 * tokens_ * m.vocab_size + 2 * tokens_ * m.hidden_size) * 4;  // logits, d_logits, normed, x
+    block_bytes_ = RuntimeBlockSavedBytes(w);
+  }
+
+  void Play() {
+    for (const auto& u : w_.units) {
+      mem_.Alloc(Cat::kShardedParams, u.shard_numel * 4);
+      mem_.Alloc(Cat::kOptimizerStates, 2 * u.shard_numel * 4);
+    }
+    for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) MicroBatch();
+  }
+
+ private:
+  void Unshard(int u) {
+    if (full_[u] != kNoBlock) return;
+    BlockId low = mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4);
+    full_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * 4);
+    mem_.Free(low);
+  }
+
+  void Reduce(int u) {
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4);
+    if (shard_grad_[u] == kNoBlock) shard_grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].shard_numel * 4);
+    mem_.Free(shard);
+    mem_.Free(grad_[u]);
+  }
+
+  bool Reshards(int u) const {
+    return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
+  }
+
+  int UnitOfBlock(int b) const {
+    for (const auto& n : w_.nodes) if (n.role == ModuleNode::Role::kBlock && n.block == b) return std::max(0, n.unit);
+    return 0;
+  }
+
+  void MicroBatch() {
+    const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+    const int layers = static_cast<int>(w_.model.num_layers);
+    std::vector<BlockId> saved(static_cast<size_t>(layers), kNoBlock);
+    Unshard(0);
+    BlockId x = mem_.Alloc(Cat::kActivations, hidden_bytes_);
+    for (int b = 0; b < layers; ++b) {
+      const int u = UnitOfBlock(b);
+      Unshard(u);
+      saved[b] = mem_.Alloc(Cat::kActivations, ac ? hidden_bytes_ : block_bytes_);
+      if (u != 0 && Reshards(u)) mem_.Free(full_[u]);
+    }
+    mem_.Free(x);
+    BlockId head = mem_.Alloc(Cat::kActivations, head_bytes_);
+    grad_[0] = mem_.Alloc(Cat::kGradients, w_.units[0].padded_numel * 4);
+    for (int b = layers - 1; b >= 0; --b) {
+      const int u = UnitOfBlock(b);
+      Unshard(u);
+      if (grad_[u] == kNoBlock) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].padded_numel * 4);
+      BlockId recompute = ac ? mem_.Alloc(Cat::kActivations, block_bytes_) : kNoBlock;
+      BlockId dx = mem_.Alloc(Cat::kActivations, hidden_bytes_);  // the gradient flowing back
+      mem_.Free(dx);
+      mem_.Free(recompute);
+      mem_.Free(saved[b]);
+      if (u != 0) {
+        mem_.Free(full_[u]);
+        Reduce(u);
+      }
+    }
+    mem_.Free(head);
+    mem_.Free(full_[0]);
+    Reduce(0);
+  }
+
+  const Workload& w_;
+  MemoryTracker& mem_;
+  std::vector<BlockId> full_, grad_, shard_grad_;
+  int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0;
+};
+
+}  // namespace
+
+int64_t RuntimeBlockSavedBytes(const Workload& w) {
+  const ModelSpec& m = w.model;
+  const int64_t t = w.TokensPerMicroBatch();
+  const int64_t floats = 4 * t * m.hidden_size + 2 * t * m.num_heads * m.head_dim + 2 * t * m.num_kv_heads * m.head_dim +
+                         3 * t * m.intermediate_size + 2 * t + w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
+  return floats * 4;
+}
+
+MemoryEstimate EstimateRuntimeMemory(const Workload& w) {
+  MemoryTracker mem(1, false);
+  RuntimePlayer(w, mem).Play();
+  MemoryEstimate e;
+  e.peak = mem.device_peak();
+  e.peak_bytes = TotalBytes(e.peak);
+  e.allocated_peak_bytes = mem.allocated_peak();
+  return e;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,21 @@
+// The memory of fsdp-run's own CPU engine (src/runtime/fsdp_engine.cc), played out like the
+// PyTorch model but with that engine's buffers: fp32 storage of the gathered parameters and
+// gradients, the tensors its kernels save per block (BlockCache), the logits and their gradient.
+// fsdp-run prints it next to what it measures.
+#pragma once
+
+#include "core/workload.h"
+#include "planner/memory_model.h"
+
+namespace fsdp {
+
+/// Bytes one block's forward saves in fsdp-run's engine for T = micro_batch * seq_len tokens:
+/// x, n1, x2, n2 (T*h each), q and attn (T*a*d), k and v (T*g*d), gate, up, mid (T*I), two
+/// inverse RMS vectors (T), and the attention probabilities (B*a*s*s), all fp32.
+int64_t RuntimeBlockSavedBytes(const Workload& workload);
+
+/// Peak and categories at the same sample points the engine's ledger uses (tensor memory only:
+/// no framework terms; the hidden-state matrices are counted as activations).
+MemoryEstimate EstimateRuntimeMemory(const Workload& workload);
+
+}  // namespace fsdp

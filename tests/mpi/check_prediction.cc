@@ -1,0 +1,24 @@
+// check_prediction results.json: exit 0 when fsdp-run's measured rank-0 peak is within 3% of the
+// planner's prediction for its engine and the collective bytes match the prediction exactly.
+#include <cmath>
+#include <cstdio>
+
+#include "core/json_io.h"
+
+int main(int argc, char** argv) {
+  if (argc != 2) { std::fprintf(stderr, "usage: check_prediction results.json\n"); return 2; }
+  auto doc = fsdp::LoadJsonFile(argv[1]);
+  if (!doc.ok()) { std::fprintf(stderr, "%s\n", doc.error().message.c_str()); return 2; }
+  const auto& j = doc.value();
+  const double measured = j["measured"]["memory"]["rank0_peak_bytes"].get<double>();
+  const double predicted = j["predicted"]["memory"]["peak_bytes"].get<double>();
+  const double error = std::fabs(predicted - measured) / measured;
+  const auto& c = j["measured"]["comm"];
+  const double ag = c["all_gather_bytes"].get<double>(), ag_pred = c["predicted_all_gather_bytes"].get<double>();
+  const double rs = c["reduce_scatter_bytes"].get<double>(), rs_pred = c["predicted_reduce_scatter_bytes"].get<double>();
+  std::printf("peak measured %.0f predicted %.0f (%.2f%%); all-gather %.0f vs %.0f; reduce-scatter %.0f vs %.0f bytes\n", measured, predicted,
+              100 * error, ag, ag_pred, rs, rs_pred);
+  if (error > 0.03) { std::fprintf(stderr, "peak memory off by %.2f%% (> 3%%)\n", 100 * error); return 1; }
+  if (ag != ag_pred || rs != rs_pred) { std::fprintf(stderr, "collective bytes differ from the prediction\n"); return 1; }
+  return 0;
+}
