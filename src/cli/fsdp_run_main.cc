@@ -26,7 +26,14 @@ int main(int argc, char** argv) {
   CLI::App app{"fsdp-run: train an FSDP configuration on CPU ranks (single process, or under mpirun -np N) and report losses and step times."};
   fsdp::RunFlags flags;
   fsdp::AddRunFlags(app, flags);
+  fsdp::RunFlags calibrate_flags;
+  CLI::App* calibrate = app.add_subcommand("calibrate", "measure this machine (GEMM FLOP/s, memory bandwidth, collectives) into a hardware JSON (--out)");
+  fsdp::AddRunFlags(*calibrate, calibrate_flags);
   if (int code = fsdp::ParseOrExitCode(app, argc, argv, "fsdp-run"); code >= 0) return code;
+  if (calibrate->parsed()) {
+    fsdp::FinishPlanFlags(*calibrate, calibrate_flags.plan);
+    if (calibrate_flags.plan.model.empty()) calibrate_flags.plan.model = "tiny-llama";
+  }
   fsdp::FinishPlanFlags(app, flags.plan);
   if (flags.plan.model.empty()) flags.plan.model = "tiny-llama";
   if (!flags.plan.gpus_given) flags.plan.config.gpus = 1;
@@ -43,7 +50,7 @@ int main(int argc, char** argv) {
   } else {
     comm = fsdp::runtime::MakeSingleComm();
   }
-  fsdp::Status status = fsdp::RunTraining(flags, *comm, std::cout);
+  fsdp::Status status = calibrate->parsed() ? fsdp::RunCalibrate(calibrate_flags, *comm, std::cout) : fsdp::RunTraining(flags, *comm, std::cout);
   int code = status.ok() ? fsdp::kExitOk : fsdp::ReportError(fmt::format("fsdp-run (rank {})", comm->rank()), status.error());
 #ifdef FSDP_HAVE_MPI
   if (mpi) {

@@ -12,6 +12,7 @@
 #include "planner/comm_model.h"
 #include "planner/plan_report.h"
 #include "planner/runtime_profile.h"
+#include "runtime/calibrate.h"
 #include "runtime/fsdp_engine.h"
 #include "sim/sim_report.h"
 
@@ -87,6 +88,14 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   fmt::print(out, "  {:<18}{:>14.3f}{:>14}\n", "temporaries", mem.at_peak()[runtime::kMemKinds - 1] / 1048576.0, "-");
   fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", "peak", mem.peak_bytes() / 1048576.0, predicted.peak_bytes / 1048576.0,
              pct(static_cast<double>(mem.peak_bytes()), static_cast<double>(predicted.peak_bytes)));
+  Json predicted_time = {{"step_s", nullptr}, {"note", "pass --gpu with a hardware file from fsdp-run calibrate"}};
+  if (w.value().hardware.architecture == "cpu") {
+    const double predicted_step = EstimateRuntimeStepSeconds(w.value());
+    const double measured_step = total_s / static_cast<double>(f.steps);
+    predicted_time = {{"step_s", predicted_step}};
+    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (seconds, calibrated {})\n", "step time", measured_step, predicted_step,
+               pct(measured_step, predicted_step), w.value().hardware.id);
+  }
   const runtime::CommStats& cs = engine.value()->shard_stats();
   Workload fp32 = w.value();
   fp32.config.param_dtype = fp32.config.reduce_dtype = DType::kFp32;  // the engine moves fp32 words
@@ -114,7 +123,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     comm_json["predicted_reduce_scatter_bytes"] = static_cast<double>(volume.reduce_scatter_bytes) * steps;
     Json doc = {{"model", w.value().model.id},
                 {"predicted", {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"categories", predicted_categories}}},
-                               {"time", {{"step_s", nullptr}, {"note", "needs fsdp-run calibrate (not implemented yet)"}}}}},
+                               {"time", predicted_time}}},
                 {"ranks", comm.size()},
                 {"config", ConfigToJson(w.value().config)},
                 {"measured",
@@ -126,6 +135,24 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
                   {"comm", comm_json}}}};
     return sim::WriteText(f.json_path, doc.dump(2) + "\n");
   }
+  return {};
+}
+
+Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
+  auto model = LoadModel(f.plan.model);
+  if (!model.ok()) return model.error();
+  runtime::CalibrationOptions o;
+  o.tokens = f.plan.config.micro_batch * (f.plan.config.seq_len > 0 ? f.plan.config.seq_len : 256);
+  auto hw = runtime::Calibrate(model.value(), comm, o);
+  if (!hw.ok()) return hw.error();
+  if (comm.rank() != 0) return {};
+  const Json& j = hw.value();
+  fmt::print(out, "GEMM {:.1f} GFLOP/s, copy {:.2f} GB/s, all-gather bus bandwidth {:.2f} GB/s over {} rank(s)\n",
+             j["peak_flops"]["fp32"].get<double>() / 1e9, j["memory_bandwidth_bytes_per_s"].get<double>() / 1e9,
+             j["intra_node_link"]["bandwidth_bytes_per_s"].get<double>() * 0.8 / 1e9, comm.size());
+  const std::string path = f.json_path.empty() ? "calibrated-cpu.json" : f.json_path;
+  if (Status s = sim::WriteText(path, j.dump(2) + "\n"); !s.ok()) return s;
+  fmt::print(out, "wrote {} (use it with --gpu {})\n", path, path);
   return {};
 }
 

@@ -24,6 +24,9 @@ struct RunFlags {
 };
 
 void AddRunFlags(CLI::App& app, RunFlags& flags);
+/// fsdp-run calibrate: measures this machine and writes a hardware JSON (rank 0).
+Status RunCalibrate(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
+
 /// Builds the workload, trains `steps` steps on `comm` and prints (rank 0) the losses.
 Status RunTraining(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "planner/comm_model.h"
+#include "planner/compute_model.h"
 #include "planner/memory_tracker.h"
 
 namespace fsdp {
@@ -111,6 +113,14 @@ MemoryEstimate EstimateRuntimeMemory(const Workload& w) {
   e.peak_bytes = TotalBytes(e.peak);
   e.allocated_peak_bytes = mem.allocated_peak();
   return e;
+}
+
+double EstimateRuntimeStepSeconds(const Workload& workload) {
+  Workload w = workload;
+  w.config.attention = Attention::kEager;
+  w.config.param_dtype = w.config.reduce_dtype = DType::kFp32;
+  const ComputeModel cm = EstimateCompute(w);
+  return cm.compute_s_per_step + EstimateComm(w).volume.total_comm_s;
 }
 
 }  // namespace fsdp

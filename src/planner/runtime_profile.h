@@ -18,4 +18,10 @@ int64_t RuntimeBlockSavedBytes(const Workload& workload);
 /// no framework terms; the hidden-state matrices are counted as activations).
 MemoryEstimate EstimateRuntimeMemory(const Workload& workload);
 
+/// Step time of fsdp-run's engine, which runs its collectives blocking (no overlap): compute of
+/// every unit (attention over the full s x s scores, as its kernels compute them) + every
+/// collective at fp32 sizes + the optimizer. Meaningful with a hardware file from
+/// `fsdp-run calibrate`.
+double EstimateRuntimeStepSeconds(const Workload& workload);
+
 }  // namespace fsdp
