@@ -25,6 +25,7 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
   app.add_option("--lr", f.lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--out", f.json_path, "write the results as JSON (measured.loss per step, measured.time.step_s)");
   app.add_flag("--quiet", f.quiet, "no progress on stderr");
+  app.add_option("--memory-limit", f.memory_limit_mib, "MiB each rank may use: stop with the phase and category where it would run out");
   app.add_option("--fail-rank", f.fail_rank, "fault injection: this rank exits abruptly at --fail-step (tests)");
   app.add_option("--fail-step", f.fail_step, "fault injection: the step at which --fail-rank dies");
 }
@@ -39,8 +40,10 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   runtime::TrainOptions options;
   options.seed = f.seed;
   options.lr = f.lr;
+  if (f.memory_limit_mib < 0) return Error::BadInput(fmt::format("--memory-limit must be positive MiB, got {}", f.memory_limit_mib));
   auto engine = runtime::FsdpEngine::Create(w.value(), comm, options);
   if (!engine.ok()) return engine.error();
+  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * 1048576.0));
   Json losses = Json::array(), times = Json::array();
   double total_s = 0;
   for (int64_t step = 0; step < f.steps; ++step) {
@@ -50,7 +53,13 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     }
     const auto start = std::chrono::steady_clock::now();
     auto loss = engine.value()->Step(step);
-    if (!loss.ok()) return loss.error();
+    if (!loss.ok()) {
+      if (f.memory_limit_mib > 0 && loss.error().message.starts_with("out of memory")) {
+        const MemoryEstimate predicted = EstimateRuntimeMemory(w.value());
+        return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB", loss.error().message, predicted.peak_bytes / 1048576.0));
+      }
+      return loss.error();
+    }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     total_s += s;
     losses.push_back(loss.value());

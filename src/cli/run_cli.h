@@ -19,6 +19,7 @@ struct RunFlags {
   float lr = 1e-3f;
   std::string json_path;
   bool quiet = false;
+  double memory_limit_mib = 0;  ///< --memory-limit: rehearse an out-of-memory
   int fail_rank = -1;      ///< fault injection for tests: this rank exits abruptly...
   int64_t fail_step = 0;   ///< ...at the start of this step
 };

@@ -103,7 +103,7 @@ Status FsdpEngine::Init() {
     ledger_.Add(Mem::kShardedParams, s * 4);
     ledger_.Add(Mem::kOptimizerStates, 2 * s * 4);
   }
-  ledger_.Sample("initialisation");
+  if (Status st = ledger_.Sample("initialisation"); !st.ok()) return st;
   block_unit_.assign(static_cast<size_t>(dims_.layers), 0);
   for (const auto& node : w_.nodes) {
     if (node.role == ModuleNode::Role::kBlock) block_unit_[node.block] = node.unit >= 0 ? node.unit : 0;
@@ -125,8 +125,8 @@ Status FsdpEngine::Unshard(int u) {
   ledger_.Add(Mem::kCommBuffers, unit.shard_numel * 4);
   full_[u].resize(static_cast<size_t>(unit.padded_numel));
   ledger_.Add(Mem::kUnshardedParams, unit.padded_numel * 4);
-  Status s = shard_comm_->AllGather(low.data(), full_[u].data(), unit.shard_numel);
-  ledger_.Sample(u == 0 ? "all-gather root" : "all-gather block");
+  Status s = ledger_.Sample(u == 0 ? "all-gather of the root" : "all-gather of a block");
+  if (s.ok()) s = shard_comm_->AllGather(low.data(), full_[u].data(), unit.shard_numel);
   ledger_.Sub(Mem::kCommBuffers, unit.shard_numel * 4);
   return s;
 }
@@ -144,7 +144,7 @@ Status FsdpEngine::Reduce(int u) {
   std::vector<float> shard(static_cast<size_t>(w_.units[u].shard_numel));
   ledger_.Add(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
   if (grad_shard_[u].empty()) ledger_.Add(Mem::kGradients, w_.units[u].shard_numel * 4);
-  ledger_.Sample(u == 0 ? "reduce-scatter root" : "reduce-scatter block");
+  if (Status st = ledger_.Sample(u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block"); !st.ok()) return st;
   if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), w_.units[u].shard_numel); !s.ok()) return s;
   if (replica_comm_->size() > 1) {
     if (Status s = replica_comm_->AllReduce(shard.data(), static_cast<int64_t>(shard.size())); !s.ok()) return s;
@@ -210,7 +210,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
     }
     x = BlockForward(dims_, block_params(b), x, mb, seq, ac ? nullptr : &caches[b]);
     if (!ac) ledger_.Add(Mem::kActivations, caches[b].SavedBytes());
-    ledger_.Sample("forward block");
+    if (Status st = ledger_.Sample("forward of a block"); !st.ok()) return st.error();
     if (u != 0 && ReshardAfterForward(u)) Reshard(u);
   }
   Vec inv;
@@ -220,7 +220,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   const float loss = CrossEntropy(logits, targets, d_logits);
   const int64_t head_bytes = (logits.size() + d_logits.size() + normed.size() + x.size()) * 4;
   ledger_.Add(Mem::kActivations, head_bytes);
-  ledger_.Sample("loss");
+  if (Status st = ledger_.Sample("loss"); !st.ok()) return st.error();
   times_.forward_s += Seconds(forward_start);
   const auto backward_start = std::chrono::steady_clock::now();
   // backward
@@ -244,7 +244,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
     }
     float* grads = full_grad_[u].data() + (u == 0 ? vocab * h + static_cast<int64_t>(b) * block_numel : 0);
     dx = BlockBackward(dims_, block_params(b), grads, dx, caches[b], mb, seq);
-    ledger_.Sample("backward block");
+    if (Status st = ledger_.Sample("backward of a block"); !st.ok()) return st.error();
     ledger_.Sub(Mem::kActivations, caches[b].SavedBytes());
     caches[b] = BlockCache();
     if (ac) {
@@ -270,9 +270,9 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   return loss;
 }
 
-void FsdpEngine::Optimizer(int64_t step) {
+Status FsdpEngine::Optimizer(int64_t step) {
   const auto start = std::chrono::steady_clock::now();
-  ledger_.Sample("optimizer step");
+  if (Status st = ledger_.Sample("optimizer step"); !st.ok()) return st;
   const float t = static_cast<float>(step + 1);
   const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
   for (size_t u = 0; u < shard_.size(); ++u) {
@@ -288,6 +288,7 @@ void FsdpEngine::Optimizer(int64_t step) {
     std::vector<float>().swap(grad_shard_[u]);  // zero_grad(set_to_none=True)
   }
   times_.optimizer_s += Seconds(start);
+  return {};
 }
 
 Result<float> FsdpEngine::Step(int64_t step) {
@@ -299,7 +300,7 @@ Result<float> FsdpEngine::Step(int64_t step) {
     if (!loss.ok()) return loss.error();
     loss_sum += loss.value();
   }
-  Optimizer(step);
+  if (Status s = Optimizer(step); !s.ok()) return s.error();
   float mean = static_cast<float>(loss_sum / static_cast<double>(w_.config.grad_accum));
   if (Status s = world_.AllReduce(&mean, 1); !s.ok()) return s.error();
   return mean / static_cast<float>(world_.size());

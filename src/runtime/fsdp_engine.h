@@ -29,6 +29,9 @@ class FsdpEngine {
   /// mistral models (no biases) with block or whole-model wrapping.
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
+  /// Rehearse an out-of-memory: fail with the phase and category when the rank's heap exceeds it.
+  void set_memory_limit(int64_t bytes) { ledger_.set_limit(bytes); }
+
   /// One optimizer step over `grad_accum` micro-batches of this rank's share of the global batch;
   /// returns the loss averaged over every rank's tokens.
   Result<float> Step(int64_t step_index);
@@ -51,7 +54,7 @@ class FsdpEngine {
   void Reshard(int u);
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
-  void Optimizer(int64_t step);
+  Status Optimizer(int64_t step);
   bool ReshardAfterForward(int u) const;
 
   const Workload& w_;

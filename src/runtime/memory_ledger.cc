@@ -2,6 +2,8 @@
 
 #include <malloc.h>
 
+#include <fmt/format.h>
+
 namespace fsdp::runtime {
 
 const char* MemKey(Mem m) {
@@ -18,9 +20,15 @@ MemoryLedger::MemoryLedger() : baseline_(HeapInUse()) {}
 
 void MemoryLedger::Add(Mem category, int64_t bytes) { live_[static_cast<int>(category)] += bytes; }
 
-void MemoryLedger::Sample(const char* phase) {
+Status MemoryLedger::Sample(const char* phase) {
   const int64_t heap = HeapInUse() - baseline_;
-  if (heap <= peak_bytes_) return;
+  if (limit_ > 0 && heap > limit_) {
+    int largest = 0;
+    for (int c = 1; c < kMemKinds - 1; ++c) if (live_[c] > live_[largest]) largest = c;
+    return Error::RunFailed(fmt::format("out of memory at {}: {:.2f} MiB in use > --memory-limit {:.2f} MiB (largest category {} {:.2f} MiB)",
+                                        phase, heap / 1048576.0, limit_ / 1048576.0, MemKey(static_cast<Mem>(largest)), live_[largest] / 1048576.0));
+  }
+  if (heap <= peak_bytes_) return {};
   peak_bytes_ = heap;
   peak_phase_ = phase;
   int64_t categorised = 0;
@@ -29,6 +37,7 @@ void MemoryLedger::Sample(const char* phase) {
     categorised += live_[c];
   }
   at_peak_[kMemKinds - 1] = heap - categorised;
+  return {};
 }
 
 }  // namespace fsdp::runtime

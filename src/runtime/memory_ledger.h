@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/status.h"
+
 namespace fsdp::runtime {
 
 enum class Mem { kShardedParams, kUnshardedParams, kGradients, kOptimizerStates, kActivations, kCommBuffers, kTemporaries };
@@ -18,8 +20,11 @@ class MemoryLedger {
   MemoryLedger();
   void Add(Mem category, int64_t bytes);
   void Sub(Mem category, int64_t bytes) { Add(category, -bytes); }
-  /// Samples the heap; remembers the categories if this is the highest heap seen.
-  void Sample(const char* phase);
+  /// Samples the heap; remembers the categories if this is the highest heap seen. With a limit
+  /// set, returns RunFailed naming the phase and the largest category when the heap exceeds it.
+  Status Sample(const char* phase);
+  /// Rehearses an out-of-memory: bytes above the baseline the rank may use (0: no limit).
+  void set_limit(int64_t bytes) { limit_ = bytes; }
 
   int64_t peak_bytes() const { return peak_bytes_; }   ///< heap in use at its highest sample, minus the baseline
   const std::array<int64_t, kMemKinds>& at_peak() const { return at_peak_; }
@@ -27,7 +32,8 @@ class MemoryLedger {
   int64_t live(Mem category) const { return live_[static_cast<int>(category)]; }
 
  private:
-  int64_t baseline_ = 0;   // heap in use before the engine allocated anything
+  int64_t baseline_ = 0;
+  int64_t limit_ = 0;   // heap in use before the engine allocated anything
   std::array<int64_t, kMemKinds> live_{};
   std::array<int64_t, kMemKinds> at_peak_{};
   int64_t peak_bytes_ = 0;
