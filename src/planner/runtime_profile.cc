@@ -28,7 +28,10 @@ class RuntimePlayer {
       mem_.Alloc(Cat::kShardedParams, u.shard_numel * 4);
       mem_.Alloc(Cat::kOptimizerStates, 2 * u.shard_numel * 4);
     }
-    for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) MicroBatch();
+    for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
+      reduce_now_ = !w_.config.no_sync || micro == w_.config.grad_accum - 1;
+      MicroBatch();
+    }
   }
 
  private:
@@ -69,7 +72,7 @@ class RuntimePlayer {
     }
     mem_.Free(x);
     BlockId head = mem_.Alloc(Cat::kActivations, head_bytes_);
-    grad_[0] = mem_.Alloc(Cat::kGradients, w_.units[0].padded_numel * 4);
+    if (grad_[0] == kNoBlock) grad_[0] = mem_.Alloc(Cat::kGradients, w_.units[0].padded_numel * 4);
     for (int b = layers - 1; b >= 0; --b) {
       const int u = UnitOfBlock(b);
       Unshard(u);
@@ -81,18 +84,19 @@ class RuntimePlayer {
       mem_.Free(saved[b]);
       if (u != 0) {
         mem_.Free(full_[u]);
-        Reduce(u);
+        if (reduce_now_) Reduce(u);  // under no_sync the unsharded gradient is kept
       }
     }
     mem_.Free(head);
     mem_.Free(full_[0]);
-    Reduce(0);
+    if (reduce_now_) Reduce(0);
   }
 
   const Workload& w_;
   MemoryTracker& mem_;
   std::vector<BlockId> full_, grad_, shard_grad_;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0;
+  bool reduce_now_ = true;
 };
 
 }  // namespace

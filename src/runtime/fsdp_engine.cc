@@ -224,8 +224,10 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   times_.forward_s += Seconds(forward_start);
   const auto backward_start = std::chrono::steady_clock::now();
   // backward
-  full_grad_[0].assign(full_[0].size(), 0.0f);
-  ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[0].size()) * 4);
+  if (full_grad_[0].empty()) {  // under no_sync it holds the earlier micro-batches' gradients
+    full_grad_[0].assign(full_[0].size(), 0.0f);
+    ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[0].size()) * 4);
+  }
   float* root_grad = full_grad_[0].data();
   MatMap g_head(dims_.tied ? root_grad : root_grad + vocab * h + h, vocab, h);
   Mat d_normed = LinearBackward(d_logits, normed, ConstMatMap(head, vocab, h), g_head);
@@ -295,7 +297,6 @@ Result<float> FsdpEngine::Step(int64_t step) {
   double loss_sum = 0;
   for (int64_t m = 0; m < w_.config.grad_accum; ++m) {
     reduce_now_ = !w_.config.no_sync || m == w_.config.grad_accum - 1;
-    if (!reduce_now_) return Error::BadInput("fsdp-run does not implement --no-sync yet");
     auto loss = MicroBatch(step, m);
     if (!loss.ok()) return loss.error();
     loss_sum += loss.value();
