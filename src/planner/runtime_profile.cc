@@ -1,6 +1,9 @@
 #include "planner/runtime_profile.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "planner/comm_model.h"
 #include "planner/compute_model.h"
@@ -35,7 +38,28 @@ class RuntimePlayer {
   }
 
  private:
+  // FsdpEngine::Prefetch: the input copy stays alive until the all-gather is waited for.
+  void Prefetch(int u) {
+    if (u <= 0 || full_[u] != kNoBlock || w_.config.strategy == Strategy::kNoShard) return;
+    const size_t limit = w_.config.limit_all_gathers ? 2 : SIZE_MAX;
+    while (in_flight_.size() >= limit) WaitOldest();
+    in_flight_.push_back({u, mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4)});
+    full_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * 4);
+  }
+
+  void WaitOldest() {
+    mem_.Free(in_flight_.front().second);
+    in_flight_.erase(in_flight_.begin());
+  }
+
   void Unshard(int u) {
+    for (size_t i = 0; i < in_flight_.size(); ++i) {
+      if (in_flight_[i].first == u) {
+        mem_.Free(in_flight_[i].second);
+        in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+        return;
+      }
+    }
     if (full_[u] != kNoBlock) return;
     BlockId low = mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4);
     full_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * 4);
@@ -67,6 +91,7 @@ class RuntimePlayer {
     for (int b = 0; b < layers; ++b) {
       const int u = UnitOfBlock(b);
       Unshard(u);
+      if (w_.config.forward_prefetch && b + 1 < layers && UnitOfBlock(b + 1) != u) Prefetch(UnitOfBlock(b + 1));
       saved[b] = mem_.Alloc(Cat::kActivations, ac ? hidden_bytes_ : block_bytes_);
       if (u != 0 && Reshards(u)) mem_.Free(full_[u]);
     }
@@ -76,12 +101,15 @@ class RuntimePlayer {
     for (int b = layers - 1; b >= 0; --b) {
       const int u = UnitOfBlock(b);
       Unshard(u);
+      const int previous = b > 0 ? UnitOfBlock(b - 1) : -1;
+      if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous != u) Prefetch(previous);
       if (grad_[u] == kNoBlock) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].padded_numel * 4);
       BlockId recompute = ac ? mem_.Alloc(Cat::kActivations, block_bytes_) : kNoBlock;
       BlockId dx = mem_.Alloc(Cat::kActivations, hidden_bytes_);  // the gradient flowing back
       mem_.Free(dx);
       mem_.Free(recompute);
       mem_.Free(saved[b]);
+      if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous != u) Prefetch(previous);
       if (u != 0) {
         mem_.Free(full_[u]);
         if (reduce_now_) Reduce(u);  // under no_sync the unsharded gradient is kept
@@ -97,6 +125,7 @@ class RuntimePlayer {
   std::vector<BlockId> full_, grad_, shard_grad_;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0;
   bool reduce_now_ = true;
+  std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)
 };
 
 }  // namespace

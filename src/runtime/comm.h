@@ -25,6 +25,9 @@ class Comm {
   virtual int size() const = 0;
   /// out (size() * n) = every rank's `in` (n floats), in rank order.
   virtual Status AllGather(const float* in, float* out, int64_t n) = 0;
+  /// Non-blocking AllGather (prefetch): `in` and `out` must stay alive until Wait(handle).
+  virtual Result<int> StartAllGather(const float* in, float* out, int64_t n) = 0;
+  virtual Status Wait(int handle) = 0;
   /// out (n) = sum over ranks of their in[rank() * n, (rank() + 1) * n).
   virtual Status ReduceScatter(const float* in, float* out, int64_t n) = 0;
   /// data (n) = sum over ranks, in place.

@@ -1,5 +1,6 @@
 // MPI backend (OpenMPI). Errors come back as return codes (MPI_ERRORS_RETURN), not aborts.
 #include <chrono>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -30,6 +31,23 @@ class MpiComm : public Comm {
     stats_.all_gather_s += Since(start);
     stats_.all_gather_bytes += n * size_ * 4;
     ++stats_.all_gather_count;
+    return s;
+  }
+  Result<int> StartAllGather(const float* in, float* out, int64_t n) override {
+    requests_.push_back(MPI_REQUEST_NULL);
+    const int handle = static_cast<int>(requests_.size() - 1);
+    if (Status s = Check(MPI_Iallgather(in, static_cast<int>(n), MPI_FLOAT, out, static_cast<int>(n), MPI_FLOAT, comm_, &requests_[handle]), "all-gather");
+        !s.ok()) {
+      return s.error();
+    }
+    stats_.all_gather_bytes += n * size_ * 4;
+    ++stats_.all_gather_count;
+    return handle;
+  }
+  Status Wait(int handle) override {
+    const auto start = std::chrono::steady_clock::now();
+    Status s = Check(MPI_Wait(&requests_[handle], MPI_STATUS_IGNORE), "all-gather wait");
+    stats_.all_gather_s += Since(start);
     return s;
   }
   Status ReduceScatter(const float* in, float* out, int64_t n) override {
@@ -74,6 +92,7 @@ class MpiComm : public Comm {
   }
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
+  std::vector<MPI_Request> requests_;
 };
 
 }  // namespace

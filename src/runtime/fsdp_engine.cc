@@ -117,7 +117,36 @@ bool FsdpEngine::ReshardAfterForward(int u) const {
   return w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard;
 }
 
+Status FsdpEngine::WaitFor(size_t index) {
+  Status s = shard_comm_->Wait(in_flight_[index].handle);
+  ledger_.Sub(Mem::kCommBuffers, static_cast<int64_t>(in_flight_[index].low.size()) * 4);
+  in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(index));
+  return s;
+}
+
+Status FsdpEngine::Prefetch(int u) {
+  if (u < 0 || !full_[u].empty() || w_.config.strategy == Strategy::kNoShard) return {};
+  const size_t limit = w_.config.limit_all_gathers ? 2 : SIZE_MAX;
+  while (in_flight_.size() >= limit) {
+    if (Status s = WaitFor(0); !s.ok()) return s;
+  }
+  const WrapUnit& unit = w_.units[u];
+  InFlight f{u, std::vector<float>(shard_[u].size()), -1};
+  for (size_t i = 0; i < f.low.size(); ++i) f.low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
+  ledger_.Add(Mem::kCommBuffers, unit.shard_numel * 4);
+  full_[u].resize(static_cast<size_t>(unit.padded_numel));
+  ledger_.Add(Mem::kUnshardedParams, unit.padded_numel * 4);
+  in_flight_.push_back(std::move(f));
+  auto handle = shard_comm_->StartAllGather(in_flight_.back().low.data(), full_[u].data(), unit.shard_numel);
+  if (!handle.ok()) return handle.error();
+  in_flight_.back().handle = handle.value();
+  return ledger_.Sample("prefetch all-gather");
+}
+
 Status FsdpEngine::Unshard(int u) {
+  for (size_t i = 0; i < in_flight_.size(); ++i) {
+    if (in_flight_[i].unit == u) return WaitFor(i);  // prefetched: wait for it
+  }
   if (!full_[u].empty()) return {};
   const WrapUnit& unit = w_.units[u];
   std::vector<float> low(shard_[u].size());
@@ -204,6 +233,9 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   for (int b = 0; b < dims_.layers; ++b) {
     const int u = block_unit_[b];
     if (Status s = Unshard(u); !s.ok()) return s.error();
+    if (w_.config.forward_prefetch && b + 1 < dims_.layers && block_unit_[b + 1] != u) {
+      if (Status s = Prefetch(block_unit_[b + 1]); !s.ok()) return s.error();
+    }
     if (ac) {
       inputs_saved[b] = x;
       ledger_.Add(Mem::kActivations, x.size() * 4);
@@ -236,6 +268,10 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   for (int b = static_cast<int>(dims_.layers) - 1; b >= 0; --b) {
     const int u = block_unit_[b];
     if (Status s = Unshard(u); !s.ok()) return s.error();
+    const int previous = b > 0 ? block_unit_[b - 1] : -1;
+    if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous > 0 && previous != u) {
+      if (Status s = Prefetch(previous); !s.ok()) return s.error();  // BACKWARD_PRE: before this block's backward
+    }
     if (full_grad_[u].empty()) {
       full_grad_[u].assign(full_[u].size(), 0.0f);
       ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[u].size()) * 4);
@@ -252,6 +288,9 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
     if (ac) {
       ledger_.Sub(Mem::kActivations, inputs_saved[b].size() * 4);
       inputs_saved[b] = Mat();
+    }
+    if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) {
+      if (Status s = Prefetch(previous); !s.ok()) return s.error();  // BACKWARD_POST: after its gradient
     }
     if (u != 0) {
       Reshard(u);

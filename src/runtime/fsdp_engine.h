@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -51,6 +52,9 @@ class FsdpEngine {
   Status Init();
   std::vector<int32_t> Tokens(int64_t step, int64_t micro) const;
   Status Unshard(int u);
+  /// Starts unit u's all-gather without waiting (prefetch); at most 2 in flight with
+  /// limit_all_gathers (the oldest is waited for first).
+  Status Prefetch(int u);
   void Reshard(int u);
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
@@ -67,6 +71,13 @@ class FsdpEngine {
   std::vector<std::vector<float>> full_, full_grad_;                          // per unit, P_u floats while live
   std::vector<int> block_unit_;  // block index -> unit
   bool reduce_now_ = true;
+  struct InFlight {
+    int unit;
+    std::vector<float> low;  // the all-gather input, alive until the wait
+    int handle;
+  };
+  std::vector<InFlight> in_flight_;
+  Status WaitFor(size_t index);
   MemoryLedger ledger_;
   PhaseTimes times_;
 };
