@@ -1,6 +1,10 @@
 #include "cli/run_cli.h"
 
 #include <algorithm>
+#include <condition_variable>
+#include <fstream>
+#include <mutex>
+#include <thread>
 #include <chrono>
 #include <cstdlib>
 #include <iostream>
@@ -18,6 +22,70 @@
 
 namespace fsdp {
 
+namespace {
+
+// Stops the process when a step outlives its deadline: the collectives of a rank whose peer died
+// or hangs would otherwise wait for ever. Exit code 1, one line naming the step.
+class StepWatchdog {
+ public:
+  StepWatchdog(double timeout_s, int rank) : timeout_(timeout_s), rank_(rank), thread_([this] { Watch(); }) {}
+  ~StepWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Arm(int64_t step) {
+    std::lock_guard<std::mutex> lock(mu_);
+    step_ = step;
+    deadline_ = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_));
+    cv_.notify_all();
+  }
+
+ private:
+  void Watch() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!done_) {
+      if (step_ > 0 && std::chrono::steady_clock::now() > deadline_) {
+        const std::string line = fmt::format("fsdp-run (rank {}): error: step {} did not finish within --timeout {} s (a peer rank died or hangs)\n",
+                                             rank_, step_, timeout_);
+        std::fwrite(line.data(), 1, line.size(), stderr);
+        std::fflush(stderr);
+        std::_Exit(1);
+      }
+      cv_.wait_for(lock, std::chrono::milliseconds(100));
+    }
+  }
+  double timeout_;
+  int rank_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  int64_t step_ = 0;
+  std::chrono::steady_clock::time_point deadline_{};
+  std::thread thread_;
+};
+
+Result<std::vector<int32_t>> ReadTokens(const std::string& path, int64_t vocab) {
+  std::ifstream in(path);
+  if (!in) return Error::BadInput(fmt::format("{}: cannot open token file", path));
+  std::vector<int32_t> tokens;
+  for (std::string word; in >> word;) {
+    char* end = nullptr;
+    const long v = std::strtol(word.c_str(), &end, 10);
+    if (*end != '\0' || v < 0 || v >= vocab) {
+      return Error::BadInput(fmt::format("{}: token {} '{}' is not an id between 0 and {}", path, tokens.size() + 1, word, vocab - 1));
+    }
+    tokens.push_back(static_cast<int32_t>(v));
+  }
+  if (tokens.size() < 2) return Error::BadInput(fmt::format("{}: needs at least 2 tokens", path));
+  return tokens;
+}
+
+}  // namespace
+
 void AddRunFlags(CLI::App& app, RunFlags& f) {
   AddPlanFlags(app, f.plan);
   app.add_option("--steps", f.steps, "optimizer steps to run")->capture_default_str();
@@ -26,6 +94,9 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
   app.add_option("--out", f.json_path, "write the results as JSON (measured.loss per step, measured.time.step_s)");
   app.add_flag("--quiet", f.quiet, "no progress on stderr");
   app.add_option("--memory-limit", f.memory_limit_mib, "MiB each rank may use: stop with the phase and category where it would run out");
+  app.add_option("--timeout", f.timeout_s, "seconds a step may take before every rank is stopped")->capture_default_str();
+  app.add_option("--tokens", f.tokens_path, "file of whitespace-separated token ids to train on (default: seeded synthetic tokens)");
+  app.add_option("--hang-rank", f.hang_rank, "fault injection: this rank stops responding at --fail-step (tests)");
   app.add_option("--fail-rank", f.fail_rank, "fault injection: this rank exits abruptly at --fail-step (tests)");
   app.add_option("--fail-step", f.fail_step, "fault injection: the step at which --fail-rank dies");
 }
@@ -40,13 +111,25 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   runtime::TrainOptions options;
   options.seed = f.seed;
   options.lr = f.lr;
+  if (!f.tokens_path.empty()) {
+    auto tokens = ReadTokens(f.tokens_path, w.value().model.vocab_size);
+    if (!tokens.ok()) return tokens.error();
+    options.tokens = std::move(tokens).value();
+  }
   if (f.memory_limit_mib < 0) return Error::BadInput(fmt::format("--memory-limit must be positive MiB, got {}", f.memory_limit_mib));
   auto engine = runtime::FsdpEngine::Create(w.value(), comm, options);
   if (!engine.ok()) return engine.error();
   if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * 1048576.0));
   Json losses = Json::array(), times = Json::array();
   double total_s = 0;
+  if (!(f.timeout_s > 0)) return Error::BadInput(fmt::format("--timeout must be positive, got {}", f.timeout_s));
+  StepWatchdog watchdog(f.timeout_s, comm.rank());
   for (int64_t step = 0; step < f.steps; ++step) {
+    watchdog.Arm(step + 1);
+    if (comm.rank() == f.hang_rank && step == f.fail_step) {
+      std::cerr << fmt::format("fsdp-run (rank {}): injected hang at step {}\n", comm.rank(), step + 1);
+      std::this_thread::sleep_for(std::chrono::hours(1));
+    }
     if (comm.rank() == f.fail_rank && step == f.fail_step) {
       std::cerr << fmt::format("fsdp-run (rank {}): injected failure at step {}\n", comm.rank(), step + 1);
       std::_Exit(3);  // dies like a crashed rank: no cleanup, no MPI_Finalize

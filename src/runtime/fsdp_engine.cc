@@ -194,6 +194,11 @@ std::vector<int32_t> FsdpEngine::Tokens(int64_t step, int64_t micro) const {
   tokens.reserve(static_cast<size_t>(mb * (seq + 1)));
   for (int64_t i = 0; i < mb; ++i) {
     const int64_t sequence = ((step * w_.config.grad_accum + micro) * world_.size() + world_.rank()) * mb + i;
+    if (!o_.tokens.empty()) {  // consecutive windows of seq + 1 tokens from the file, cycled
+      const int64_t n = static_cast<int64_t>(o_.tokens.size());
+      for (int64_t j = 0; j <= seq; ++j) tokens.push_back(o_.tokens[static_cast<size_t>((sequence * (seq + 1) + j) % n)]);
+      continue;
+    }
     std::mt19937_64 rng(o_.seed * 1000003ULL + static_cast<uint64_t>(sequence));
     std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(dims_.vocab - 1));
     // a random start, then a fixed recurrence the model can learn: t' = (5 t + 3) mod V

@@ -22,6 +22,7 @@ struct TrainOptions {
   uint64_t seed = 1;        ///< initialisation and synthetic tokens
   float lr = 1e-3f;
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+  std::vector<int32_t> tokens;   ///< a token stream to train on (cycled); empty: seeded synthetic tokens
 };
 
 class FsdpEngine {
