@@ -91,7 +91,9 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
   app.add_option("--steps", f.steps, "optimizer steps to run")->capture_default_str();
   app.add_option("--seed", f.seed, "seed of the initialisation and the synthetic tokens")->capture_default_str();
   app.add_option("--lr", f.lr, "AdamW learning rate")->capture_default_str();
-  app.add_option("--out", f.json_path, "write the results as JSON (measured.loss per step, measured.time.step_s)");
+  // fsdp-run's --json takes the output path (the plan's --json flag prints to stdout)
+  if (CLI::Option* plan_json = app.get_option_no_throw("--json")) app.remove_option(plan_json);
+  app.add_option("--json,--out", f.json_path, "write the results as JSON: measured vs predicted memory, time, bytes, losses");
   app.add_flag("--quiet", f.quiet, "no progress on stderr");
   app.add_option("--memory-limit", f.memory_limit_mib, "MiB each rank may use: stop with the phase and category where it would run out");
   app.add_option("--timeout", f.timeout_s, "seconds a step may take before every rank is stopped")->capture_default_str();

@@ -65,6 +65,26 @@ Result<std::pair<double, double>> CollectiveFit(Comm& comm, int64_t max_bytes, i
   return std::make_pair(latency, busbw);
 }
 
+// All-gather, reduce-scatter and all-reduce times across sizes (nccl-tests sizes and bus bandwidth).
+Result<Json> CollectiveSweep(Comm& comm, int64_t max_bytes, int repeats) {
+  Json rows = Json::array();
+  const int n = comm.size();
+  if (n < 2) return rows;
+  for (int64_t bytes = 4096; bytes <= max_bytes; bytes *= 4) {
+    const int64_t per_rank = std::max<int64_t>(1, bytes / 4 / n);
+    std::vector<float> small(static_cast<size_t>(per_rank), 1.0f), big(static_cast<size_t>(per_rank * n), 1.0f);
+    Status status;
+    const double ag = BestSeconds(repeats, [&] { if (status.ok()) status = comm.AllGather(small.data(), big.data(), per_rank); });
+    const double rs = BestSeconds(repeats, [&] { if (status.ok()) status = comm.ReduceScatter(big.data(), small.data(), per_rank); });
+    const double ar = BestSeconds(repeats, [&] { if (status.ok()) status = comm.AllReduce(big.data(), per_rank * n); });
+    if (!status.ok()) return status.error();
+    const double size = static_cast<double>(per_rank * n * 4), f = static_cast<double>(n - 1) / n;
+    rows.push_back({{"bytes", per_rank * n * 4}, {"all_gather_s", ag}, {"reduce_scatter_s", rs}, {"all_reduce_s", ar},
+                    {"all_gather_busbw", size / ag * f}, {"reduce_scatter_busbw", size / rs * f}, {"all_reduce_busbw", size / ar * 2 * f}});
+  }
+  return rows;
+}
+
 }  // namespace
 
 Result<Json> Calibrate(const ModelSpec& m, Comm& comm, const CalibrationOptions& o) {
@@ -73,6 +93,8 @@ Result<Json> Calibrate(const ModelSpec& m, Comm& comm, const CalibrationOptions&
   auto fit = CollectiveFit(comm, o.max_collective_bytes, o.repeats);
   if (!fit.ok()) return fit.error();
   const auto [latency, busbw] = fit.value();
+  auto sweep = CollectiveSweep(comm, o.max_collective_bytes, o.repeats);
+  if (!sweep.ok()) return sweep.error();
   const double link = busbw > 0 ? busbw / 0.80 : copy;  // the collective model applies 0.80 of the link
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   Json hw = {{"id", "calibrated-cpu"},
@@ -88,6 +110,7 @@ Result<Json> Calibrate(const ModelSpec& m, Comm& comm, const CalibrationOptions&
              {"cuda_context_bytes", 0},
              {"price_per_gpu_hour_usd", 0},
              {"efficiency", {{"matmul", 1.0}, {"memory_bandwidth", 1.0}}},
+             {"measured_collectives", sweep.value()},
              {"sources",
               {{"peak_flops", fmt::format("measured: Eigen fp32 forward and backward GEMMs at {}'s linear shapes, {} rows, best of {}", m.id, o.tokens, o.repeats)},
                {"memory_bandwidth_bytes_per_s", "measured: 128 MiB copy, read + write bytes"},
