@@ -108,7 +108,6 @@ Status FsdpEngine::Init() {
   for (const auto& node : w_.nodes) {
     if (node.role == ModuleNode::Role::kBlock) block_unit_[node.block] = node.unit >= 0 ? node.unit : 0;
   }
-  tokens_per_micro_ = w_.config.micro_batch * w_.config.seq_len;
   return {};
 }
 
@@ -311,7 +310,6 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   if (reduce_now_) {
     if (Status s = Reduce(0); !s.ok()) return s.error();
   }
-  (void)tokens_per_micro_;
   times_.backward_s += Seconds(backward_start);
   return loss;
 }

@@ -67,7 +67,7 @@ class FsdpEngine {
   TrainOptions o_;
   LlamaDims dims_{};
   std::unique_ptr<Comm> shard_comm_, replica_comm_;
-  int64_t shard_world_ = 1, tokens_per_micro_ = 0;
+  int64_t shard_world_ = 1;
   std::vector<std::vector<float>> shard_, grad_shard_, exp_avg_, exp_avg_sq_;  // per unit, S_u floats
   std::vector<std::vector<float>> full_, full_grad_;                          // per unit, P_u floats while live
   std::vector<int> block_unit_;  // block index -> unit
