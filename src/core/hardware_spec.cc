@@ -1,5 +1,6 @@
 #include "core/hardware_spec.h"
 
+#include <algorithm>
 #include <filesystem>
 
 #include <fmt/format.h>
@@ -40,6 +41,26 @@ Status ReadLinks(const JsonReader& r, HardwareSpec& hw) {
   FSDP_ASSIGN(hw.gpus_per_node, node.value().IntAtLeast("gpus_per_node", 1));
   FSDP_ASSIGN(hw.inter_node_bandwidth_per_gpu_bytes_per_s, node.value().PositiveNumber("inter_node_bandwidth_per_gpu_bytes_per_s"));
   FSDP_ASSIGN(hw.inter_node_latency_s, node.value().NonNegativeNumber("inter_node_latency_s"));
+  return {};
+}
+
+Status ReadMeasuredCollectives(const JsonReader& r, HardwareSpec& hw) {
+  auto it = r.json().find("measured_collectives");
+  if (it == r.json().end()) return {};
+  if (!it->is_array()) return r.KeyError("measured_collectives", "expected an array");
+  for (const auto& row : *it) {
+    if (!row.is_object()) return r.KeyError("measured_collectives", "expected objects");
+    JsonReader rr(row, r.origin() + ": measured_collectives");
+    HardwareSpec::MeasuredCollective m;
+    FSDP_ASSIGN(m.ranks, rr.IntAtLeast("ranks", 2));
+    FSDP_ASSIGN(m.bytes, rr.IntAtLeast("bytes", 1));
+    FSDP_ASSIGN(m.all_gather_s, rr.PositiveNumber("all_gather_s"));
+    FSDP_ASSIGN(m.reduce_scatter_s, rr.PositiveNumber("reduce_scatter_s"));
+    FSDP_ASSIGN(m.all_reduce_s, rr.PositiveNumber("all_reduce_s"));
+    hw.measured_collectives.push_back(m);
+  }
+  std::sort(hw.measured_collectives.begin(), hw.measured_collectives.end(),
+            [](const auto& a, const auto& b) { return a.bytes < b.bytes; });
   return {};
 }
 
@@ -92,6 +113,7 @@ Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, c
   if (hw.matmul_efficiency > 1 || hw.memory_efficiency > 1) {
     return eff.value().KeyError(hw.matmul_efficiency > 1 ? "matmul" : "memory_bandwidth", "an efficiency is a share of the peak, at most 1");
   }
+  if (Status s = ReadMeasuredCollectives(r, hw); !s.ok()) return s.error();
   return hw;
 }
 

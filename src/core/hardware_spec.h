@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/json_io.h"
@@ -29,6 +30,13 @@ struct HardwareSpec {
   double inter_node_latency_s = 0;
   int64_t cuda_context_bytes = 0;   ///< device memory of the CUDA/ROCm context of one process
   double price_per_gpu_hour_usd = 0;
+  /// Collective times measured on this machine (fsdp-run calibrate): used instead of the NCCL
+  /// model for groups of the measured size.
+  struct MeasuredCollective {
+    int64_t ranks = 0, bytes = 0;
+    double all_gather_s = 0, reduce_scatter_s = 0, all_reduce_s = 0;
+  };
+  std::vector<MeasuredCollective> measured_collectives;
   double matmul_efficiency = 0.7;     ///< share of dense peak reached by GEMMs at training shapes
   double memory_efficiency = 0.85;    ///< share of memory bandwidth reached by memory-bound kernels
 

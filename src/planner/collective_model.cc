@@ -130,8 +130,46 @@ double BusFactor(Collective c, int64_t ranks) {
   return c == Collective::kAllReduce ? 2.0 * (n - 1) / n : (n - 1) / n;
 }
 
+namespace {
+
+// Time of a collective from the hardware file's measurements for this group size, interpolated
+// linearly in the size between measured points (latency + bytes / bandwidth), scaled beyond them;
+// negative when nothing was measured for this many ranks.
+double MeasuredSeconds(Collective c, int64_t size_bytes, const CommGroup& g, const HardwareSpec& hw) {
+  std::vector<std::pair<double, double>> points;
+  for (const auto& m : hw.measured_collectives) {
+    if (m.ranks != g.ranks) continue;
+    const double t = c == Collective::kAllGather ? m.all_gather_s : c == Collective::kReduceScatter ? m.reduce_scatter_s : m.all_reduce_s;
+    points.emplace_back(static_cast<double>(m.bytes), t);
+  }
+  if (points.empty()) return -1;
+  const double s = static_cast<double>(size_bytes);
+  if (s <= points.front().first) return points.front().second;
+  if (s >= points.back().first) return points.back().second * s / points.back().first;
+  for (size_t i = 1; i < points.size(); ++i) {
+    if (s <= points[i].first) {
+      const auto& [s0, t0] = points[i - 1];
+      const auto& [s1, t1] = points[i];
+      return t0 + (t1 - t0) * (s - s0) / (s1 - s0);
+    }
+  }
+  return points.back().second;
+}
+
+}  // namespace
+
 CollectiveEstimate EstimateCollective(Collective c, int64_t size_bytes, const CommGroup& g, const HardwareSpec& hw) {
   if (g.ranks <= 1 || size_bytes <= 0) return {};
+  if (const double measured = MeasuredSeconds(c, size_bytes, g, hw); measured > 0) {
+    CollectiveEstimate e;
+    e.time_s = measured;
+    e.latency_s = std::min(measured, hw.measured_collectives.front().all_gather_s);
+    e.algbw_bytes_per_s = static_cast<double>(size_bytes) / measured;
+    e.busbw_bytes_per_s = e.algbw_bytes_per_s * BusFactor(c, g.ranks);
+    e.algorithm = "measured";
+    e.protocol = "calibration";
+    return e;
+  }
   const Path path = PathFor(g, hw);
   const double size = static_cast<double>(size_bytes);
   CollectiveEstimate best;

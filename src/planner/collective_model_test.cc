@@ -85,6 +85,17 @@ TEST_CASE("published FSDP results: tokens/s per GPU within 15% on average") {
   CHECK(MeanAbsoluteError(rows) < 0.15);
 }
 
+TEST_CASE("measured collectives (fsdp-run calibrate) replace the model for the measured group size") {
+  HardwareSpec hw = A100();
+  hw.measured_collectives = {{2, 1000, 1e-5, 2e-5, 3e-5}, {2, 3000, 3e-5, 6e-5, 7e-5}};
+  // halfway in size: halfway in time; beyond the last point: proportional to the size
+  CHECK(EstimateCollective(Collective::kReduceScatter, 2000, {2, 2}, hw).time_s == doctest::Approx(4e-5));
+  CHECK(EstimateCollective(Collective::kAllGather, 6000, {2, 2}, hw).time_s == doctest::Approx(6e-5));
+  CHECK(EstimateCollective(Collective::kAllReduce, 10, {2, 2}, hw).time_s == doctest::Approx(3e-5));
+  CHECK(EstimateCollective(Collective::kAllGather, 2000, {2, 2}, hw).algorithm == "measured");
+  CHECK(EstimateCollective(Collective::kAllGather, 2000, {4, 4}, hw).algorithm != "measured");  // not measured for 4 ranks
+}
+
 TEST_CASE("host copies over PCIe") {
   HardwareSpec hw = A100();
   CHECK(HostCopySeconds(0, hw) == 0.0);

@@ -79,7 +79,7 @@ Result<Json> CollectiveSweep(Comm& comm, int64_t max_bytes, int repeats) {
     const double ar = BestSeconds(repeats, [&] { if (status.ok()) status = comm.AllReduce(big.data(), per_rank * n); });
     if (!status.ok()) return status.error();
     const double size = static_cast<double>(per_rank * n * 4), f = static_cast<double>(n - 1) / n;
-    rows.push_back({{"bytes", per_rank * n * 4}, {"all_gather_s", ag}, {"reduce_scatter_s", rs}, {"all_reduce_s", ar},
+    rows.push_back({{"ranks", n}, {"bytes", per_rank * n * 4}, {"all_gather_s", ag}, {"reduce_scatter_s", rs}, {"all_reduce_s", ar},
                     {"all_gather_busbw", size / ag * f}, {"reduce_scatter_busbw", size / rs * f}, {"all_reduce_busbw", size / ar * 2 * f}});
   }
   return rows;
