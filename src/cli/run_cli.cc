@@ -19,6 +19,7 @@
 #include "runtime/calibrate.h"
 #include "runtime/fsdp_engine.h"
 #include "sim/sim_report.h"
+#include "sim/simulator.h"
 
 namespace fsdp {
 
@@ -189,6 +190,19 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     predicted_time = {{"step_s", predicted_step}};
     fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (seconds, calibrated {})\n", "step time", measured_step, predicted_step,
                pct(measured_step, predicted_step), w.value().hardware.id);
+    // fsdp-sim on the same engine profile: collectives blocking on the compute stream, no CPU launch cost
+    Workload engine_view = w.value();
+    engine_view.config.attention = Attention::kEager;
+    engine_view.config.param_dtype = engine_view.config.reduce_dtype = DType::kFp32;
+    sim::SimOptions sim_options;
+    sim_options.blocking_collectives = true;
+    sim_options.launch_overhead_s = 0;
+    auto simulated = sim::Simulate(engine_view, sim_options);
+    if (simulated.ok()) {
+      predicted_time["sim_step_s"] = simulated.value().step_s;
+      fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (fsdp-sim)\n", "step time", measured_step, simulated.value().step_s,
+                 pct(measured_step, simulated.value().step_s));
+    }
   }
   const runtime::CommStats& cs = engine.value()->shard_stats();
   Workload fp32 = w.value();

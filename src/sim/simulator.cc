@@ -39,8 +39,12 @@ class RankBuilder {
         rng_(o.seed * 1000003ULL + static_cast<uint64_t>(rank)), gathered_(w.units.size(), false), gather_event_(w.units.size(), kNoEvent) {
     const std::string r = fmt::format("rank {} ", rank);
     compute_ = e.AddStream(r + "compute", rank);
-    ag_stream_ = e.AddStream(r + (o.separate_process_groups ? "all-gather" : "nccl"), rank);
-    rs_stream_ = o.separate_process_groups ? e.AddStream(r + "reduce-scatter", rank) : ag_stream_;
+    if (o.blocking_collectives) {
+      ag_stream_ = rs_stream_ = compute_;
+    } else {
+      ag_stream_ = e.AddStream(r + (o.separate_process_groups ? "all-gather" : "nccl"), rank);
+      rs_stream_ = o.separate_process_groups ? e.AddStream(r + "reduce-scatter", rank) : ag_stream_;
+    }
     if (w.config.cpu_offload) {
       h2d_ = e.AddStream(r + "host-to-device", rank);
       d2h_ = e.AddStream(r + "device-to-host", rank);

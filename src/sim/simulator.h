@@ -20,6 +20,7 @@ struct SimOptions {
   double launch_overhead_s = 5e-6;       ///< CPU time per launched kernel or collective
   int kernels_per_block = 25;            ///< kernels a block's forward launches (backward: twice)
   bool separate_process_groups = false;  ///< all-gathers and reduce-scatters on separate NCCL streams
+  bool blocking_collectives = false;     ///< collectives on the compute stream (engines without overlap, e.g. fsdp-run on CPU)
   double bandwidth_override = 0;         ///< > 0: intra- and inter-node bandwidth per GPU, bytes/s (what-if)
   double latency_scale = 1.0;            ///< multiplies collective latencies (0 for the bandwidth-only limit)
   double compute_scale = 1.0;            ///< multiplies compute times (0: communication only)

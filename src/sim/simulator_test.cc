@@ -153,6 +153,19 @@ TEST_CASE("per-rank mode: no jitter reproduces the aggregate; one slow rank slow
   CHECK(j1.value().step_s > a.value().step_s);
 }
 
+TEST_CASE("blocking collectives (an engine without overlap): step = compute + communication") {
+  FsdpConfig c;
+  c.gpus = 8;
+  c.seq_len = 1024;
+  Workload w = Real("llama-2-7b", c, "a100-40gb-sxm");
+  SimOptions o = NoCpu();
+  o.blocking_collectives = true;
+  auto r = Simulate(w, o);
+  REQUIRE(r.ok());
+  CHECK(r.value().stream_names.size() == 1);
+  CHECK(r.value().step_s == doctest::Approx(EstimateCompute(w).compute_s_per_step + EstimateComm(w).volume.total_comm_s).epsilon(1e-6));
+}
+
 TEST_CASE("bad options are rejected") {
   FsdpConfig c;
   c.gpus = 8;
