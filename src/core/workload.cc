@@ -184,11 +184,17 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
   const bool rewrap = w.units.empty() || config.wrap != w.config.wrap ||
                       (config.wrap == WrapPolicy::kSize && config.wrap_min_params != w.config.wrap_min_params);
   if (rewrap) ApplyWrapPolicy(w, config);
-  w.shard_world = ShardWorldSize(config);
+  const int64_t world = ShardWorldSize(config);
+  // padding depends only on the units, the shard world and the flat-parameter layout
+  const bool repad = rewrap || world != w.shard_world || config.framework != w.config.framework ||
+                     config.use_orig_params != w.config.use_orig_params || config.master_dtype != w.config.master_dtype;
+  w.shard_world = world;
   w.replicas = ReplicaCount(config);
-  for (auto& u : w.units) {
-    u.padded_numel = PaddedNumel(w.model, u.tensors, config, w.shard_world);
-    u.shard_numel = u.padded_numel / w.shard_world;
+  if (repad) {
+    for (auto& u : w.units) {
+      u.padded_numel = PaddedNumel(w.model, u.tensors, config, w.shard_world);
+      u.shard_numel = u.padded_numel / w.shard_world;
+    }
   }
   w.hardware = hardware;
   w.config = config;

@@ -10,7 +10,7 @@ namespace {
 class StepTimer {
  public:
   StepTimer(const Workload& w, const ComputeModel& cm, const CommModel& comm, bool fast_forward)
-      : w_(w), cm_(cm), comm_(comm), fast_forward_(fast_forward), gathered_(w.units.size(), false), gather_end_(w.units.size(), 0.0),
+      : w_(w), cm_(cm), comm_(comm), fast_forward_(fast_forward), gathered_(w.units.size(), 0), gather_end_(w.units.size(), 0.0),
         exposed_(w.units.size(), 0.0) {
     children_.resize(w.units.size());
     for (int u = 1; u < static_cast<int>(w.units.size()); ++u) children_[w.units[u].parent_unit].push_back(u);
@@ -117,7 +117,7 @@ class StepTimer {
     comm_free_ = start + comm_.units[u].all_gather_s;
     if (first_gather_s_ == 0 && comm_free_ > 0) first_gather_s_ = comm_free_;
     gather_end_[u] = comm_free_;
-    gathered_[u] = true;
+    gathered_[u] = 1;
   }
 
   void Compute(int u, double seconds) {
@@ -127,7 +127,7 @@ class StepTimer {
   }
 
   void Free(int u) {
-    gathered_[u] = false;
+    gathered_[u] = 0;
     if (Limited()) free_events_.push_back(compute_end_);
   }
 
@@ -159,7 +159,7 @@ class StepTimer {
   const ComputeModel& cm_;
   const CommModel& comm_;
   bool fast_forward_;
-  std::vector<bool> gathered_;
+  std::vector<char> gathered_;
   std::vector<double> gather_end_;
   std::vector<double> exposed_, exposed_before_;
   std::vector<std::vector<int>> children_;
