@@ -250,7 +250,8 @@ Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   auto model = LoadModel(f.plan.model);
   if (!model.ok()) return model.error();
   runtime::CalibrationOptions o;
-  o.tokens = f.plan.config.micro_batch * (f.plan.config.seq_len > 0 ? f.plan.config.seq_len : 256);
+  o.seq_len = f.plan.config.seq_len > 0 ? f.plan.config.seq_len : 256;
+  o.tokens = f.plan.config.micro_batch * o.seq_len;
   auto hw = runtime::Calibrate(model.value(), comm, o);
   if (!hw.ok()) return hw.error();
   if (comm.rank() != 0) return {};

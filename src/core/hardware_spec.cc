@@ -110,6 +110,10 @@ Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, c
   if (!eff.ok()) return eff.error();
   FSDP_ASSIGN(hw.matmul_efficiency, eff.value().PositiveNumber("matmul"));
   FSDP_ASSIGN(hw.memory_efficiency, eff.value().PositiveNumber("memory_bandwidth"));
+  auto attention = eff.value().OptionalNumber("attention");
+  if (!attention.ok()) return attention.error();
+  hw.attention_efficiency = attention.value().value_or(0.0);
+  if (hw.attention_efficiency < 0 || hw.attention_efficiency > 1) return eff.value().KeyError("attention", "an efficiency is a share of the peak, between 0 and 1");
   if (hw.matmul_efficiency > 1 || hw.memory_efficiency > 1) {
     return eff.value().KeyError(hw.matmul_efficiency > 1 ? "matmul" : "memory_bandwidth", "an efficiency is a share of the peak, at most 1");
   }

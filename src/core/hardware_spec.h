@@ -39,6 +39,7 @@ struct HardwareSpec {
   std::vector<MeasuredCollective> measured_collectives;
   double matmul_efficiency = 0.7;     ///< share of dense peak reached by GEMMs at training shapes
   double memory_efficiency = 0.85;    ///< share of memory bandwidth reached by memory-bound kernels
+  double attention_efficiency = 0;    ///< share of peak for the attention's score/value products (0: as matmul)
 
   /// Dense peak FLOP/s for arithmetic in `dtype`.
   double PeakFlops(DType dtype) const;

@@ -94,6 +94,9 @@ ComputeModel EstimateUnitCompute(const Workload& w) {
   const BlockActivations block = BlockActivationProfile(w.model, w.config);
   const HeadActivations head = HeadActivationProfile(w.model, w.config);
   const double gemm_rate = w.hardware.PeakFlops(w.config.param_dtype) * w.hardware.matmul_efficiency;
+  // the attention's products run at their own measured rate when the hardware file has one
+  const double attention_rate = w.hardware.attention_efficiency > 0 ? w.hardware.PeakFlops(w.config.param_dtype) * w.hardware.attention_efficiency
+                                                                     : gemm_rate;
   const double mem_rate = w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency;
   const bool flash = w.config.attention == Attention::kFlash;
   const Checkpointing ac = w.config.checkpointing;
@@ -103,11 +106,12 @@ ComputeModel EstimateUnitCompute(const Workload& w) {
     UnitCompute& u = cm.units[OwningUnit(w, id)];
     const double fwd_flops = work.gemm_flops + work.attention_flops;
     const double bwd_flops = kBackwardGemmFactor * work.gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
-    const double fwd_s = fwd_flops / gemm_rate + work.traffic_bytes / mem_rate;
+    const double attn_bwd = (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
+    const double fwd_s = work.gemm_flops / gemm_rate + work.attention_flops / attention_rate + work.traffic_bytes / mem_rate;
     u.forward_flops += fwd_flops;
     u.forward_s += fwd_s;
     u.backward_flops += bwd_flops;
-    u.backward_s += bwd_flops / gemm_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
+    u.backward_s += kBackwardGemmFactor * work.gemm_flops / gemm_rate + attn_bwd / attention_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
     if (ac == Checkpointing::kFull && InsideBlock(w, id)) {
       // checkpoint_wrapper reruns the whole block forward (its linears included) in backward
       u.recompute_flops += fwd_flops;
@@ -115,7 +119,7 @@ ComputeModel EstimateUnitCompute(const Workload& w) {
     } else if (ac == Checkpointing::kSelective && n.role == ModuleNode::Role::kBlock && !flash) {
       const double core_bytes = static_cast<double>(block.FullBytes() - block.KeptBytes());
       u.recompute_flops += work.attention_flops;
-      u.recompute_s += work.attention_flops / gemm_rate + kForwardTrafficPerSavedByte * core_bytes / mem_rate;
+      u.recompute_s += work.attention_flops / attention_rate + kForwardTrafficPerSavedByte * core_bytes / mem_rate;
     }
   }
   const ModelSpec& m = w.model;

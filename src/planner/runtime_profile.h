@@ -20,7 +20,8 @@ MemoryEstimate EstimateRuntimeMemory(const Workload& workload);
 
 /// Step time of fsdp-run's engine, which runs its collectives blocking (no overlap): compute of
 /// every unit (attention over the full s x s scores, as its kernels compute them) + every
-/// collective at fp32 sizes + the optimizer. Meaningful with a hardware file from
+/// collective at fp32 sizes + the optimizer + the engine's memory-bound passes over its flat
+/// buffers (rounding copies, zero fills, gradient accumulation). Meaningful with a hardware file from
 /// `fsdp-run calibrate`.
 double EstimateRuntimeStepSeconds(const Workload& workload);
 

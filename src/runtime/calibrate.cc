@@ -40,6 +40,21 @@ double GemmFlops(const ModelSpec& m, int64_t tokens, int repeats) {
   return flops / seconds;
 }
 
+// FLOP/s of the engine's attention at the model's shapes: per head (s, d) x (d, s) scores and
+// (s, s) x (s, d) values, forward and backward (AttentionForward / AttentionBackward).
+double AttentionFlops(const ModelSpec& m, int64_t batch, int64_t seq, int repeats) {
+  const int64_t heads = m.num_heads, kv = m.num_kv_heads, d = m.head_dim;
+  Mat q = Mat::Random(batch * seq, heads * d), k = Mat::Random(batch * seq, kv * d), v = Mat::Random(batch * seq, kv * d);
+  std::vector<Mat> probs;
+  Mat out, dq, dk, dv;
+  const double s = BestSeconds(repeats, [&] {
+    out = AttentionForward(q, k, v, batch, seq, heads, kv, d, probs);
+    AttentionBackward(out, q, k, v, probs, batch, seq, heads, kv, d, dq, dk, dv);
+  });
+  // forward 4 s d per token and head, backward twice that (full s x s, as the engine computes it)
+  return 3.0 * 4.0 * static_cast<double>(seq) * static_cast<double>(heads * d) * static_cast<double>(batch * seq) / s;
+}
+
 // Bytes read + written per second by a large copy.
 double CopyBandwidth(int repeats) {
   std::vector<float> a(32 << 20, 1.0f), b(32 << 20);
@@ -89,6 +104,8 @@ Result<Json> CollectiveSweep(Comm& comm, int64_t max_bytes, int repeats) {
 
 Result<Json> Calibrate(const ModelSpec& m, Comm& comm, const CalibrationOptions& o) {
   const double gemm = GemmFlops(m, o.tokens, o.repeats);
+  const int64_t seq = std::max<int64_t>(1, std::min<int64_t>(o.seq_len, o.tokens));
+  const double attention = AttentionFlops(m, std::max<int64_t>(1, o.tokens / seq), seq, o.repeats);
   const double copy = CopyBandwidth(o.repeats);
   auto fit = CollectiveFit(comm, o.max_collective_bytes, o.repeats);
   if (!fit.ok()) return fit.error();
@@ -109,11 +126,12 @@ Result<Json> Calibrate(const ModelSpec& m, Comm& comm, const CalibrationOptions&
              {"node", {{"gpus_per_node", comm.size()}, {"inter_node_bandwidth_per_gpu_bytes_per_s", link}, {"inter_node_latency_s", latency}}},
              {"cuda_context_bytes", 0},
              {"price_per_gpu_hour_usd", 0},
-             {"efficiency", {{"matmul", 1.0}, {"memory_bandwidth", 1.0}}},
+             {"efficiency", {{"matmul", 1.0}, {"memory_bandwidth", 1.0}, {"attention", std::min(1.0, attention / gemm)}}},
              {"measured_collectives", sweep.value()},
              {"sources",
               {{"peak_flops", fmt::format("measured: Eigen fp32 forward and backward GEMMs at {}'s linear shapes, {} rows, best of {}", m.id, o.tokens, o.repeats)},
                {"memory_bandwidth_bytes_per_s", "measured: 128 MiB copy, read + write bytes"},
+               {"efficiency", "measured: the attention's per-head products (forward and backward) relative to the GEMM rate"},
                {"intra_node_link", fmt::format("measured: all-gather of {} bytes over {} MPI ranks, bus bandwidth / 0.80 (the collective model's peak share)", o.max_collective_bytes, comm.size())},
                {"memory_bytes", "assumption: this workplace's 24 GiB machines"}}}};
   return hw;

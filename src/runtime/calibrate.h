@@ -11,6 +11,7 @@ namespace fsdp::runtime {
 
 struct CalibrationOptions {
   int64_t tokens = 256;      ///< rows of the GEMMs (micro-batch x sequence)
+  int64_t seq_len = 256;     ///< sequence length of the attention measurement
   int repeats = 3;           ///< best of
   int64_t max_collective_bytes = 16 << 20;
 };
