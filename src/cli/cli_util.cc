@@ -41,6 +41,18 @@ std::string Gib(int64_t bytes) { return fmt::format("{:.2f}", static_cast<double
 
 namespace fsdp {
 
+std::vector<std::string> Split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(separator, start);
+    if (end == std::string::npos) end = text.size();
+    if (end > start) parts.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
 std::string WithCommas(int64_t value) {
   std::string digits = std::to_string(value < 0 ? -value : value);
   std::string out;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -22,6 +23,9 @@ int ParseOrExitCode(CLI::App& app, int argc, char** argv, const std::string& too
 
 /// Formats bytes as GiB with two decimals ("12.34").
 std::string Gib(int64_t bytes);
+
+/// Non-empty pieces of `text` between `separator`s: "a,,b" -> {"a", "b"}.
+std::vector<std::string> Split(const std::string& text, char separator);
 
 /// 6738415616 -> "6,738,415,616".
 std::string WithCommas(int64_t value);

@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <iostream>
-#include <sstream>
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
@@ -17,13 +16,6 @@
 
 namespace fsdp {
 namespace {
-
-std::vector<std::string> Split(const std::string& text, char sep) {
-  std::vector<std::string> parts;
-  std::stringstream in(text);
-  for (std::string part; std::getline(in, part, sep);) if (!part.empty()) parts.push_back(part);
-  return parts;
-}
 
 Status ParsePrices(const std::vector<std::string>& prices, std::map<std::string, double>& out) {
   for (const auto& p : prices) {

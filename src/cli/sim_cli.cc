@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
+#include "cli/cli_util.h"
 #include "core/json_io.h"
 #include "sim/sim_report.h"
 
@@ -78,18 +79,6 @@ Status Apply(const std::string& param, const std::string& value, SimFlags& f) {
   return {};
 }
 
-std::vector<std::string> SplitCommas(const std::string& text) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t comma = text.find(',', start);
-    if (comma == std::string::npos) comma = text.size();
-    if (comma > start) out.push_back(text.substr(start, comma - start));
-    start = comma + 1;
-  }
-  return out;
-}
-
 }  // namespace
 
 void AddSimFlags(CLI::App& app, SimFlags& f) {
@@ -132,7 +121,7 @@ Status RunWhatIf(SimFlags f, std::ostream& out) {
     auto eq = v.find('=');
     if (eq == std::string::npos || eq + 1 >= v.size()) return Error::BadInput(fmt::format("--vary expects PARAM=v1,v2,..., got '{}'", v));
     params.push_back(v.substr(0, eq));
-    values.push_back(SplitCommas(v.substr(eq + 1)));
+    values.push_back(Split(v.substr(eq + 1), ','));
   }
   std::vector<sim::WhatIfRow> rows;
   const std::vector<std::string> second = values.size() > 1 ? values[1] : std::vector<std::string>{""};

@@ -27,6 +27,20 @@ std::string_view ModelingModule(const ModelSpec& m) {
 
 std::string Python(bool b) { return b ? "True" : "False"; }
 
+// FSDP1's backward_prefetch argument.
+std::string_view PrefetchExpression(BackwardPrefetch p) {
+  switch (p) {
+    case BackwardPrefetch::kNone: return "None";
+    case BackwardPrefetch::kPre: return "BackwardPrefetch.BACKWARD_PRE";
+    case BackwardPrefetch::kPost: return "BackwardPrefetch.BACKWARD_POST";
+  }
+  return "None";
+}
+
+constexpr const char* kCheckpointImports =
+    "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+    "    CheckpointImpl,\n    apply_activation_checkpointing,\n    checkpoint_wrapper,\n)\n";
+
 std::string LayerImport(const ModelSpec& m) {
   return fmt::format("from transformers.models.{0}.modeling_{0} import {1}\n", ModelingModule(m), DecoderLayerClass(m));
 }
@@ -75,15 +89,13 @@ std::string Fsdp1(const Workload& w) {
          "from torch.distributed.device_mesh import init_device_mesh\n"
          "from torch.distributed.fsdp import (\n    BackwardPrefetch,\n    CPUOffload,\n    FullyShardedDataParallel as FSDP,\n"
          "    MixedPrecision,\n    ShardingStrategy,\n)\n"
-         "from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy\n"
-         "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
-         "    CheckpointImpl,\n    apply_activation_checkpointing,\n    checkpoint_wrapper,\n)\n";
+         "from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy\n";
+  out += kCheckpointImports;
   out += LayerImport(w.model) + "\n";
   out += MeshCode(w);
   out += fmt::format("mixed_precision = MixedPrecision(param_dtype={}, reduce_dtype={}, buffer_dtype={})\n", TorchDType(c.param_dtype),
                      TorchDType(c.reduce_dtype), TorchDType(c.buffer_dtype));
-  std::string prefetch = c.backward_prefetch == BackwardPrefetch::kNone ? "None"
-                         : c.backward_prefetch == BackwardPrefetch::kPre ? "BackwardPrefetch.BACKWARD_PRE" : "BackwardPrefetch.BACKWARD_POST";
+  const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);
   out += fmt::format("model = FSDP(\n    model,\n    sharding_strategy=ShardingStrategy.{},\n    auto_wrap_policy={},\n"
                      "    mixed_precision=mixed_precision,\n    cpu_offload=CPUOffload(offload_params={}),\n    backward_prefetch={},\n"
                      "    forward_prefetch={},\n    limit_all_gathers={},\n    use_orig_params={},\n    device_mesh=mesh,\n"
@@ -99,9 +111,8 @@ std::string Fsdp2(const Workload& w) {
   std::string out = Header(w);
   out += "import functools\nimport torch\n"
          "from torch.distributed.device_mesh import init_device_mesh\n"
-         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # torch >= 2.6\n"
-         "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
-         "    CheckpointImpl,\n    apply_activation_checkpointing,\n    checkpoint_wrapper,\n)\n";
+         "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # torch >= 2.6\n";
+  out += kCheckpointImports;
   out += LayerImport(w.model) + "\n";
   out += CheckpointingCode(w, "model");
   out += MeshCode(w);
@@ -166,8 +177,7 @@ std::string Lightning(const Workload& w) {
   out += LayerImport(w.model) + "\n";
   std::string wrap = c.wrap == WrapPolicy::kBlock ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
   std::string ac = c.checkpointing != Checkpointing::kNone ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
-  std::string prefetch = c.backward_prefetch == BackwardPrefetch::kNone ? "None"
-                         : c.backward_prefetch == BackwardPrefetch::kPre ? "BackwardPrefetch.BACKWARD_PRE" : "BackwardPrefetch.BACKWARD_POST";
+  const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);
   out += fmt::format("strategy = FSDPStrategy(\n    sharding_strategy=\"{}\",\n    auto_wrap_policy={},\n"
                      "    activation_checkpointing_policy={},\n    cpu_offload={},\n"
                      "    mixed_precision=MixedPrecision(param_dtype={}, reduce_dtype={}, buffer_dtype={}),\n"

@@ -2,6 +2,8 @@
 
 #include <doctest/doctest.h>
 
+#include "runtime/gradient_check.h"
+
 #include <random>
 
 namespace fsdp::runtime {
@@ -23,32 +25,8 @@ TEST_CASE("a whole decoder block: backward against finite differences") {
   BlockForward(d, params.data(), x, batch, seq, &cache);
   std::vector<float> grads(params.size(), 0.0f);
   Mat dx = BlockBackward(d, params.data(), grads.data(), r, cache, batch, seq);
-  const float eps = 1e-2f;
-  std::uniform_int_distribution<size_t> pick_p(0, params.size() - 1);
-  for (int k = 0; k < 40; ++k) {
-    const size_t i = pick_p(rng);
-    const float saved = params[i];
-    params[i] = saved + eps;
-    const double up = loss();
-    params[i] = saved - eps;
-    const double down = loss();
-    params[i] = saved;
-    const double fd = (up - down) / (2 * eps);
-    CAPTURE(i);
-    CHECK(std::abs(grads[i] - fd) <= 2e-2 * std::abs(fd) + 2e-3);
-  }
-  std::uniform_int_distribution<Eigen::Index> pick_x(0, x.size() - 1);
-  for (int k = 0; k < 20; ++k) {
-    const Eigen::Index i = pick_x(rng);
-    const float saved = x.data()[i];
-    x.data()[i] = saved + eps;
-    const double up = loss();
-    x.data()[i] = saved - eps;
-    const double down = loss();
-    x.data()[i] = saved;
-    const double fd = (up - down) / (2 * eps);
-    CHECK(std::abs(dx.data()[i] - fd) <= 2e-2 * std::abs(fd) + 2e-3);
-  }
+  CheckGradient(params.data(), static_cast<int64_t>(params.size()), grads.data(), loss, rng, 40, "params");
+  CheckGradient(x.data(), x.size(), dx.data(), loss, rng, 20, "x");
 }
 
 TEST_CASE("the flat block layout matches the checkpoint inventory") {

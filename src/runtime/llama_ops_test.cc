@@ -2,6 +2,8 @@
 
 #include <doctest/doctest.h>
 
+#include "runtime/gradient_check.h"
+
 #include <functional>
 #include <random>
 
@@ -17,24 +19,9 @@ Mat Random(Eigen::Index rows, Eigen::Index cols, float scale = 1.0f) {
   return m;
 }
 
-// Central finite differences of `loss` with respect to `x` at a sample of entries, compared with
-// `analytic` (tolerance 2e-2 * |fd| + 2e-3).
+// Finite-difference check of `analytic` (same shape as `x`) at 24 sampled entries.
 void CheckGradient(Mat& x, const Mat& analytic, const std::function<double()>& loss, const char* what) {
-  std::uniform_int_distribution<Eigen::Index> pick(0, x.size() - 1);
-  const float eps = 1e-2f;
-  for (int n = 0; n < 24; ++n) {
-    const Eigen::Index i = pick(rng);
-    const float saved = x.data()[i];
-    x.data()[i] = saved + eps;
-    const double up = loss();
-    x.data()[i] = saved - eps;
-    const double down = loss();
-    x.data()[i] = saved;
-    const double fd = (up - down) / (2 * eps);
-    CAPTURE(what);
-    CAPTURE(i);
-    CHECK(std::abs(analytic.data()[i] - fd) <= 2e-2 * std::abs(fd) + 2e-3);
-  }
+  runtime::CheckGradient(x.data(), x.size(), analytic.data(), loss, rng, 24, what);
 }
 
 double Dot(const Mat& a, const Mat& b) { return static_cast<double>(a.cwiseProduct(b).sum()); }
