@@ -102,56 +102,76 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
   app.add_option("--hang-rank", f.hang_rank, "fault injection: this rank stops responding at --fail-step (tests)");
   app.add_option("--fail-rank", f.fail_rank, "fault injection: this rank exits abruptly at --fail-step (tests)");
   app.add_option("--fail-step", f.fail_step, "fault injection: the step at which --fail-rank dies");
+  app.add_option("--device", f.device, "cpu (Eigen fp32, MPI ranks) or cuda (one GPU per rank: CUDA kernels, cuBLAS, NCCL)")->capture_default_str();
+  app.add_option("--virtual-world", f.virtual_world,
+                 "cuda: run rank 0 of an N-rank configuration on one GPU (shards and buffers sized for N, collectives as device copies)");
 }
 
-Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
+Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (f.steps < 1 || f.steps > 1000000) return Error::BadInput(fmt::format("--steps must be between 1 and 1000000, got {}", f.steps));
   if (!(f.lr > 0) || f.lr > 1) return Error::BadInput(fmt::format("--lr must be in (0, 1], got {}", f.lr));
-  PlanFlags plan = f.plan;
-  if (plan.config.gpus_per_node == 0) plan.config.gpus_per_node = plan.config.gpus;  // CPU ranks: one "node"
+  if (f.memory_limit_mib < 0) return Error::BadInput(fmt::format("--memory-limit must be positive MiB, got {}", f.memory_limit_mib));
+  if (!(f.timeout_s > 0)) return Error::BadInput(fmt::format("--timeout must be positive, got {}", f.timeout_s));
+  if (plan.config.gpus_per_node == 0) plan.config.gpus_per_node = plan.config.gpus;  // one "node" unless told
   auto w = WorkloadFromFlags(plan);
   if (!w.ok()) return w.error();
-  runtime::TrainOptions options;
-  options.seed = f.seed;
-  options.lr = f.lr;
+  PreparedRun run{std::move(w).value(), {}};
+  run.options.seed = f.seed;
+  run.options.lr = f.lr;
   if (!f.tokens_path.empty()) {
-    auto tokens = ReadTokens(f.tokens_path, w.value().model.vocab_size);
+    auto tokens = ReadTokens(f.tokens_path, run.workload.model.vocab_size);
     if (!tokens.ok()) return tokens.error();
-    options.tokens = std::move(tokens).value();
+    run.options.tokens = std::move(tokens).value();
   }
-  if (f.memory_limit_mib < 0) return Error::BadInput(fmt::format("--memory-limit must be positive MiB, got {}", f.memory_limit_mib));
-  auto engine = runtime::FsdpEngine::Create(w.value(), comm, options);
-  if (!engine.ok()) return engine.error();
-  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * 1048576.0));
-  Json losses = Json::array(), times = Json::array();
-  double total_s = 0;
-  if (!(f.timeout_s > 0)) return Error::BadInput(fmt::format("--timeout must be positive, got {}", f.timeout_s));
-  StepWatchdog watchdog(f.timeout_s, comm.rank());
+  return run;
+}
+
+Result<StepLog> RunSteps(const RunFlags& f, int rank, const std::function<Result<float>(int64_t)>& step_fn) {
+  StepLog log;
+  StepWatchdog watchdog(f.timeout_s, rank);
   for (int64_t step = 0; step < f.steps; ++step) {
     watchdog.Arm(step + 1);
-    if (comm.rank() == f.hang_rank && step == f.fail_step) {
-      std::cerr << fmt::format("fsdp-run (rank {}): injected hang at step {}\n", comm.rank(), step + 1);
+    if (rank == f.hang_rank && step == f.fail_step) {
+      std::cerr << fmt::format("fsdp-run (rank {}): injected hang at step {}\n", rank, step + 1);
       std::this_thread::sleep_for(std::chrono::hours(1));
     }
-    if (comm.rank() == f.fail_rank && step == f.fail_step) {
-      std::cerr << fmt::format("fsdp-run (rank {}): injected failure at step {}\n", comm.rank(), step + 1);
+    if (rank == f.fail_rank && step == f.fail_step) {
+      std::cerr << fmt::format("fsdp-run (rank {}): injected failure at step {}\n", rank, step + 1);
       std::_Exit(3);  // dies like a crashed rank: no cleanup, no MPI_Finalize
     }
     const auto start = std::chrono::steady_clock::now();
-    auto loss = engine.value()->Step(step);
-    if (!loss.ok()) {
-      if (f.memory_limit_mib > 0 && loss.error().message.starts_with("out of memory")) {
-        const MemoryEstimate predicted = EstimateRuntimeMemory(w.value());
-        return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB", loss.error().message, predicted.peak_bytes / 1048576.0));
-      }
-      return loss.error();
-    }
+    auto loss = step_fn(step);
+    if (!loss.ok()) return loss.error();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    total_s += s;
-    losses.push_back(loss.value());
-    times.push_back(s);
-    if (comm.rank() == 0 && !f.quiet) std::cerr << fmt::format("fsdp-run: step {}/{} loss {:.6f} {:.3f} s\n", step + 1, f.steps, loss.value(), s);
+    log.total_s += s;
+    log.losses.push_back(loss.value());
+    log.times.push_back(s);
+    if (rank == 0 && !f.quiet) std::cerr << fmt::format("fsdp-run: step {}/{} loss {:.6f} {:.3f} s\n", step + 1, f.steps, loss.value(), s);
   }
+  return log;
+}
+
+Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
+  if (f.device == "cuda") return RunTrainingGpu(f, comm, out);
+  if (f.device != "cpu") return Error::BadInput(fmt::format("--device must be cpu or cuda, got '{}'", f.device));
+  if (f.virtual_world != 0) return Error::BadInput("--virtual-world needs --device cuda");
+  auto prepared = PrepareRun(f, f.plan);
+  if (!prepared.ok()) return prepared.error();
+  const Workload& workload = prepared.value().workload;
+  auto engine = runtime::FsdpEngine::Create(workload, comm, prepared.value().options);
+  if (!engine.ok()) return engine.error();
+  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * 1048576.0));
+  auto log = RunSteps(f, comm.rank(), [&](int64_t step) { return engine.value()->Step(step); });
+  if (!log.ok()) {
+    if (f.memory_limit_mib > 0 && log.error().message.starts_with("out of memory")) {
+      const MemoryEstimate predicted = EstimateRuntimeMemory(workload);
+      return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB", log.error().message, predicted.peak_bytes / 1048576.0));
+    }
+    return log.error();
+  }
+  const Json& losses = log.value().losses;
+  const Json& times = log.value().times;
+  const double total_s = log.value().total_s;
   // every rank's peak (the largest is reported), gathered on rank 0
   const runtime::MemoryLedger& mem = engine.value()->memory();
   float peak = static_cast<float>(mem.peak_bytes());
@@ -159,7 +179,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   if (Status s = comm.AllGather(&peak, peaks.data(), 1); !s.ok()) return s;
   if (comm.rank() != 0) return {};
   const double step_s = total_s / static_cast<double>(f.steps);
-  fmt::print(out, "{} on {} rank(s), {}: losses", w.value().model.id, comm.size(), StrategyName(w.value().config.strategy));
+  fmt::print(out, "{} on {} rank(s), {}: losses", workload.model.id, comm.size(), StrategyName(workload.config.strategy));
   for (const auto& l : losses) fmt::print(out, " {:.6f}", l.get<double>());
   fmt::print(out, "; mean step {:.3f} s\n", step_s);
   fmt::print(out, "  rank 0 peak heap {:.2f} MiB at {}:", mem.peak_bytes() / 1048576.0, mem.peak_phase());
@@ -171,7 +191,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   }
   fmt::print(out, " MiB\n");
   // predicted (planner's profile of this engine) vs measured
-  const MemoryEstimate predicted = EstimateRuntimeMemory(w.value());
+  const MemoryEstimate predicted = EstimateRuntimeMemory(workload);
   auto pct = [](double measured, double predicted_value) { return measured > 0 ? 100.0 * (predicted_value - measured) / measured : 0.0; };
   fmt::print(out, "  {:<18}{:>14}{:>14}{:>9}\n", "rank 0 at peak", "measured MiB", "predicted MiB", "error");
   Json predicted_categories = Json::object();
@@ -184,14 +204,14 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", "peak", mem.peak_bytes() / 1048576.0, predicted.peak_bytes / 1048576.0,
              pct(static_cast<double>(mem.peak_bytes()), static_cast<double>(predicted.peak_bytes)));
   Json predicted_time = {{"step_s", nullptr}, {"note", "pass --gpu with a hardware file from fsdp-run calibrate"}};
-  if (w.value().hardware.architecture == "cpu") {
-    const double predicted_step = EstimateRuntimeStepSeconds(w.value());
+  if (workload.hardware.architecture == "cpu") {
+    const double predicted_step = EstimateRuntimeStepSeconds(workload);
     const double measured_step = total_s / static_cast<double>(f.steps);
     predicted_time = {{"step_s", predicted_step}};
     fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (seconds, calibrated {})\n", "step time", measured_step, predicted_step,
-               pct(measured_step, predicted_step), w.value().hardware.id);
+               pct(measured_step, predicted_step), workload.hardware.id);
     // fsdp-sim on the same engine profile: collectives blocking on the compute stream, no CPU launch cost
-    Workload engine_view = w.value();
+    Workload engine_view = workload;
     engine_view.config.attention = Attention::kEager;
     engine_view.config.param_dtype = engine_view.config.reduce_dtype = DType::kFp32;
     sim::SimOptions sim_options;
@@ -205,7 +225,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     }
   }
   const runtime::CommStats& cs = engine.value()->shard_stats();
-  Workload fp32 = w.value();
+  Workload fp32 = workload;
   fp32.config.param_dtype = fp32.config.reduce_dtype = DType::kFp32;  // the engine moves fp32 words
   const CommVolume volume = EstimateComm(fp32).volume;
   const double steps = static_cast<double>(f.steps);
@@ -229,11 +249,11 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
                       {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor) * 1e9}};
     comm_json["predicted_all_gather_bytes"] = static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps;
     comm_json["predicted_reduce_scatter_bytes"] = static_cast<double>(volume.reduce_scatter_bytes) * steps;
-    Json doc = {{"model", w.value().model.id},
+    Json doc = {{"model", workload.model.id},
                 {"predicted", {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"categories", predicted_categories}}},
                                {"time", predicted_time}}},
                 {"ranks", comm.size()},
-                {"config", ConfigToJson(w.value().config)},
+                {"config", ConfigToJson(workload.config)},
                 {"measured",
                  {{"loss", losses},
                   {"memory", {{"peak_bytes", *std::max_element(peaks.begin(), peaks.end())}, {"rank0_peak_bytes", mem.peak_bytes()},

@@ -2,13 +2,16 @@
 // MPI) and report the losses and step times.
 #pragma once
 
+#include <functional>
 #include <ostream>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
 #include "cli/plan_cli.h"
+#include "core/json_io.h"
 #include "runtime/comm.h"
+#include "runtime/fsdp_engine.h"
 
 namespace fsdp {
 
@@ -25,13 +28,40 @@ struct RunFlags {
   int hang_rank = -1;      ///< fault injection for tests: this rank stops responding at fail_step
   int fail_rank = -1;      ///< fault injection for tests: this rank exits abruptly...
   int64_t fail_step = 0;   ///< ...at the start of this step
+  std::string device = "cpu";  ///< cpu (Eigen, MPI) or cuda (one GPU per rank: CUDA, cuBLAS, NCCL)
+  int virtual_world = 0;       ///< cuda: run rank 0 of this many ranks on one GPU
 };
 
 void AddRunFlags(CLI::App& app, RunFlags& flags);
+
+/// The workload and training options of a run, after checking --steps, --lr, --memory-limit,
+/// --timeout and reading --tokens.
+struct PreparedRun {
+  Workload workload;
+  runtime::TrainOptions options;
+};
+Result<PreparedRun> PrepareRun(const RunFlags& flags, PlanFlags plan);
+
+/// Losses and wall times of the steps run so far.
+struct StepLog {
+  Json losses = Json::array(), times = Json::array();
+  double total_s = 0;
+};
+/// Runs --steps steps of `step` under the --timeout watchdog, with the fault injections and the
+/// progress line on stderr (rank 0).
+Result<StepLog> RunSteps(const RunFlags& flags, int rank, const std::function<Result<float>(int64_t)>& step);
 /// fsdp-run calibrate: measures this machine and writes a hardware JSON (rank 0).
 Status RunCalibrate(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
 
 /// Builds the workload, trains `steps` steps on `comm` and prints (rank 0) the losses.
 Status RunTraining(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
+
+/// --device cuda: the same on the GPU engine; prints measured against predicted memory (the
+/// engine's own profile and fsdp-plan's PyTorch profile), the device's framework memory, step
+/// time, tokens/s and collective bandwidth. In run_gpu_cli.cc.
+Status RunTrainingGpu(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
+
+/// The hardware file id for a CUDA device name ("NVIDIA H200" -> "h200-sxm"); BadInput when unknown.
+Result<std::string> HardwareIdForDevice(const std::string& device_name);
 
 }  // namespace fsdp

@@ -171,3 +171,221 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
 }
 
 }  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// Mirrors the GPU engine's calls to its DeviceAllocator, in the same order (cuda_engine.cc,
+// cuda_block.cc); a change there needs the same change here.
+class GpuRuntimePlayer {
+ public:
+  enum Cat { kSharded, kUnsharded, kGrads, kOptim, kActs, kComm, kTemp };
+  using Id = int;
+
+  explicit GpuRuntimePlayer(const Workload& w) : w_(w), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1) {
+    const ModelSpec& m = w.model;
+    e_ = BytesPerElement(w.config.param_dtype);
+    T_ = w.TokensPerMicroBatch();
+    h_ = m.hidden_size;
+    qd_ = m.num_heads * m.head_dim;
+    kvd_ = m.num_kv_heads * m.head_dim;
+    I_ = m.intermediate_size;
+    scores_ = w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
+    block_unit_.assign(static_cast<size_t>(m.num_layers), 0);
+    for (const auto& n : w.nodes) {
+      if (n.role == ModuleNode::Role::kBlock) block_unit_[n.block] = std::max(0, n.unit);
+    }
+  }
+
+  GpuRuntimeMemory Play() {
+    phase_ = "initialisation";
+    Free(Alloc(kTemp, 3 * 64 * 64 * 4));  // the cuBLAS probe
+    Alloc(kTemp, 4);                       // loss
+    Alloc(kTemp, h_ * 4);                  // RMSNorm weight-gradient scratch
+    for (const auto& u : w_.units) {
+      Alloc(kSharded, u.shard_numel * 4);
+      Alloc(kOptim, u.shard_numel * 4);
+      Alloc(kOptim, u.shard_numel * 4);
+    }
+    Alloc(kTemp, T_ * 4);  // token ids
+    Alloc(kTemp, T_ * 4);  // targets
+    for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
+      reduce_now_ = !w_.config.no_sync || micro == w_.config.grad_accum - 1;
+      Backward(Forward());
+    }
+    phase_ = "optimizer step";
+    for (Id& g : shard_grad_) Free(std::exchange(g, -1));
+    return result_;
+  }
+
+ private:
+  Id Alloc(Cat c, int64_t bytes) {
+    const int64_t size = (std::max<int64_t>(bytes, 1) + 511) / 512 * 512;
+    sizes_.push_back({c, size});
+    live_[c] += size;
+    allocated_ += size;
+    if (allocated_ > result_.peak_bytes) {
+      result_.peak_bytes = allocated_;
+      result_.at_peak = live_;
+      result_.peak_phase = phase_;
+    }
+    return static_cast<Id>(sizes_.size() - 1);
+  }
+  void Free(Id id) {
+    if (id < 0 || sizes_[id].second == 0) return;
+    live_[sizes_[id].first] -= sizes_[id].second;
+    allocated_ -= sizes_[id].second;
+    sizes_[id].second = 0;
+  }
+  void FreeAll(std::initializer_list<Id> ids) {
+    for (Id id : ids) Free(id);
+  }
+
+  bool ReshardAfterForward(int u) const {
+    return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
+  }
+  void Unshard(int u) {
+    if (u < 0 || full_[u] >= 0) return;
+    phase_ = u == 0 ? "all-gather of the root" : "all-gather of a block";
+    const Id low = Alloc(kComm, w_.units[u].shard_numel * e_);
+    full_[u] = Alloc(kUnsharded, w_.units[u].padded_numel * e_);
+    Free(low);
+  }
+  void Reshard(int u) { Free(std::exchange(full_[u], -1)); }
+  void Reduce(int u) {
+    phase_ = u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block";
+    const int64_t re = BytesPerElement(w_.config.reduce_dtype);
+    const Id cast = w_.config.reduce_dtype != w_.config.param_dtype ? Alloc(kComm, w_.units[u].padded_numel * re) : -1;
+    const Id out = Alloc(kComm, w_.units[u].shard_numel * re);
+    if (shard_grad_[u] < 0) shard_grad_[u] = Alloc(kGrads, w_.units[u].shard_numel * 4);
+    FreeAll({out, cast});
+    Free(std::exchange(grad_[u], -1));
+  }
+  void EnsureGrad(int u) {
+    if (grad_[u] < 0) grad_[u] = Alloc(kGrads, w_.units[u].padded_numel * e_);
+  }
+
+  struct Cache {
+    Id inv1, n1, q, k, v, probs, attn, x2, inv2, n2, gate, up, mid;
+  };
+  // DeviceBlockForward: returns y; the cache is kept (activations) or freed (temporaries).
+  Id BlockForward(Cache* cache) {
+    const Cat c = cache != nullptr ? kActs : kTemp;
+    Cache k{};
+    k.inv1 = Alloc(c, T_ * 4);
+    k.n1 = Alloc(c, T_ * h_ * e_);
+    k.q = Alloc(c, T_ * qd_ * e_);
+    k.k = Alloc(c, T_ * kvd_ * e_);
+    k.v = Alloc(c, T_ * kvd_ * e_);
+    k.probs = Alloc(c, scores_ * e_);
+    k.attn = Alloc(c, T_ * qd_ * e_);
+    k.x2 = Alloc(c, T_ * h_ * e_);
+    k.inv2 = Alloc(c, T_ * 4);
+    k.n2 = Alloc(c, T_ * h_ * e_);
+    k.gate = Alloc(c, T_ * I_ * e_);
+    k.up = Alloc(c, T_ * I_ * e_);
+    k.mid = Alloc(c, T_ * I_ * e_);
+    const Id y = Alloc(kActs, T_ * h_ * e_);
+    if (cache != nullptr) {
+      *cache = k;
+    } else {
+      FreeAll({k.inv1, k.n1, k.q, k.k, k.v, k.probs, k.attn, k.x2, k.inv2, k.n2, k.gate, k.up, k.mid});
+    }
+    return y;
+  }
+  // DeviceBlockBackward: consumes dy and the cache, returns dx.
+  Id BlockBackward(Id dy, const Cache& k) {
+    const Id d_mid = Alloc(kTemp, T_ * I_ * e_);
+    Free(k.mid);
+    const Id d_gate = Alloc(kTemp, T_ * I_ * e_);
+    const Id d_n2 = Alloc(kTemp, T_ * h_ * e_);
+    FreeAll({d_mid, d_gate, k.gate, k.up});
+    const Id d_x2 = Alloc(kTemp, T_ * h_ * e_);
+    FreeAll({d_n2, dy, k.n2, k.x2, k.inv2});
+    const Id d_attn = Alloc(kTemp, T_ * qd_ * e_);
+    Free(k.attn);
+    const Id dq = Alloc(kTemp, T_ * qd_ * e_), dk = Alloc(kTemp, T_ * kvd_ * e_), dv = Alloc(kTemp, T_ * kvd_ * e_);
+    const Id d_scores = Alloc(kTemp, scores_ * e_);  // DeviceAttentionBackward
+    const bool grouped = qd_ != kvd_;
+    const Id dk_heads = grouped ? Alloc(kTemp, T_ * qd_ * e_) : -1, dv_heads = grouped ? Alloc(kTemp, T_ * qd_ * e_) : -1;
+    FreeAll({d_scores, dk_heads, dv_heads, d_attn, k.probs});
+    const Id d_n1 = Alloc(kTemp, T_ * h_ * e_);
+    FreeAll({dq, dk, dv, k.q, k.k, k.v, k.n1});
+    const Id dx = Alloc(kActs, T_ * h_ * e_);
+    FreeAll({k.inv1, d_n1, d_x2});
+    return dx;
+  }
+
+  Id Forward() {
+    const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+    const int layers = static_cast<int>(block_unit_.size());
+    inputs_.assign(static_cast<size_t>(layers), -1);
+    caches_.assign(static_cast<size_t>(layers), Cache{});
+    Unshard(0);
+    phase_ = "forward of a block";
+    Id x = Alloc(kActs, T_ * h_ * e_);
+    for (int b = 0; b < layers; ++b) {
+      const int u = block_unit_[b];
+      Unshard(u);
+      if (w_.config.forward_prefetch && b + 1 < layers && block_unit_[b + 1] != u) Unshard(block_unit_[b + 1]);
+      phase_ = "forward of a block";
+      const Id y = BlockForward(ac ? nullptr : &caches_[b]);
+      inputs_[b] = x;
+      x = y;
+      if (u != 0 && ReshardAfterForward(u)) Reshard(u);
+    }
+    phase_ = "loss";
+    inv_ = Alloc(kActs, T_ * 4);
+    normed_ = Alloc(kActs, T_ * h_ * e_);
+    logits_ = Alloc(kActs, T_ * w_.model.vocab_size * e_);
+    return x;
+  }
+
+  void Backward(Id x) {
+    const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+    phase_ = "backward of the head";
+    EnsureGrad(0);
+    const Id d_normed = Alloc(kTemp, T_ * h_ * e_);
+    FreeAll({logits_, normed_});
+    Id dx = Alloc(kActs, T_ * h_ * e_);
+    FreeAll({d_normed, inv_, x});
+    for (int b = static_cast<int>(block_unit_.size()) - 1; b >= 0; --b) {
+      const int u = block_unit_[b];
+      const int previous = b > 0 ? block_unit_[b - 1] : -1;
+      Unshard(u);
+      if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous > 0 && previous != u) Unshard(previous);
+      phase_ = "backward of a block";
+      EnsureGrad(u);
+      if (ac) Free(BlockForward(&caches_[b]));
+      dx = BlockBackward(dx, caches_[b]);
+      Free(inputs_[b]);
+      if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) Unshard(previous);
+      if (u != 0) {
+        Reshard(u);
+        if (reduce_now_) Reduce(u);
+      }
+    }
+    Free(dx);
+    Reshard(0);
+    if (reduce_now_) Reduce(0);
+  }
+
+  const Workload& w_;
+  int64_t e_ = 2, T_ = 0, h_ = 0, qd_ = 0, kvd_ = 0, I_ = 0, scores_ = 0;
+  std::vector<int> block_unit_;
+  std::vector<Id> full_, grad_, shard_grad_, inputs_;
+  std::vector<Cache> caches_;
+  Id inv_ = -1, normed_ = -1, logits_ = -1;
+  bool reduce_now_ = true;
+  std::vector<std::pair<Cat, int64_t>> sizes_;
+  std::array<int64_t, 7> live_{};
+  int64_t allocated_ = 0;
+  std::string phase_;
+  GpuRuntimeMemory result_;
+};
+
+}  // namespace
+
+GpuRuntimeMemory EstimateGpuRuntimeMemory(const Workload& workload) { return GpuRuntimePlayer(workload).Play(); }
+
+}  // namespace fsdp

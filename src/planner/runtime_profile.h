@@ -4,6 +4,9 @@
 // fsdp-run prints it next to what it measures.
 #pragma once
 
+#include <array>
+#include <string>
+
 #include "core/workload.h"
 #include "planner/memory_model.h"
 
@@ -24,5 +27,18 @@ MemoryEstimate EstimateRuntimeMemory(const Workload& workload);
 /// buffers (rounding copies, zero fills, gradient accumulation). Meaningful with a hardware file from
 /// `fsdp-run calibrate`.
 double EstimateRuntimeStepSeconds(const Workload& workload);
+
+/// The memory of fsdp-run's GPU engine (src/runtime/cuda/cuda_engine.cc), replayed allocation by
+/// allocation as its caching allocator counts it: sizes rounded up to 512 B, parameters and
+/// gradients in param_dtype, activations and the engine's temporaries in param_dtype (inverse RMS
+/// and token ids fp32/int32), fp32 shards and AdamW states, reduce_dtype casts and reduce-scatter
+/// outputs as communication buffers. Categories in fsdp-run's order: sharded_params,
+/// unsharded_params, gradients, optimizer_states, activations, comm_buffers, temporaries.
+struct GpuRuntimeMemory {
+  std::array<int64_t, 7> at_peak{};
+  int64_t peak_bytes = 0;
+  std::string peak_phase;
+};
+GpuRuntimeMemory EstimateGpuRuntimeMemory(const Workload& workload);
 
 }  // namespace fsdp

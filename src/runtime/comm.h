@@ -32,6 +32,8 @@ class Comm {
   virtual Status ReduceScatter(const float* in, float* out, int64_t n) = 0;
   /// data (n) = sum over ranks, in place.
   virtual Status AllReduce(float* data, int64_t n) = 0;
+  /// data (bytes) = rank `root`'s data on every rank (NCCL's unique id travels this way).
+  virtual Status Broadcast(void* data, int64_t bytes, int root) = 0;
   /// BadInput on every rank when the ranks pass different values (started with different configurations).
   virtual Status CheckSame(uint64_t value, const std::string& what) = 0;
   /// A communicator of the ranks with the same `color`, ordered by `key`.

@@ -66,6 +66,9 @@ class MpiComm : public Comm {
     ++stats_.all_reduce_count;
     return s;
   }
+  Status Broadcast(void* data, int64_t bytes, int root) override {
+    return Check(MPI_Bcast(data, static_cast<int>(bytes), MPI_BYTE, root, comm_), "broadcast");
+  }
   Status CheckSame(uint64_t value, const std::string& what) override {
     unsigned long long mine = value, low = 0, high = 0;
     if (Status s = Check(MPI_Allreduce(&mine, &low, 1, MPI_UNSIGNED_LONG_LONG, MPI_MIN, comm_), "check"); !s.ok()) return s;

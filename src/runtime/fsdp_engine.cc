@@ -47,7 +47,9 @@ std::vector<float> InitialUnit(const Workload& w, int u, uint64_t seed) {
   return flat;
 }
 
-uint64_t Fingerprint(const Workload& w, const TrainOptions& o) {
+}  // namespace
+
+uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   const FsdpConfig& c = w.config;
   uint64_t h = 1469598103934665603ULL;
   auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
@@ -59,8 +61,6 @@ uint64_t Fingerprint(const Workload& w, const TrainOptions& o) {
   return h;
 }
 
-}  // namespace
-
 Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& world, const TrainOptions& o) {
   auto dims = DimsOf(w.model);
   if (!dims.ok()) return dims.error();
@@ -70,7 +70,7 @@ Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& 
   if (world.size() != w.config.gpus) {
     return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start as many ranks as --gpus)", w.config.gpus, world.size()));
   }
-  if (Status s = world.CheckSame(Fingerprint(w, o), "configurations"); !s.ok()) return s.error();
+  if (Status s = world.CheckSame(ConfigFingerprint(w, o), "configurations"); !s.ok()) return s.error();
   std::unique_ptr<FsdpEngine> e(new FsdpEngine(w, world, o));
   e->dims_ = dims.value();
   if (Status s = e->Init(); !s.ok()) return s.error();
@@ -186,25 +186,26 @@ Status FsdpEngine::Reduce(int u) {
   return {};
 }
 
-std::vector<int32_t> FsdpEngine::Tokens(int64_t step, int64_t micro) const {
+std::vector<int32_t> TrainingTokens(const Workload& w, const TrainOptions& o, int64_t step, int64_t micro, int rank, int world) {
+  const int64_t vocab = w.model.vocab_size;
   // sequence index in the global batch: (micro * world + rank) * micro_batch + i, seq + 1 tokens each
-  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch;
+  const int64_t seq = w.config.seq_len, mb = w.config.micro_batch;
   std::vector<int32_t> tokens;
   tokens.reserve(static_cast<size_t>(mb * (seq + 1)));
   for (int64_t i = 0; i < mb; ++i) {
-    const int64_t sequence = ((step * w_.config.grad_accum + micro) * world_.size() + world_.rank()) * mb + i;
-    if (!o_.tokens.empty()) {  // consecutive windows of seq + 1 tokens from the file, cycled
-      const int64_t n = static_cast<int64_t>(o_.tokens.size());
-      for (int64_t j = 0; j <= seq; ++j) tokens.push_back(o_.tokens[static_cast<size_t>((sequence * (seq + 1) + j) % n)]);
+    const int64_t sequence = ((step * w.config.grad_accum + micro) * world + rank) * mb + i;
+    if (!o.tokens.empty()) {  // consecutive windows of seq + 1 tokens from the file, cycled
+      const int64_t n = static_cast<int64_t>(o.tokens.size());
+      for (int64_t j = 0; j <= seq; ++j) tokens.push_back(o.tokens[static_cast<size_t>((sequence * (seq + 1) + j) % n)]);
       continue;
     }
-    std::mt19937_64 rng(o_.seed * 1000003ULL + static_cast<uint64_t>(sequence));
-    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(dims_.vocab - 1));
+    std::mt19937_64 rng(o.seed * 1000003ULL + static_cast<uint64_t>(sequence));
+    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab - 1));
     // a random start, then a fixed recurrence the model can learn: t' = (5 t + 3) mod V
     int64_t t = token(rng);
     for (int64_t j = 0; j <= seq; ++j) {
       tokens.push_back(static_cast<int32_t>(t));
-      t = (5 * t + 3) % dims_.vocab;
+      t = (5 * t + 3) % vocab;
     }
   }
   return tokens;
@@ -213,7 +214,7 @@ std::vector<int32_t> FsdpEngine::Tokens(int64_t step, int64_t micro) const {
 Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   const auto forward_start = std::chrono::steady_clock::now();
   const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
-  const std::vector<int32_t> all = Tokens(step, micro);
+  const std::vector<int32_t> all = TrainingTokens(w_, o_, step, micro, world_.rank(), world_.size());
   std::vector<int32_t> inputs, targets;
   for (int64_t i = 0; i < mb; ++i) {
     inputs.insert(inputs.end(), all.begin() + i * (seq + 1), all.begin() + i * (seq + 1) + seq);

@@ -51,7 +51,6 @@ class FsdpEngine {
  private:
   FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o) {}
   Status Init();
-  std::vector<int32_t> Tokens(int64_t step, int64_t micro) const;
   Status Unshard(int u);
   /// Starts unit u's all-gather without waiting (prefetch); at most 2 in flight with
   /// limit_all_gathers (the oldest is waited for first).
@@ -82,6 +81,14 @@ class FsdpEngine {
   MemoryLedger ledger_;
   PhaseTimes times_;
 };
+
+/// The tokens of one rank's micro-batch: micro_batch sequences of seq_len + 1 tokens (inputs and
+/// shifted targets), sequence index ((step * grad_accum + micro) * world + rank) * micro_batch + i;
+/// consecutive windows of options.tokens when given, else a seeded start and t' = (5 t + 3) mod V.
+std::vector<int32_t> TrainingTokens(const Workload& workload, const TrainOptions& options, int64_t step, int64_t micro, int rank, int world);
+
+/// A hash of the configuration every rank must agree on (Comm::CheckSame).
+uint64_t ConfigFingerprint(const Workload& workload, const TrainOptions& options);
 
 /// Rounds to the nearest value representable in `dtype` (bf16: round to nearest even).
 float RoundTo(float value, DType dtype);

@@ -1,0 +1,190 @@
+// fsdp-run --device cuda: trains on the GPU engine and prints measured against predicted.
+#include <algorithm>
+#include <iostream>
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include "cli/run_cli.h"
+#include "planner/comm_model.h"
+#include "planner/memory_model.h"
+#include "planner/plan_report.h"
+#include "planner/runtime_profile.h"
+#include "planner/step_model.h"
+#include "runtime/gpu_engine.h"
+#include "sim/sim_report.h"
+#include "sim/simulator.h"
+
+namespace fsdp {
+
+Result<std::string> HardwareIdForDevice(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("H200")) return std::string("h200-sxm");
+  if (has("H100")) return std::string(has("PCIe") ? "h100-pcie" : "h100-sxm");
+  if (has("B200")) return std::string("b200");
+  if (has("A100")) return std::string(has("40GB") ? "a100-40gb-sxm" : has("PCIE") || has("PCIe") ? "a100-80gb-pcie" : "a100-80gb-sxm");
+  if (has("L40S")) return std::string("l40s");
+  if (has("RTX A6000")) return std::string("rtx-a6000");
+  if (has("4090")) return std::string("rtx-4090");
+  if (has("3090")) return std::string("rtx-3090");
+  return Error::BadInput(fmt::format("GPU '{}' is not in the hardware catalog: pass --gpu with a hardware file", name));
+}
+
+namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n == 0 ? 0 : n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+double Pct(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }
+
+constexpr const char* kCategoryKeys[] = {"sharded_params", "unsharded_params", "gradients", "optimizer_states", "activations",
+                                         "comm_buffers", "temporaries"};
+
+Json MemoryTable(const runtime::GpuMemoryReport& m, const GpuRuntimeMemory& p, std::ostream& out) {
+  fmt::print(out, "  {:<22}{:>14}{:>14}{:>9}\n", "allocated at peak", "measured MiB", "predicted MiB", "error");
+  Json measured = Json::object(), predicted = Json::object();
+  for (int c = 0; c < 7; ++c) {
+    const double mm = m.at_peak[c] / 1048576.0, pp = p.at_peak[c] / 1048576.0;
+    measured[std::string(kCategoryKeys[c]) + "_bytes"] = m.at_peak[c];
+    predicted[std::string(kCategoryKeys[c]) + "_bytes"] = p.at_peak[c];
+    fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%\n", kCategoryKeys[c], mm, pp, Pct(mm, pp));
+  }
+  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (measured at {}, predicted at {})\n", "peak allocated", m.peak_allocated_bytes / 1048576.0,
+             p.peak_bytes / 1048576.0, Pct(static_cast<double>(m.peak_allocated_bytes), static_cast<double>(p.peak_bytes)), m.peak_phase,
+             p.peak_phase);
+  fmt::print(out, "  {:<22}{:>14.2f}   ({} cudaMalloc calls)\n", "peak reserved", m.peak_reserved_bytes / 1048576.0, m.device_mallocs);
+  return Json{{"measured", measured}, {"predicted", predicted}};
+}
+
+// The CUDA context, cuBLAS and NCCL as the device saw them, against fsdp-plan's framework terms.
+Json FrameworkTable(const runtime::GpuMemoryReport& m, const MemoryEstimate& torch_profile, std::ostream& out) {
+  const FrameworkOverheads& o = torch_profile.overheads;
+  fmt::print(out, "  {:<22}{:>14}{:>14}\n", "framework (device)", "measured MiB", "fsdp-plan MiB");
+  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "CUDA context", m.context_bytes / 1048576.0, o.cuda_context_bytes / 1048576.0);
+  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "cuBLAS workspace", m.cublas_bytes / 1048576.0, o.cublas_workspace_bytes / 1048576.0);
+  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}   (per communicator)\n", "NCCL", m.nccl_bytes / 1048576.0, o.nccl_bytes_per_communicator / 1048576.0);
+  fmt::print(out, "  {:<22}{:>14.1f}\n", "device in use (max)", m.device_used_bytes / 1048576.0);
+  return Json{{"context_bytes", m.context_bytes}, {"cublas_bytes", m.cublas_bytes}, {"nccl_bytes", m.nccl_bytes},
+              {"device_used_bytes", m.device_used_bytes}, {"device_total_bytes", m.device_total_bytes},
+              {"predicted_context_bytes", o.cuda_context_bytes}, {"predicted_cublas_bytes", o.cublas_workspace_bytes},
+              {"predicted_nccl_bytes_per_communicator", o.nccl_bytes_per_communicator}};
+}
+
+Json CommJson(const runtime::CommStats& cs, int64_t group) {
+  const double factor = group > 1 ? static_cast<double>(group - 1) / static_cast<double>(group) : 0.0;
+  auto busbw = [&](int64_t bytes, double s) { return s > 0 ? bytes / s * factor : 0.0; };
+  return Json{{"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
+              {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s)},
+              {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
+              {"reduce_scatter_s", cs.reduce_scatter_s}, {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s)},
+              {"all_reduce_bytes", cs.all_reduce_bytes}, {"all_reduce_s", cs.all_reduce_s}};
+}
+
+}  // namespace
+
+Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
+  if (f.virtual_world < 0 || f.virtual_world > 1 << 16) {
+    return Error::BadInput(fmt::format("--virtual-world must be between 1 and 65536 ranks, got {}", f.virtual_world));
+  }
+  auto devices = runtime::GpuDeviceCount();
+  if (!devices.ok()) return Error::RunFailed(fmt::format("--device cuda: {}", devices.error().message));
+  PlanFlags plan = f.plan;
+  if (f.virtual_world > 0 && !plan.gpus_given) plan.config.gpus = f.virtual_world;
+  if (!plan.gpu_given) {  // the hardware file of the GPU this rank runs on
+    auto name = runtime::GpuDeviceName(comm.rank());
+    if (!name.ok()) return name.error();
+    auto id = HardwareIdForDevice(name.value());
+    if (!id.ok()) return id.error();
+    plan.gpu = id.value();
+  }
+  auto prepared = PrepareRun(f, plan);
+  if (!prepared.ok()) return prepared.error();
+  const Workload& w = prepared.value().workload;
+  auto engine = runtime::CreateGpuEngine(w, comm, prepared.value().options, f.virtual_world);
+  if (!engine.ok()) return engine.error();
+  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * 1048576.0));
+  const GpuRuntimeMemory predicted = EstimateGpuRuntimeMemory(w);
+  auto log = RunSteps(f, comm.rank(), [&](int64_t step) { return engine.value()->Step(step); });
+  if (!log.ok()) {
+    if (log.error().message.starts_with("out of memory")) {
+      return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB at {}", log.error().message, predicted.peak_bytes / 1048576.0,
+                                          predicted.peak_phase));
+    }
+    return log.error();
+  }
+  const runtime::GpuMemoryReport mem = engine.value()->memory();
+  float peak = static_cast<float>(mem.peak_allocated_bytes);
+  std::vector<float> peaks(static_cast<size_t>(comm.size()));
+  if (Status s = comm.AllGather(&peak, peaks.data(), 1); !s.ok()) return s;
+  if (comm.rank() != 0) return {};
+
+  // step time: the median after the first step (which pays for cudaMalloc and cuBLAS's heuristics)
+  std::vector<double> steps;
+  for (const auto& t : log.value().times) steps.push_back(t.get<double>());
+  const double step_s = Median(steps.size() > 2 ? std::vector<double>(steps.begin() + 1, steps.end()) : steps);
+  const int64_t world = f.virtual_world > 0 ? f.virtual_world : comm.size();
+  const double tokens_per_gpu = static_cast<double>(w.config.micro_batch * w.config.seq_len * w.config.grad_accum) / step_s;
+  fmt::print(out, "{} on {} ({}{}), {}, {}/{}: losses", w.model.id, engine.value()->device_name(),
+             f.virtual_world > 0 ? "rank 0 of a virtual world of " : "", f.virtual_world > 0 ? fmt::format("{} ranks", world) : fmt::format("{} rank(s)", world),
+             StrategyName(w.config.strategy), DTypeName(w.config.param_dtype), DTypeName(w.config.reduce_dtype));
+  for (const auto& l : log.value().losses) fmt::print(out, " {:.4f}", l.get<double>());
+  fmt::print(out, "\n  step {:.4f} s (median of steps 2..{}), {:.0f} tokens/s per GPU\n", step_s, f.steps, tokens_per_gpu);
+  Json memory_json = MemoryTable(mem, predicted, out);
+  // fsdp-plan's PyTorch FSDP profile of the same configuration, for reference
+  const MemoryEstimate torch_profile = EstimateMemory(w);
+  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (fsdp-plan's PyTorch profile: max_memory_allocated)\n", "peak allocated",
+             mem.peak_allocated_bytes / 1048576.0, torch_profile.allocated_peak_bytes / 1048576.0,
+             Pct(static_cast<double>(mem.peak_allocated_bytes), static_cast<double>(torch_profile.allocated_peak_bytes)));
+  Json framework_json = FrameworkTable(mem, torch_profile, out);
+  // step time: fsdp-plan's step model and fsdp-sim on the hardware file of this GPU
+  const TimeEstimate time = EstimateTime(w);
+  auto simulated = sim::Simulate(w, sim::SimOptions{});
+  const double sim_s = simulated.ok() ? simulated.value().step_s : 0.0;
+  fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-plan, {})\n", "step time s", step_s, time.step.step_s, Pct(step_s, time.step.step_s),
+             w.hardware.id);
+  if (simulated.ok()) fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-sim)\n", "step time s", step_s, sim_s, Pct(step_s, sim_s));
+  const runtime::GpuPhaseTimes t = engine.value()->times();
+  const double n = static_cast<double>(f.steps);
+  fmt::print(out, "  GPU time per step: forward {:.4f} s, backward {:.4f} s, optimizer {:.4f} s (CUDA events)\n", t.forward_s / n, t.backward_s / n,
+             t.optimizer_s / n);
+  const runtime::CommStats& cs = engine.value()->shard_stats();
+  const CommVolume volume = EstimateComm(w).volume;
+  fmt::print(out, "  all-gathers {} x {:.2f} MB in {:.4f} s, reduce-scatters {} x {:.2f} MB in {:.4f} s{}\n", cs.all_gather_count,
+             cs.all_gather_bytes / 1e6 / std::max<int64_t>(1, cs.all_gather_count), cs.all_gather_s, cs.reduce_scatter_count,
+             cs.reduce_scatter_bytes / 1e6 / std::max<int64_t>(1, cs.reduce_scatter_count), cs.reduce_scatter_s,
+             f.virtual_world > 0 ? " (device copies standing in for collectives)" : "");
+  if (f.json_path.empty()) return {};
+  Json comm_json = CommJson(cs, engine.value()->shard_world());
+  comm_json["predicted_all_gather_bytes"] = static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * n;
+  comm_json["predicted_reduce_scatter_bytes"] = static_cast<double>(volume.reduce_scatter_bytes) * n;
+  Json doc = {{"model", w.model.id},
+              {"device", "cuda"},
+              {"device_name", engine.value()->device_name()},
+              {"hardware", w.hardware.id},
+              {"ranks", comm.size()},
+              {"virtual_world", f.virtual_world},
+              {"config", ConfigToJson(w.config)},
+              {"predicted",
+               {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"peak_phase", predicted.peak_phase}, {"categories", memory_json["predicted"]}}},
+                {"pytorch_profile", {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes}, {"peak_bytes", torch_profile.peak_bytes}}},
+                {"time", {{"step_s", time.step.step_s}, {"sim_step_s", sim_s}, {"tokens_per_s_per_gpu", time.step.tokens_per_s_per_gpu}}}}},
+              {"measured",
+               {{"loss", log.value().losses},
+                {"memory",
+                 {{"peak_bytes", *std::max_element(peaks.begin(), peaks.end())},
+                  {"rank0_peak_allocated_bytes", mem.peak_allocated_bytes},
+                  {"rank0_peak_reserved_bytes", mem.peak_reserved_bytes},
+                  {"rank0_peak_phase", mem.peak_phase},
+                  {"rank0_categories", memory_json["measured"]},
+                  {"framework", framework_json}}},
+                {"time", {{"step_s", step_s}, {"steps_s", log.value().times}, {"forward_s", t.forward_s / n}, {"backward_s", t.backward_s / n},
+                          {"optimizer_s", t.optimizer_s / n}}},
+                {"tokens_per_s_per_gpu", tokens_per_gpu},
+                {"comm", comm_json}}}};
+  return sim::WriteText(f.json_path, doc.dump(2) + "\n");
+}
+
+}  // namespace fsdp

@@ -1,0 +1,519 @@
+// The GPU FSDP engine (gpu_engine.h): streams, events, the rate limiter and the per-unit buffers.
+#include <cmath>
+#include <deque>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include "runtime/cuda/cuda_block.h"
+#include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_gemm.h"
+#include "runtime/cuda/cuda_kernels.h"
+#include "runtime/cuda/device_comm.h"
+#include "runtime/gpu_engine.h"
+
+#define FSDP_ALLOC(var, expr)                         \
+  auto var##_result = (expr);                         \
+  if (!var##_result.ok()) return var##_result.error(); \
+  DeviceBuffer var = std::move(var##_result).value()
+
+namespace fsdp::runtime {
+
+bool GpuBackendBuilt() { return true; }
+
+Result<int> GpuDeviceCount() {
+  int count = 0;
+  const cudaError_t code = cudaGetDeviceCount(&count);
+  if (code != cudaSuccess) return Error::RunFailed(fmt::format("no CUDA device: {}", cudaGetErrorString(code)));
+  if (count == 0) return Error::RunFailed("no CUDA device: cudaGetDeviceCount found none");
+  return count;
+}
+
+Result<std::string> GpuDeviceName(int rank) {
+  auto count = GpuDeviceCount();
+  if (!count.ok()) return count.error();
+  cudaDeviceProp prop{};
+  const cudaError_t code = cudaGetDeviceProperties(&prop, rank % count.value());
+  if (code != cudaSuccess) return Error::RunFailed(fmt::format("cudaGetDeviceProperties: {}", cudaGetErrorString(code)));
+  return std::string(prop.name);
+}
+
+namespace cuda {
+namespace {
+
+int64_t DeviceUsedBytes() {
+  size_t free_bytes = 0, total = 0;
+  if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) return 0;
+  return static_cast<int64_t>(total - free_bytes);
+}
+
+class CudaEngine : public GpuEngine {
+ public:
+  CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o) {}
+  ~CudaEngine() override;
+  Status Init(int virtual_world);
+
+  Result<float> Step(int64_t step) override;
+  void set_memory_limit(int64_t bytes) override { alloc_.set_limit(bytes); }
+  GpuMemoryReport memory() const override;
+  GpuPhaseTimes times() const override { return times_; }
+  const CommStats& shard_stats() const override { return shard_->stats(); }
+  const CommStats& replica_stats() const override { return replica_->stats(); }
+  int64_t shard_world() const override { return w_.shard_world; }
+  std::string device_name() const override { return device_name_; }
+
+ private:
+  Status InitUnit(int u);
+  Status Unshard(int u);
+  Status WaitGathered(int u);
+  Status Reshard(int u);
+  Status Reduce(int u);
+  Result<float> MicroBatch(int64_t step, int64_t micro);
+  Status Forward(DeviceBuffer& x);
+  Status Backward(DeviceBuffer dx);
+  Status Optimizer(int64_t step);
+  bool ReshardAfterForward(int u) const {
+    return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
+  }
+  void* BlockParams(int b) const;
+  void* BlockGrads(int b) const;
+  Result<cudaEvent_t> NewEvent();
+  int64_t world() const { return virtual_world_ > 0 ? virtual_world_ : host_.size(); }
+
+  const Workload& w_;
+  Comm& host_;
+  TrainOptions o_;
+  int virtual_world_ = 0;
+  std::string device_name_;
+  cudaStream_t compute_ = nullptr, gather_ = nullptr, reduce_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  DeviceAllocator alloc_;  // before every DeviceBuffer member: destroyed after them
+  DeviceContext ctx_;
+  std::unique_ptr<DeviceComm> world_comm_, shard_, replica_;
+  DType dtype_ = DType::kBf16, reduce_dtype_ = DType::kFp32;
+  std::vector<DeviceBuffer> shard_params_, exp_avg_, exp_avg_sq_, grad_shard_, full_, full_grad_;
+  std::vector<cudaEvent_t> gathered_;
+  std::vector<int> block_unit_;
+  std::deque<cudaEvent_t> reshard_events_;  // limit_all_gathers: frees the CPU may run ahead of
+  std::vector<cudaEvent_t> spare_events_;
+  cudaEvent_t params_ready_ = nullptr, reduced_ = nullptr;
+  DeviceBuffer dw_scratch_, loss_sum_, ids_, targets_;
+  // per micro-batch state
+  std::vector<DeviceBuffer> inputs_;  // block inputs (block 0's is the embedding output)
+  std::vector<DeviceBlockCache> caches_;
+  DeviceBuffer final_x_, normed_, inv_final_, logits_;
+  bool reduce_now_ = true;
+  std::array<cudaEvent_t, 4> phase_events_{};
+  GpuPhaseTimes times_;
+  GpuMemoryReport device_view_;
+};
+
+CudaEngine::~CudaEngine() {
+  if (compute_ != nullptr) cudaDeviceSynchronize();
+  for (cudaEvent_t e : gathered_) cudaEventDestroy(e);
+  for (cudaEvent_t e : reshard_events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : phase_events_) cudaEventDestroy(e);
+  cudaEventDestroy(params_ready_);
+  cudaEventDestroy(reduced_);
+  if (blas_ != nullptr) cublasDestroy(blas_);
+}
+
+Result<cudaEvent_t> CudaEngine::NewEvent() {
+  if (!spare_events_.empty()) {
+    cudaEvent_t e = spare_events_.back();
+    spare_events_.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  FSDP_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+Status CudaEngine::Init(int virtual_world) {
+  auto devices = GpuDeviceCount();
+  if (!devices.ok()) return devices.error();
+  const int device = host_.rank() % devices.value();
+  FSDP_CUDA_TRY(cudaSetDevice(device));
+  FSDP_CUDA_TRY(cudaFree(nullptr));  // creates the context
+  cudaDeviceProp prop{};
+  FSDP_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+  device_name_ = prop.name;
+  size_t free_bytes = 0, total = 0;
+  FSDP_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total));
+  device_view_.device_total_bytes = static_cast<int64_t>(total);
+  device_view_.context_bytes = static_cast<int64_t>(total - free_bytes);
+  FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
+  FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&gather_, cudaStreamNonBlocking));
+  FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&reduce_, cudaStreamNonBlocking));
+  FSDP_CUBLAS_TRY(cublasCreate(&blas_));
+  FSDP_CUBLAS_TRY(cublasSetStream(blas_, compute_));
+  virtual_world_ = virtual_world;
+  dtype_ = w_.config.param_dtype;
+  reduce_dtype_ = w_.config.reduce_dtype;
+  auto dims = DimsOf(w_.model);
+  if (!dims.ok()) return dims.error();
+  ctx_ = DeviceContext{dims.value(), dtype_, w_.config.micro_batch, w_.config.seq_len, blas_, compute_, &alloc_};
+  {  // a first product, so that cuBLAS has its workspace before the memory is read
+    FSDP_ALLOC(probe, alloc_.Allocate(3 * 64 * 64 * 4, Mem::kTemporaries, compute_));
+    FSDP_TRY(Gemm(blas_, dtype_, false, true, 64, 64, 64, {probe.get(), 64}, {Offset(probe.get(), 4096, dtype_), 64},
+                  Offset(probe.get(), 8192, dtype_), 64, 0.0f));
+    FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
+    device_view_.cublas_bytes = DeviceUsedBytes() - device_view_.context_bytes - alloc_.reserved();
+  }
+  const int64_t before_nccl = DeviceUsedBytes();
+  const int shard_world = static_cast<int>(w_.shard_world);
+  if (virtual_world_ > 0) {
+    world_comm_ = MakeVirtualComm(virtual_world_);
+    shard_ = MakeVirtualComm(shard_world);
+    replica_ = MakeVirtualComm(virtual_world_ / shard_world);
+  } else {
+    auto comm = MakeNcclComm(host_);
+    if (!comm.ok()) return comm.error();
+    world_comm_ = std::move(comm).value();
+    const int rank = host_.rank();
+    auto shard = world_comm_->Split(rank / shard_world, rank);
+    if (!shard.ok()) return shard.error();
+    shard_ = std::move(shard).value();
+    auto replica = world_comm_->Split(rank % shard_world, rank);
+    if (!replica.ok()) return replica.error();
+    replica_ = std::move(replica).value();
+  }
+  FSDP_ALLOC(loss, alloc_.Allocate(4, Mem::kTemporaries, compute_));
+  loss_sum_ = std::move(loss);
+  FSDP_TRY(world_comm_->AllReduce(loss_sum_.get(), 1, DType::kFp32, compute_));  // NCCL connects lazily
+  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
+  FSDP_TRY(world_comm_->CollectTimes());
+  device_view_.nccl_bytes = DeviceUsedBytes() - before_nccl - DeviceAllocator::RoundUp(4);
+  FSDP_ALLOC(dw, alloc_.Allocate(ctx_.dims.hidden * 4, Mem::kTemporaries, compute_));
+  dw_scratch_ = std::move(dw);
+  for (cudaEvent_t* e : {&params_ready_, &reduced_}) FSDP_CUDA_TRY(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
+  for (cudaEvent_t& e : phase_events_) FSDP_CUDA_TRY(cudaEventCreate(&e));
+  const size_t n = w_.units.size();
+  for (auto* v : {&shard_params_, &exp_avg_, &exp_avg_sq_, &grad_shard_, &full_, &full_grad_}) v->resize(n);
+  gathered_.assign(n, nullptr);
+  for (size_t u = 0; u < n; ++u) {
+    FSDP_CUDA_TRY(cudaEventCreateWithFlags(&gathered_[u], cudaEventDisableTiming));
+    FSDP_TRY(InitUnit(static_cast<int>(u)));
+  }
+  block_unit_.assign(static_cast<size_t>(ctx_.dims.layers), 0);
+  for (const auto& node : w_.nodes) {
+    if (node.role == ModuleNode::Role::kBlock) block_unit_[node.block] = node.unit >= 0 ? node.unit : 0;
+  }
+  FSDP_CUDA_TRY(cudaEventRecord(params_ready_, compute_));
+  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
+  return {};
+}
+
+// This rank's slice of the unit's flat parameter: norms 1, other tensors N(0, 0.02) hashed by
+// their index in the unit, padding 0; AdamW states 0.
+Status CudaEngine::InitUnit(int u) {
+  const WrapUnit& unit = w_.units[u];
+  const int64_t s = unit.shard_numel, first = shard_->rank() * s;
+  alloc_.set_phase("initialisation");
+  FSDP_ALLOC(p, alloc_.Allocate(s * 4, Mem::kShardedParams, compute_));
+  FSDP_ALLOC(m, alloc_.Allocate(s * 4, Mem::kOptimizerStates, compute_));
+  FSDP_ALLOC(v, alloc_.Allocate(s * 4, Mem::kOptimizerStates, compute_));
+  FSDP_CUDA_TRY(cudaMemsetAsync(p.get(), 0, static_cast<size_t>(s * 4), compute_));
+  FSDP_CUDA_TRY(cudaMemsetAsync(m.get(), 0, static_cast<size_t>(s * 4), compute_));
+  FSDP_CUDA_TRY(cudaMemsetAsync(v.get(), 0, static_cast<size_t>(s * 4), compute_));
+  int64_t offset = 0;
+  for (int t : unit.tensors) {
+    const TensorSpec& ts = w_.model.tensors[t];
+    const int64_t begin = std::max(offset, first), end = std::min(offset + ts.numel(), first + s);
+    if (begin < end) {
+      float* out = p.as<float>() + (begin - first);
+      if (ts.shape.size() == 1) {
+        Fill(out, end - begin, 1.0f, compute_);
+      } else {
+        FillNormal(out, end - begin, o_.seed * 7919 + static_cast<uint64_t>(u), begin, 0.02f, compute_);
+      }
+    }
+    offset += ts.numel();
+  }
+  FSDP_TRY(CudaStatus(cudaGetLastError(), "initialisation kernels"));
+  shard_params_[u] = std::move(p);
+  exp_avg_[u] = std::move(m);
+  exp_avg_sq_[u] = std::move(v);
+  return {};
+}
+
+// Enqueues unit u's all-gather on the all-gather stream (no CPU wait, except the rate limiter's).
+Status CudaEngine::Unshard(int u) {
+  if (u < 0 || !full_[u].empty()) return {};
+  if (w_.config.limit_all_gathers && reshard_events_.size() >= 2) {  // FSDP1 _free_event_queue
+    FSDP_CUDA_TRY(cudaEventSynchronize(reshard_events_.front()));
+    spare_events_.push_back(reshard_events_.front());
+    reshard_events_.pop_front();
+  }
+  const WrapUnit& unit = w_.units[u];
+  alloc_.set_phase(u == 0 ? "all-gather of the root" : "all-gather of a block");
+  FSDP_CUDA_TRY(cudaStreamWaitEvent(gather_, params_ready_, 0));
+  FSDP_ALLOC(low, alloc_.Allocate(unit.shard_numel * ctx_.elem(), Mem::kCommBuffers, gather_));
+  CastFromF32(shard_params_[u].as<float>(), low.get(), dtype_, unit.shard_numel, gather_);
+  FSDP_ALLOC(full, alloc_.Allocate(unit.padded_numel * ctx_.elem(), Mem::kUnshardedParams, gather_));
+  FSDP_TRY(shard_->AllGather(low.get(), full.get(), unit.shard_numel, dtype_, gather_));
+  full_[u] = std::move(full);
+  FSDP_CUDA_TRY(cudaEventRecord(gathered_[u], gather_));
+  return {};
+}
+
+Status CudaEngine::WaitGathered(int u) {
+  FSDP_TRY(Unshard(u));
+  FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, gathered_[u], 0));
+  return {};
+}
+
+Status CudaEngine::Reshard(int u) {
+  full_[u].Release({compute_});
+  if (!w_.config.limit_all_gathers) return {};
+  auto e = NewEvent();
+  if (!e.ok()) return e.error();
+  FSDP_CUDA_TRY(cudaEventRecord(e.value(), compute_));
+  reshard_events_.push_back(e.value());
+  return {};
+}
+
+// On the reduce-scatter stream, after the unit's backward: cast to reduce_dtype, reduce-scatter,
+// all-reduce across replicas, accumulate into the fp32 gradient shard scaled to the mean.
+Status CudaEngine::Reduce(int u) {
+  const WrapUnit& unit = w_.units[u];
+  alloc_.set_phase(u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block");
+  auto ready = NewEvent();
+  if (!ready.ok()) return ready.error();
+  FSDP_CUDA_TRY(cudaEventRecord(ready.value(), compute_));
+  FSDP_CUDA_TRY(cudaStreamWaitEvent(reduce_, ready.value(), 0));
+  spare_events_.push_back(ready.value());  // reusable: a recorded event may be re-recorded once waited on
+  DeviceBuffer cast;
+  const void* input = full_grad_[u].get();
+  if (reduce_dtype_ != dtype_) {
+    FSDP_ALLOC(c, alloc_.Allocate(unit.padded_numel * BytesPerElement(reduce_dtype_), Mem::kCommBuffers, reduce_));
+    Cast(full_grad_[u].get(), dtype_, c.get(), reduce_dtype_, unit.padded_numel, reduce_);
+    cast = std::move(c);
+    input = cast.get();
+  }
+  FSDP_ALLOC(out, alloc_.Allocate(unit.shard_numel * BytesPerElement(reduce_dtype_), Mem::kCommBuffers, reduce_));
+  FSDP_TRY(shard_->ReduceScatter(input, out.get(), unit.shard_numel, reduce_dtype_, reduce_));
+  if (replica_->size() > 1) FSDP_TRY(replica_->AllReduce(out.get(), unit.shard_numel, reduce_dtype_, reduce_));
+  if (grad_shard_[u].empty()) {
+    FSDP_ALLOC(g, alloc_.Allocate(unit.shard_numel * 4, Mem::kGradients, reduce_));
+    FSDP_CUDA_TRY(cudaMemsetAsync(g.get(), 0, static_cast<size_t>(unit.shard_numel * 4), reduce_));
+    grad_shard_[u] = std::move(g);
+  }
+  const float scale = 1.0f / static_cast<float>(world() * w_.config.grad_accum);
+  AccumulateF32(out.get(), reduce_dtype_, scale, grad_shard_[u].as<float>(), unit.shard_numel, reduce_);
+  out.Release();
+  cast.Release();
+  full_grad_[u].Release({reduce_});
+  FSDP_CUDA_TRY(cudaEventRecord(reduced_, reduce_));
+  return CudaStatus(cudaGetLastError(), "reduce kernels");
+}
+
+void* CudaEngine::BlockParams(int b) const {
+  const int u = block_unit_[b];
+  const LlamaDims& d = ctx_.dims;
+  return Offset(full_[u].get(), u == 0 ? d.vocab * d.hidden + b * d.BlockNumel() : 0, dtype_);
+}
+
+void* CudaEngine::BlockGrads(int b) const {
+  const int u = block_unit_[b];
+  const LlamaDims& d = ctx_.dims;
+  return Offset(full_grad_[u].get(), u == 0 ? d.vocab * d.hidden + b * d.BlockNumel() : 0, dtype_);
+}
+
+Status CudaEngine::Forward(DeviceBuffer& x) {
+  const LlamaDims& d = ctx_.dims;
+  const int64_t T = ctx_.tokens();
+  const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+  FSDP_TRY(WaitGathered(0));
+  alloc_.set_phase("forward of a block");
+  FSDP_ALLOC(x0, ctx_.Buffer(T * d.hidden, Mem::kActivations));
+  EmbeddingForward(full_[0].get(), ids_.as<int32_t>(), x0.get(), T, d.hidden, dtype_, compute_);
+  x = std::move(x0);
+  for (int b = 0; b < d.layers; ++b) {
+    const int u = block_unit_[b];
+    FSDP_TRY(WaitGathered(u));
+    if (w_.config.forward_prefetch && b + 1 < d.layers && block_unit_[b + 1] != u) FSDP_TRY(Unshard(block_unit_[b + 1]));
+    alloc_.set_phase("forward of a block");
+    auto y = DeviceBlockForward(ctx_, BlockParams(b), x, ac ? nullptr : &caches_[b]);
+    if (!y.ok()) return y.error();
+    inputs_[b] = std::move(x);
+    x = std::move(y).value();
+    if (u != 0 && ReshardAfterForward(u)) FSDP_TRY(Reshard(u));
+  }
+  // final norm, LM head, loss: logits are overwritten by their gradient
+  const int64_t h = d.hidden;
+  const void* root = full_[0].get();
+  const void* norm_w = Offset(root, d.vocab * h, dtype_);
+  const void* head = d.tied ? root : Offset(root, d.vocab * h + h, dtype_);
+  alloc_.set_phase("loss");
+  FSDP_ALLOC(inv, alloc_.Allocate(T * 4, Mem::kActivations, compute_));
+  FSDP_ALLOC(normed, ctx_.Buffer(T * h, Mem::kActivations));
+  RmsNormForward(x.get(), norm_w, normed.get(), inv.as<float>(), T, h, d.rms_eps, dtype_, compute_);
+  FSDP_ALLOC(logits, ctx_.Buffer(T * d.vocab, Mem::kActivations));
+  FSDP_TRY(LinearForward(blas_, dtype_, normed.get(), head, logits.get(), T, h, d.vocab));
+  CrossEntropyInPlace(logits.get(), targets_.as<int32_t>(), loss_sum_.as<float>(), T, d.vocab, 1.0f / static_cast<float>(T), dtype_, compute_);
+  inv_final_ = std::move(inv);
+  normed_ = std::move(normed);
+  logits_ = std::move(logits);
+  return CudaStatus(cudaGetLastError(), "forward kernels");
+}
+
+Status CudaEngine::Backward(DeviceBuffer x) {
+  const LlamaDims& d = ctx_.dims;
+  const int64_t T = ctx_.tokens(), h = d.hidden;
+  const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+  auto ensure_grad = [&](int u) -> Status {
+    if (!full_grad_[u].empty()) return {};  // under no_sync it holds the earlier micro-batches' gradients
+    FSDP_ALLOC(g, alloc_.Allocate(w_.units[u].padded_numel * ctx_.elem(), Mem::kGradients, compute_));
+    FSDP_CUDA_TRY(cudaMemsetAsync(g.get(), 0, static_cast<size_t>(g.bytes()), compute_));
+    full_grad_[u] = std::move(g);
+    return {};
+  };
+  alloc_.set_phase("backward of the head");
+  FSDP_TRY(ensure_grad(0));
+  const void* root = full_[0].get();
+  void* root_grad = full_grad_[0].get();
+  const void* norm_w = Offset(root, d.vocab * h, dtype_);
+  const int64_t head_offset = d.tied ? 0 : d.vocab * h + h;
+  FSDP_ALLOC(d_normed, ctx_.Buffer(T * h, Mem::kTemporaries));
+  FSDP_TRY(LinearBackward(blas_, dtype_, logits_.get(), normed_.get(), Offset(root, head_offset, dtype_), d_normed.get(),
+                          Offset(root_grad, head_offset, dtype_), T, h, d.vocab));
+  logits_.Release();
+  normed_.Release();
+  FSDP_ALLOC(dx, ctx_.Buffer(T * h, Mem::kActivations));
+  RmsNormBackward(d_normed.get(), x.get(), norm_w, inv_final_.as<float>(), nullptr, dx.get(), dw_scratch_.as<float>(), T, h, dtype_, compute_);
+  AddF32(dw_scratch_.as<float>(), Offset(root_grad, d.vocab * h, dtype_), dtype_, h, compute_);
+  d_normed.Release();
+  inv_final_.Release();
+  x.Release();
+  for (int b = static_cast<int>(d.layers) - 1; b >= 0; --b) {
+    const int u = block_unit_[b];
+    const int previous = b > 0 ? block_unit_[b - 1] : -1;
+    FSDP_TRY(Unshard(u));
+    if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous > 0 && previous != u) FSDP_TRY(Unshard(previous));
+    FSDP_TRY(WaitGathered(u));
+    alloc_.set_phase("backward of a block");
+    FSDP_TRY(ensure_grad(u));
+    if (ac) {
+      auto y = DeviceBlockForward(ctx_, BlockParams(b), inputs_[b], &caches_[b]);
+      if (!y.ok()) return y.error();
+    }
+    auto next = DeviceBlockBackward(ctx_, BlockParams(b), BlockGrads(b), dw_scratch_.as<float>(), inputs_[b], std::move(dx), caches_[b]);
+    if (!next.ok()) return next.error();
+    dx = std::move(next).value();
+    inputs_[b].Release();  // block 0's input is the embedding output
+    if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) FSDP_TRY(Unshard(previous));
+    if (u != 0) {
+      FSDP_TRY(Reshard(u));
+      if (reduce_now_) FSDP_TRY(Reduce(u));
+    }
+  }
+  EmbeddingBackward(dx.get(), ids_.as<int32_t>(), root_grad, T, h, dtype_, compute_);
+  dx.Release();
+  FSDP_TRY(Reshard(0));
+  if (reduce_now_) FSDP_TRY(Reduce(0));
+  return CudaStatus(cudaGetLastError(), "backward kernels");
+}
+
+Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
+  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, T = ctx_.tokens();
+  const std::vector<int32_t> all = TrainingTokens(w_, o_, step, micro, host_.rank(), static_cast<int>(world()));
+  std::vector<int32_t> ids, targets;
+  for (int64_t i = 0; i < mb; ++i) {
+    ids.insert(ids.end(), all.begin() + i * (seq + 1), all.begin() + i * (seq + 1) + seq);
+    targets.insert(targets.end(), all.begin() + i * (seq + 1) + 1, all.begin() + (i + 1) * (seq + 1));
+  }
+  if (ids_.empty()) {
+    FSDP_ALLOC(a, alloc_.Allocate(T * 4, Mem::kTemporaries, compute_));
+    FSDP_ALLOC(b, alloc_.Allocate(T * 4, Mem::kTemporaries, compute_));
+    ids_ = std::move(a);
+    targets_ = std::move(b);
+  }
+  FSDP_CUDA_TRY(cudaMemcpyAsync(ids_.get(), ids.data(), static_cast<size_t>(T * 4), cudaMemcpyHostToDevice, compute_));
+  FSDP_CUDA_TRY(cudaMemcpyAsync(targets_.get(), targets.data(), static_cast<size_t>(T * 4), cudaMemcpyHostToDevice, compute_));
+  inputs_.resize(static_cast<size_t>(ctx_.dims.layers));
+  caches_.resize(static_cast<size_t>(ctx_.dims.layers));
+  DeviceBuffer x;
+  FSDP_TRY(Forward(x));
+  if (micro == 0) FSDP_CUDA_TRY(cudaEventRecord(phase_events_[1], compute_));
+  FSDP_TRY(Backward(std::move(x)));
+  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // the host token vectors are reused next micro-batch
+  return 0.0f;
+}
+
+Status CudaEngine::Optimizer(int64_t step) {
+  alloc_.set_phase("optimizer step");
+  FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, reduced_, 0));
+  FSDP_CUDA_TRY(cudaEventRecord(phase_events_[2], compute_));
+  const float t = static_cast<float>(step + 1);
+  const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
+  for (size_t u = 0; u < shard_params_.size(); ++u) {
+    AdamW(shard_params_[u].as<float>(), grad_shard_[u].empty() ? nullptr : grad_shard_[u].as<float>(), exp_avg_[u].as<float>(),
+          exp_avg_sq_[u].as<float>(), w_.units[u].shard_numel, o_.lr, o_.beta1, o_.beta2, o_.eps, o_.weight_decay, c1, c2, compute_);
+    grad_shard_[u].Release({compute_});  // zero_grad(set_to_none=True)
+  }
+  FSDP_CUDA_TRY(cudaEventRecord(params_ready_, compute_));
+  FSDP_CUDA_TRY(cudaEventRecord(phase_events_[3], compute_));
+  return CudaStatus(cudaGetLastError(), "optimizer kernels");
+}
+
+Result<float> CudaEngine::Step(int64_t step) {
+  FSDP_CUDA_TRY(cudaMemsetAsync(loss_sum_.get(), 0, 4, compute_));
+  FSDP_CUDA_TRY(cudaEventRecord(phase_events_[0], compute_));
+  for (int64_t m = 0; m < w_.config.grad_accum; ++m) {
+    reduce_now_ = !w_.config.no_sync || m == w_.config.grad_accum - 1;
+    auto r = MicroBatch(step, m);
+    if (!r.ok()) return r.error();
+  }
+  FSDP_TRY(Optimizer(step));
+  float loss_sum = 0;
+  FSDP_CUDA_TRY(cudaMemcpyAsync(&loss_sum, loss_sum_.get(), 4, cudaMemcpyDeviceToHost, compute_));
+  FSDP_CUDA_TRY(cudaDeviceSynchronize());
+  float ms[3] = {0, 0, 0};
+  for (int i = 0; i < 3; ++i) FSDP_CUDA_TRY(cudaEventElapsedTime(&ms[i], phase_events_[i], phase_events_[i + 1]));
+  times_.forward_s += ms[0] / 1e3;   // first micro-batch's forward
+  times_.backward_s += ms[1] / 1e3;  // the rest, through the last reduction
+  times_.optimizer_s += ms[2] / 1e3;
+  for (DeviceComm* c : {shard_.get(), replica_.get()}) FSDP_TRY(c->CollectTimes());
+  device_view_.device_used_bytes = std::max(device_view_.device_used_bytes, DeviceUsedBytes());
+  float mean = loss_sum / static_cast<float>(ctx_.tokens() * w_.config.grad_accum);
+  if (virtual_world_ == 0) FSDP_TRY(host_.AllReduce(&mean, 1));
+  return mean / static_cast<float>(virtual_world_ == 0 ? host_.size() : 1);
+}
+
+GpuMemoryReport CudaEngine::memory() const {
+  GpuMemoryReport r = device_view_;
+  r.peak_allocated_bytes = alloc_.peak_allocated();
+  r.peak_reserved_bytes = alloc_.peak_reserved();
+  r.device_mallocs = alloc_.device_mallocs();
+  r.at_peak = alloc_.at_peak();
+  r.peak_phase = alloc_.peak_phase();
+  return r;
+}
+
+}  // namespace
+}  // namespace cuda
+
+Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& w, Comm& host, const TrainOptions& o, int virtual_world) {
+  auto dims = DimsOf(w.model);
+  if (!dims.ok()) return dims.error();
+  if (w.config.wrap != WrapPolicy::kBlock && w.config.wrap != WrapPolicy::kNone) {
+    return Error::BadInput("fsdp-run wraps per block (--wrap block) or the whole model (--wrap none)");
+  }
+  if (virtual_world > 0) {
+    if (host.size() != 1) return Error::BadInput("--virtual-world runs one process (rank 0 of the virtual world); start 1 rank");
+    if (virtual_world != w.config.gpus) {
+      return Error::BadInput(fmt::format("--virtual-world {} but --gpus {} (the virtual world stands for the --gpus ranks)", virtual_world, w.config.gpus));
+    }
+  } else if (host.size() != w.config.gpus) {
+    return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start one rank per GPU, or use --virtual-world)", w.config.gpus, host.size()));
+  }
+  if (Status s = host.CheckSame(ConfigFingerprint(w, o), "configurations"); !s.ok()) return s.error();
+  auto engine = std::make_unique<cuda::CudaEngine>(w, host, o);
+  if (Status s = engine->Init(virtual_world); !s.ok()) return s.error();
+  return std::unique_ptr<GpuEngine>(std::move(engine));
+}
+
+}  // namespace fsdp::runtime

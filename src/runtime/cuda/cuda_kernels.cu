@@ -1,0 +1,392 @@
+#include "runtime/cuda/cuda_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fsdp::runtime::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
+template <typename T>
+__device__ __forceinline__ T FromF(float x);
+template <>
+__device__ __forceinline__ float FromF<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+
+// Runs the statements with TYPE the C++ type of `dtype` (the .cu sources are C++17: no template lambdas).
+#define FSDP_DISPATCH(dtype, TYPE, ...)         \
+  switch (dtype) {                              \
+    case DType::kFp32: {                        \
+      using TYPE = float;                       \
+      __VA_ARGS__;                              \
+    } break;                                    \
+    case DType::kBf16: {                        \
+      using TYPE = __nv_bfloat16;               \
+      __VA_ARGS__;                              \
+    } break;                                    \
+    case DType::kFp16: {                        \
+      using TYPE = __half;                      \
+      __VA_ARGS__;                              \
+    } break;                                    \
+  }
+
+unsigned Blocks(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
+}
+
+// Sum of v over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float BlockSum(float v) {
+  __shared__ float partial[32];
+  __shared__ float total;
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // partial may still be read by a previous call
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : 0.0f;
+    for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+__device__ float BlockMax(float v) {
+  __shared__ float partial[32];
+  __shared__ float total;
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : -INFINITY;
+    for (int offset = 16; offset > 0; offset >>= 1) s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, offset));
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+#define GRID_STRIDE(i, n) for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+__device__ uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+__global__ void FillNormalKernel(float* out, int64_t n, uint64_t seed, int64_t first_index, float std) {
+  GRID_STRIDE(i, n) {
+    const uint64_t bits = SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(first_index + i)));
+    const float u1 = (static_cast<float>(bits >> 40) + 1.0f) / 16777217.0f;  // (0, 1]
+    const float u2 = static_cast<float>((bits >> 16) & 0xFFFFFF) / 16777216.0f;
+    out[i] = std * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+  }
+}
+
+__global__ void FillKernel(float* out, int64_t n, float value) {
+  GRID_STRIDE(i, n) out[i] = value;
+}
+
+template <typename TIn, typename TOut>
+__global__ void CastKernel(const TIn* in, TOut* out, int64_t n) {
+  GRID_STRIDE(i, n) out[i] = FromF<TOut>(ToF(in[i]));
+}
+
+template <typename T>
+__global__ void AccumulateKernel(const T* in, float scale, float* acc, int64_t n) {
+  GRID_STRIDE(i, n) acc[i] += scale * ToF(in[i]);
+}
+
+template <typename T>
+__global__ void AddF32Kernel(const float* in, T* out, int64_t n) {
+  GRID_STRIDE(i, n) out[i] = FromF<T>(ToF(out[i]) + in[i]);
+}
+
+template <typename T>
+__global__ void ScaleKernel(T* x, float scale, int64_t n) {
+  GRID_STRIDE(i, n) x[i] = FromF<T>(ToF(x[i]) * scale);
+}
+
+template <typename T>
+__global__ void AddKernel(T* y, const T* x, int64_t n) {
+  GRID_STRIDE(i, n) y[i] = FromF<T>(ToF(y[i]) + ToF(x[i]));
+}
+
+template <typename T>
+__global__ void EmbeddingForwardKernel(const T* table, const int32_t* ids, T* out, int64_t rows, int64_t h) {
+  GRID_STRIDE(i, rows * h) out[i] = table[static_cast<int64_t>(ids[i / h]) * h + i % h];
+}
+
+template <typename T>
+__global__ void EmbeddingBackwardKernel(const T* d_out, const int32_t* ids, T* d_table, int64_t rows, int64_t h) {
+  GRID_STRIDE(i, rows * h) atomicAdd(d_table + static_cast<int64_t>(ids[i / h]) * h + i % h, d_out[i]);
+}
+
+template <typename T>
+__global__ void RmsNormForwardKernel(const T* x, const T* w, T* y, float* inv_rms, int64_t h, float eps) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * h;
+  float ss = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) ss += ToF(xr[j]) * ToF(xr[j]);
+  const float inv = rsqrtf(BlockSum(ss) / static_cast<float>(h) + eps);
+  if (threadIdx.x == 0) inv_rms[row] = inv;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) y[row * h + j] = FromF<T>(ToF(xr[j]) * inv * ToF(w[j]));
+}
+
+// dx_j = inv * dy_j * w_j - inv^3 * x_j * sum_k(dy_k * w_k * x_k) / h (+ residual_j)
+template <typename T>
+__global__ void RmsNormBackwardKernel(const T* dy, const T* x, const T* w, const float* inv_rms, const T* residual, T* dx, int64_t h) {
+  const int64_t row = blockIdx.x;
+  const float inv = inv_rms[row];
+  float dot = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) dot += ToF(dy[row * h + j]) * ToF(w[j]) * ToF(x[row * h + j]);
+  const float c = BlockSum(dot) * inv * inv * inv / static_cast<float>(h);
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    const int64_t i = row * h + j;
+    float v = inv * ToF(dy[i]) * ToF(w[j]) - c * ToF(x[i]);
+    if (residual != nullptr) v += ToF(residual[i]);
+    dx[i] = FromF<T>(v);
+  }
+}
+
+// dw_j += sum over a chunk of rows of dy * x * inv; blockDim (32, 8): 32 columns, 8 row lanes.
+template <typename T>
+__global__ void RmsNormWeightGradKernel(const T* dy, const T* x, const float* inv_rms, float* dw, int64_t rows, int64_t h,
+                                        int64_t rows_per_chunk) {
+  __shared__ float partial[8][33];
+  const int64_t col = blockIdx.x * 32 + threadIdx.x;
+  const int64_t begin = blockIdx.y * rows_per_chunk;
+  const int64_t end = min(rows, begin + rows_per_chunk);
+  float s = 0;
+  if (col < h) {
+    for (int64_t r = begin + threadIdx.y; r < end; r += 8) s += ToF(dy[r * h + col]) * ToF(x[r * h + col]) * inv_rms[r];
+  }
+  partial[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < h) {
+    float total = 0;
+    for (int k = 0; k < 8; ++k) total += partial[k][threadIdx.x];
+    atomicAdd(dw + col, total);
+  }
+}
+
+template <typename T>
+__global__ void RopeKernel(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, float theta, float sign) {
+  const int64_t half = head_dim / 2;
+  GRID_STRIDE(idx, rows * heads * half) {
+    const int64_t i = idx % half;
+    const int64_t head = (idx / half) % heads;
+    const int64_t row = idx / (half * heads);
+    const double freq = pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    const double angle = static_cast<double>(row % seq) * freq;
+    const float c = static_cast<float>(cos(angle)), s = sign * static_cast<float>(sin(angle));
+    T* a = x + row * heads * head_dim + head * head_dim + i;
+    T* b = a + half;
+    const float x1 = ToF(*a), x2 = ToF(*b);
+    *a = FromF<T>(x1 * c - x2 * s);
+    *b = FromF<T>(x2 * c + x1 * s);
+  }
+}
+
+template <typename T>
+__global__ void CausalSoftmaxForwardKernel(T* scores, int64_t seq, float scale) {
+  const int64_t row = blockIdx.x;  // over matrices * seq
+  const int64_t i = row % seq;
+  T* s = scores + row * seq;
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, scale * ToF(s[j]));
+  m = BlockMax(m);
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) sum += __expf(scale * ToF(s[j]) - m);
+  const float inv = 1.0f / BlockSum(sum);
+  for (int64_t j = threadIdx.x; j < seq; j += blockDim.x) s[j] = FromF<T>(j <= i ? __expf(scale * ToF(s[j]) - m) * inv : 0.0f);
+}
+
+template <typename T>
+__global__ void CausalSoftmaxBackwardKernel(const T* probs, T* d_probs, int64_t seq, float scale) {
+  const int64_t row = blockIdx.x;
+  const int64_t i = row % seq;
+  const T* p = probs + row * seq;
+  T* dp = d_probs + row * seq;
+  float dot = 0;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) dot += ToF(p[j]) * ToF(dp[j]);
+  dot = BlockSum(dot);
+  for (int64_t j = threadIdx.x; j < seq; j += blockDim.x) dp[j] = FromF<T>(j <= i ? scale * ToF(p[j]) * (ToF(dp[j]) - dot) : 0.0f);
+}
+
+template <typename T>
+__global__ void SumHeadGroupsKernel(const T* in, T* out, int64_t rows, int64_t kv_heads, int64_t rep, int64_t head_dim) {
+  GRID_STRIDE(idx, rows * kv_heads * head_dim) {
+    const int64_t e = idx % head_dim;
+    const int64_t g = (idx / head_dim) % kv_heads;
+    const int64_t row = idx / (head_dim * kv_heads);
+    const T* src = in + row * kv_heads * rep * head_dim + g * rep * head_dim + e;
+    float s = 0;
+    for (int64_t r = 0; r < rep; ++r) s += ToF(src[r * head_dim]);
+    out[idx] = FromF<T>(s);
+  }
+}
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+template <typename T>
+__global__ void SwiGluForwardKernel(const T* gate, const T* up, T* mid, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = ToF(gate[i]);
+    mid[i] = FromF<T>(g * Sigmoid(g) * ToF(up[i]));
+  }
+}
+
+template <typename T>
+__global__ void SwiGluBackwardKernel(const T* d_mid, const T* gate, const T* up, T* d_gate, T* d_up, int64_t n) {
+  GRID_STRIDE(i, n) {
+    const float g = ToF(gate[i]), u = ToF(up[i]), dm = ToF(d_mid[i]);
+    const float sig = Sigmoid(g);
+    d_up[i] = FromF<T>(dm * g * sig);
+    d_gate[i] = FromF<T>(dm * u * sig * (1.0f + g * (1.0f - sig)));
+  }
+}
+
+template <typename T>
+__global__ void CrossEntropyKernel(T* logits, const int32_t* targets, float* loss_sum, int64_t vocab, float grad_scale) {
+  const int64_t row = blockIdx.x;
+  T* x = logits + row * vocab;
+  const int32_t target = targets[row];
+  const float x_target = ToF(x[target]);
+  float m = -INFINITY;
+  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) m = fmaxf(m, ToF(x[j]));
+  m = BlockMax(m);
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) sum += __expf(ToF(x[j]) - m);
+  sum = BlockSum(sum);  // also orders every read of x[target] before the writes below
+  if (threadIdx.x == 0) atomicAdd(loss_sum, logf(sum) + m - x_target);
+  const float inv = 1.0f / sum;
+  for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
+    const float p = __expf(ToF(x[j]) - m) * inv;
+    x[j] = FromF<T>((p - (j == target ? 1.0f : 0.0f)) * grad_scale);
+  }
+}
+
+__global__ void AdamWKernel(float* param, const float* grad, float* m, float* v, int64_t n, float lr, float b1, float b2, float eps,
+                            float wd, float c1, float c2) {
+  GRID_STRIDE(i, n) {
+    const float g = grad != nullptr ? grad[i] : 0.0f;
+    m[i] = b1 * m[i] + (1 - b1) * g;
+    v[i] = b2 * v[i] + (1 - b2) * g * g;
+    float p = param[i];
+    p -= lr * wd * p;
+    p -= lr * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
+    param[i] = p;
+  }
+}
+
+}  // namespace
+
+void FillNormal(float* out, int64_t n, uint64_t seed, int64_t first_index, float std, cudaStream_t stream) {
+  FillNormalKernel<<<Blocks(n), kThreads, 0, stream>>>(out, n, seed, first_index, std);
+}
+
+void Fill(float* out, int64_t n, float value, cudaStream_t stream) { FillKernel<<<Blocks(n), kThreads, 0, stream>>>(out, n, value); }
+
+void CastFromF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream) {
+  Cast(in, DType::kFp32, out, dtype, n, stream);
+}
+
+void Cast(const void* in, DType from, void* out, DType to, int64_t n, cudaStream_t stream) {
+  FSDP_DISPATCH(from, TIn, FSDP_DISPATCH(to, TOut, CastKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const TIn*>(in), static_cast<TOut*>(out), n)));
+}
+
+void AccumulateF32(const void* in, DType dtype, float scale, float* acc, int64_t n, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, AccumulateKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(in), scale, acc, n))
+}
+
+void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, AddF32Kernel<<<Blocks(n), kThreads, 0, stream>>>(in, static_cast<T*>(out), n))
+}
+
+void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, ScaleKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<T*>(x), scale, n))
+}
+
+void AddInPlace(void* y, const void* x, DType dtype, int64_t n, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, AddKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<T*>(y), static_cast<const T*>(x), n))
+}
+
+void EmbeddingForward(const void* table, const int32_t* ids, void* out, int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, EmbeddingForwardKernel<<<Blocks(rows * h), kThreads, 0, stream>>>(static_cast<const T*>(table), ids, static_cast<T*>(out), rows, h))
+}
+
+void EmbeddingBackward(const void* d_out, const int32_t* ids, void* d_table, int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, EmbeddingBackwardKernel<<<Blocks(rows * h), kThreads, 0, stream>>>(static_cast<const T*>(d_out), ids, static_cast<T*>(d_table), rows, h))
+}
+
+void RmsNormForward(const void* x, const void* w, void* y, float* inv_rms, int64_t rows, int64_t h, float eps, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, RmsNormForwardKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w),
+                                                                              static_cast<T*>(y), inv_rms, h, eps))
+}
+
+void RmsNormBackward(const void* dy, const void* x, const void* w, const float* inv_rms, const void* residual, void* dx, float* dw_f32,
+                     int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {
+  cudaMemsetAsync(dw_f32, 0, static_cast<size_t>(h) * sizeof(float), stream);
+  FSDP_DISPATCH(dtype, T, RmsNormBackwardKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                                                               static_cast<const T*>(w), inv_rms,
+                                                                               static_cast<const T*>(residual), static_cast<T*>(dx), h);
+    const int64_t chunks = rows < 256 ? 1 : 64;
+    const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+    const dim3 grid(static_cast<unsigned>((h + 31) / 32), static_cast<unsigned>(chunks));
+    RmsNormWeightGradKernel<<<grid, dim3(32, 8), 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), inv_rms, dw_f32, rows, h,
+                                                              rows_per_chunk))
+}
+
+void Rope(void* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, float theta, bool inverse, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, RopeKernel<<<Blocks(rows * heads * head_dim / 2), kThreads, 0, stream>>>(static_cast<T*>(x), rows, heads, head_dim, seq, theta,
+                                                                            inverse ? -1.0f : 1.0f))
+}
+
+void CausalSoftmaxForward(void* scores, int64_t matrices, int64_t seq, float scale, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, CausalSoftmaxForwardKernel<<<static_cast<unsigned>(matrices * seq), kThreads, 0, stream>>>(static_cast<T*>(scores), seq, scale))
+}
+
+void CausalSoftmaxBackward(const void* probs, void* d_probs, int64_t matrices, int64_t seq, float scale, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, CausalSoftmaxBackwardKernel<<<static_cast<unsigned>(matrices * seq), kThreads, 0, stream>>>(static_cast<const T*>(probs),
+                                                                                               static_cast<T*>(d_probs), seq, scale))
+}
+
+void SumHeadGroups(const void* in, void* out, int64_t rows, int64_t kv_heads, int64_t rep, int64_t head_dim, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, SumHeadGroupsKernel<<<Blocks(rows * kv_heads * head_dim), kThreads, 0, stream>>>(static_cast<const T*>(in), static_cast<T*>(out), rows,
+                                                                                     kv_heads, rep, head_dim))
+}
+
+void SwiGluForward(const void* gate, const void* up, void* mid, int64_t n, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, SwiGluForwardKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(mid), n))
+}
+
+void SwiGluBackward(const void* d_mid, const void* gate, const void* up, void* d_gate, void* d_up, int64_t n, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, SwiGluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(d_mid), static_cast<const T*>(gate),
+                                                             static_cast<const T*>(up), static_cast<T*>(d_gate), static_cast<T*>(d_up), n))
+}
+
+void CrossEntropyInPlace(void* logits, const int32_t* targets, float* loss_sum, int64_t rows, int64_t vocab, float grad_scale, DType dtype,
+                         cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, CrossEntropyKernel<<<static_cast<unsigned>(rows), 1024, 0, stream>>>(static_cast<T*>(logits), targets, loss_sum, vocab, grad_scale))
+}
+
+void AdamW(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, float lr, float beta1, float beta2, float eps,
+           float weight_decay, float bias_correction1, float bias_correction2, cudaStream_t stream) {
+  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+                                                  bias_correction2);
+}
+
+}  // namespace fsdp::runtime::cuda

@@ -1,0 +1,155 @@
+#include "runtime/cuda/device_allocator.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace fsdp::runtime::cuda {
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Release();
+    owner_ = other.owner_;
+    ptr_ = other.ptr_;
+    bytes_ = other.bytes_;
+    other.owner_ = nullptr;
+    other.ptr_ = nullptr;
+    other.bytes_ = 0;
+  }
+  return *this;
+}
+
+void DeviceBuffer::Release(std::initializer_list<cudaStream_t> also_used_on) {
+  if (owner_ != nullptr && ptr_ != nullptr) owner_->Free(ptr_, also_used_on);
+  owner_ = nullptr;
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+DeviceAllocator::~DeviceAllocator() {
+  ProcessPending(true);
+  (void)EmptyCache();
+  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
+}
+
+void DeviceAllocator::ProcessPending(bool wait) {
+  auto done = [&](Block* b) {
+    for (cudaEvent_t e : b->pending) {
+      if (wait ? cudaEventSynchronize(e) != cudaSuccess : cudaEventQuery(e) != cudaSuccess) return false;
+    }
+    return true;
+  };
+  std::vector<Block*> still;
+  for (Block* b : pending_) {
+    if (!done(b)) {
+      still.push_back(b);
+      continue;
+    }
+    spare_events_.insert(spare_events_.end(), b->pending.begin(), b->pending.end());
+    b->pending.clear();
+    pools_[b->stream].emplace(b->size, b);
+  }
+  pending_.swap(still);
+}
+
+DeviceAllocator::Block* DeviceAllocator::TakeCached(int64_t size, cudaStream_t stream) {
+  auto& pool = pools_[stream];
+  auto it = pool.lower_bound(size);
+  // best fit, no splitting: accept at most 1/8 waste (blocks of a training step recur in few sizes)
+  if (it == pool.end() || it->first > size + size / 8 + 512) return nullptr;
+  Block* b = it->second;
+  pool.erase(it);
+  return b;
+}
+
+Error DeviceAllocator::OutOfMemory(int64_t size, Mem category, const std::string& why) const {
+  int largest = 0;
+  for (int c = 1; c < kMemKinds; ++c) {
+    if (live_[c] > live_[largest]) largest = c;
+  }
+  return Error::RunFailed(fmt::format("out of memory at {}: {:.2f} MiB of {} requested with {:.2f} MiB allocated ({}; largest category {} "
+                                      "{:.2f} MiB)",
+                                      phase_, size / 1048576.0, MemKey(category), allocated_ / 1048576.0, why,
+                                      MemKey(static_cast<Mem>(largest)), live_[largest] / 1048576.0));
+}
+
+Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, Mem category, cudaStream_t stream) {
+  const int64_t size = RoundUp(std::max<int64_t>(bytes, 1));
+  if (limit_ > 0 && allocated_ + size > limit_) return OutOfMemory(size, category, fmt::format("--memory-limit {:.2f} MiB", limit_ / 1048576.0));
+  ProcessPending(false);
+  Block* b = TakeCached(size, stream);
+  if (b == nullptr) {
+    void* ptr = nullptr;
+    cudaError_t code = cudaMalloc(&ptr, static_cast<size_t>(size));
+    if (code != cudaSuccess) {  // as PyTorch: wait for pending frees, return the cache, try once more
+      cudaGetLastError();
+      ProcessPending(true);
+      b = TakeCached(size, stream);
+      if (b == nullptr) {
+        if (Status s = EmptyCache(); !s.ok()) return s.error();
+        code = cudaMalloc(&ptr, static_cast<size_t>(size));
+        if (code != cudaSuccess) {
+          cudaGetLastError();
+          return OutOfMemory(size, category, "cudaMalloc failed");
+        }
+      }
+    }
+    if (b == nullptr) {
+      b = &blocks_[ptr];
+      *b = Block{ptr, size, stream, category, {}};
+      reserved_ += size;
+      peak_reserved_ = std::max(peak_reserved_, reserved_);
+      ++mallocs_;
+    }
+  }
+  b->category = category;
+  allocated_ += b->size;
+  live_[static_cast<int>(category)] += b->size;
+  if (allocated_ > peak_allocated_) {
+    peak_allocated_ = allocated_;
+    at_peak_ = live_;
+    peak_phase_ = phase_;
+  }
+  return DeviceBuffer(this, b->ptr, bytes);
+}
+
+void DeviceAllocator::Free(void* ptr, std::initializer_list<cudaStream_t> also_used_on) {
+  auto it = blocks_.find(ptr);
+  if (it == blocks_.end()) return;
+  Block& b = it->second;
+  allocated_ -= b.size;
+  live_[static_cast<int>(b.category)] -= b.size;
+  for (cudaStream_t s : also_used_on) {
+    if (s == b.stream) continue;
+    cudaEvent_t e = nullptr;
+    if (!spare_events_.empty()) {
+      e = spare_events_.back();
+      spare_events_.pop_back();
+    } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+      cudaStreamSynchronize(s);  // no event to be had: make the stream's work complete instead
+      continue;
+    }
+    cudaEventRecord(e, s);
+    b.pending.push_back(e);
+  }
+  if (b.pending.empty()) {
+    pools_[b.stream].emplace(b.size, &b);
+  } else {
+    pending_.push_back(&b);
+  }
+}
+
+Status DeviceAllocator::EmptyCache() {
+  for (auto& [stream, pool] : pools_) {
+    for (auto& [size, block] : pool) {
+      const cudaError_t code = cudaFree(block->ptr);
+      if (code != cudaSuccess) return Error::RunFailed(fmt::format("cudaFree: {}", cudaGetErrorString(code)));
+      reserved_ -= size;
+      blocks_.erase(block->ptr);
+    }
+    pool.clear();
+  }
+  return {};
+}
+
+}  // namespace fsdp::runtime::cuda

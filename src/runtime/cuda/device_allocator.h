@@ -1,0 +1,109 @@
+// A caching device allocator for fsdp-run's GPU engine, after PyTorch's CUDACachingAllocator in
+// the parts that decide memory: requests rounded up to 512 B; freed blocks kept in a pool per
+// stream and handed out again to allocations on that stream (stream-ordered reuse, no sync);
+// a block that was used on other streams (record_stream in PyTorch) only returns to its pool when
+// events recorded on those streams have completed; cudaMalloc only when no cached block fits,
+// and on failure the cache is emptied and the allocation retried once.
+//
+// Accounting: every block carries a category (sharded params, gradients, ...). "allocated" is
+// the sum of live blocks' rounded sizes and falls at Free() (a block waiting on another stream's
+// event no longer counts, unlike PyTorch, which counts it until the event completes: here the
+// series depends only on the order of calls, not on GPU timing); "reserved" is what cudaMalloc
+// gave. The categories are recorded at the allocated peak, with the phase the engine named last.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "core/status.h"
+#include "runtime/memory_ledger.h"
+
+namespace fsdp::runtime::cuda {
+
+class DeviceAllocator;
+
+/// A device allocation that returns itself to the allocator when destroyed (as used only on the
+/// stream it was allocated on) or when Release names the other streams that used it.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceAllocator* owner, void* ptr, int64_t bytes) : owner_(owner), ptr_(ptr), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { Release(); }
+
+  /// Frees now; `also_used_on` lists streams other than the allocating one that read or wrote it.
+  void Release(std::initializer_list<cudaStream_t> also_used_on = {});
+  void* get() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  int64_t bytes() const { return bytes_; }
+  bool empty() const { return ptr_ == nullptr; }
+
+ private:
+  DeviceAllocator* owner_ = nullptr;
+  void* ptr_ = nullptr;
+  int64_t bytes_ = 0;
+};
+
+class DeviceAllocator {
+ public:
+  DeviceAllocator() = default;
+  ~DeviceAllocator();
+  DeviceAllocator(const DeviceAllocator&) = delete;
+  DeviceAllocator& operator=(const DeviceAllocator&) = delete;
+
+  /// `bytes` (> 0) for use on `stream`, counted under `category`. RunFailed "out of memory ..."
+  /// naming the phase and the largest category when the device (or the limit) is exhausted.
+  Result<DeviceBuffer> Allocate(int64_t bytes, Mem category, cudaStream_t stream);
+  /// Called by DeviceBuffer::Release.
+  void Free(void* ptr, std::initializer_list<cudaStream_t> also_used_on);
+
+  /// Names what the engine is doing, for the peak's report.
+  void set_phase(const char* phase) { phase_ = phase; }
+  /// Rehearses an out-of-memory: allocated bytes may not exceed this (0: no limit).
+  void set_limit(int64_t bytes) { limit_ = bytes; }
+  /// Returns every cached block to the device.
+  Status EmptyCache();
+
+  int64_t allocated() const { return allocated_; }
+  int64_t peak_allocated() const { return peak_allocated_; }
+  int64_t reserved() const { return reserved_; }
+  int64_t peak_reserved() const { return peak_reserved_; }
+  int64_t device_mallocs() const { return mallocs_; }
+  const std::array<int64_t, kMemKinds>& at_peak() const { return at_peak_; }
+  const std::string& peak_phase() const { return peak_phase_; }
+  int64_t live(Mem category) const { return live_[static_cast<int>(category)]; }
+
+  static int64_t RoundUp(int64_t bytes) { return (bytes + 511) / 512 * 512; }
+
+ private:
+  struct Block {
+    void* ptr = nullptr;
+    int64_t size = 0;
+    cudaStream_t stream = nullptr;
+    Mem category = Mem::kTemporaries;
+    std::vector<cudaEvent_t> pending;  // events on other streams that must complete before reuse
+  };
+  void ProcessPending(bool wait);
+  Block* TakeCached(int64_t size, cudaStream_t stream);
+  Error OutOfMemory(int64_t size, Mem category, const std::string& why) const;
+
+  std::map<void*, Block> blocks_;                                        // every block cudaMalloc gave
+  std::map<cudaStream_t, std::multimap<int64_t, Block*>> pools_;          // free blocks by stream and size
+  std::vector<Block*> pending_;                                          // freed, waiting on events
+  std::vector<cudaEvent_t> spare_events_;
+  std::array<int64_t, kMemKinds> live_{}, at_peak_{};
+  int64_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0, limit_ = 0, mallocs_ = 0;
+  std::string phase_ = "initialisation", peak_phase_;
+};
+
+}  // namespace fsdp::runtime::cuda

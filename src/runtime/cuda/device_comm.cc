@@ -1,0 +1,175 @@
+#include "runtime/cuda/device_comm.h"
+
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_kernels.h"
+
+namespace fsdp::runtime::cuda {
+
+DeviceComm::~DeviceComm() {
+  for (const Timed& t : timed_) {
+    cudaEventDestroy(t.start);
+    cudaEventDestroy(t.end);
+  }
+  for (cudaEvent_t e : spare_) cudaEventDestroy(e);
+}
+
+Result<cudaEvent_t> DeviceComm::Event() {
+  if (!spare_.empty()) {
+    cudaEvent_t e = spare_.back();
+    spare_.pop_back();
+    return e;
+  }
+  cudaEvent_t e = nullptr;
+  FSDP_CUDA_TRY(cudaEventCreate(&e));
+  return e;
+}
+
+template <typename Call>
+Status DeviceComm::Time(Kind kind, int64_t bytes, cudaStream_t stream, Call&& call) {
+  auto start = Event();
+  if (!start.ok()) return start.error();
+  auto end = Event();
+  if (!end.ok()) return end.error();
+  FSDP_CUDA_TRY(cudaEventRecord(start.value(), stream));
+  FSDP_TRY(call());
+  FSDP_CUDA_TRY(cudaEventRecord(end.value(), stream));
+  timed_.push_back({kind, start.value(), end.value()});
+  switch (kind) {
+    case Kind::kAllGather: stats_.all_gather_bytes += bytes, ++stats_.all_gather_count; break;
+    case Kind::kReduceScatter: stats_.reduce_scatter_bytes += bytes, ++stats_.reduce_scatter_count; break;
+    case Kind::kAllReduce: stats_.all_reduce_bytes += bytes, ++stats_.all_reduce_count; break;
+  }
+  return {};
+}
+
+// nccl-tests sizes: the all-gather's output, the reduce-scatter's input, the all-reduce's buffer.
+Status DeviceComm::AllGather(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) {
+  return Time(Kind::kAllGather, count * size() * BytesPerElement(dtype), stream, [&] { return DoAllGather(in, out, count, dtype, stream); });
+}
+
+Status DeviceComm::ReduceScatter(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) {
+  return Time(Kind::kReduceScatter, count * size() * BytesPerElement(dtype), stream,
+              [&] { return DoReduceScatter(in, out, count, dtype, stream); });
+}
+
+Status DeviceComm::AllReduce(void* data, int64_t count, DType dtype, cudaStream_t stream) {
+  return Time(Kind::kAllReduce, count * BytesPerElement(dtype), stream, [&] { return DoAllReduce(data, count, dtype, stream); });
+}
+
+Status DeviceComm::CollectTimes() {
+  for (const Timed& t : timed_) {
+    float ms = 0;
+    FSDP_CUDA_TRY(cudaEventElapsedTime(&ms, t.start, t.end));
+    const double s = ms / 1e3;
+    switch (t.kind) {
+      case Kind::kAllGather: stats_.all_gather_s += s; break;
+      case Kind::kReduceScatter: stats_.reduce_scatter_s += s; break;
+      case Kind::kAllReduce: stats_.all_reduce_s += s; break;
+    }
+    spare_.push_back(t.start);
+    spare_.push_back(t.end);
+  }
+  timed_.clear();
+  return {};
+}
+
+namespace {
+
+ncclDataType_t NcclType(DType dtype) {
+  switch (dtype) {
+    case DType::kBf16: return ncclBfloat16;
+    case DType::kFp16: return ncclFloat16;
+    case DType::kFp32: break;
+  }
+  return ncclFloat32;
+}
+
+Status NcclStatus(ncclResult_t code, const char* what) {
+  if (code == ncclSuccess) return {};
+  return Error::RunFailed(fmt::format("{}: {} ({})", what, ncclGetErrorString(code), ncclGetLastError(nullptr)));
+}
+
+class NcclComm : public DeviceComm {
+ public:
+  explicit NcclComm(ncclComm_t comm) : comm_(comm) {
+    ncclCommUserRank(comm_, &rank_);
+    ncclCommCount(comm_, &size_);
+  }
+  ~NcclComm() override { ncclCommDestroy(comm_); }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Result<std::unique_ptr<DeviceComm>> Split(int color, int key) override {
+    ncclComm_t sub = nullptr;
+    if (Status s = NcclStatus(ncclCommSplit(comm_, color, key, &sub, nullptr), "ncclCommSplit"); !s.ok()) return s.error();
+    return std::unique_ptr<DeviceComm>(new NcclComm(sub));
+  }
+
+ protected:
+  Status DoAllGather(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) override {
+    return NcclStatus(ncclAllGather(in, out, static_cast<size_t>(count), NcclType(dtype), comm_, stream), "ncclAllGather");
+  }
+  Status DoReduceScatter(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) override {
+    return NcclStatus(ncclReduceScatter(in, out, static_cast<size_t>(count), NcclType(dtype), ncclSum, comm_, stream), "ncclReduceScatter");
+  }
+  Status DoAllReduce(void* data, int64_t count, DType dtype, cudaStream_t stream) override {
+    return NcclStatus(ncclAllReduce(data, data, static_cast<size_t>(count), NcclType(dtype), ncclSum, comm_, stream), "ncclAllReduce");
+  }
+
+ private:
+  ncclComm_t comm_;
+  int rank_ = 0, size_ = 1;
+};
+
+// Rank 0 of size_ ranks: the all-gather writes the rank's shard into every slot (size * count
+// elements written, as the real one), the reduce-scatter copies the rank's slice (count
+// elements), the all-reduce rewrites its buffer once (a read and a write of count elements).
+class VirtualComm : public DeviceComm {
+ public:
+  explicit VirtualComm(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  bool is_virtual() const override { return true; }
+  Result<std::unique_ptr<DeviceComm>> Split(int, int) override {
+    return Error::RunFailed("a virtual world is split by group size (MakeVirtualComm), not by color");
+  }
+
+ protected:
+  Status DoAllGather(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) override {
+    const size_t bytes = static_cast<size_t>(count * BytesPerElement(dtype));
+    for (int r = 0; r < size_; ++r) {
+      FSDP_CUDA_TRY(cudaMemcpyAsync(static_cast<char*>(out) + r * bytes, in, bytes, cudaMemcpyDeviceToDevice, stream));
+    }
+    return {};
+  }
+  Status DoReduceScatter(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) override {
+    FSDP_CUDA_TRY(cudaMemcpyAsync(out, in, static_cast<size_t>(count * BytesPerElement(dtype)), cudaMemcpyDeviceToDevice, stream));
+    return {};
+  }
+  Status DoAllReduce(void* data, int64_t count, DType dtype, cudaStream_t stream) override {
+    Scale(data, dtype, 1.0f, count, stream);
+    return CudaStatus(cudaGetLastError(), "virtual all-reduce");
+  }
+
+ private:
+  int size_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<DeviceComm>> MakeNcclComm(Comm& host) {
+  ncclUniqueId id{};
+  if (host.rank() == 0) {
+    if (Status s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s.error();
+  }
+  if (Status s = host.Broadcast(&id, sizeof(id), 0); !s.ok()) return s.error();
+  ncclComm_t comm = nullptr;
+  if (Status s = NcclStatus(ncclCommInitRank(&comm, host.size(), id, host.rank()), "ncclCommInitRank"); !s.ok()) return s.error();
+  return std::unique_ptr<DeviceComm>(new NcclComm(comm));
+}
+
+std::unique_ptr<DeviceComm> MakeVirtualComm(int virtual_size) { return std::make_unique<VirtualComm>(virtual_size); }
+
+}  // namespace fsdp::runtime::cuda

@@ -1,0 +1,63 @@
+// Collectives on device buffers for fsdp-run's GPU engine, enqueued on a CUDA stream: NCCL
+// (ncclAllGather, ncclReduceScatter, ncclAllReduce; one process per GPU, the communicator's
+// unique id broadcast over the host Comm, so one binary runs on one node or many under mpirun),
+// and a "virtual world": rank 0 of N ranks on one GPU, every collective replaced by device copies
+// of the sizes the real one writes, so an N-GPU plan's per-GPU memory and compute run on one card.
+// Each call is timed with CUDA events; CollectTimes() adds the elapsed times once the work is done.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "core/dtype.h"
+#include "runtime/comm.h"
+
+namespace fsdp::runtime::cuda {
+
+class DeviceComm {
+ public:
+  virtual ~DeviceComm();
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// out (size() * count) = every rank's in (count), in rank order.
+  Status AllGather(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream);
+  /// out (count) = sum over ranks of in[rank() * count, (rank() + 1) * count).
+  Status ReduceScatter(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream);
+  /// data (count) = sum over ranks, in place.
+  Status AllReduce(void* data, int64_t count, DType dtype, cudaStream_t stream);
+  /// The ranks with the same color, ordered by key.
+  virtual Result<std::unique_ptr<DeviceComm>> Split(int color, int key) = 0;
+  /// Adds the elapsed times of completed collectives to stats(); call after synchronizing.
+  Status CollectTimes();
+  const CommStats& stats() const { return stats_; }
+  /// True for the virtual world (copies instead of collectives).
+  virtual bool is_virtual() const { return false; }
+
+ protected:
+  enum class Kind { kAllGather, kReduceScatter, kAllReduce };
+  virtual Status DoAllGather(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) = 0;
+  virtual Status DoReduceScatter(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) = 0;
+  virtual Status DoAllReduce(void* data, int64_t count, DType dtype, cudaStream_t stream) = 0;
+
+ private:
+  struct Timed {
+    Kind kind;
+    cudaEvent_t start, end;
+  };
+  Result<cudaEvent_t> Event();
+  template <typename Call>
+  Status Time(Kind kind, int64_t bytes, cudaStream_t stream, Call&& call);
+  std::vector<Timed> timed_;
+  std::vector<cudaEvent_t> spare_;
+  CommStats stats_;
+};
+
+/// One communicator over every rank of `host` (bootstrap), on the current device.
+Result<std::unique_ptr<DeviceComm>> MakeNcclComm(Comm& host);
+/// Rank 0 of `virtual_size` ranks on this GPU.
+std::unique_ptr<DeviceComm> MakeVirtualComm(int virtual_size);
+
+}  // namespace fsdp::runtime::cuda

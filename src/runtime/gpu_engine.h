@@ -1,0 +1,68 @@
+// fsdp-run's FSDP engine on an NVIDIA GPU (CUDA + cuBLAS + NCCL), built when CMake finds the CUDA
+// toolkit. The same FSDP semantics as the CPU engine (fsdp_engine.h), executed as PyTorch FSDP
+// does on a GPU: parameters gathered in param_dtype into flat per-unit buffers on an all-gather
+// stream, gradients reduce-scattered in reduce_dtype on a reduce-scatter stream, both
+// synchronised with the compute stream through CUDA events; forward and backward prefetch; the
+// limit_all_gathers rate limiter (at most two resharded-but-unfinished units before the CPU
+// waits); fp32 sharded parameters, gradients and AdamW states; activation checkpointing.
+// Memory comes from a caching allocator with per-category accounting, plus the device's own view
+// (cudaMemGetInfo) of the CUDA context, cuBLAS and NCCL. Times come from CUDA events.
+//
+// virtual_world N > 0 runs rank 0 of an N-GPU configuration on one GPU: shards, buffers and
+// activations sized for N ranks, collectives replaced by device copies of the same sizes.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "core/workload.h"
+#include "runtime/comm.h"
+#include "runtime/fsdp_engine.h"
+#include "runtime/memory_ledger.h"
+
+namespace fsdp::runtime {
+
+struct GpuMemoryReport {
+  int64_t peak_allocated_bytes = 0, peak_reserved_bytes = 0, device_mallocs = 0;
+  std::array<int64_t, kMemKinds> at_peak{};  ///< allocated bytes by category at the allocated peak
+  std::string peak_phase;
+  int64_t device_total_bytes = 0;
+  int64_t context_bytes = 0;    ///< device memory in use once the CUDA context exists (cudaMemGetInfo)
+  int64_t cublas_bytes = 0;     ///< growth after creating the cuBLAS handle and a first product
+  int64_t nccl_bytes = 0;       ///< growth after creating the NCCL communicators and a first collective
+  int64_t device_used_bytes = 0;  ///< in use at the end (total - free): context, libraries and the allocator's reserve
+};
+
+struct GpuPhaseTimes {
+  double forward_s = 0, backward_s = 0, optimizer_s = 0;  ///< summed over steps, from CUDA events
+};
+
+class GpuEngine {
+ public:
+  virtual ~GpuEngine() = default;
+  /// One optimizer step; synchronizes the device before returning the loss averaged over every rank's tokens.
+  virtual Result<float> Step(int64_t step_index) = 0;
+  virtual void set_memory_limit(int64_t bytes) = 0;
+  virtual GpuMemoryReport memory() const = 0;
+  virtual GpuPhaseTimes times() const = 0;
+  virtual const CommStats& shard_stats() const = 0;
+  virtual const CommStats& replica_stats() const = 0;
+  virtual int64_t shard_world() const = 0;
+  virtual std::string device_name() const = 0;
+};
+
+/// True when fsdp-run was built with the CUDA backend.
+bool GpuBackendBuilt();
+/// The number of CUDA devices; RunFailed naming the reason when there is none or no CUDA backend.
+Result<int> GpuDeviceCount();
+
+/// cudaDeviceProp::name of the device rank `rank` would use, e.g. "NVIDIA H200".
+Result<std::string> GpuDeviceName(int rank);
+
+/// One process per GPU: rank r of `host` uses device r % devices. virtual_world > 0 needs a
+/// single process and stands for that many ranks.
+Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& workload, Comm& host, const TrainOptions& options, int virtual_world);
+
+}  // namespace fsdp::runtime
