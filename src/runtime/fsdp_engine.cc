@@ -30,8 +30,8 @@ double Seconds(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Deterministic initial values of a unit's flat buffer, independent of the world size: norms 1,
-// everything else N(0, 0.02), padding 0.
+}  // namespace
+
 std::vector<float> InitialUnit(const Workload& w, int u, uint64_t seed) {
   const WrapUnit& unit = w.units[u];
   std::vector<float> flat(static_cast<size_t>(unit.padded_numel), 0.0f);
@@ -46,8 +46,6 @@ std::vector<float> InitialUnit(const Workload& w, int u, uint64_t seed) {
   }
   return flat;
 }
-
-}  // namespace
 
 uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   const FsdpConfig& c = w.config;

@@ -87,6 +87,10 @@ class FsdpEngine {
 /// consecutive windows of options.tokens when given, else a seeded start and t' = (5 t + 3) mod V.
 std::vector<int32_t> TrainingTokens(const Workload& workload, const TrainOptions& options, int64_t step, int64_t micro, int rank, int world);
 
+/// Deterministic initial values of unit u's flat buffer (padded_numel), independent of the world
+/// size: norms 1, everything else N(0, 0.02) from mt19937_64, padding 0.
+std::vector<float> InitialUnit(const Workload& workload, int u, uint64_t seed);
+
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).
 uint64_t ConfigFingerprint(const Workload& workload, const TrainOptions& options);
 

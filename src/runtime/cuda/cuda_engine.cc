@@ -206,8 +206,13 @@ Status CudaEngine::Init(int virtual_world) {
   return {};
 }
 
-// This rank's slice of the unit's flat parameter: norms 1, other tensors N(0, 0.02) hashed by
-// their index in the unit, padding 0; AdamW states 0.
+// Units up to this size start from the CPU engine's values (InitialUnit), so that a small model
+// trains the same on both; larger ones are initialised on the device (a host mt19937 would take
+// tens of seconds for a 1B model).
+constexpr int64_t kHostInitMaxNumel = 64 << 20;
+
+// This rank's slice of the unit's flat parameter: norms 1, other tensors N(0, 0.02), padding 0;
+// AdamW states 0.
 Status CudaEngine::InitUnit(int u) {
   const WrapUnit& unit = w_.units[u];
   const int64_t s = unit.shard_numel, first = shard_->rank() * s;
@@ -218,6 +223,15 @@ Status CudaEngine::InitUnit(int u) {
   FSDP_CUDA_TRY(cudaMemsetAsync(p.get(), 0, static_cast<size_t>(s * 4), compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(m.get(), 0, static_cast<size_t>(s * 4), compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(v.get(), 0, static_cast<size_t>(s * 4), compute_));
+  if (unit.padded_numel <= kHostInitMaxNumel) {
+    const std::vector<float> flat = InitialUnit(w_, u, o_.seed);
+    FSDP_CUDA_TRY(cudaMemcpyAsync(p.get(), flat.data() + first, static_cast<size_t>(s * 4), cudaMemcpyHostToDevice, compute_));
+    FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // after the memset on the same stream; `flat` dies here
+    shard_params_[u] = std::move(p);
+    exp_avg_[u] = std::move(m);
+    exp_avg_sq_[u] = std::move(v);
+    return {};
+  }
   int64_t offset = 0;
   for (int t : unit.tensors) {
     const TensorSpec& ts = w_.model.tensors[t];

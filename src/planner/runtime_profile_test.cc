@@ -1,0 +1,70 @@
+#include "planner/runtime_profile.h"
+
+#include <doctest/doctest.h>
+
+#include "core/hardware_spec.h"
+#include "core/model_spec.h"
+
+namespace fsdp {
+namespace {
+
+Workload Tiny(int gpus, Strategy strategy, Checkpointing ac, DType param_dtype, DType reduce_dtype) {
+  FsdpConfig c;
+  c.gpus = c.gpus_per_node = gpus;
+  c.strategy = strategy;
+  c.checkpointing = ac;
+  c.param_dtype = param_dtype;
+  c.reduce_dtype = reduce_dtype;
+  c.micro_batch = 2;
+  c.seq_len = 32;
+  return BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h200-sxm").value(), c).value();
+}
+
+int64_t Round512(int64_t bytes) { return (bytes + 511) / 512 * 512; }
+
+TEST_CASE("GPU engine replay: fp32 shards and AdamW states, param_dtype unsharded units, 512 B blocks") {
+  const Workload w = Tiny(8, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kFp32);
+  const GpuRuntimeMemory m = EstimateGpuRuntimeMemory(w);
+  int64_t shards = 0;
+  for (const WrapUnit& u : w.units) shards += Round512(u.shard_numel * 4);
+  CHECK(m.at_peak[0] == shards);      // sharded params
+  CHECK(m.at_peak[3] == 2 * shards);  // exp_avg, exp_avg_sq
+  int64_t sum = 0;
+  for (int64_t b : m.at_peak) sum += b;
+  CHECK(sum == m.peak_bytes);
+  // tiny-llama's activations are small (64 tokens): the fp32 gradient shards growing through the
+  // backward make the peak, at a reduce-scatter
+  CHECK(m.peak_phase == "reduce-scatter of a block");
+}
+
+TEST_CASE("GPU engine replay: 1 rank, the peak at the last reduce-scatter counted by hand") {
+  // FULL_SHARD on 1 rank, bf16 parameters and reduction: the peak is the allocation of block 0's
+  // fp32 gradient shard, when every block's shard exists, the root's and block 0's bf16 gradients
+  // are still held, only the root is gathered (block 0 was resharded before its reduce-scatter),
+  // and the reduce-scatter output (block 0's shard in bf16) is the one communication buffer.
+  const Workload w = Tiny(1, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kBf16);
+  REQUIRE(w.units.size() == 6);  // root + 5 blocks
+  const GpuRuntimeMemory m = EstimateGpuRuntimeMemory(w);
+  const int64_t root = Round512(w.units[0].padded_numel * 2), block = Round512(w.units[1].padded_numel * 2);
+  const int64_t block_shard_fp32 = Round512(w.units[1].shard_numel * 4);
+  CHECK(m.peak_phase == "reduce-scatter of a block");
+  CHECK(m.at_peak[1] == root);
+  CHECK(m.at_peak[2] == root + block + 5 * block_shard_fp32);
+  CHECK(m.at_peak[5] == Round512(w.units[1].shard_numel * 2));
+}
+
+TEST_CASE("GPU engine replay: checkpointing trades saved tensors for recomputation; SHARD_GRAD_OP keeps units gathered") {
+  const GpuRuntimeMemory none = EstimateGpuRuntimeMemory(Tiny(4, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kFp32));
+  const GpuRuntimeMemory full = EstimateGpuRuntimeMemory(Tiny(4, Strategy::kFullShard, Checkpointing::kFull, DType::kBf16, DType::kFp32));
+  CHECK(full.peak_bytes < none.peak_bytes);
+  CHECK(full.at_peak[4] < none.at_peak[4]);
+  const Workload zero2 = Tiny(4, Strategy::kShardGradOp, Checkpointing::kNone, DType::kBf16, DType::kFp32);
+  const GpuRuntimeMemory sgo = EstimateGpuRuntimeMemory(zero2);
+  CHECK(sgo.at_peak[1] > none.at_peak[1]);
+  // a reduce_dtype different from param_dtype needs a cast buffer: bf16 reduction uses less
+  const GpuRuntimeMemory bf16_reduce = EstimateGpuRuntimeMemory(Tiny(4, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kBf16));
+  CHECK(bf16_reduce.peak_bytes <= none.peak_bytes);
+}
+
+}  // namespace
+}  // namespace fsdp
