@@ -1,0 +1,609 @@
+#!/usr/bin/env python3
+"""PyTorch FSDP2 reference run for fsdpkit.
+
+Trains one Llama configuration (a HuggingFace config.json from models/) for a
+few steps with real PyTorch FSDP2 (``fully_shard``) and writes a JSON of the
+measured memory and speed, so fsdpkit's predictions and its C++ GPU engine can
+be compared with PyTorch itself.
+
+Usage (one GPU; plain python3 starts a 1-rank process group by itself):
+
+    python3 tools/torch_reference.py --model models/tinyllama-1.1b.json \
+        --strategy FULL_SHARD --ac none --micro-batch 1 --seq-len 2048 \
+        --steps 6 --warmup 2 --param-dtype bf16 --reduce-dtype fp32 \
+        --attention eager --device cuda --out result.json
+
+Several GPUs: ``torchrun --nproc-per-node N tools/torch_reference.py ...``.
+CPU smoke test (gloo): ``--device cpu``; CUDA-only memory fields are null.
+
+How fsdpkit's options map to PyTorch
+------------------------------------
+* Model: ``LlamaForCausalLM(LlamaConfig.from_dict(json, attn_implementation=
+  --attention))`` built directly on the target device in fp32 after
+  ``torch.manual_seed(--seed)`` (same seed on every rank, so every rank starts
+  from the same full weights before sharding). ``use_cache`` is off.
+* Wrapping: ``fully_shard`` on every ``model.model.layers[i]`` (one FSDP
+  parameter group per decoder layer), then on the root ``LlamaForCausalLM``
+  (embedding, final norm and lm_head form the root group). The root is given
+  FSDP2's default ``reshard_after_forward``: FSDP2 never reshards the root
+  after forward (torch >= 2.7: default None = False for the root; torch 2.6:
+  lazy init clears the root's post-forward mesh).
+* --strategy FULL_SHARD: layers use ``reshard_after_forward=True``.
+  SHARD_GRAD_OP: ``reshard_after_forward=False`` (parameters stay unsharded
+  from forward to backward; gradients and optimizer state stay sharded).
+  NO_SHARD: FSDP2 has no NO_SHARD. On 1 rank it is mapped to
+  ``reshard_after_forward=False`` (with one rank nothing is sharded anyway).
+  On N > 1 ranks it is mapped to HSDP over a 2-D mesh (N replicas x 1 shard):
+  every rank holds full parameters, gradients and optimizer state and gradients
+  are all-reduced, i.e. DDP semantics, while keeping the same
+  MixedPrecisionPolicy (``replicate``/DDP do not take that policy).
+  Each mapping is also written to the JSON "notes".
+* --ac full: every decoder layer is wrapped with ``checkpoint_wrapper``
+  (CheckpointImpl.NO_REENTRANT, preserve_rng_state=False) before
+  ``fully_shard``, the torchtitan way. HF's own gradient checkpointing is off.
+* --param-dtype / --reduce-dtype: ``MixedPrecisionPolicy(param_dtype,
+  reduce_dtype)`` on every ``fully_shard`` call. The sharded parameters, the
+  gradients FSDP hands to the optimizer and the AdamW states stay fp32.
+* Loss: mean token cross-entropy computed here, not by HF:
+  ``F.cross_entropy(logits.float().view(-1, V), targets.view(-1))`` (the fp32
+  copy of the logits is what HF's loss does too). The reported loss is the
+  mean over ranks.
+* Data: synthetic and deterministic. Sequence i (global index over steps and
+  ranks) starts at a token drawn from ``torch.Generator().manual_seed(seed)``;
+  then t' = (5 t + 3) mod vocab for seq_len + 1 tokens; inputs are the first
+  seq_len tokens, targets the last seq_len.
+* Optimizer: ``AdamW(lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
+  foreach=True)``, ``zero_grad(set_to_none=True)`` every step.
+* Measurement: peak stats are reset after init, before the first warmup step
+  (so the peak includes the creation of the optimizer state), read after the
+  warmup, reset again and read after the timed steps. ``max_*`` fields are the
+  max over both windows, ``timed_max_allocated_bytes`` is the timed window.
+  Each timed step is timed with CUDA events and with the wall clock (after
+  ``torch.cuda.synchronize``). ``measured.loss`` holds every step, warmup
+  steps first. One extra step then runs under ``FSDPMemTracker`` for the
+  per-category memory at peak (``categories_at_peak``, bytes, keyed by the
+  tracker's category names, plus its "Total"; null plus ``categories_error``
+  if it fails). The tracker counts every tensor made inside optimizer.step()
+  as "OptState", so when the peak falls in the step (small activations)
+  OptState includes AdamW's foreach temporaries (up to ~3x fp32 params, not
+  2x). Memory numbers are those of rank 0; device_used_bytes comes from
+  mem_get_info and counts other processes on the GPU too.
+
+Sources (PyTorch 2.11 file paths) of the APIs used
+--------------------------------------------------
+* torch/distributed/fsdp/_fully_shard/_fully_shard.py   fully_shard
+* torch/distributed/fsdp/_fully_shard/_fsdp_api.py      MixedPrecisionPolicy
+* torch/distributed/fsdp/_fully_shard/_fsdp_state.py    root lazy init
+  (root not resharded after forward)
+* torch/distributed/fsdp/__init__.py                    public re-exports
+  (torch >= 2.6; torch/distributed/_composable/fsdp/ before)
+* torch/distributed/device_mesh.py                      init_device_mesh
+* torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py
+                                                        checkpoint_wrapper
+* torch/distributed/_tools/fsdp2_mem_tracker.py         FSDPMemTracker
+* torch/distributed/_tools/mem_tracker.py               get_tracker_snapshot
+* torch/cuda/memory.py  max_memory_allocated, max_memory_reserved,
+                        memory_allocated, mem_get_info, reset_peak_memory_stats
+Transformers: models/llama/modeling_llama.py (LlamaForCausalLM),
+configuration_utils.py (PreTrainedConfig.from_dict, attn_implementation).
+
+Notes on the versions: tested on CPU/gloo (1 and 2 ranks) with torch 2.11.0
+and transformers 5.17.0; see tools/torch_reference_selftest.sh. FSDP2 on CPU
+needs torch >= 2.7, so --device cpu is refused on older torch. torch 2.6 on
+CPU hits three CPU-only gaps, none of which affects CUDA: (1) torch.cpu.Stream
+lacks record_event/wait_event ('Stream' object has no attribute
+'record_event'; no-ops added by pytorch/pytorch PR 145935); (2) FULL_SHARD
+without AC fails in backward with "modified by an inplace operation", because
+the CPU split_with_sizes_copy bumps the version counter of the re-all-gathered
+parameters while the CUDA kernel does not (pytorch/pytorch issue 132014; later
+torch wraps the copy in _unsafe_preserve_version_counter); (3) with more than
+one rank FSDP2 reduces fp32/bf16 gradients with ReduceOp.AVG, which gloo
+rejects ("Cannot use ReduceOp.AVG with Gloo").
+"""
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+# ---------------------------------------------------------------- arguments
+
+class OneLineParser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are one line and exit with status 2."""
+
+    def error(self, message):
+        sys.stderr.write(f"torch_reference.py: error: {message}\n")
+        sys.exit(2)
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def build_parser():
+    p = OneLineParser(description="Measure one Llama config under PyTorch FSDP2.")
+    p.add_argument("--model", required=True, help="HuggingFace config.json")
+    p.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
+    p.add_argument("--ac", default="none", choices=("none", "full"))
+    p.add_argument("--micro-batch", type=positive_int, default=1)
+    p.add_argument("--seq-len", type=positive_int, default=2048)
+    p.add_argument("--steps", type=positive_int, default=6, help="timed steps")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps")
+    p.add_argument("--param-dtype", default="bf16", choices=DTYPES)
+    p.add_argument("--reduce-dtype", default="fp32", choices=DTYPES)
+    p.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--seed", type=non_negative_int, default=1)
+    p.add_argument("--no-tracker", action="store_true",
+                   help="skip the extra FSDPMemTracker step")
+    p.add_argument("--out", required=True, help="output JSON path")
+    return p
+
+
+def load_model_json(parser, path):
+    if not os.path.isfile(path):
+        parser.error(f"--model: no such file: {path}")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        parser.error(f"--model: cannot read {path}: {e}")
+    if not isinstance(config, dict) or config.get("model_type", "llama") != "llama":
+        parser.error(f"--model: {path} is not a Llama config (model_type != llama)")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(config.get(key), int) or config[key] <= 0:
+            parser.error(f"--model: {path}: missing or non-positive {key}")
+    return config
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.model_dict = load_model_json(parser, args.model)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        parser.error(f"--out: directory does not exist: {out_dir}")
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        parser.error(f"needs torch and transformers: {e}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device available (use --device cpu)")
+    if args.device == "cpu" and torch.__version__ < (2, 7):
+        parser.error(f"--device cpu: FSDP2 on CPU/gloo needs torch >= 2.7, "
+                     f"this is {torch.__version__} (see the docstring)")
+    return args
+
+
+# ---------------------------------------------------------- process group
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device_kind):
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend=backend)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+# ------------------------------------------------------------------- model
+
+def torch_dtype(name):
+    import torch
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def build_model(args, device):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_dict(dict(args.model_dict),
+                                   attn_implementation=args.attention)
+    config.use_cache = False
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.to(dtype=torch.float32)
+    model.train()
+    return model
+
+
+def import_fsdp2():
+    try:  # torch >= 2.6
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.4 / 2.5
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+def make_mesh(strategy, device, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if strategy == "NO_SHARD" and world > 1:
+        return init_device_mesh(device.type, (world, 1),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+
+
+def strategy_notes(strategy, world):
+    notes = ["fully_shard on each model.model.layers[i], then on the root "
+             "LlamaForCausalLM with FSDP2's default reshard_after_forward "
+             "(FSDP2 does not reshard the root after forward)"]
+    if strategy == "FULL_SHARD":
+        notes.append("FULL_SHARD -> decoder layers reshard_after_forward=True")
+    elif strategy == "SHARD_GRAD_OP":
+        notes.append("SHARD_GRAD_OP -> decoder layers reshard_after_forward=False")
+    elif world == 1:
+        notes.append("NO_SHARD -> FSDP2 has no NO_SHARD; on 1 rank mapped to "
+                     "reshard_after_forward=False on a 1-rank mesh (nothing is sharded)")
+    else:
+        notes.append(f"NO_SHARD -> FSDP2 has no NO_SHARD; mapped to HSDP on a 2-D "
+                     f"mesh ({world} replicas x 1 shard): full params/grads/optimizer "
+                     f"state on every rank, gradients all-reduced (DDP semantics), "
+                     f"reshard_after_forward=False")
+    return notes
+
+
+def apply_activation_checkpointing(model):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, checkpoint_wrapper)
+
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i],
+                                       checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                       preserve_rng_state=False)
+
+
+def shard_model(model, args, mesh):
+    fully_shard, MixedPrecisionPolicy = import_fsdp2()
+    mp = MixedPrecisionPolicy(param_dtype=torch_dtype(args.param_dtype),
+                              reduce_dtype=torch_dtype(args.reduce_dtype))
+    reshard = args.strategy == "FULL_SHARD"
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+# -------------------------------------------------------------------- data
+
+def make_batches(args, vocab, n_steps, rank, world):
+    """Per-step (inputs, targets) CPU tensors of shape [micro_batch, seq_len]."""
+    import torch
+
+    gen = torch.Generator().manual_seed(args.seed)
+    per_step = args.micro_batch * world
+    starts = torch.randint(0, vocab, (n_steps * per_step,), generator=gen,
+                           dtype=torch.int64)
+    tokens = torch.empty(starts.numel(), args.seq_len + 1, dtype=torch.int64)
+    tokens[:, 0] = starts
+    for k in range(args.seq_len):
+        tokens[:, k + 1] = (5 * tokens[:, k] + 3) % vocab
+    batches = []
+    for s in range(n_steps):
+        lo = s * per_step + rank * args.micro_batch
+        seq = tokens[lo:lo + args.micro_batch]
+        batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return batches
+
+
+# ------------------------------------------------------------------- steps
+
+def make_optimizer(model, lr):
+    import torch
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
+                             eps=1e-8, weight_decay=0.01, foreach=True)
+
+
+def train_step(model, optimizer, inputs, targets):
+    import torch.nn.functional as F
+
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(input_ids=inputs, use_cache=False).logits
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                           targets.view(-1))
+    del logits
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def to_device(batch, device):
+    return tuple(t.to(device, non_blocking=True) for t in batch)
+
+
+def timed_step(model, optimizer, batch, device):
+    """Runs one step; returns (loss, event_seconds or None, wall_seconds)."""
+    import torch
+
+    inputs, targets = to_device(batch, device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    loss = train_step(model, optimizer, inputs, targets)
+    if cuda:
+        end.record()
+        torch.cuda.synchronize(device)
+    wall = time.perf_counter() - t0
+    event = start.elapsed_time(end) / 1000.0 if cuda else None
+    return mean_over_ranks(loss), event, wall
+
+
+def mean_over_ranks(loss):
+    """Mean of the per-rank losses (after the timed region; gloo has no AVG)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world > 1:
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+        loss /= world
+    return float(loss.item())
+
+
+# ------------------------------------------------------------------ memory
+
+def peak_stats(device):
+    import torch
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+
+
+def reset_peaks(device):
+    import torch
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def device_memory(device):
+    import torch
+    if device.type != "cuda":
+        return {"device_used_bytes": None, "device_total_bytes": None,
+                "reserved_bytes_at_end": None, "context_overhead_bytes": None}
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    return {"device_used_bytes": total - free, "device_total_bytes": total,
+            "reserved_bytes_at_end": reserved,
+            "context_overhead_bytes": total - free - reserved}
+
+
+def category_name(key):
+    return str(getattr(key, "value", key))
+
+
+def tracked_categories(model, optimizer, batch, device):
+    """One extra step under FSDPMemTracker; returns (categories, loss, error)."""
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        inputs, targets = to_device(batch, device)
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((inputs, targets))
+        with tracker:
+            loss = train_step(model, optimizer, inputs, targets)
+        snapshot = tracker.get_tracker_snapshot("peak")
+        per_device = next((v for k, v in snapshot.items()
+                           if str(k) == str(device)), None)
+        if per_device is None:
+            raise RuntimeError(f"no {device} entry in tracker snapshot "
+                               f"(devices: {[str(k) for k in snapshot]})")
+        cats = {category_name(k): int(v) for k, v in per_device.items()}
+        return cats, mean_over_ranks(loss), None
+    except Exception as e:  # the tracker is a private API: never fail the run
+        return None, None, f"{type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------ report
+
+def max_or_none(a, b):
+    return None if a is None or b is None else max(a, b)
+
+
+def build_report(args, env, params, notes, run):
+    import torch
+    import transformers
+
+    step_s = statistics.median(run["steps_s"])
+    tokens = args.micro_batch * args.seq_len * env["world"]
+    warm, timed = run["warm_peaks"], run["timed_peaks"]
+    memory = {
+        "max_allocated_bytes": max_or_none(warm and warm[0], timed and timed[0]),
+        "max_reserved_bytes": max_or_none(warm and warm[1], timed and timed[1]),
+        "timed_max_allocated_bytes": timed and timed[0],
+        "timed_max_reserved_bytes": timed and timed[1],
+        "after_init_allocated_bytes": run["after_init_allocated"],
+        **run["device_memory"],
+        "categories_at_peak": run["categories"],
+    }
+    if run["categories_error"]:
+        memory["categories_error"] = run["categories_error"]
+    return {
+        "tool": "torch_reference",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "device_name": env["device_name"],
+        "world_size": env["world"],
+        "config": {
+            "model": os.path.splitext(os.path.basename(args.model))[0],
+            "params": params, "strategy": args.strategy, "ac": args.ac,
+            "micro_batch": args.micro_batch, "seq_len": args.seq_len,
+            "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
+            "attention": args.attention, "steps": args.steps, "warmup": args.warmup,
+            "lr": args.lr, "seed": args.seed, "device": args.device,
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        },
+        "notes": notes,
+        "measured": {
+            "loss": run["loss"],
+            "tracker_step_loss": run["tracker_loss"],
+            "time": {"step_s": step_s, "steps_s": run["steps_s"],
+                     "wall_steps_s": run["wall_steps_s"],
+                     "timer": "cuda_event" if args.device == "cuda" else "wall_clock"},
+            "tokens_per_s": tokens / step_s if step_s > 0 else None,
+            "memory": memory,
+        },
+    }
+
+
+def fmt_bytes(n):
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def print_summary(report):
+    c, m = report["config"], report["measured"]
+    mem = m["memory"]
+    print(f"torch_reference: {c['model']} ({c['params']:,} params) {c['strategy']} "
+          f"ac={c['ac']} mb={c['micro_batch']} seq={c['seq_len']} "
+          f"{c['param_dtype']}/{c['reduce_dtype']} {c['attention']} "
+          f"world={report['world_size']} on {report['device_name']}")
+    print(f"  loss: {' '.join(f'{x:.4f}' for x in m['loss'])}")
+    print(f"  step: {m['time']['step_s'] * 1e3:.2f} ms (median), "
+          f"{m['tokens_per_s']:.1f} tokens/s")
+    print(f"  peak allocated {fmt_bytes(mem['max_allocated_bytes'])}, "
+          f"reserved {fmt_bytes(mem['max_reserved_bytes'])}, "
+          f"after init {fmt_bytes(mem['after_init_allocated_bytes'])}, "
+          f"device used {fmt_bytes(mem['device_used_bytes'])}")
+    cats = mem["categories_at_peak"]
+    if cats:
+        print("  at peak: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in cats.items()))
+    else:
+        print(f"  categories: n/a ({mem.get('categories_error')})")
+
+
+# -------------------------------------------------------------------- main
+
+def run_training(args, model, device, rank, world):
+    import torch
+
+    vocab = model.config.vocab_size
+    batches = make_batches(args, vocab, args.warmup + args.steps + 1, rank, world)
+    optimizer = make_optimizer(model, args.lr)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    run = {"after_init_allocated": torch.cuda.memory_allocated(device)
+           if device.type == "cuda" else None, "loss": []}
+    reset_peaks(device)
+    for i in range(args.warmup):
+        run["loss"].append(timed_step(model, optimizer, batches[i], device)[0])
+    run["warm_peaks"] = peak_stats(device) if args.warmup else None
+    reset_peaks(device)
+    run["steps_s"], run["wall_steps_s"] = [], []
+    for i in range(args.warmup, args.warmup + args.steps):
+        loss, event, wall = timed_step(model, optimizer, batches[i], device)
+        run["loss"].append(loss)
+        run["steps_s"].append(event if event is not None else wall)
+        run["wall_steps_s"].append(wall)
+    run["timed_peaks"] = peak_stats(device)
+    if run["warm_peaks"] is None:
+        run["warm_peaks"] = run["timed_peaks"]
+    run["device_memory"] = device_memory(device)
+    run["categories"], run["tracker_loss"], run["categories_error"] = (
+        (None, None, "skipped (--no-tracker)") if args.no_tracker else
+        tracked_categories(model, optimizer, batches[-1], device))
+    return run
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    device, rank, world = init_distributed(args.device)
+    try:
+        model = build_model(args, device)
+        params = sum(p.numel() for p in model.parameters())
+        notes = strategy_notes(args.strategy, world)
+        if args.ac == "full":
+            apply_activation_checkpointing(model)
+            notes.append("ac=full -> checkpoint_wrapper(NO_REENTRANT, "
+                         "preserve_rng_state=False) on each decoder layer before fully_shard")
+        notes.append("loss = F.cross_entropy(logits.float(), targets) computed by the "
+                     "script (not HF's labels= loss), averaged over ranks; "
+                     "measured.loss lists warmup steps first")
+        notes.append("memory numbers are rank 0's; categories_at_peak from one extra "
+                     "step under FSDPMemTracker after the timed steps")
+        if args.param_dtype == "fp16":
+            notes.append("param_dtype fp16 runs without loss scaling (no GradScaler)")
+        if args.seq_len > args.model_dict.get("max_position_embeddings", args.seq_len):
+            notes.append("seq_len exceeds max_position_embeddings (RoPE extrapolates)")
+        shard_model(model, args, make_mesh(args.strategy, device, world))
+        run = run_training(args, model, device, rank, world)
+        env = {"world": world, "device_name": torch.cuda.get_device_name(device)
+               if device.type == "cuda" else "cpu"}
+        report = build_report(args, env, params, notes, run)
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+                f.write("\n")
+            print_summary(report)
+        dist.barrier()  # gloo can abort if one rank tears down while another still talks
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# CPU smoke tests of tools/torch_reference.py (PyTorch FSDP2 over gloo).
+# Exits 77 (skip) when torch or transformers cannot be imported, or when
+# torch < 2.7 (FSDP2 on CPU needs 2.7; the tool refuses --device cpu there).
+#   PYTHON=/path/to/python   interpreter with torch + transformers (default python3)
+#   TORCH_REF_MULTI=0        skip the 2-rank torchrun run (default: run it)
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TOOL=tools/torch_reference.py
+MODEL=models/tiny-llama.json
+
+if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1; then
+    echo "torch_reference_selftest: torch/transformers not importable with $PY: skipped"
+    exit 77
+fi
+if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__ < (2, 7))" >/dev/null 2>&1; then
+    echo "torch_reference_selftest: FSDP2 on CPU needs torch >= 2.7: skipped"
+    exit 77
+fi
+
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+passed=0
+failed=0
+ok()   { passed=$((passed + 1)); echo "ok   $1"; }
+fail() { failed=$((failed + 1)); echo "FAIL $1"; [ -n "${2:-}" ] && sed 's/^/     /' "$2" | tail -20; }
+
+# check_json FILE STRATEGY AC WORLD: the fields the docs rely on are present.
+check_json() {
+    "$PY" - "$@" <<'EOF'
+import json, math, sys
+path, strategy, ac, world = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+r = json.load(open(path))
+assert r["tool"] == "torch_reference" and r["world_size"] == world, r["world_size"]
+c, m = r["config"], r["measured"]
+assert c["model"] == "tiny-llama" and c["strategy"] == strategy and c["ac"] == ac
+assert c["params"] == 1038720, c["params"]
+assert len(m["loss"]) == c["steps"] + c["warmup"]
+assert all(math.isfinite(x) for x in m["loss"])
+assert len(m["time"]["steps_s"]) == c["steps"] and m["time"]["step_s"] > 0
+assert m["tokens_per_s"] > 0
+mem = m["memory"]
+for key in ("max_allocated_bytes", "max_reserved_bytes", "timed_max_allocated_bytes",
+            "after_init_allocated_bytes", "device_used_bytes"):
+    assert key in mem and mem[key] is None, key          # CPU run: CUDA fields null
+cats = mem["categories_at_peak"]
+assert cats and cats["Total"] > 0 and cats["OptState"] > 0, mem.get("categories_error")
+assert any(strategy in n for n in r["notes"])
+EOF
+}
+
+run_case() {  # NAME STRATEGY AC [extra args...]
+    local name=$1 strategy=$2 ac=$3; shift 3
+    local out="$TMP/$name.json" log="$TMP/$name.log"
+    if "$PY" "$TOOL" --device cpu --model "$MODEL" --seq-len 64 --micro-batch 2 \
+            --steps 2 --warmup 1 --strategy "$strategy" --ac "$ac" --out "$out" "$@" \
+            >"$log" 2>&1 && check_json "$out" "$strategy" "$ac" 1 >>"$log" 2>&1; then
+        ok "$name"
+    else
+        fail "$name" "$log"
+    fi
+}
+
+for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD; do
+    for ac in none full; do
+        run_case "$strategy-$ac" "$strategy" "$ac"
+    done
+done
+run_case sdpa-fp32 FULL_SHARD none --attention sdpa --param-dtype fp32 --reduce-dtype fp32
+
+# Loss goes down on the synthetic (5t+3 mod V) sequences.
+log="$TMP/loss.log"
+if "$PY" "$TOOL" --device cpu --model "$MODEL" --seq-len 64 --micro-batch 8 --steps 12 \
+        --warmup 0 --no-tracker --out "$TMP/loss.json" >"$log" 2>&1 &&
+   "$PY" -c "
+import json, sys
+l = json.load(open(sys.argv[1]))['measured']['loss']
+first, last = sum(l[:3]) / 3, sum(l[-3:]) / 3
+print('loss first3 %.4f last3 %.4f' % (first, last))
+assert last < first - 0.2
+" "$TMP/loss.json" >>"$log" 2>&1; then
+    ok "loss-decreases ($(tail -1 "$log"))"
+else
+    fail "loss-decreases" "$log"
+fi
+
+# Bad input: one line on stderr, exit status 2, before any training.
+bad_input() {  # NAME ARGS...
+    local name=$1; shift
+    local err="$TMP/bad.err"
+    "$PY" "$TOOL" "$@" >/dev/null 2>"$err"
+    local rc=$?
+    if [ "$rc" -eq 2 ] && [ "$(wc -l <"$err")" -eq 1 ] && grep -q "error:" "$err"; then
+        ok "bad-input $name: $(cat "$err")"
+    else
+        fail "bad-input $name (rc=$rc)" "$err"
+    fi
+}
+base=(--model "$MODEL" --device cpu --out "$TMP/bad.json")
+bad_input strategy "${base[@]}" --strategy HYBRID_SHARD
+bad_input ac "${base[@]}" --ac selective
+bad_input dtype "${base[@]}" --param-dtype int8
+bad_input seq-len "${base[@]}" --seq-len 0
+bad_input micro-batch "${base[@]}" --micro-batch -2
+bad_input steps "${base[@]}" --steps abc
+bad_input lr "${base[@]}" --lr 0
+bad_input missing-model --model models/does-not-exist.json --device cpu --out "$TMP/bad.json"
+bad_input not-llama --model models/gpt2.json --device cpu --out "$TMP/bad.json"
+bad_input out-dir --model "$MODEL" --device cpu --out "$TMP/no/such/dir/x.json"
+
+# Two ranks over gloo (FULL_SHARD and NO_SHARD -> HSDP 2x1).
+if [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
+    for strategy in FULL_SHARD NO_SHARD; do
+        log="$TMP/w2-$strategy.log"
+        if OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+                "$TOOL" --device cpu --model "$MODEL" --seq-len 64 \
+                --micro-batch 2 --steps 2 --warmup 1 --strategy "$strategy" \
+                --out "$TMP/w2-$strategy.json" >"$log" 2>&1 &&
+           check_json "$TMP/w2-$strategy.json" "$strategy" none 2 >>"$log" 2>&1; then
+            ok "2-ranks-$strategy"
+        else
+            fail "2-ranks-$strategy" "$log"
+        fi
+    done
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
