@@ -211,6 +211,7 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
 void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {
   flags.gpu_given = app.count("--gpu") > 0;
   flags.gpus_given = app.count("--gpus") > 0;
+  flags.attention_given = app.count("--attention") > 0;
 }
 
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {

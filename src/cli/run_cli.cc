@@ -115,6 +115,9 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (plan.config.gpus_per_node == 0) plan.config.gpus_per_node = plan.config.gpus;  // one "node" unless told
   auto w = WorkloadFromFlags(plan);
   if (!w.ok()) return w.error();
+  const FsdpConfig& c = w.value().config;
+  if (c.cpu_offload) return Error::BadInput("fsdp-run does not implement CPU offload (--cpu-offload): fsdp-plan and fsdp-sim model it");
+  if (c.optimizer != Optimizer::kAdamW) return Error::BadInput("fsdp-run trains with AdamW only (--optimizer adamw)");
   PreparedRun run{std::move(w).value(), {}};
   run.options.seed = f.seed;
   run.options.lr = f.lr;

@@ -92,6 +92,10 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
   auto devices = runtime::GpuDeviceCount();
   if (!devices.ok()) return Error::RunFailed(fmt::format("--device cuda: {}", devices.error().message));
   PlanFlags plan = f.plan;
+  if (plan.attention_given && plan.attention != "eager") {
+    return Error::BadInput(fmt::format("--device cuda computes attention with materialised scores: use --attention eager, not '{}'", plan.attention));
+  }
+  plan.attention = "eager";  // the engine's attention, so the PyTorch profile and the time model match it
   if (f.virtual_world > 0 && !plan.gpus_given) plan.config.gpus = f.virtual_world;
   if (!plan.gpu_given) {  // the hardware file of the GPU this rank runs on
     auto name = runtime::GpuDeviceName(comm.rank());

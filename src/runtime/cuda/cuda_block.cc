@@ -6,12 +6,6 @@
 #include "runtime/cuda/cuda_gemm.h"
 #include "runtime/cuda/cuda_kernels.h"
 
-// Declares `var`, a DeviceBuffer from an allocation, or returns the allocation's error.
-#define FSDP_ALLOC(var, expr)                         \
-  auto var##_result = (expr);                         \
-  if (!var##_result.ok()) return var##_result.error(); \
-  DeviceBuffer var = std::move(var##_result).value()
-
 namespace fsdp::runtime::cuda {
 
 int64_t DeviceBlockCache::Bytes() const {

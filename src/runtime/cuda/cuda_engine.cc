@@ -13,11 +13,6 @@
 #include "runtime/cuda/device_comm.h"
 #include "runtime/gpu_engine.h"
 
-#define FSDP_ALLOC(var, expr)                         \
-  auto var##_result = (expr);                         \
-  if (!var##_result.ok()) return var##_result.error(); \
-  DeviceBuffer var = std::move(var##_result).value()
-
 namespace fsdp::runtime {
 
 bool GpuBackendBuilt() { return true; }

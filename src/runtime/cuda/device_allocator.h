@@ -107,3 +107,9 @@ class DeviceAllocator {
 };
 
 }  // namespace fsdp::runtime::cuda
+
+/// Declares `var`, a DeviceBuffer from an allocation, or returns the allocation's error.
+#define FSDP_ALLOC(var, expr)                          \
+  auto var##_result = (expr);                          \
+  if (!var##_result.ok()) return var##_result.error(); \
+  ::fsdp::runtime::cuda::DeviceBuffer var = std::move(var##_result).value()
