@@ -35,10 +35,10 @@ double Seconds(std::chrono::steady_clock::time_point start) {
 std::vector<float> InitialUnit(const Workload& w, int u, uint64_t seed) {
   const WrapUnit& unit = w.units[u];
   std::vector<float> flat(static_cast<size_t>(unit.padded_numel), 0.0f);
-  std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(u));
-  std::normal_distribution<float> normal(0.0f, 0.02f);
   size_t offset = 0;
-  for (int t : unit.tensors) {
+  for (int t : unit.tensors) {  // seeded per tensor: the same model whatever the wrapping
+    std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(t));
+    std::normal_distribution<float> normal(0.0f, 0.02f);
     const TensorSpec& ts = w.model.tensors[t];
     const bool norm = ts.shape.size() == 1;
     for (int64_t i = 0; i < ts.numel(); ++i) flat[offset + i] = norm ? 1.0f : normal(rng);
@@ -218,12 +218,13 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
     inputs.insert(inputs.end(), all.begin() + i * (seq + 1), all.begin() + i * (seq + 1) + seq);
     targets.insert(targets.end(), all.begin() + i * (seq + 1) + 1, all.begin() + (i + 1) * (seq + 1));
   }
-  // root: embed (V*h), final norm (h), lm_head (V*h, absent when tied)
+  // root: embed (V*h), [every block with --wrap none], final norm (h), lm_head (V*h, absent when tied)
+  const LlamaDims::RootOffsets root_at = dims_.Root(block_unit_);
   if (Status s = Unshard(0); !s.ok()) return s.error();
   const float* root = full_[0].data();
   const float* embed = root;
-  const float* norm_w = root + vocab * h;
-  const float* head = dims_.tied ? embed : norm_w + h;
+  const float* norm_w = root + root_at.norm;
+  const float* head = root + root_at.head;
   const int64_t block_numel = dims_.BlockNumel();
   auto block_params = [&](int b) -> float* {
     const int u = block_unit_[b];
@@ -264,9 +265,9 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
     ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[0].size()) * 4);
   }
   float* root_grad = full_grad_[0].data();
-  MatMap g_head(dims_.tied ? root_grad : root_grad + vocab * h + h, vocab, h);
+  MatMap g_head(root_grad + root_at.head, vocab, h);
   Mat d_normed = LinearBackward(d_logits, normed, ConstMatMap(head, vocab, h), g_head);
-  Eigen::Map<Vec> g_norm(root_grad + vocab * h, h);
+  Eigen::Map<Vec> g_norm(root_grad + root_at.norm, h);
   Mat dx = RmsNormBackward(d_normed, x, Eigen::Map<const Vec>(norm_w, h), inv, g_norm);
   for (int b = static_cast<int>(dims_.layers) - 1; b >= 0; --b) {
     const int u = block_unit_[b];

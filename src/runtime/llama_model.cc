@@ -1,5 +1,7 @@
 #include "runtime/llama_model.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 namespace fsdp::runtime {
@@ -7,6 +9,12 @@ namespace fsdp::runtime {
 int64_t LlamaDims::BlockNumel() const {
   const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
   return 2 * hidden + q * hidden + 2 * kv * hidden + hidden * q + 3 * inner * hidden;
+}
+
+LlamaDims::RootOffsets LlamaDims::Root(const std::vector<int>& block_unit) const {
+  const int64_t root_blocks = std::count(block_unit.begin(), block_unit.end(), 0);
+  const int64_t norm = vocab * hidden + root_blocks * BlockNumel();
+  return {norm, tied ? 0 : norm + hidden};
 }
 
 LlamaDims::BlockOffsets LlamaDims::Offsets() const {

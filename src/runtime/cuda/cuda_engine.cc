@@ -113,6 +113,9 @@ CudaEngine::~CudaEngine() {
   cudaEventDestroy(params_ready_);
   cudaEventDestroy(reduced_);
   if (blas_ != nullptr) cublasDestroy(blas_);
+  for (cudaStream_t s : {compute_, gather_, reduce_}) {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
 }
 
 Result<cudaEvent_t> CudaEngine::NewEvent() {
@@ -236,7 +239,7 @@ Status CudaEngine::InitUnit(int u) {
       if (ts.shape.size() == 1) {
         Fill(out, end - begin, 1.0f, compute_);
       } else {
-        FillNormal(out, end - begin, o_.seed * 7919 + static_cast<uint64_t>(u), begin, 0.02f, compute_);
+        FillNormal(out, end - begin, o_.seed * 7919 + static_cast<uint64_t>(t), begin - offset, 0.02f, compute_);
       }
     }
     offset += ts.numel();
@@ -354,8 +357,9 @@ Status CudaEngine::Forward(DeviceBuffer& x) {
   // final norm, LM head, loss: logits are overwritten by their gradient
   const int64_t h = d.hidden;
   const void* root = full_[0].get();
-  const void* norm_w = Offset(root, d.vocab * h, dtype_);
-  const void* head = d.tied ? root : Offset(root, d.vocab * h + h, dtype_);
+  const LlamaDims::RootOffsets root_at = d.Root(block_unit_);
+  const void* norm_w = Offset(root, root_at.norm, dtype_);
+  const void* head = Offset(root, root_at.head, dtype_);
   alloc_.set_phase("loss");
   FSDP_ALLOC(inv, alloc_.Allocate(T * 4, Mem::kActivations, compute_));
   FSDP_ALLOC(normed, ctx_.Buffer(T * h, Mem::kActivations));
@@ -384,8 +388,9 @@ Status CudaEngine::Backward(DeviceBuffer x) {
   FSDP_TRY(ensure_grad(0));
   const void* root = full_[0].get();
   void* root_grad = full_grad_[0].get();
-  const void* norm_w = Offset(root, d.vocab * h, dtype_);
-  const int64_t head_offset = d.tied ? 0 : d.vocab * h + h;
+  const LlamaDims::RootOffsets root_at = d.Root(block_unit_);
+  const void* norm_w = Offset(root, root_at.norm, dtype_);
+  const int64_t head_offset = root_at.head;
   FSDP_ALLOC(d_normed, ctx_.Buffer(T * h, Mem::kTemporaries));
   FSDP_TRY(LinearBackward(blas_, dtype_, logits_.get(), normed_.get(), Offset(root, head_offset, dtype_), d_normed.get(),
                           Offset(root_grad, head_offset, dtype_), T, h, d.vocab));
@@ -393,7 +398,7 @@ Status CudaEngine::Backward(DeviceBuffer x) {
   normed_.Release();
   FSDP_ALLOC(dx, ctx_.Buffer(T * h, Mem::kActivations));
   RmsNormBackward(d_normed.get(), x.get(), norm_w, inv_final_.as<float>(), nullptr, dx.get(), dw_scratch_.as<float>(), T, h, dtype_, compute_);
-  AddF32(dw_scratch_.as<float>(), Offset(root_grad, d.vocab * h, dtype_), dtype_, h, compute_);
+  AddF32(dw_scratch_.as<float>(), Offset(root_grad, root_at.norm, dtype_), dtype_, h, compute_);
   d_normed.Release();
   inv_final_.Release();
   x.Release();

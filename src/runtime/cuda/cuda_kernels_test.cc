@@ -242,8 +242,9 @@ TEST_CASE("The caching allocator reuses blocks per stream, waits for other strea
   cudaStreamDestroy(other);
 }
 
-Workload TinyWorkload(Strategy strategy, Checkpointing ac, DType param_dtype, int gpus) {
+Workload TinyWorkload(Strategy strategy, Checkpointing ac, DType param_dtype, int gpus, WrapPolicy wrap = WrapPolicy::kBlock) {
   FsdpConfig config;
+  config.wrap = wrap;
   config.gpus = gpus;
   config.gpus_per_node = gpus;
   config.strategy = strategy;
@@ -258,8 +259,11 @@ Workload TinyWorkload(Strategy strategy, Checkpointing ac, DType param_dtype, in
 TEST_CASE("Training steps: fp32 losses equal the CPU engine's; allocated peak equals the planner's replay") {
   std::unique_ptr<Comm> host = MakeSingleComm();
   TrainOptions o;
-  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard}) {
-    const Workload w = TinyWorkload(s, Checkpointing::kNone, DType::kFp32, 1);
+  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard, Strategy::kHybridShard}) {
+    // HYBRID_SHARD stands for the whole model in one unit here (--wrap none)
+    const bool whole = s == Strategy::kHybridShard;
+    const Workload w = TinyWorkload(whole ? Strategy::kFullShard : s, Checkpointing::kNone, DType::kFp32, 1,
+                                    whole ? WrapPolicy::kNone : WrapPolicy::kBlock);
     auto cpu = FsdpEngine::Create(w, *host, o).value();
     auto gpu = CreateGpuEngine(w, *host, o, 0);
     REQUIRE(gpu.ok());

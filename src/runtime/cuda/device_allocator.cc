@@ -35,7 +35,12 @@ DeviceAllocator::~DeviceAllocator() {
 void DeviceAllocator::ProcessPending(bool wait) {
   auto done = [&](Block* b) {
     for (cudaEvent_t e : b->pending) {
-      if (wait ? cudaEventSynchronize(e) != cudaSuccess : cudaEventQuery(e) != cudaSuccess) return false;
+      const cudaError_t code = wait ? cudaEventSynchronize(e) : cudaEventQuery(e);
+      if (code == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // not an error, but the runtime records it as the last one (as PyTorch clears it)
+        return false;
+      }
+      if (code != cudaSuccess) return false;
     }
     return true;
   };
@@ -96,15 +101,16 @@ Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, Mem category, cuda
     }
     if (b == nullptr) {
       b = &blocks_[ptr];
-      *b = Block{ptr, size, stream, category, {}};
+      *b = Block{ptr, size, size, stream, category, {}};
       reserved_ += size;
       peak_reserved_ = std::max(peak_reserved_, reserved_);
       ++mallocs_;
     }
   }
   b->category = category;
-  allocated_ += b->size;
-  live_[static_cast<int>(category)] += b->size;
+  b->used = size;  // a cached block may be up to 1/8 larger: count what was asked for, as the planner's replay does
+  allocated_ += size;
+  live_[static_cast<int>(category)] += size;
   if (allocated_ > peak_allocated_) {
     peak_allocated_ = allocated_;
     at_peak_ = live_;
@@ -117,8 +123,8 @@ void DeviceAllocator::Free(void* ptr, std::initializer_list<cudaStream_t> also_u
   auto it = blocks_.find(ptr);
   if (it == blocks_.end()) return;
   Block& b = it->second;
-  allocated_ -= b.size;
-  live_[static_cast<int>(b.category)] -= b.size;
+  allocated_ -= b.used;
+  live_[static_cast<int>(b.category)] -= b.used;
   for (cudaStream_t s : also_used_on) {
     if (s == b.stream) continue;
     cudaEvent_t e = nullptr;

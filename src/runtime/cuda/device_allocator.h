@@ -6,10 +6,10 @@
 // and on failure the cache is emptied and the allocation retried once.
 //
 // Accounting: every block carries a category (sharded params, gradients, ...). "allocated" is
-// the sum of live blocks' rounded sizes and falls at Free() (a block waiting on another stream's
-// event no longer counts, unlike PyTorch, which counts it until the event completes: here the
-// series depends only on the order of calls, not on GPU timing); "reserved" is what cudaMalloc
-// gave. The categories are recorded at the allocated peak, with the phase the engine named last.
+// the sum of the live requests rounded to 512 B (not the size of the cached block serving them)
+// and falls at Free() (a block waiting on another stream's event no longer counts, unlike
+// PyTorch, which counts it until the event completes): the series depends only on the order of
+// calls, not on GPU timing or on which cached block was reused. "reserved" is what cudaMalloc gave. The categories are recorded at the allocated peak, with the phase the engine named last.
 #pragma once
 
 #include <array>
@@ -88,7 +88,8 @@ class DeviceAllocator {
  private:
   struct Block {
     void* ptr = nullptr;
-    int64_t size = 0;
+    int64_t size = 0;  // what cudaMalloc gave
+    int64_t used = 0;  // the rounded request it serves now (counted as allocated)
     cudaStream_t stream = nullptr;
     Mem category = Mem::kTemporaries;
     std::vector<cudaEvent_t> pending;  // events on other streams that must complete before reuse
