@@ -10,7 +10,8 @@
 #   4. runs tools/torch_reference.py (PyTorch FSDP2) on the same 1-GPU configurations;
 #   5. merges everything into $OUT/device-check.json (and the log into $OUT/device-check.log).
 # Must finish in under 8 minutes including the build. Environment: OUT (default ./device-out),
-# MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead.
+# MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead; MERGE_ONLY=1
+# only merges the JSON files already in $OUT/runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -28,6 +29,51 @@ run() {  # run a command, logging it; DRY_RUN prints it only
   "$@" 2>&1 | tee -a "$LOG"
   return "${PIPESTATUS[0]}"
 }
+merge() {
+python3 - "$RUNS" "$OUT/device-check.json" <<'PY'
+# Merges the runs and compares, per configuration: fsdp-run's peak with its own prediction,
+# fsdp-plan's PyTorch FSDP2 profile with PyTorch's max_memory_allocated, fsdp-run's step time with
+# fsdp-plan's, and fsdp-run's tokens/s with PyTorch's.
+import json, os, sys, datetime
+runs, out = sys.argv[1], sys.argv[2]
+doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "runs": {}, "comparison": {}}
+for name in sorted(os.listdir(runs)):
+    with open(os.path.join(runs, name)) as f:
+        doc["runs"][name[:-5]] = json.load(f)
+def err(measured, predicted):
+    return None if not measured or predicted is None else 100.0 * (predicted - measured) / measured
+print(f"{'configuration':20s} {'peak GiB':>9s} {'pred':>7s} {'err%':>6s} {'torch GiB':>9s} {'plan':>7s} {'err%':>6s} "
+      f"{'step s':>7s} {'pred':>7s} {'err%':>6s} {'tok/s':>8s} {'torch':>8s} {'ratio':>6s}")
+for name, r in doc["runs"].items():
+    if not name.startswith("fsdp_"):
+        continue
+    key = name[5:]
+    m, p = r["measured"], r["predicted"]
+    t = doc["runs"].get("torch_" + key, {}).get("measured", {})
+    row = {
+        "fsdp_run_peak_bytes": m["memory"]["rank0_peak_allocated_bytes"],
+        "fsdp_run_predicted_peak_bytes": p["memory"]["peak_bytes"],
+        "plan_pytorch_peak_bytes": p["pytorch_profile"]["allocated_peak_bytes"],
+        "torch_max_allocated_bytes": t.get("memory", {}).get("max_allocated_bytes"),
+        "fsdp_run_step_s": m["time"]["step_s"], "plan_step_s": p["time"]["step_s"],
+        "fsdp_run_tokens_per_s": m["tokens_per_s_per_gpu"], "torch_tokens_per_s": t.get("tokens_per_s"),
+    }
+    row["peak_error_pct"] = err(row["fsdp_run_peak_bytes"], row["fsdp_run_predicted_peak_bytes"])
+    row["plan_vs_torch_error_pct"] = err(row["torch_max_allocated_bytes"], row["plan_pytorch_peak_bytes"])
+    row["step_error_pct"] = err(row["fsdp_run_step_s"], row["plan_step_s"])
+    row["tokens_ratio_vs_torch"] = row["fsdp_run_tokens_per_s"] / row["torch_tokens_per_s"] if row["torch_tokens_per_s"] else None
+    doc["comparison"][key] = row
+    g = lambda b: b / 2**30 if b else float("nan")
+    f = lambda x: x if x is not None else float("nan")
+    print(f"{key:20s} {g(row['fsdp_run_peak_bytes']):9.3f} {g(row['fsdp_run_predicted_peak_bytes']):7.3f} {f(row['peak_error_pct']):6.1f} "
+          f"{g(row['torch_max_allocated_bytes']):9.3f} {g(row['plan_pytorch_peak_bytes']):7.3f} {f(row['plan_vs_torch_error_pct']):6.1f} "
+          f"{row['fsdp_run_step_s']:7.4f} {row['plan_step_s']:7.4f} {f(row['step_error_pct']):6.1f} "
+          f"{row['fsdp_run_tokens_per_s']:8.0f} {f(row['torch_tokens_per_s']):8.0f} {f(row['tokens_ratio_vs_torch']):6.2f}")
+with open(out, "w") as f:
+    json.dump(doc, f, indent=1)
+PY
+}
+[ -n "${MERGE_ONLY:-}" ] && { merge; exit; }  # only re-merge the runs already in $OUT/runs
 start=$(date +%s)
 
 say "machine"
@@ -55,7 +101,7 @@ FSDPKIT_DATA_DIR=$PWD run build-device/src/runtime/cuda_test
 echo "cuda_test exit $?" | tee -a "$LOG"
 
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
-common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
+common=(--device cuda --framework fsdp2 --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
 fsdp() {  # name, then extra flags
   local name=$1; shift
   FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
@@ -81,22 +127,5 @@ torch_run no_shard NO_SHARD none
 say "torch done after $(( $(date +%s) - start )) s"
 
 [ -n "${DRY_RUN:-}" ] && exit 0
-python3 - "$RUNS" "$OUT/device-check.json" <<'PY'
-import json, os, sys, datetime
-runs, out = sys.argv[1], sys.argv[2]
-doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "runs": {}}
-for name in sorted(os.listdir(runs)):
-    with open(os.path.join(runs, name)) as f:
-        doc["runs"][name[:-5]] = json.load(f)
-with open(out, "w") as f:
-    json.dump(doc, f, indent=1)
-for name, r in doc["runs"].items():
-    m = r.get("measured", {})
-    mem = m.get("memory", {})
-    peak = mem.get("rank0_peak_allocated_bytes") or mem.get("max_allocated_bytes") or 0
-    pred = r.get("predicted", {}).get("memory", {}).get("peak_bytes")
-    step = m.get("time", {}).get("step_s")
-    tps = m.get("tokens_per_s_per_gpu") or m.get("tokens_per_s")
-    print(f"{name:22s} peak {peak / 2**30:8.3f} GiB  predicted {pred / 2**30 if pred else float('nan'):8.3f} GiB  step {step or 0:8.4f} s  {tps or 0:10.0f} tokens/s")
-PY
+merge
 say "total $(( $(date +%s) - start )) s"
