@@ -61,7 +61,8 @@ Result<int> GpuDeviceCount();
 /// cudaDeviceProp::name of the device rank `rank` would use, e.g. "NVIDIA H200".
 Result<std::string> GpuDeviceName(int rank);
 
-/// One process per GPU: rank r of `host` uses device r % devices. virtual_world > 0 needs a
+/// One process per GPU: a rank uses device local_rank % devices (OMPI_COMM_WORLD_LOCAL_RANK,
+/// SLURM_LOCALID, MPI_LOCALRANKID or LOCAL_RANK), else rank % devices. virtual_world > 0 needs a
 /// single process and stands for that many ranks.
 Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& workload, Comm& host, const TrainOptions& options, int virtual_world);
 
