@@ -32,6 +32,9 @@ DeviceAllocator::~DeviceAllocator() {
   for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
 }
 
+// Frees are queued in the order they happen and the GPU runs each stream in order, so, as in
+// PyTorch's process_events, the queue is read from the front and the reading stops at the first
+// block still in use: a query or two per allocation, not one per pending block.
 void DeviceAllocator::ProcessPending(bool wait) {
   auto done = [&](Block* b) {
     for (cudaEvent_t e : b->pending) {
@@ -44,17 +47,13 @@ void DeviceAllocator::ProcessPending(bool wait) {
     }
     return true;
   };
-  std::vector<Block*> still;
-  for (Block* b : pending_) {
-    if (!done(b)) {
-      still.push_back(b);
-      continue;
-    }
+  while (!pending_.empty() && done(pending_.front())) {
+    Block* b = pending_.front();
+    pending_.pop_front();
     spare_events_.insert(spare_events_.end(), b->pending.begin(), b->pending.end());
     b->pending.clear();
     pools_[b->stream].emplace(b->size, b);
   }
-  pending_.swap(still);
 }
 
 DeviceAllocator::Block* DeviceAllocator::TakeCached(int64_t size, cudaStream_t stream) {

@@ -14,6 +14,7 @@
 
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <initializer_list>
 #include <map>
 #include <string>
@@ -100,7 +101,7 @@ class DeviceAllocator {
 
   std::map<void*, Block> blocks_;                                        // every block cudaMalloc gave
   std::map<cudaStream_t, std::multimap<int64_t, Block*>> pools_;          // free blocks by stream and size
-  std::vector<Block*> pending_;                                          // freed, waiting on events
+  std::deque<Block*> pending_;                                           // freed, waiting on events, in order
   std::vector<cudaEvent_t> spare_events_;
   std::array<int64_t, kMemKinds> live_{}, at_peak_{};
   int64_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0, limit_ = 0, mallocs_ = 0;
