@@ -111,8 +111,8 @@ Result<DeviceBuffer> DeviceBlockForward(const DeviceContext& c, const void* para
   FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wq), q.get(), T, h, qd));
   FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wk), k.get(), T, h, kvd));
   FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wv), v.get(), T, h, kvd));
-  Rope(q.get(), T, d.heads, d.head_dim, c.seq, d.rope_theta, false, t, c.stream);
-  Rope(k.get(), T, d.kv_heads, d.head_dim, c.seq, d.rope_theta, false, t, c.stream);
+  Rope(q.get(), c.rope_table, T, d.heads, d.head_dim, c.seq, false, t, c.stream);
+  Rope(k.get(), c.rope_table, T, d.kv_heads, d.head_dim, c.seq, false, t, c.stream);
   FSDP_ALLOC(probs, c.Buffer(c.batch * d.heads * c.seq * c.seq, saved));
   FSDP_ALLOC(attn, c.Buffer(T * qd, saved));
   FSDP_TRY(DeviceAttentionForward(c, q.get(), k.get(), v.get(), probs.get(), attn.get()));
@@ -177,8 +177,8 @@ Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* par
   FSDP_TRY(DeviceAttentionBackward(c, cache.q.get(), cache.k.get(), cache.v.get(), cache.probs.get(), d_attn.get(), dq.get(), dk.get(), dv.get()));
   d_attn.Release();
   cache.probs.Release();
-  Rope(dq.get(), T, d.heads, d.head_dim, c.seq, d.rope_theta, true, t, c.stream);
-  Rope(dk.get(), T, d.kv_heads, d.head_dim, c.seq, d.rope_theta, true, t, c.stream);
+  Rope(dq.get(), c.rope_table, T, d.heads, d.head_dim, c.seq, true, t, c.stream);
+  Rope(dk.get(), c.rope_table, T, d.kv_heads, d.head_dim, c.seq, true, t, c.stream);
   FSDP_ALLOC(d_n1, c.Buffer(T * h, Mem::kTemporaries));
   FSDP_TRY(LinearBackward(c.blas, t, dq.get(), cache.n1.get(), w(o.wq), d_n1.get(), g(o.wq), T, h, qd));
   FSDP_TRY(LinearBackward(c.blas, t, dk.get(), cache.n1.get(), w(o.wk), d_n1.get(), g(o.wk), T, h, kvd, 1.0f));

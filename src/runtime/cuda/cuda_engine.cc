@@ -107,7 +107,7 @@ class CudaEngine : public GpuEngine {
   std::deque<cudaEvent_t> reshard_events_;  // limit_all_gathers: frees the CPU may run ahead of
   std::vector<cudaEvent_t> spare_events_;
   cudaEvent_t params_ready_ = nullptr, reduced_ = nullptr;
-  DeviceBuffer dw_scratch_, loss_sum_, ids_, targets_;
+  DeviceBuffer dw_scratch_, rope_table_, loss_sum_, ids_, targets_;
   // per micro-batch state
   std::vector<DeviceBuffer> inputs_;  // block inputs (block 0's is the embedding output)
   std::vector<DeviceBlockCache> caches_;
@@ -200,6 +200,10 @@ Status CudaEngine::Init(int virtual_world) {
   device_view_.nccl_bytes = DeviceUsedBytes() - before_nccl - DeviceAllocator::RoundUp(4);
   FSDP_ALLOC(dw, alloc_.Allocate(ctx_.dims.hidden * 4, Mem::kTemporaries, compute_));
   dw_scratch_ = std::move(dw);
+  FSDP_ALLOC(rope, alloc_.Allocate(ctx_.seq * ctx_.dims.head_dim * 4, Mem::kTemporaries, compute_));  // cos and sin, seq x head_dim/2 each
+  RopeTable(rope.as<float>(), ctx_.seq, ctx_.dims.head_dim, ctx_.dims.rope_theta, compute_);
+  rope_table_ = std::move(rope);
+  ctx_.rope_table = rope_table_.as<float>();
   for (cudaEvent_t* e : {&params_ready_, &reduced_}) FSDP_CUDA_TRY(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   for (cudaEvent_t& e : phase_events_) FSDP_CUDA_TRY(cudaEventCreate(&e));
   const size_t n = w_.units.size();

@@ -182,16 +182,25 @@ __global__ void RmsNormWeightGradKernel(const T* dy, const T* x, const float* in
   }
 }
 
+__global__ void RopeTableKernel(float* table, int64_t seq, int64_t head_dim, float theta) {
+  const int64_t half = head_dim / 2;
+  GRID_STRIDE(idx, seq * half) {
+    const int64_t i = idx % half, pos = idx / half;
+    const double freq = pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    table[idx] = static_cast<float>(cos(static_cast<double>(pos) * freq));
+    table[seq * half + idx] = static_cast<float>(sin(static_cast<double>(pos) * freq));
+  }
+}
+
 template <typename T>
-__global__ void RopeKernel(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, float theta, float sign) {
+__global__ void RopeKernel(T* x, const float* table, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, float sign) {
   const int64_t half = head_dim / 2;
   GRID_STRIDE(idx, rows * heads * half) {
     const int64_t i = idx % half;
     const int64_t head = (idx / half) % heads;
     const int64_t row = idx / (half * heads);
-    const double freq = pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-    const double angle = static_cast<double>(row % seq) * freq;
-    const float c = static_cast<float>(cos(angle)), s = sign * static_cast<float>(sin(angle));
+    const int64_t angle = (row % seq) * half + i;
+    const float c = table[angle], s = sign * table[seq * half + angle];
     T* a = x + row * heads * head_dim + head * head_dim + i;
     T* b = a + half;
     const float x1 = ToF(*a), x2 = ToF(*b);
@@ -350,9 +359,15 @@ void RmsNormBackward(const void* dy, const void* x, const void* w, const float* 
                                                               rows_per_chunk))
 }
 
-void Rope(void* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, float theta, bool inverse, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, RopeKernel<<<Blocks(rows * heads * head_dim / 2), kThreads, 0, stream>>>(static_cast<T*>(x), rows, heads, head_dim, seq, theta,
-                                                                            inverse ? -1.0f : 1.0f))
+void RopeTable(float* table, int64_t seq, int64_t head_dim, float theta, cudaStream_t stream) {
+  RopeTableKernel<<<Blocks(seq * head_dim / 2), kThreads, 0, stream>>>(table, seq, head_dim, theta);
+}
+
+void Rope(void* x, const float* table, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, bool inverse, DType dtype,
+          cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T,
+                RopeKernel<<<Blocks(rows * heads * head_dim / 2), kThreads, 0, stream>>>(static_cast<T*>(x), table, rows, heads, head_dim, seq,
+                                                                                         inverse ? -1.0f : 1.0f))
 }
 
 void CausalSoftmaxForward(void* scores, int64_t matrices, int64_t seq, float scale, DType dtype, cudaStream_t stream) {

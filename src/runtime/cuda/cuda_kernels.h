@@ -45,9 +45,12 @@ void RmsNormForward(const void* x, const void* w, void* y, float* inv_rms, int64
 void RmsNormBackward(const void* dy, const void* x, const void* w, const float* inv_rms, const void* residual, void* dx,
                      float* dw_f32, int64_t rows, int64_t h, DType dtype, cudaStream_t stream);
 
+/// The rotary table of `seq` positions: cos then sin of pos * theta^(-2i/head_dim) for i < head_dim/2,
+/// computed in double and stored fp32 (2 * seq * head_dim/2 floats), as the CPU's Rope computes them.
+void RopeTable(float* table, int64_t seq, int64_t head_dim, float theta, cudaStream_t stream);
 /// Rotary embedding in place on x (rows, heads * head_dim), position = row % seq, HF rotate_half
-/// layout; `inverse` applies the transpose (backward).
-void Rope(void* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, float theta, bool inverse, DType dtype,
+/// layout, angles from RopeTable; `inverse` applies the transpose (backward).
+void Rope(void* x, const float* table, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, bool inverse, DType dtype,
           cudaStream_t stream);
 
 /// In place on scores (matrices, seq, seq): p = softmax(scale * s) over j <= i, 0 above the diagonal.

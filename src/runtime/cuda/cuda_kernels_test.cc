@@ -113,11 +113,13 @@ TEST_CASE("RoPE and its inverse match the CPU") {
   const int64_t rows = 64, heads = 4, d = 16, seq = 32;
   Mat x = Random(rows, heads * d, 4);
   DeviceBuffer dev = g.Upload(x, DType::kFp32);
+  DeviceBuffer table = g.alloc.Allocate(seq * d * 4, Mem::kTemporaries, g.stream).value();
+  RopeTable(table.as<float>(), seq, d, 10000.0f, g.stream);
   runtime::Rope(x, heads, d, seq, 10000.0f, false);
-  Rope(dev.get(), rows, heads, d, seq, 10000.0f, false, DType::kFp32, g.stream);
+  Rope(dev.get(), table.as<float>(), rows, heads, d, seq, false, DType::kFp32, g.stream);
   CheckClose(g.Download(dev.get(), rows, heads * d, DType::kFp32), x, kFp32, "rope");
   runtime::Rope(x, heads, d, seq, 10000.0f, true);
-  Rope(dev.get(), rows, heads, d, seq, 10000.0f, true, DType::kFp32, g.stream);
+  Rope(dev.get(), table.as<float>(), rows, heads, d, seq, true, DType::kFp32, g.stream);
   CheckClose(g.Download(dev.get(), rows, heads * d, DType::kFp32), x, kFp32, "rope inverse");
 }
 
@@ -200,6 +202,9 @@ TEST_CASE("A whole block's forward and backward match the CPU block") {
     const Tolerance tol = dtype == DType::kFp32 ? kFp32 : kBf16;
     Gpu g;
     DeviceContext c{d, dtype, batch, seq, g.blas, g.stream, &g.alloc};
+    DeviceBuffer table = g.alloc.Allocate(seq * d.head_dim * 4, Mem::kTemporaries, g.stream).value();
+    RopeTable(table.as<float>(), seq, d.head_dim, d.rope_theta, g.stream);
+    c.rope_table = table.as<float>();
     DeviceBuffer p = g.Upload(params, dtype), dx_in = g.Upload(x, dtype), ddy = g.Upload(dy, dtype), grads = g.Upload(Mat::Zero(1, d.BlockNumel()), dtype);
     DeviceBuffer scratch = g.alloc.Allocate(d.hidden * 4, Mem::kTemporaries, g.stream).value();
     DeviceBlockCache dc;
