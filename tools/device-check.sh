@@ -56,7 +56,7 @@ for name, r in doc["runs"].items():
         "plan_pytorch_peak_bytes": p["pytorch_profile"]["allocated_peak_bytes"],
         "torch_max_allocated_bytes": t.get("memory", {}).get("max_allocated_bytes"),
         "fsdp_run_step_s": m["time"]["step_s"], "plan_step_s": p["time"]["step_s"],
-        "fsdp_run_tokens_per_s": m["tokens_per_s_per_gpu"], "torch_tokens_per_s": t.get("tokens_per_s"),
+        "fsdp_run_tokens_per_s": m["tokens_per_s_per_gpu"], "torch_tokens_per_s": t.get("tokens_per_s_per_gpu", t.get("tokens_per_s")),
     }
     row["peak_error_pct"] = err(row["fsdp_run_peak_bytes"], row["fsdp_run_predicted_peak_bytes"])
     row["plan_vs_torch_error_pct"] = err(row["torch_max_allocated_bytes"], row["plan_pytorch_peak_bytes"])
@@ -101,18 +101,19 @@ FSDPKIT_DATA_DIR=$PWD run build-device/src/runtime/cuda_test
 echo "cuda_test exit $?" | tee -a "$LOG"
 
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
-common=(--device cuda --framework fsdp2 --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
+common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
 fsdp() {  # name, then extra flags
   local name=$1; shift
   FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
 }
-fsdp full_shard --strategy FULL_SHARD
-fsdp full_shard_ac --strategy FULL_SHARD --ac full
-fsdp shard_grad_op --strategy SHARD_GRAD_OP
-fsdp no_shard --strategy NO_SHARD
-fsdp full_shard_v8 --strategy FULL_SHARD --virtual-world 8
-fsdp full_shard_ac_v8 --strategy FULL_SHARD --ac full --virtual-world 8
-fsdp shard_grad_op_v8 --strategy SHARD_GRAD_OP --virtual-world 8
+# fsdp2 profiles (as the PyTorch reference runs fully_shard); FSDP2 has no NO_SHARD, so that one is fsdp1's
+fsdp full_shard --framework fsdp2 --strategy FULL_SHARD
+fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
+fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
+fsdp no_shard --framework fsdp1 --strategy NO_SHARD
+fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
+fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
+fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
 say "fsdp-run done after $(( $(date +%s) - start )) s"
 
 say "PyTorch FSDP2 reference (tools/torch_reference.py)"

@@ -498,6 +498,7 @@ def build_report(args, env, params, notes, run):
                      "wall_steps_s": run["wall_steps_s"],
                      "timer": "cuda_event" if args.device == "cuda" else "wall_clock"},
             "tokens_per_s": tokens / step_s if step_s > 0 else None,
+            "tokens_per_s_per_gpu": tokens / env["world"] / step_s if step_s > 0 else None,
             "memory": memory,
         },
     }

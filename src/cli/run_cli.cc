@@ -107,17 +107,31 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
                  "cuda: run rank 0 of an N-rank configuration on one GPU (shards and buffers sized for N, collectives as device copies)");
 }
 
+Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value) {
+  const float halves[2] = {static_cast<float>(value >> 24), static_cast<float>(value & 0xFFFFFF)};
+  std::vector<float> all(2 * static_cast<size_t>(comm.size()));
+  if (Status s = comm.AllGather(halves, all.data(), 2); !s.ok()) return s.error();
+  int64_t largest = 0;
+  for (size_t r = 0; r < all.size(); r += 2) largest = std::max(largest, (static_cast<int64_t>(all[r]) << 24) | static_cast<int64_t>(all[r + 1]));
+  return largest;
+}
+
 Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (f.steps < 1 || f.steps > 1000000) return Error::BadInput(fmt::format("--steps must be between 1 and 1000000, got {}", f.steps));
   if (!(f.lr > 0) || f.lr > 1) return Error::BadInput(fmt::format("--lr must be in (0, 1], got {}", f.lr));
-  if (f.memory_limit_mib < 0) return Error::BadInput(fmt::format("--memory-limit must be positive MiB, got {}", f.memory_limit_mib));
-  if (!(f.timeout_s > 0)) return Error::BadInput(fmt::format("--timeout must be positive, got {}", f.timeout_s));
+  if (!(f.memory_limit_mib >= 0 && f.memory_limit_mib <= 1e9)) {
+    return Error::BadInput(fmt::format("--memory-limit must be positive MiB (at most 1e9), got {}", f.memory_limit_mib));
+  }
+  if (!(f.timeout_s > 0 && f.timeout_s <= 1e7)) return Error::BadInput(fmt::format("--timeout must be positive seconds (at most 1e7), got {}", f.timeout_s));
   if (plan.config.gpus_per_node == 0) plan.config.gpus_per_node = plan.config.gpus;  // one "node" unless told
   auto w = WorkloadFromFlags(plan);
   if (!w.ok()) return w.error();
   const FsdpConfig& c = w.value().config;
   if (c.cpu_offload) return Error::BadInput("fsdp-run does not implement CPU offload (--cpu-offload): fsdp-plan and fsdp-sim model it");
   if (c.optimizer != Optimizer::kAdamW) return Error::BadInput("fsdp-run trains with AdamW only (--optimizer adamw)");
+  if (c.checkpointing == Checkpointing::kSelective) {
+    return Error::BadInput("fsdp-run checkpoints whole blocks only (--ac none or full); fsdp-plan and fsdp-sim model --ac selective");
+  }
   PreparedRun run{std::move(w).value(), {}};
   run.options.seed = f.seed;
   run.options.lr = f.lr;
@@ -177,9 +191,8 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   const double total_s = log.value().total_s;
   // every rank's peak (the largest is reported), gathered on rank 0
   const runtime::MemoryLedger& mem = engine.value()->memory();
-  float peak = static_cast<float>(mem.peak_bytes());
-  std::vector<float> peaks(static_cast<size_t>(comm.size()));
-  if (Status s = comm.AllGather(&peak, peaks.data(), 1); !s.ok()) return s;
+  auto largest_peak = MaxOverRanks(comm, mem.peak_bytes());
+  if (!largest_peak.ok()) return largest_peak.error();
   if (comm.rank() != 0) return {};
   const double step_s = total_s / static_cast<double>(f.steps);
   fmt::print(out, "{} on {} rank(s), {}: losses", workload.model.id, comm.size(), StrategyName(workload.config.strategy));
@@ -259,7 +272,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
                 {"config", ConfigToJson(workload.config)},
                 {"measured",
                  {{"loss", losses},
-                  {"memory", {{"peak_bytes", *std::max_element(peaks.begin(), peaks.end())}, {"rank0_peak_bytes", mem.peak_bytes()},
+                  {"memory", {{"peak_bytes", largest_peak.value()}, {"rank0_peak_bytes", mem.peak_bytes()},
                               {"rank0_peak_phase", mem.peak_phase()}, {"rank0_categories", categories}}},
                   {"time", {{"step_s", step_s}, {"steps_s", times}, {"forward_s", t.forward_s / f.steps}, {"backward_s", t.backward_s / f.steps},
                             {"optimizer_s", t.optimizer_s / f.steps}}},

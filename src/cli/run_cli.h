@@ -42,6 +42,10 @@ struct PreparedRun {
 };
 Result<PreparedRun> PrepareRun(const RunFlags& flags, PlanFlags plan);
 
+/// The largest `value` (0 <= value < 2^48) over the ranks of `comm`, exactly (the host Comm moves
+/// floats: the value travels as two 24-bit halves).
+Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value);
+
 /// Losses and wall times of the steps run so far.
 struct StepLog {
   Json losses = Json::array(), times = Json::array();

@@ -19,6 +19,9 @@ namespace fsdp {
 
 Result<std::string> HardwareIdForDevice(const std::string& name) {
   auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("GH200") || has("NVL")) {  // Grace Hopper (96/144 GB) and H100 NVL (94 GB) have no catalog entry
+    return Error::BadInput(fmt::format("GPU '{}' is not in the hardware catalog: pass --gpu with a hardware file", name));
+  }
   if (has("H200")) return std::string("h200-sxm");
   if (has("H100")) return std::string(has("PCIe") ? "h100-pcie" : "h100-sxm");
   if (has("B200")) return std::string("b200");
@@ -76,11 +79,104 @@ Json FrameworkTable(const runtime::GpuMemoryReport& m, const MemoryEstimate& tor
 Json CommJson(const runtime::CommStats& cs, int64_t group) {
   const double factor = group > 1 ? static_cast<double>(group - 1) / static_cast<double>(group) : 0.0;
   auto busbw = [&](int64_t bytes, double s) { return s > 0 ? bytes / s * factor : 0.0; };
-  return Json{{"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
+  return Json{{"group_size", group},
+              {"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
               {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s)},
               {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
               {"reduce_scatter_s", cs.reduce_scatter_s}, {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s)},
-              {"all_reduce_bytes", cs.all_reduce_bytes}, {"all_reduce_s", cs.all_reduce_s}};
+              {"all_reduce_bytes", cs.all_reduce_bytes}, {"all_reduce_count", cs.all_reduce_count}, {"all_reduce_s", cs.all_reduce_s},
+              {"all_reduce_busbw_bytes_per_s", busbw(cs.all_reduce_bytes, cs.all_reduce_s) * 2}};
+}
+
+// The collectives of the shard group (all-gathers, reduce-scatters) and of the replica group
+// (HYBRID_SHARD's and NO_SHARD's gradient all-reduces), measured and predicted for the steps run.
+Json CommReport(const runtime::GpuEngine& engine, const Workload& w, int64_t steps, bool virtual_world, std::ostream& out) {
+  const runtime::CommStats& cs = engine.shard_stats();
+  const runtime::CommStats& rs = engine.replica_stats();
+  const int64_t replicas = w.config.gpus / std::max<int64_t>(1, engine.shard_world());
+  auto per = [](int64_t bytes, int64_t count) { return bytes / 1e6 / static_cast<double>(std::max<int64_t>(1, count)); };
+  fmt::print(out, "  all-gathers {} x {:.2f} MB in {:.4f} s, reduce-scatters {} x {:.2f} MB in {:.4f} s{}\n", cs.all_gather_count,
+             per(cs.all_gather_bytes, cs.all_gather_count), cs.all_gather_s, cs.reduce_scatter_count,
+             per(cs.reduce_scatter_bytes, cs.reduce_scatter_count), cs.reduce_scatter_s,
+             virtual_world ? " (device copies standing in for collectives)" : "");
+  if (rs.all_reduce_count > 0) {
+    fmt::print(out, "  gradient all-reduces across {} replicas: {} x {:.2f} MB in {:.4f} s\n", replicas, rs.all_reduce_count,
+               per(rs.all_reduce_bytes, rs.all_reduce_count), rs.all_reduce_s);
+  }
+  Json j = {{"shard", CommJson(cs, engine.shard_world())}, {"replica", CommJson(rs, replicas)}};
+  // fsdp-plan counts no collective in a group of one rank; the engine still calls them (as copies)
+  const CommVolume volume = EstimateComm(w).volume;
+  const double n = static_cast<double>(steps);
+  j["predicted_all_gather_bytes"] = engine.shard_world() > 1 ? Json(static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * n) : Json();
+  j["predicted_reduce_scatter_bytes"] = engine.shard_world() > 1 ? Json(static_cast<double>(volume.reduce_scatter_bytes) * n) : Json();
+  j["predicted_all_reduce_bytes"] = replicas > 1 ? Json(static_cast<double>(volume.all_reduce_bytes) * n) : Json();
+  return j;
+}
+
+// Steps after the first (which pays for cudaMalloc and cuBLAS's heuristics); the one step if only one ran.
+std::vector<double> SteadySteps(const std::vector<double>& per_step) {
+  return per_step.size() > 1 ? std::vector<double>(per_step.begin() + 1, per_step.end()) : per_step;
+}
+
+// Rank 0's report: losses, step time, memory against the engine's replay and fsdp-plan's
+// PyTorch profile, framework memory, step time against fsdp-plan and fsdp-sim, collectives.
+Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngine& engine, const StepLog& log, const GpuRuntimeMemory& predicted,
+                    int64_t largest_peak, int ranks, std::ostream& out) {
+  std::vector<double> steps;
+  for (const auto& t : log.times) steps.push_back(t.get<double>());
+  const double step_s = Median(SteadySteps(steps));
+  const int64_t world = f.virtual_world > 0 ? f.virtual_world : ranks;
+  const double tokens_per_gpu = static_cast<double>(w.config.micro_batch * w.config.seq_len * w.config.grad_accum) / step_s;
+  fmt::print(out, "{} on {} ({}{} ranks), {}, {}/{}: losses", w.model.id, engine.device_name(), f.virtual_world > 0 ? "rank 0 of a virtual world of " : "",
+             world, StrategyName(w.config.strategy), DTypeName(w.config.param_dtype), DTypeName(w.config.reduce_dtype));
+  for (const auto& l : log.losses) fmt::print(out, " {:.4f}", l.get<double>());
+  fmt::print(out, "\n  step {:.4f} s ({}), {:.0f} tokens/s per GPU\n", step_s, steps.size() > 1 ? fmt::format("median of steps 2..{}", steps.size()) : "step 1 only",
+             tokens_per_gpu);
+  const runtime::GpuMemoryReport mem = engine.memory();
+  Json memory_json = MemoryTable(mem, predicted, out);
+  const MemoryEstimate torch_profile = EstimateMemory(w);  // fsdp-plan's PyTorch FSDP profile, for reference
+  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (fsdp-plan's PyTorch {} profile: max_memory_allocated)\n", "peak allocated",
+             mem.peak_allocated_bytes / 1048576.0, torch_profile.allocated_peak_bytes / 1048576.0,
+             Pct(static_cast<double>(mem.peak_allocated_bytes), static_cast<double>(torch_profile.allocated_peak_bytes)),
+             w.config.framework == Framework::kFsdp2 ? "FSDP2" : "FSDP1");
+  Json framework_json = FrameworkTable(mem, torch_profile, out);
+  const TimeEstimate time = EstimateTime(w);  // fsdp-plan's step model and fsdp-sim on this GPU's hardware file
+  auto simulated = sim::Simulate(w, sim::SimOptions{});
+  const double sim_s = simulated.ok() ? simulated.value().step_s : 0.0;
+  fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-plan, {})\n", "step time s", step_s, time.step.step_s, Pct(step_s, time.step.step_s),
+             w.hardware.id);
+  if (simulated.ok()) fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-sim)\n", "step time s", step_s, sim_s, Pct(step_s, sim_s));
+  const runtime::GpuPhaseTimes t = engine.times();
+  const double forward_s = Median(SteadySteps(t.forward_s)), backward_s = Median(SteadySteps(t.backward_s)),
+               optimizer_s = Median(SteadySteps(t.optimizer_s));
+  fmt::print(out, "  GPU time per step: forward {:.4f} s, backward {:.4f} s, optimizer {:.4f} s (CUDA events, same steps)\n", forward_s, backward_s,
+             optimizer_s);
+  Json comm_json = CommReport(engine, w, f.steps, f.virtual_world > 0, out);
+  if (f.json_path.empty()) return {};
+  Json doc = {{"model", w.model.id},
+              {"device", "cuda"},
+              {"device_name", engine.device_name()},
+              {"hardware", w.hardware.id},
+              {"ranks", ranks},
+              {"virtual_world", f.virtual_world},
+              {"config", ConfigToJson(w.config)},
+              {"predicted",
+               {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"peak_phase", predicted.peak_phase}, {"categories", memory_json["predicted"]}}},
+                {"pytorch_profile", {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes}, {"peak_bytes", torch_profile.peak_bytes}}},
+                {"time", {{"step_s", time.step.step_s}, {"sim_step_s", sim_s}, {"tokens_per_s_per_gpu", time.step.tokens_per_s_per_gpu}}}}},
+              {"measured",
+               {{"loss", log.losses},
+                {"memory",
+                 {{"peak_bytes", largest_peak},
+                  {"rank0_peak_allocated_bytes", mem.peak_allocated_bytes},
+                  {"rank0_peak_reserved_bytes", mem.peak_reserved_bytes},
+                  {"rank0_peak_phase", mem.peak_phase},
+                  {"rank0_categories", memory_json["measured"]},
+                  {"framework", framework_json}}},
+                {"time", {{"step_s", step_s}, {"steps_s", log.times}, {"forward_s", forward_s}, {"backward_s", backward_s}, {"optimizer_s", optimizer_s}}},
+                {"tokens_per_s_per_gpu", tokens_per_gpu},
+                {"comm", comm_json}}}};
+  return sim::WriteText(f.json_path, doc.dump(2) + "\n");
 }
 
 }  // namespace
@@ -104,6 +200,11 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
     if (!id.ok()) return id.error();
     plan.gpu = id.value();
   }
+  if (plan.config.gpus_per_node == 0) {  // a node as the hardware file says (HYBRID_SHARD's shard group), capped at --gpus
+    auto hardware = LoadHardware(plan.gpu);
+    if (!hardware.ok()) return hardware.error();
+    plan.config.gpus_per_node = std::min(hardware.value().gpus_per_node, plan.config.gpus);
+  }
   auto prepared = PrepareRun(f, plan);
   if (!prepared.ok()) return prepared.error();
   const Workload& w = prepared.value().workload;
@@ -120,75 +221,10 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
     return log.error();
   }
   const runtime::GpuMemoryReport mem = engine.value()->memory();
-  float peak = static_cast<float>(mem.peak_allocated_bytes);
-  std::vector<float> peaks(static_cast<size_t>(comm.size()));
-  if (Status s = comm.AllGather(&peak, peaks.data(), 1); !s.ok()) return s;
+  auto largest_peak = MaxOverRanks(comm, mem.peak_allocated_bytes);
+  if (!largest_peak.ok()) return largest_peak.error();
   if (comm.rank() != 0) return {};
-
-  // step time: the median after the first step (which pays for cudaMalloc and cuBLAS's heuristics)
-  std::vector<double> steps;
-  for (const auto& t : log.value().times) steps.push_back(t.get<double>());
-  const double step_s = Median(steps.size() > 2 ? std::vector<double>(steps.begin() + 1, steps.end()) : steps);
-  const int64_t world = f.virtual_world > 0 ? f.virtual_world : comm.size();
-  const double tokens_per_gpu = static_cast<double>(w.config.micro_batch * w.config.seq_len * w.config.grad_accum) / step_s;
-  fmt::print(out, "{} on {} ({}{}), {}, {}/{}: losses", w.model.id, engine.value()->device_name(),
-             f.virtual_world > 0 ? "rank 0 of a virtual world of " : "", f.virtual_world > 0 ? fmt::format("{} ranks", world) : fmt::format("{} rank(s)", world),
-             StrategyName(w.config.strategy), DTypeName(w.config.param_dtype), DTypeName(w.config.reduce_dtype));
-  for (const auto& l : log.value().losses) fmt::print(out, " {:.4f}", l.get<double>());
-  fmt::print(out, "\n  step {:.4f} s (median of steps 2..{}), {:.0f} tokens/s per GPU\n", step_s, f.steps, tokens_per_gpu);
-  Json memory_json = MemoryTable(mem, predicted, out);
-  // fsdp-plan's PyTorch FSDP profile of the same configuration, for reference
-  const MemoryEstimate torch_profile = EstimateMemory(w);
-  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (fsdp-plan's PyTorch profile: max_memory_allocated)\n", "peak allocated",
-             mem.peak_allocated_bytes / 1048576.0, torch_profile.allocated_peak_bytes / 1048576.0,
-             Pct(static_cast<double>(mem.peak_allocated_bytes), static_cast<double>(torch_profile.allocated_peak_bytes)));
-  Json framework_json = FrameworkTable(mem, torch_profile, out);
-  // step time: fsdp-plan's step model and fsdp-sim on the hardware file of this GPU
-  const TimeEstimate time = EstimateTime(w);
-  auto simulated = sim::Simulate(w, sim::SimOptions{});
-  const double sim_s = simulated.ok() ? simulated.value().step_s : 0.0;
-  fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-plan, {})\n", "step time s", step_s, time.step.step_s, Pct(step_s, time.step.step_s),
-             w.hardware.id);
-  if (simulated.ok()) fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-sim)\n", "step time s", step_s, sim_s, Pct(step_s, sim_s));
-  const runtime::GpuPhaseTimes t = engine.value()->times();
-  const double n = static_cast<double>(f.steps);
-  fmt::print(out, "  GPU time per step: forward {:.4f} s, backward {:.4f} s, optimizer {:.4f} s (CUDA events)\n", t.forward_s / n, t.backward_s / n,
-             t.optimizer_s / n);
-  const runtime::CommStats& cs = engine.value()->shard_stats();
-  const CommVolume volume = EstimateComm(w).volume;
-  fmt::print(out, "  all-gathers {} x {:.2f} MB in {:.4f} s, reduce-scatters {} x {:.2f} MB in {:.4f} s{}\n", cs.all_gather_count,
-             cs.all_gather_bytes / 1e6 / std::max<int64_t>(1, cs.all_gather_count), cs.all_gather_s, cs.reduce_scatter_count,
-             cs.reduce_scatter_bytes / 1e6 / std::max<int64_t>(1, cs.reduce_scatter_count), cs.reduce_scatter_s,
-             f.virtual_world > 0 ? " (device copies standing in for collectives)" : "");
-  if (f.json_path.empty()) return {};
-  Json comm_json = CommJson(cs, engine.value()->shard_world());
-  comm_json["predicted_all_gather_bytes"] = static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * n;
-  comm_json["predicted_reduce_scatter_bytes"] = static_cast<double>(volume.reduce_scatter_bytes) * n;
-  Json doc = {{"model", w.model.id},
-              {"device", "cuda"},
-              {"device_name", engine.value()->device_name()},
-              {"hardware", w.hardware.id},
-              {"ranks", comm.size()},
-              {"virtual_world", f.virtual_world},
-              {"config", ConfigToJson(w.config)},
-              {"predicted",
-               {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"peak_phase", predicted.peak_phase}, {"categories", memory_json["predicted"]}}},
-                {"pytorch_profile", {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes}, {"peak_bytes", torch_profile.peak_bytes}}},
-                {"time", {{"step_s", time.step.step_s}, {"sim_step_s", sim_s}, {"tokens_per_s_per_gpu", time.step.tokens_per_s_per_gpu}}}}},
-              {"measured",
-               {{"loss", log.value().losses},
-                {"memory",
-                 {{"peak_bytes", *std::max_element(peaks.begin(), peaks.end())},
-                  {"rank0_peak_allocated_bytes", mem.peak_allocated_bytes},
-                  {"rank0_peak_reserved_bytes", mem.peak_reserved_bytes},
-                  {"rank0_peak_phase", mem.peak_phase},
-                  {"rank0_categories", memory_json["measured"]},
-                  {"framework", framework_json}}},
-                {"time", {{"step_s", step_s}, {"steps_s", log.value().times}, {"forward_s", t.forward_s / n}, {"backward_s", t.backward_s / n},
-                          {"optimizer_s", t.optimizer_s / n}}},
-                {"tokens_per_s_per_gpu", tokens_per_gpu},
-                {"comm", comm_json}}}};
-  return sim::WriteText(f.json_path, doc.dump(2) + "\n");
+  return ReportGpuRun(f, w, *engine.value(), log.value(), predicted, largest_peak.value(), comm.size(), out);
 }
 
 }  // namespace fsdp

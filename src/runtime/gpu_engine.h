@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/workload.h"
 #include "runtime/comm.h"
@@ -35,8 +36,10 @@ struct GpuMemoryReport {
   int64_t device_used_bytes = 0;  ///< in use at the end (total - free): context, libraries and the allocator's reserve
 };
 
+/// Per step, from CUDA events on the compute stream: the first micro-batch's forward; the rest
+/// of the micro-batches through the last gradient reduction; the optimizer step.
 struct GpuPhaseTimes {
-  double forward_s = 0, backward_s = 0, optimizer_s = 0;  ///< summed over steps, from CUDA events
+  std::vector<double> forward_s, backward_s, optimizer_s;
 };
 
 class GpuEngine {

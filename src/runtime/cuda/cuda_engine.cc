@@ -82,6 +82,8 @@ class CudaEngine : public GpuEngine {
   Status Forward(DeviceBuffer& x);
   Status Backward(DeviceBuffer dx);
   Status Optimizer(int64_t step);
+  /// FSDP1's limit_all_gathers; FSDP2 has no such limiter (its all-gather buffers are freed in order).
+  bool RateLimited() const { return w_.config.framework == Framework::kFsdp1 && w_.config.limit_all_gathers; }
   bool ReshardAfterForward(int u) const {
     return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
   }
@@ -272,7 +274,7 @@ Status CudaEngine::InitUnit(int u) {
 // Enqueues unit u's all-gather on the all-gather stream (no CPU wait, except the rate limiter's).
 Status CudaEngine::Unshard(int u) {
   if (u < 0 || !full_[u].empty()) return {};
-  if (w_.config.limit_all_gathers && reshard_events_.size() >= 2) {  // FSDP1 _free_event_queue
+  if (RateLimited() && reshard_events_.size() >= 2) {  // FSDP1 _free_event_queue
     FSDP_CUDA_TRY(cudaEventSynchronize(reshard_events_.front()));
     spare_events_.push_back(reshard_events_.front());
     reshard_events_.pop_front();
@@ -297,7 +299,7 @@ Status CudaEngine::WaitGathered(int u) {
 
 Status CudaEngine::Reshard(int u) {
   full_[u].Release({compute_});
-  if (!w_.config.limit_all_gathers) return {};
+  if (!RateLimited()) return {};
   auto e = NewEvent();
   if (!e.ok()) return e.error();
   FSDP_CUDA_TRY(cudaEventRecord(e.value(), compute_));
@@ -505,9 +507,9 @@ Result<float> CudaEngine::Step(int64_t step) {
   FSDP_CUDA_TRY(cudaDeviceSynchronize());
   float ms[3] = {0, 0, 0};
   for (int i = 0; i < 3; ++i) FSDP_CUDA_TRY(cudaEventElapsedTime(&ms[i], phase_events_[i], phase_events_[i + 1]));
-  times_.forward_s += ms[0] / 1e3;   // first micro-batch's forward
-  times_.backward_s += ms[1] / 1e3;  // the rest, through the last reduction
-  times_.optimizer_s += ms[2] / 1e3;
+  times_.forward_s.push_back(ms[0] / 1e3);   // first micro-batch's forward
+  times_.backward_s.push_back(ms[1] / 1e3);  // the rest, through the last reduction
+  times_.optimizer_s.push_back(ms[2] / 1e3);
   for (DeviceComm* c : {shard_.get(), replica_.get()}) FSDP_TRY(c->CollectTimes());
   device_view_.device_used_bytes = std::max(device_view_.device_used_bytes, DeviceUsedBytes());
   float mean = loss_sum / static_cast<float>(ctx_.tokens() * w_.config.grad_accum);
