@@ -8,7 +8,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 mkdir -p "$out/runs"
 cp "$root"/tests/data/device_check/*.json "$out/runs/"
-OUT=$out MERGE_ONLY=1 bash "$root/tools/device-check.sh" > /dev/null
+OUT=$out RUNS=$out/runs MERGE_ONLY=1 bash "$root/tools/device-check.sh" > /dev/null
 python3 - "$out/device-check.json" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))["comparison"]["full_shard"]

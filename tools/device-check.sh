@@ -4,22 +4,24 @@
 #   1. builds fsdp-run and cuda_test for this GPU's architecture (Ninja, all cores);
 #   2. runs cuda_test: every CUDA kernel, the attention, a whole block and training steps against
 #      the CPU implementation, and the allocated peak against the planner's replay;
-#   3. runs fsdp-run --device cuda on a set of configurations (FULL_SHARD, SHARD_GRAD_OP,
+#   3. runs fsdp-run calibrate --device cuda, then fsdp-run --device cuda on a set of configurations (FULL_SHARD, SHARD_GRAD_OP,
 #      NO_SHARD; activation checkpointing off and on; virtual world 1 and 8; TinyLlama 1.1B at
 #      sequence length 2048), each writing predicted vs measured JSON;
 #   4. runs tools/torch_reference.py (PyTorch FSDP2) on the same 1-GPU configurations;
-#   5. merges everything into $OUT/device-check.json (and the log into $OUT/device-check.log).
-# Must finish in under 8 minutes including the build. Environment: OUT (default ./device-out),
+#   5. merges everything into $OUT/device-check.json (and the log into $OUT/device-check.log); the
+#      calibrated hardware file is $OUT/calibrated-gpu.json, used by one more FULL_SHARD run.
+# Must finish in under 8 minutes including the build. Environment: OUT (default ./device-out), RUNS,
 # MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead; MERGE_ONLY=1
-# only merges the JSON files already in $OUT/runs.
+# only merges the JSON files already in $RUNS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 MODEL=${MODEL:-tinyllama-1.1b}
 SEQ=${SEQ:-2048}
 STEPS=${STEPS:-6}
-RUNS=$OUT/runs
-mkdir -p "$RUNS"
+RUNS=${RUNS:-${TMPDIR:-/tmp}/fsdpkit-device-runs}  # one JSON per run; only the merge goes to $OUT (8 files come back)
+[ -n "${MERGE_ONLY:-}" ] || rm -rf "$RUNS"
+mkdir -p "$RUNS" "$OUT"
 LOG=$OUT/device-check.log
 : > "$LOG"
 say() { echo "== $*" | tee -a "$LOG"; }
@@ -102,6 +104,8 @@ echo "cuda_test exit $?" | tee -a "$LOG"
 
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
+say "fsdp-run calibrate --device cuda"
+FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
 fsdp() {  # name, then extra flags
   local name=$1; shift
   FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
@@ -114,6 +118,7 @@ fsdp no_shard --framework fsdp1 --strategy NO_SHARD
 fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
 fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
 fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
+[ -e "$OUT/calibrated-gpu.json" ] && fsdp full_shard_calibrated --framework fsdp2 --strategy FULL_SHARD --gpu "$OUT/calibrated-gpu.json"
 say "fsdp-run done after $(( $(date +%s) - start )) s"
 
 say "PyTorch FSDP2 reference (tools/torch_reference.py)"

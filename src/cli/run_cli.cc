@@ -283,6 +283,8 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
 }
 
 Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
+  if (f.device == "cuda") return RunCalibrateGpu(f, comm, out);
+  if (f.device != "cpu") return Error::BadInput(fmt::format("--device must be cpu or cuda, got '{}'", f.device));
   auto model = LoadModel(f.plan.model);
   if (!model.ok()) return model.error();
   runtime::CalibrationOptions o;

@@ -65,6 +65,10 @@ Status RunTraining(const RunFlags& flags, runtime::Comm& comm, std::ostream& out
 /// time, tokens/s and collective bandwidth. In run_gpu_cli.cc.
 Status RunTrainingGpu(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
 
+/// fsdp-run calibrate --device cuda: the device's catalog entry with measured efficiencies (and
+/// NCCL collectives under mpirun), written to --out (default calibrated-<gpu>.json). In run_gpu_cli.cc.
+Status RunCalibrateGpu(const RunFlags& flags, runtime::Comm& comm, std::ostream& out);
+
 /// The hardware file id for a CUDA device name ("NVIDIA H200" -> "h200-sxm"); BadInput when unknown.
 Result<std::string> HardwareIdForDevice(const std::string& device_name);
 

@@ -6,6 +6,8 @@
 #include <fmt/ostream.h>
 
 #include "cli/run_cli.h"
+#include "core/catalog.h"
+#include "core/json_io.h"
 #include "planner/comm_model.h"
 #include "planner/memory_model.h"
 #include "planner/plan_report.h"
@@ -180,6 +182,39 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
 }
 
 }  // namespace
+
+Status RunCalibrateGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
+  auto devices = runtime::GpuDeviceCount();
+  if (!devices.ok()) return Error::RunFailed(fmt::format("--device cuda: {}", devices.error().message));
+  auto model = LoadModel(f.plan.model);
+  if (!model.ok()) return model.error();
+  std::string gpu = f.plan.gpu;
+  if (!f.plan.gpu_given) {
+    auto name = runtime::GpuDeviceName(comm.rank());
+    if (!name.ok()) return name.error();
+    auto id = HardwareIdForDevice(name.value());
+    if (!id.ok()) return id.error();
+    gpu = id.value();
+  }
+  auto path = ResolveCatalogPath("hardware", "GPU", gpu);
+  if (!path.ok()) return path.error();
+  auto catalog = LoadJsonFile(path.value());
+  if (!catalog.ok()) return catalog.error();
+  auto dtype = ParseDType(f.plan.param_dtype, "--param-dtype");
+  if (!dtype.ok()) return dtype.error();
+  const int64_t seq = f.plan.config.seq_len > 0 ? f.plan.config.seq_len : 2048;
+  auto hw = runtime::CalibrateGpu(model.value(), comm, catalog.value(), dtype.value(), f.plan.config.micro_batch * seq, seq, 5, int64_t{256} << 20);
+  if (!hw.ok()) return hw.error();
+  if (comm.rank() != 0) return {};
+  const Json& j = hw.value();
+  fmt::print(out, "{}: matmul efficiency {:.3f}, attention {:.3f} of the GEMM rate, memory bandwidth efficiency {:.3f}{}\n", j.value("name", gpu),
+             j["efficiency"].value("matmul", 0.0), j["efficiency"].value("attention", 0.0), j["efficiency"].value("memory_bandwidth", 0.0),
+             j.contains("measured_collectives") ? fmt::format(", NCCL over {} ranks", comm.size()) : "");
+  const std::string out_path = f.json_path.empty() ? "calibrated-" + gpu + ".json" : f.json_path;
+  if (Status s = sim::WriteText(out_path, j.dump(2) + "\n"); !s.ok()) return s;
+  fmt::print(out, "wrote {} (use it with --gpu {})\n", out_path, out_path);
+  return {};
+}
 
 Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   if (f.virtual_world < 0 || f.virtual_world > 1 << 16) {

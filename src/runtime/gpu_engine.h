@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/json_io.h"
 #include "core/workload.h"
 #include "runtime/comm.h"
 #include "runtime/fsdp_engine.h"
@@ -63,6 +64,16 @@ Result<int> GpuDeviceCount();
 
 /// cudaDeviceProp::name of the device rank `rank` would use, e.g. "NVIDIA H200".
 Result<std::string> GpuDeviceName(int rank);
+
+/// fsdp-run calibrate --device cuda: measures on this rank's GPU, in `dtype`, the GEMMs at the
+/// model's linear shapes (forward and both backward products, `tokens` rows), the engine's
+/// attention (forward and backward at batch x seq), a 1 GiB device-to-device copy, and (with more
+/// than one rank) NCCL all-gather, reduce-scatter and all-reduce from 4 KiB to max_collective_bytes.
+/// Returns `catalog` (the GPU's hardware JSON) with the measured efficiencies (matmul = GEMM rate /
+/// datasheet peak, memory_bandwidth, attention relative to the GEMM rate), measured_collectives
+/// and sources; rank 0's is the result.
+Result<Json> CalibrateGpu(const ModelSpec& model, Comm& host, const Json& catalog, DType dtype, int64_t tokens, int64_t seq_len, int repeats,
+                          int64_t max_collective_bytes);
 
 /// One process per GPU: a rank uses device local_rank % devices (OMPI_COMM_WORLD_LOCAL_RANK,
 /// SLURM_LOCALID, MPI_LOCALRANKID or LOCAL_RANK), else rank % devices. virtual_world > 0 needs a

@@ -1,0 +1,167 @@
+// fsdp-run calibrate --device cuda (gpu_engine.h): the GPU's rates at the model's shapes.
+#include <algorithm>
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include "runtime/cuda/cuda_block.h"
+#include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_gemm.h"
+#include "runtime/cuda/cuda_kernels.h"
+#include "runtime/cuda/device_comm.h"
+#include "runtime/gpu_engine.h"
+
+namespace fsdp::runtime {
+namespace cuda {
+namespace {
+
+// Best time of `repeats` runs of `work` on `stream`, after one warm-up, from CUDA events.
+template <typename Work>
+Result<double> BestSeconds(cudaStream_t stream, int repeats, Work&& work) {
+  cudaEvent_t start = nullptr, end = nullptr;
+  FSDP_CUDA_TRY(cudaEventCreate(&start));
+  FSDP_CUDA_TRY(cudaEventCreate(&end));
+  double best = 1e300;
+  Status status;
+  for (int i = 0; i <= repeats && status.ok(); ++i) {
+    cudaEventRecord(start, stream);
+    status = work();
+    cudaEventRecord(end, stream);
+    cudaEventSynchronize(end);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, end);
+    if (i > 0) best = std::min(best, ms / 1e3);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  if (!status.ok()) return status.error();
+  FSDP_TRY(CudaStatus(cudaGetLastError(), "calibration"));
+  return best;
+}
+
+struct Rates {
+  double gemm_flops = 0, attention_flops = 0, copy_bytes_per_s = 0;
+};
+
+Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repeats) {
+  Rates r;
+  const int64_t T = c.tokens(), h = m.hidden_size, q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
+  const std::pair<int64_t, int64_t> shapes[] = {{q, h}, {kv, h}, {h, q}, {m.intermediate_size, h}, {h, m.intermediate_size}, {m.vocab_size, h}};
+  double flops = 0, seconds = 0;
+  for (const auto& [out, in] : shapes) {  // the three products of a linear layer in a training step
+    FSDP_ALLOC(x, c.Buffer(T * in, Mem::kTemporaries));
+    FSDP_ALLOC(w, c.Buffer(out * in, Mem::kTemporaries));
+    FSDP_ALLOC(y, c.Buffer(T * out, Mem::kTemporaries));
+    FSDP_ALLOC(dx, c.Buffer(T * in, Mem::kTemporaries));
+    FSDP_ALLOC(dw, c.Buffer(out * in, Mem::kTemporaries));
+    for (const DeviceBuffer* b : {&x, &w, &y, &dx, &dw}) FSDP_CUDA_TRY(cudaMemsetAsync(b->get(), 0, static_cast<size_t>(b->bytes()), c.stream));
+    auto fwd = BestSeconds(c.stream, repeats, [&] { return LinearForward(c.blas, c.dtype, x.get(), w.get(), y.get(), T, in, out); });
+    auto bwd = BestSeconds(c.stream, repeats, [&] { return LinearBackward(c.blas, c.dtype, y.get(), x.get(), w.get(), dx.get(), dw.get(), T, in, out); });
+    if (!fwd.ok()) return fwd.error();
+    if (!bwd.ok()) return bwd.error();
+    seconds += fwd.value() + bwd.value();
+    flops += 3 * 2.0 * static_cast<double>(T * in * out);
+  }
+  r.gemm_flops = flops / seconds;
+  const int64_t scores = c.batch * m.num_heads * c.seq * c.seq;
+  FSDP_ALLOC(qb, c.Buffer(T * q, Mem::kTemporaries));
+  FSDP_ALLOC(kb, c.Buffer(T * kv, Mem::kTemporaries));
+  FSDP_ALLOC(vb, c.Buffer(T * kv, Mem::kTemporaries));
+  FSDP_ALLOC(probs, c.Buffer(scores, Mem::kTemporaries));
+  FSDP_ALLOC(out, c.Buffer(T * q, Mem::kTemporaries));
+  for (const DeviceBuffer* b : {&qb, &kb, &vb}) FSDP_CUDA_TRY(cudaMemsetAsync(b->get(), 0, static_cast<size_t>(b->bytes()), c.stream));
+  auto attention = BestSeconds(c.stream, repeats, [&]() -> Status {
+    FSDP_TRY(DeviceAttentionForward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get()));
+    return DeviceAttentionBackward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get(), qb.get(), kb.get(), vb.get());
+  });
+  if (!attention.ok()) return attention.error();
+  // forward 4 s d per token and head, backward twice that (full s x s, as the engine computes it)
+  r.attention_flops = 3.0 * 4.0 * static_cast<double>(c.seq * q * T) / attention.value();
+  const int64_t copy_bytes = int64_t{1} << 30;
+  FSDP_ALLOC(src, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
+  FSDP_ALLOC(dst, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
+  auto copy = BestSeconds(c.stream, repeats, [&] {
+    return CudaStatus(cudaMemcpyAsync(dst.get(), src.get(), static_cast<size_t>(copy_bytes), cudaMemcpyDeviceToDevice, c.stream), "copy");
+  });
+  if (!copy.ok()) return copy.error();
+  r.copy_bytes_per_s = 2.0 * static_cast<double>(copy_bytes) / copy.value();
+  return r;
+}
+
+// NCCL all-gather, reduce-scatter and all-reduce across sizes (nccl-tests sizes and bus bandwidth).
+Result<Json> CollectiveSweep(DeviceComm& comm, DeviceAllocator& alloc, cudaStream_t stream, DType dtype, int64_t max_bytes, int repeats) {
+  Json rows = Json::array();
+  const int n = comm.size();
+  if (n < 2) return rows;
+  const int64_t e = BytesPerElement(dtype);
+  for (int64_t bytes = 4096; bytes <= max_bytes; bytes *= 4) {
+    const int64_t per_rank = std::max<int64_t>(1, bytes / e / n);
+    FSDP_ALLOC(small, alloc.Allocate(per_rank * e, Mem::kCommBuffers, stream));
+    FSDP_ALLOC(big, alloc.Allocate(per_rank * n * e, Mem::kCommBuffers, stream));
+    auto ag = BestSeconds(stream, repeats, [&] { return comm.AllGather(small.get(), big.get(), per_rank, dtype, stream); });
+    auto rs = BestSeconds(stream, repeats, [&] { return comm.ReduceScatter(big.get(), small.get(), per_rank, dtype, stream); });
+    auto ar = BestSeconds(stream, repeats, [&] { return comm.AllReduce(big.get(), per_rank * n, dtype, stream); });
+    for (const auto* t : {&ag, &rs, &ar}) {
+      if (!t->ok()) return t->error();
+    }
+    const double size = static_cast<double>(per_rank * n * e), f = static_cast<double>(n - 1) / n;
+    rows.push_back({{"ranks", n}, {"bytes", per_rank * n * e}, {"all_gather_s", ag.value()}, {"reduce_scatter_s", rs.value()},
+                    {"all_reduce_s", ar.value()}, {"all_gather_busbw", size / ag.value() * f}, {"reduce_scatter_busbw", size / rs.value() * f},
+                    {"all_reduce_busbw", size / ar.value() * 2 * f}});
+  }
+  FSDP_TRY(comm.CollectTimes());
+  return rows;
+}
+
+}  // namespace
+}  // namespace cuda
+
+Result<Json> CalibrateGpu(const ModelSpec& m, Comm& host, const Json& catalog, DType dtype, int64_t tokens, int64_t seq_len, int repeats,
+                          int64_t max_collective_bytes) {
+  using namespace cuda;
+  auto name = GpuDeviceName(host.rank());
+  if (!name.ok()) return name.error();
+  auto dims = DimsOf(m);
+  if (!dims.ok()) return dims.error();
+  cudaStream_t stream = nullptr;
+  FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cublasHandle_t blas = nullptr;
+  FSDP_CUBLAS_TRY(cublasCreate(&blas));
+  FSDP_CUBLAS_TRY(cublasSetStream(blas, stream));
+  Result<Json> result = Error::RunFailed("calibration did not run");
+  {
+    DeviceAllocator alloc;
+    const int64_t seq = std::max<int64_t>(1, std::min(seq_len, tokens));
+    DeviceContext c{dims.value(), dtype, std::max<int64_t>(1, tokens / seq), seq, blas, stream, &alloc};
+    auto rates = MeasureRates(m, c, repeats);
+    auto comm = host.size() > 1 ? MakeNcclComm(host) : Result<std::unique_ptr<DeviceComm>>(MakeVirtualComm(1));
+    Result<Json> sweep = comm.ok() ? CollectiveSweep(*comm.value(), alloc, stream, dtype, max_collective_bytes, repeats) : Result<Json>(comm.error());
+    if (!rates.ok()) {
+      result = rates.error();
+    } else if (!sweep.ok()) {
+      result = sweep.error();
+    } else {
+      const Rates& r = rates.value();
+      Json hw = catalog;
+      const std::string dtype_key(DTypeName(dtype));
+      const double peak = hw["peak_flops"].value(dtype_key, 0.0), bandwidth = hw.value("memory_bandwidth_bytes_per_s", 0.0);
+      hw["id"] = "calibrated-" + hw.value("id", std::string("gpu"));
+      hw["name"] = fmt::format("{}, measured by fsdp-run calibrate on {}", hw.value("name", name.value()), name.value());
+      hw["efficiency"]["matmul"] = peak > 0 ? std::min(1.0, r.gemm_flops / peak) : 1.0;
+      hw["efficiency"]["memory_bandwidth"] = bandwidth > 0 ? std::min(1.0, r.copy_bytes_per_s / bandwidth) : 1.0;
+      hw["efficiency"]["attention"] = std::min(1.0, r.attention_flops / r.gemm_flops);
+      if (!sweep.value().empty()) hw["measured_collectives"] = sweep.value();
+      hw["sources"]["efficiency"] = fmt::format(
+          "measured by fsdp-run calibrate: {} GEMMs at {}'s linear shapes ({} rows, forward and both backward products) {:.1f} TFLOP/s against the "
+          "datasheet {:.1f}; the engine's attention at {} x {} relative to that; a 1 GiB device copy {:.0f} GB/s (read + write); best of {}",
+          dtype_key, m.id, tokens, r.gemm_flops / 1e12, peak / 1e12, c.batch, seq, r.copy_bytes_per_s / 1e9, repeats);
+      result = hw;
+    }
+  }
+  cublasDestroy(blas);
+  cudaStreamDestroy(stream);
+  return result;
+}
+
+}  // namespace fsdp::runtime
