@@ -3,7 +3,8 @@
 # Debian packages (carry .device-deps, made by tools/prepare-device-deps.sh). It
 #   1. builds fsdp-run and cuda_test for this GPU's architecture (Ninja, all cores);
 #   2. runs cuda_test: every CUDA kernel, the attention, a whole block and training steps against
-#      the CPU implementation, and the allocated peak against the planner's replay;
+#      the CPU implementation, and the allocated peak against the planner's replay; then the kernel
+#      checks again under compute-sanitizer's memcheck where it works;
 #   3. runs fsdp-run calibrate --device cuda, then fsdp-run --device cuda on a set of configurations (FULL_SHARD, SHARD_GRAD_OP,
 #      NO_SHARD; activation checkpointing off and on; virtual world 1 and 8; TinyLlama 1.1B at
 #      sequence length 2048), each writing predicted vs measured JSON;
@@ -101,6 +102,12 @@ say "build done after $(( $(date +%s) - start )) s"
 say "kernel and engine checks (cuda_test)"
 FSDPKIT_DATA_DIR=$PWD run build-device/src/runtime/cuda_test
 echo "cuda_test exit $?" | tee -a "$LOG"
+if command -v compute-sanitizer > /dev/null; then  # out-of-bounds and misaligned accesses in the kernels (not on gVisor machines)
+  say "compute-sanitizer memcheck on the kernel checks"
+  FSDPKIT_DATA_DIR=$PWD run timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 build-device/src/runtime/cuda_test \
+    --test-case-exclude="Training steps*"
+  echo "memcheck exit $?" | tee -a "$LOG"
+fi
 
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
