@@ -10,6 +10,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "core/hardware_spec.h"
+#include "core/json_io.h"
 #include "core/model_spec.h"
 #include "core/workload.h"
 #include "planner/runtime_profile.h"
@@ -247,11 +249,14 @@ TEST_CASE("The caching allocator reuses blocks per stream, waits for other strea
   cudaStreamDestroy(other);
 }
 
-Workload TinyWorkload(Strategy strategy, Checkpointing ac, DType param_dtype, int gpus, WrapPolicy wrap = WrapPolicy::kBlock) {
+Workload TinyWorkload(Strategy strategy, Checkpointing ac, DType param_dtype, int gpus, WrapPolicy wrap = WrapPolicy::kBlock,
+                      int64_t grad_accum = 1, bool no_sync = false, int64_t gpus_per_node = 0) {
   FsdpConfig config;
   config.wrap = wrap;
+  config.grad_accum = grad_accum;
+  config.no_sync = no_sync;
   config.gpus = gpus;
-  config.gpus_per_node = gpus;
+  config.gpus_per_node = gpus_per_node > 0 ? gpus_per_node : gpus;
   config.strategy = strategy;
   config.checkpointing = ac;
   config.param_dtype = param_dtype;
@@ -291,6 +296,42 @@ TEST_CASE("Training steps: fp32 losses equal the CPU engine's; allocated peak eq
       CHECK(gpu.value()->shard_stats().all_gather_count > 0);
     }
   }
+}
+
+TEST_CASE("Gradient accumulation with and without no_sync matches the CPU; HYBRID_SHARD's replica all-reduce in a virtual world") {
+  std::unique_ptr<Comm> host = MakeSingleComm();
+  TrainOptions o;
+  for (bool no_sync : {false, true}) {
+    const Workload w = TinyWorkload(Strategy::kFullShard, Checkpointing::kNone, DType::kFp32, 1, WrapPolicy::kBlock, 2, no_sync);
+    auto cpu = FsdpEngine::Create(w, *host, o).value();
+    auto gpu = CreateGpuEngine(w, *host, o, 0);
+    REQUIRE(gpu.ok());
+    for (int64_t step = 0; step < 2; ++step) CHECK(gpu.value()->Step(step).value() == doctest::Approx(cpu->Step(step).value()).epsilon(1e-3));
+    CHECK(gpu.value()->memory().peak_allocated_bytes == EstimateGpuRuntimeMemory(w).peak_bytes);
+  }
+  const Workload hybrid = TinyWorkload(Strategy::kHybridShard, Checkpointing::kNone, DType::kBf16, 8, WrapPolicy::kBlock, 1, false, 4);
+  REQUIRE(hybrid.shard_world == 4);
+  auto gpu = CreateGpuEngine(hybrid, *host, o, 8);
+  REQUIRE(gpu.ok());
+  REQUIRE(gpu.value()->Step(0).ok());
+  CHECK(gpu.value()->replica_stats().all_reduce_count == static_cast<int64_t>(hybrid.units.size()));
+  CHECK(gpu.value()->memory().peak_allocated_bytes == EstimateGpuRuntimeMemory(hybrid).peak_bytes);
+}
+
+TEST_CASE("calibrate --device cuda measures rates into the catalog entry's efficiencies") {
+  auto model = LoadModel("tiny-llama");
+  auto catalog = LoadJsonFile(std::string(std::getenv("FSDPKIT_DATA_DIR")) + "/hardware/h200-sxm.json");
+  REQUIRE(catalog.ok());
+  std::unique_ptr<Comm> host = MakeSingleComm();
+  auto hw = CalibrateGpu(model.value(), *host, catalog.value(), DType::kBf16, 256, 128, 2, 1 << 20);
+  REQUIRE(hw.ok());
+  for (const char* key : {"matmul", "memory_bandwidth", "attention"}) {
+    const double e = hw.value()["efficiency"][key].get<double>();
+    CHECK(e > 0.0);
+    CHECK(e <= 1.0);
+  }
+  CHECK(hw.value()["id"] == "calibrated-h200-sxm");
+  CHECK(HardwareFromJson(hw.value(), "calibrated-h200-sxm", "calibration").ok());  // fsdp-plan accepts it as --gpu
 }
 
 }  // namespace
