@@ -105,7 +105,7 @@ echo "cuda_test exit $?" | tee -a "$LOG"
 if command -v compute-sanitizer > /dev/null; then  # out-of-bounds and misaligned accesses in the kernels (not on gVisor machines)
   say "compute-sanitizer memcheck on the kernel checks"
   FSDPKIT_DATA_DIR=$PWD run timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 build-device/src/runtime/cuda_test \
-    --test-case-exclude="Training steps*"
+    --test-case-exclude="Training steps*,Gradient accumulation*,calibrate*"
   echo "memcheck exit $?" | tee -a "$LOG"
 fi
 

@@ -1,5 +1,6 @@
 // fsdp-run --device cuda: trains on the GPU engine and prints measured against predicted.
 #include <algorithm>
+#include <filesystem>
 #include <iostream>
 
 #include <fmt/format.h>
@@ -7,6 +8,7 @@
 
 #include "cli/run_cli.h"
 #include "core/catalog.h"
+#include "core/hardware_spec.h"
 #include "core/json_io.h"
 #include "planner/comm_model.h"
 #include "planner/memory_model.h"
@@ -200,6 +202,7 @@ Status RunCalibrateGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out
   if (!path.ok()) return path.error();
   auto catalog = LoadJsonFile(path.value());
   if (!catalog.ok()) return catalog.error();
+  if (auto spec = HardwareFromJson(catalog.value(), gpu, path.value()); !spec.ok()) return spec.error();  // the keys the calibration rewrites
   auto dtype = ParseDType(f.plan.param_dtype, "--param-dtype");
   if (!dtype.ok()) return dtype.error();
   const int64_t seq = f.plan.config.seq_len > 0 ? f.plan.config.seq_len : 2048;
@@ -207,10 +210,10 @@ Status RunCalibrateGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out
   if (!hw.ok()) return hw.error();
   if (comm.rank() != 0) return {};
   const Json& j = hw.value();
-  fmt::print(out, "{}: matmul efficiency {:.3f}, attention {:.3f} of the GEMM rate, memory bandwidth efficiency {:.3f}{}\n", j.value("name", gpu),
+  fmt::print(out, "{}: matmul efficiency {:.3f}, attention efficiency {:.3f}, memory bandwidth efficiency {:.3f}{}\n", j.value("name", gpu),
              j["efficiency"].value("matmul", 0.0), j["efficiency"].value("attention", 0.0), j["efficiency"].value("memory_bandwidth", 0.0),
              j.contains("measured_collectives") ? fmt::format(", NCCL over {} ranks", comm.size()) : "");
-  const std::string out_path = f.json_path.empty() ? "calibrated-" + gpu + ".json" : f.json_path;
+  const std::string out_path = f.json_path.empty() ? "calibrated-" + std::filesystem::path(gpu).stem().string() + ".json" : f.json_path;
   if (Status s = sim::WriteText(out_path, j.dump(2) + "\n"); !s.ok()) return s;
   fmt::print(out, "wrote {} (use it with --gpu {})\n", out_path, out_path);
   return {};

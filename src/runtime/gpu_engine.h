@@ -62,6 +62,10 @@ bool GpuBackendBuilt();
 /// The number of CUDA devices; RunFailed naming the reason when there is none or no CUDA backend.
 Result<int> GpuDeviceCount();
 
+/// The GPU of a rank: its rank on this node (OMPI_COMM_WORLD_LOCAL_RANK, SLURM_LOCALID,
+/// MPI_LOCALRANKID or LOCAL_RANK) modulo the devices, else its global rank modulo the devices.
+int GpuDeviceOfRank(int rank, int devices);
+
 /// cudaDeviceProp::name of the device rank `rank` would use, e.g. "NVIDIA H200".
 Result<std::string> GpuDeviceName(int rank);
 
@@ -69,9 +73,9 @@ Result<std::string> GpuDeviceName(int rank);
 /// model's linear shapes (forward and both backward products, `tokens` rows), the engine's
 /// attention (forward and backward at batch x seq), a 1 GiB device-to-device copy, and (with more
 /// than one rank) NCCL all-gather, reduce-scatter and all-reduce from 4 KiB to max_collective_bytes.
-/// Returns `catalog` (the GPU's hardware JSON) with the measured efficiencies (matmul = GEMM rate /
-/// datasheet peak, memory_bandwidth, attention relative to the GEMM rate), measured_collectives
-/// and sources; rank 0's is the result.
+/// Returns `catalog` (the GPU's hardware JSON, already validated) with the measured efficiencies
+/// (matmul and attention: their rates over the datasheet peak of `dtype`; memory_bandwidth),
+/// measured_collectives and sources; rank 0's is the result. Operands are random (N(0, 1)).
 Result<Json> CalibrateGpu(const ModelSpec& model, Comm& host, const Json& catalog, DType dtype, int64_t tokens, int64_t seq_len, int repeats,
                           int64_t max_collective_bytes);
 

@@ -15,6 +15,7 @@ Error NotBuilt() {
 bool GpuBackendBuilt() { return false; }
 Result<int> GpuDeviceCount() { return NotBuilt(); }
 Result<std::string> GpuDeviceName(int) { return NotBuilt(); }
+int GpuDeviceOfRank(int rank, int devices) { return devices > 0 ? rank % devices : 0; }
 Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload&, Comm&, const TrainOptions&, int) { return NotBuilt(); }
 Result<Json> CalibrateGpu(const ModelSpec&, Comm&, const Json&, DType, int64_t, int64_t, int, int64_t) { return NotBuilt(); }
 

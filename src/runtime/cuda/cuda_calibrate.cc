@@ -21,7 +21,10 @@ template <typename Work>
 Result<double> BestSeconds(cudaStream_t stream, int repeats, Work&& work) {
   cudaEvent_t start = nullptr, end = nullptr;
   FSDP_CUDA_TRY(cudaEventCreate(&start));
-  FSDP_CUDA_TRY(cudaEventCreate(&end));
+  if (Status s = CudaStatus(cudaEventCreate(&end), "cudaEventCreate"); !s.ok()) {
+    cudaEventDestroy(start);
+    return s.error();
+  }
   double best = 1e300;
   Status status;
   for (int i = 0; i <= repeats && status.ok(); ++i) {
@@ -40,6 +43,15 @@ Result<double> BestSeconds(cudaStream_t stream, int repeats, Work&& work) {
   return best;
 }
 
+// Fills a compute-dtype buffer with N(0, 1) values (matmuls on zeros run faster than on data).
+Status FillRandom(const DeviceContext& c, const DeviceBuffer& buffer, uint64_t seed) {
+  const int64_t n = buffer.bytes() / c.elem();
+  FSDP_ALLOC(f32, c.alloc->Allocate(n * 4, Mem::kTemporaries, c.stream));
+  FillNormal(f32.as<float>(), n, seed, 0, 1.0f, c.stream);
+  CastFromF32(f32.as<float>(), buffer.get(), c.dtype, n, c.stream);
+  return CudaStatus(cudaGetLastError(), "random operands");
+}
+
 struct Rates {
   double gemm_flops = 0, attention_flops = 0, copy_bytes_per_s = 0;
 };
@@ -55,7 +67,8 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
     FSDP_ALLOC(y, c.Buffer(T * out, Mem::kTemporaries));
     FSDP_ALLOC(dx, c.Buffer(T * in, Mem::kTemporaries));
     FSDP_ALLOC(dw, c.Buffer(out * in, Mem::kTemporaries));
-    for (const DeviceBuffer* b : {&x, &w, &y, &dx, &dw}) FSDP_CUDA_TRY(cudaMemsetAsync(b->get(), 0, static_cast<size_t>(b->bytes()), c.stream));
+    uint64_t seed = 1;
+    for (const DeviceBuffer* b : {&x, &w, &y, &dw}) FSDP_TRY(FillRandom(c, *b, seed++));
     auto fwd = BestSeconds(c.stream, repeats, [&] { return LinearForward(c.blas, c.dtype, x.get(), w.get(), y.get(), T, in, out); });
     auto bwd = BestSeconds(c.stream, repeats, [&] { return LinearBackward(c.blas, c.dtype, y.get(), x.get(), w.get(), dx.get(), dw.get(), T, in, out); });
     if (!fwd.ok()) return fwd.error();
@@ -70,10 +83,14 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
   FSDP_ALLOC(vb, c.Buffer(T * kv, Mem::kTemporaries));
   FSDP_ALLOC(probs, c.Buffer(scores, Mem::kTemporaries));
   FSDP_ALLOC(out, c.Buffer(T * q, Mem::kTemporaries));
-  for (const DeviceBuffer* b : {&qb, &kb, &vb}) FSDP_CUDA_TRY(cudaMemsetAsync(b->get(), 0, static_cast<size_t>(b->bytes()), c.stream));
+  FSDP_ALLOC(dq, c.Buffer(T * q, Mem::kTemporaries));
+  FSDP_ALLOC(dk, c.Buffer(T * kv, Mem::kTemporaries));
+  FSDP_ALLOC(dv, c.Buffer(T * kv, Mem::kTemporaries));
+  uint64_t seed = 11;
+  for (const DeviceBuffer* b : {&qb, &kb, &vb}) FSDP_TRY(FillRandom(c, *b, seed++));
   auto attention = BestSeconds(c.stream, repeats, [&]() -> Status {
     FSDP_TRY(DeviceAttentionForward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get()));
-    return DeviceAttentionBackward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get(), qb.get(), kb.get(), vb.get());
+    return DeviceAttentionBackward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get(), dq.get(), dk.get(), dv.get());
   });
   if (!attention.ok()) return attention.error();
   // forward 4 s d per token and head, backward twice that (full s x s, as the engine computes it)
@@ -120,15 +137,26 @@ Result<Json> CollectiveSweep(DeviceComm& comm, DeviceAllocator& alloc, cudaStrea
 Result<Json> CalibrateGpu(const ModelSpec& m, Comm& host, const Json& catalog, DType dtype, int64_t tokens, int64_t seq_len, int repeats,
                           int64_t max_collective_bytes) {
   using namespace cuda;
+  auto devices = GpuDeviceCount();
+  if (!devices.ok()) return devices.error();
+  FSDP_CUDA_TRY(cudaSetDevice(GpuDeviceOfRank(host.rank(), devices.value())));
   auto name = GpuDeviceName(host.rank());
   if (!name.ok()) return name.error();
   auto dims = DimsOf(m);
   if (!dims.ok()) return dims.error();
-  cudaStream_t stream = nullptr;
-  FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cublasHandle_t blas = nullptr;
-  FSDP_CUBLAS_TRY(cublasCreate(&blas));
-  FSDP_CUBLAS_TRY(cublasSetStream(blas, stream));
+  struct Handles {  // destroyed last, after the allocator and the communicator below
+    cudaStream_t stream = nullptr;
+    cublasHandle_t blas = nullptr;
+    ~Handles() {
+      if (blas != nullptr) cublasDestroy(blas);
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+  } handles;
+  FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&handles.stream, cudaStreamNonBlocking));
+  FSDP_CUBLAS_TRY(cublasCreate(&handles.blas));
+  FSDP_CUBLAS_TRY(cublasSetStream(handles.blas, handles.stream));
+  cudaStream_t stream = handles.stream;
+  cublasHandle_t blas = handles.blas;
   Result<Json> result = Error::RunFailed("calibration did not run");
   {
     DeviceAllocator alloc;
@@ -150,17 +178,15 @@ Result<Json> CalibrateGpu(const ModelSpec& m, Comm& host, const Json& catalog, D
       hw["name"] = fmt::format("{}, measured by fsdp-run calibrate on {}", hw.value("name", name.value()), name.value());
       hw["efficiency"]["matmul"] = peak > 0 ? std::min(1.0, r.gemm_flops / peak) : 1.0;
       hw["efficiency"]["memory_bandwidth"] = bandwidth > 0 ? std::min(1.0, r.copy_bytes_per_s / bandwidth) : 1.0;
-      hw["efficiency"]["attention"] = std::min(1.0, r.attention_flops / r.gemm_flops);
+      hw["efficiency"]["attention"] = std::min(1.0, r.attention_flops / (peak > 0 ? peak : r.gemm_flops));  // as compute_model reads it
       if (!sweep.value().empty()) hw["measured_collectives"] = sweep.value();
       hw["sources"]["efficiency"] = fmt::format(
           "measured by fsdp-run calibrate: {} GEMMs at {}'s linear shapes ({} rows, forward and both backward products) {:.1f} TFLOP/s against the "
-          "datasheet {:.1f}; the engine's attention at {} x {} relative to that; a 1 GiB device copy {:.0f} GB/s (read + write); best of {}",
+          "datasheet {:.1f}; the engine's attention at {} x {} over the same peak; a 1 GiB device copy {:.0f} GB/s (read + write); best of {}",
           dtype_key, m.id, tokens, r.gemm_flops / 1e12, peak / 1e12, c.batch, seq, r.copy_bytes_per_s / 1e9, repeats);
       result = hw;
     }
   }
-  cublasDestroy(blas);
-  cudaStreamDestroy(stream);
   return result;
 }
 

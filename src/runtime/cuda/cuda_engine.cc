@@ -26,24 +26,18 @@ Result<int> GpuDeviceCount() {
   return count;
 }
 
-namespace {
-
-// The GPU of a rank: its rank on this node (set by mpirun, srun or torchrun) modulo the devices,
-// else its global rank modulo the devices (ranks packed node by node).
-int DeviceOfRank(int rank, int devices) {
+int GpuDeviceOfRank(int rank, int devices) {
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID", "LOCAL_RANK"}) {
     if (const char* value = std::getenv(name)) return std::atoi(value) % devices;
   }
   return rank % devices;
 }
 
-}  // namespace
-
 Result<std::string> GpuDeviceName(int rank) {
   auto count = GpuDeviceCount();
   if (!count.ok()) return count.error();
   cudaDeviceProp prop{};
-  const cudaError_t code = cudaGetDeviceProperties(&prop, DeviceOfRank(rank, count.value()));
+  const cudaError_t code = cudaGetDeviceProperties(&prop, GpuDeviceOfRank(rank, count.value()));
   if (code != cudaSuccess) return Error::RunFailed(fmt::format("cudaGetDeviceProperties: {}", cudaGetErrorString(code)));
   return std::string(prop.name);
 }
@@ -148,7 +142,7 @@ Result<cudaEvent_t> CudaEngine::NewEvent() {
 Status CudaEngine::Init(int virtual_world) {
   auto devices = GpuDeviceCount();
   if (!devices.ok()) return devices.error();
-  const int device = DeviceOfRank(host_.rank(), devices.value());
+  const int device = GpuDeviceOfRank(host_.rank(), devices.value());
   FSDP_CUDA_TRY(cudaSetDevice(device));
   FSDP_CUDA_TRY(cudaFree(nullptr));  // creates the context
   cudaDeviceProp prop{};

@@ -10,6 +10,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "core/catalog.h"
 #include "core/hardware_spec.h"
 #include "core/json_io.h"
 #include "core/model_spec.h"
@@ -320,7 +321,7 @@ TEST_CASE("Gradient accumulation with and without no_sync matches the CPU; HYBRI
 
 TEST_CASE("calibrate --device cuda measures rates into the catalog entry's efficiencies") {
   auto model = LoadModel("tiny-llama");
-  auto catalog = LoadJsonFile(std::string(std::getenv("FSDPKIT_DATA_DIR")) + "/hardware/h200-sxm.json");
+  auto catalog = LoadJsonFile(ResolveCatalogPath("hardware", "GPU", "h200-sxm").value());
   REQUIRE(catalog.ok());
   std::unique_ptr<Comm> host = MakeSingleComm();
   auto hw = CalibrateGpu(model.value(), *host, catalog.value(), DType::kBf16, 256, 128, 2, 1 << 20);
