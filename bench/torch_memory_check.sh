@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# fsdp-plan's PyTorch FSDP2 memory profile against PyTorch FSDP2 itself, on CPU ranks (gloo):
+# tools/torch_reference.py runs llama-100m under fully_shard and records FSDPMemTracker's
+# categories at the peak; fsdp-plan predicts the same configuration (--framework fsdp2, eager
+# attention). Compared: the tensors at the peak (fsdp-plan's categories without the framework term,
+# the tracker's Total). Needs torch and transformers: PYTHON=/path/to/python (default python3).
+#   bench/torch_memory_check.sh [build dir]
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$root/build}
+python=${PYTHON:-python3}
+export FSDPKIT_DATA_DIR=$root
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+"$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
+printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
+check() {  # name ranks strategy ac micro seq
+  local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6
+  local args=(--device cpu --model "$root/models/llama-100m.json" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
+              --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$out/$name.json")
+  if [ "$ranks" -gt 1 ]; then
+    "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
+  else
+    "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
+  fi
+  "$build/fsdp-plan" --model llama-100m --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework fsdp2 --strategy "$strategy" \
+    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention eager --param-dtype bf16 --reduce-dtype fp32 --json > "$out/$name.plan.json"
+  python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
+import json, sys
+name, torch_path, plan_path = sys.argv[1:]
+tracked = json.load(open(torch_path))["measured"]["memory"]["categories_at_peak"]["Total"]
+per_gpu = json.load(open(plan_path))["memory"]["per_gpu"]
+planned = sum(v for k, v in per_gpu["categories"].items() if k != "framework_bytes")
+print(f"{name:44s} {tracked:14d} {planned:14d} {100 * (planned - tracked) / tracked:+7.2f}%  {per_gpu['peak_phase']}")
+PY
+}
+check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
+check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
+check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
+check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
+check "2 ranks FULL_SHARD     seq 1024 x 2"      2 FULL_SHARD    none 2 1024
+check "2 ranks FULL_SHARD AC  seq 1024 x 2"      2 FULL_SHARD    full 2 1024
