@@ -83,7 +83,6 @@ class CudaEngine : public GpuEngine {
   }
   void* BlockParams(int b) const;
   void* BlockGrads(int b) const;
-  Result<cudaEvent_t> NewEvent();
   int64_t world() const { return virtual_world_ > 0 ? virtual_world_ : host_.size(); }
 
   const Workload& w_;
@@ -101,7 +100,7 @@ class CudaEngine : public GpuEngine {
   std::vector<cudaEvent_t> gathered_;
   std::vector<int> block_unit_;
   std::deque<cudaEvent_t> reshard_events_;  // limit_all_gathers: frees the CPU may run ahead of
-  std::vector<cudaEvent_t> spare_events_;
+  EventPool events_{cudaEventDisableTiming};
   cudaEvent_t params_ready_ = nullptr, reduced_ = nullptr;
   DeviceBuffer dw_scratch_, rope_table_, loss_sum_, ids_, targets_;
   // per micro-batch state
@@ -118,7 +117,6 @@ CudaEngine::~CudaEngine() {
   if (compute_ != nullptr) cudaDeviceSynchronize();
   for (cudaEvent_t e : gathered_) cudaEventDestroy(e);
   for (cudaEvent_t e : reshard_events_) cudaEventDestroy(e);
-  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
   for (cudaEvent_t e : phase_events_) cudaEventDestroy(e);
   cudaEventDestroy(params_ready_);
   cudaEventDestroy(reduced_);
@@ -126,17 +124,6 @@ CudaEngine::~CudaEngine() {
   for (cudaStream_t s : {compute_, gather_, reduce_}) {
     if (s != nullptr) cudaStreamDestroy(s);
   }
-}
-
-Result<cudaEvent_t> CudaEngine::NewEvent() {
-  if (!spare_events_.empty()) {
-    cudaEvent_t e = spare_events_.back();
-    spare_events_.pop_back();
-    return e;
-  }
-  cudaEvent_t e = nullptr;
-  FSDP_CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  return e;
 }
 
 Status CudaEngine::Init(int virtual_world) {
@@ -270,7 +257,7 @@ Status CudaEngine::Unshard(int u) {
   if (u < 0 || !full_[u].empty()) return {};
   if (RateLimited() && reshard_events_.size() >= 2) {  // FSDP1 _free_event_queue
     FSDP_CUDA_TRY(cudaEventSynchronize(reshard_events_.front()));
-    spare_events_.push_back(reshard_events_.front());
+    events_.Give(reshard_events_.front());
     reshard_events_.pop_front();
   }
   const WrapUnit& unit = w_.units[u];
@@ -294,7 +281,7 @@ Status CudaEngine::WaitGathered(int u) {
 Status CudaEngine::Reshard(int u) {
   full_[u].Release({compute_});
   if (!RateLimited()) return {};
-  auto e = NewEvent();
+  auto e = events_.Take();
   if (!e.ok()) return e.error();
   FSDP_CUDA_TRY(cudaEventRecord(e.value(), compute_));
   reshard_events_.push_back(e.value());
@@ -306,11 +293,11 @@ Status CudaEngine::Reshard(int u) {
 Status CudaEngine::Reduce(int u) {
   const WrapUnit& unit = w_.units[u];
   alloc_.set_phase(u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block");
-  auto ready = NewEvent();
+  auto ready = events_.Take();
   if (!ready.ok()) return ready.error();
   FSDP_CUDA_TRY(cudaEventRecord(ready.value(), compute_));
   FSDP_CUDA_TRY(cudaStreamWaitEvent(reduce_, ready.value(), 0));
-  spare_events_.push_back(ready.value());  // reusable: a recorded event may be re-recorded once waited on
+  events_.Give(ready.value());  // the wait is enqueued: it may be re-recorded
   DeviceBuffer cast;
   const void* input = full_grad_[u].get();
   if (reduce_dtype_ != dtype_) {

@@ -120,11 +120,6 @@ __global__ void ScaleKernel(T* x, float scale, int64_t n) {
 }
 
 template <typename T>
-__global__ void AddKernel(T* y, const T* x, int64_t n) {
-  GRID_STRIDE(i, n) y[i] = FromF<T>(ToF(y[i]) + ToF(x[i]));
-}
-
-template <typename T>
 __global__ void EmbeddingForwardKernel(const T* table, const int32_t* ids, T* out, int64_t rows, int64_t h) {
   GRID_STRIDE(i, rows * h) out[i] = table[static_cast<int64_t>(ids[i / h]) * h + i % h];
 }
@@ -327,10 +322,6 @@ void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t str
 
 void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream) {
   FSDP_DISPATCH(dtype, T, ScaleKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<T*>(x), scale, n))
-}
-
-void AddInPlace(void* y, const void* x, DType dtype, int64_t n, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, AddKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<T*>(y), static_cast<const T*>(x), n))
 }
 
 void EmbeddingForward(const void* table, const int32_t* ids, void* out, int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {

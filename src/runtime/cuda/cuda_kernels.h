@@ -29,8 +29,6 @@ void AccumulateF32(const void* in, DType dtype, float scale, float* acc, int64_t
 void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream);
 /// x (n) *= scale, in place.
 void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream);
-/// y (n) += x (n).
-void AddInPlace(void* y, const void* x, DType dtype, int64_t n, cudaStream_t stream);
 
 /// out (rows, h) = table rows at ids (rows).
 void EmbeddingForward(const void* table, const int32_t* ids, void* out, int64_t rows, int64_t h, DType dtype, cudaStream_t stream);

@@ -29,7 +29,6 @@ void DeviceBuffer::Release(std::initializer_list<cudaStream_t> also_used_on) {
 DeviceAllocator::~DeviceAllocator() {
   ProcessPending(true);
   (void)EmptyCache();
-  for (cudaEvent_t e : spare_events_) cudaEventDestroy(e);
 }
 
 // Frees are queued in the order they happen and the GPU runs each stream in order, so, as in
@@ -50,7 +49,7 @@ void DeviceAllocator::ProcessPending(bool wait) {
   while (!pending_.empty() && done(pending_.front())) {
     Block* b = pending_.front();
     pending_.pop_front();
-    spare_events_.insert(spare_events_.end(), b->pending.begin(), b->pending.end());
+    for (cudaEvent_t e : b->pending) events_.Give(e);
     b->pending.clear();
     pools_[b->stream].emplace(b->size, b);
   }
@@ -126,16 +125,13 @@ void DeviceAllocator::Free(void* ptr, std::initializer_list<cudaStream_t> also_u
   live_[static_cast<int>(b.category)] -= b.used;
   for (cudaStream_t s : also_used_on) {
     if (s == b.stream) continue;
-    cudaEvent_t e = nullptr;
-    if (!spare_events_.empty()) {
-      e = spare_events_.back();
-      spare_events_.pop_back();
-    } else if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+    auto e = events_.Take();
+    if (!e.ok()) {
       cudaStreamSynchronize(s);  // no event to be had: make the stream's work complete instead
       continue;
     }
-    cudaEventRecord(e, s);
-    b.pending.push_back(e);
+    cudaEventRecord(e.value(), s);
+    b.pending.push_back(e.value());
   }
   if (b.pending.empty()) {
     pools_[b.stream].emplace(b.size, &b);

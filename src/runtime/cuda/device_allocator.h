@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "core/status.h"
+#include "runtime/cuda/cuda_check.h"
 #include "runtime/memory_ledger.h"
 
 namespace fsdp::runtime::cuda {
@@ -68,7 +69,8 @@ class DeviceAllocator {
   /// Called by DeviceBuffer::Release.
   void Free(void* ptr, std::initializer_list<cudaStream_t> also_used_on);
 
-  /// Names what the engine is doing, for the peak's report.
+  /// Names what the engine is doing, for the peak's report (a string literal: it is kept by pointer,
+  /// as this is called around every unit's work).
   void set_phase(const char* phase) { phase_ = phase; }
   /// Rehearses an out-of-memory: allocated bytes may not exceed this (0: no limit).
   void set_limit(int64_t bytes) { limit_ = bytes; }
@@ -102,10 +104,11 @@ class DeviceAllocator {
   std::map<void*, Block> blocks_;                                        // every block cudaMalloc gave
   std::map<cudaStream_t, std::multimap<int64_t, Block*>> pools_;          // free blocks by stream and size
   std::deque<Block*> pending_;                                           // freed, waiting on events, in order
-  std::vector<cudaEvent_t> spare_events_;
+  EventPool events_{cudaEventDisableTiming};
   std::array<int64_t, kMemKinds> live_{}, at_peak_{};
   int64_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0, limit_ = 0, mallocs_ = 0;
-  std::string phase_ = "initialisation", peak_phase_;
+  const char* phase_ = "initialisation";
+  std::string peak_phase_;
 };
 
 }  // namespace fsdp::runtime::cuda

@@ -13,25 +13,13 @@ DeviceComm::~DeviceComm() {
     cudaEventDestroy(t.start);
     cudaEventDestroy(t.end);
   }
-  for (cudaEvent_t e : spare_) cudaEventDestroy(e);
-}
-
-Result<cudaEvent_t> DeviceComm::Event() {
-  if (!spare_.empty()) {
-    cudaEvent_t e = spare_.back();
-    spare_.pop_back();
-    return e;
-  }
-  cudaEvent_t e = nullptr;
-  FSDP_CUDA_TRY(cudaEventCreate(&e));
-  return e;
 }
 
 template <typename Call>
 Status DeviceComm::Time(Kind kind, int64_t bytes, cudaStream_t stream, Call&& call) {
-  auto start = Event();
+  auto start = events_.Take();
   if (!start.ok()) return start.error();
-  auto end = Event();
+  auto end = events_.Take();
   if (!end.ok()) return end.error();
   FSDP_CUDA_TRY(cudaEventRecord(start.value(), stream));
   FSDP_TRY(call());
@@ -69,8 +57,8 @@ Status DeviceComm::CollectTimes() {
       case Kind::kReduceScatter: stats_.reduce_scatter_s += s; break;
       case Kind::kAllReduce: stats_.all_reduce_s += s; break;
     }
-    spare_.push_back(t.start);
-    spare_.push_back(t.end);
+    events_.Give(t.start);
+    events_.Give(t.end);
   }
   timed_.clear();
   return {};
@@ -131,7 +119,6 @@ class VirtualComm : public DeviceComm {
   explicit VirtualComm(int size) : size_(size) {}
   int rank() const override { return 0; }
   int size() const override { return size_; }
-  bool is_virtual() const override { return true; }
   Result<std::unique_ptr<DeviceComm>> Split(int, int) override {
     return Error::RunFailed("a virtual world is split by group size (MakeVirtualComm), not by color");
   }

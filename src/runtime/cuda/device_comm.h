@@ -14,6 +14,7 @@
 
 #include "core/dtype.h"
 #include "runtime/comm.h"
+#include "runtime/cuda/cuda_check.h"
 
 namespace fsdp::runtime::cuda {
 
@@ -33,8 +34,6 @@ class DeviceComm {
   /// Adds the elapsed times of completed collectives to stats(); call after synchronizing.
   Status CollectTimes();
   const CommStats& stats() const { return stats_; }
-  /// True for the virtual world (copies instead of collectives).
-  virtual bool is_virtual() const { return false; }
 
  protected:
   enum class Kind { kAllGather, kReduceScatter, kAllReduce };
@@ -47,11 +46,10 @@ class DeviceComm {
     Kind kind;
     cudaEvent_t start, end;
   };
-  Result<cudaEvent_t> Event();
   template <typename Call>
   Status Time(Kind kind, int64_t bytes, cudaStream_t stream, Call&& call);
   std::vector<Timed> timed_;
-  std::vector<cudaEvent_t> spare_;
+  EventPool events_{cudaEventDefault};  // timing events
   CommStats stats_;
 };
 
