@@ -107,6 +107,20 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
                  "cuda: run rank 0 of an N-rank configuration on one GPU (shards and buffers sized for N, collectives as device copies)");
 }
 
+double PercentError(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }
+
+Json CommStatsJson(const runtime::CommStats& cs, int64_t group) {
+  const double factor = group > 1 ? static_cast<double>(group - 1) / static_cast<double>(group) : 0.0;
+  auto busbw = [&](int64_t bytes, double s) { return s > 0 ? bytes / s * factor : 0.0; };
+  return Json{{"group_size", group},
+              {"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
+              {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s)},
+              {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
+              {"reduce_scatter_s", cs.reduce_scatter_s}, {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s)},
+              {"all_reduce_bytes", cs.all_reduce_bytes}, {"all_reduce_count", cs.all_reduce_count}, {"all_reduce_s", cs.all_reduce_s},
+              {"all_reduce_busbw_bytes_per_s", busbw(cs.all_reduce_bytes, cs.all_reduce_s) * 2}};
+}
+
 Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value) {
   const float halves[2] = {static_cast<float>(value >> 24), static_cast<float>(value & 0xFFFFFF)};
   std::vector<float> all(2 * static_cast<size_t>(comm.size()));
@@ -208,24 +222,23 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   fmt::print(out, " MiB\n");
   // predicted (planner's profile of this engine) vs measured
   const MemoryEstimate predicted = EstimateRuntimeMemory(workload);
-  auto pct = [](double measured, double predicted_value) { return measured > 0 ? 100.0 * (predicted_value - measured) / measured : 0.0; };
   fmt::print(out, "  {:<18}{:>14}{:>14}{:>9}\n", "rank 0 at peak", "measured MiB", "predicted MiB", "error");
   Json predicted_categories = Json::object();
   for (int c = 0; c < runtime::kMemKinds - 1; ++c) {
     const double m = mem.at_peak()[c] / 1048576.0, p = predicted.peak[c] / 1048576.0;
     predicted_categories[std::string(runtime::MemKey(static_cast<runtime::Mem>(c))) + "_bytes"] = predicted.peak[c];
-    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", runtime::MemKey(static_cast<runtime::Mem>(c)), m, p, pct(m, p));
+    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", runtime::MemKey(static_cast<runtime::Mem>(c)), m, p, PercentError(m, p));
   }
   fmt::print(out, "  {:<18}{:>14.3f}{:>14}\n", "temporaries", mem.at_peak()[runtime::kMemKinds - 1] / 1048576.0, "-");
   fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", "peak", mem.peak_bytes() / 1048576.0, predicted.peak_bytes / 1048576.0,
-             pct(static_cast<double>(mem.peak_bytes()), static_cast<double>(predicted.peak_bytes)));
+             PercentError(static_cast<double>(mem.peak_bytes()), static_cast<double>(predicted.peak_bytes)));
   Json predicted_time = {{"step_s", nullptr}, {"note", "pass --gpu with a hardware file from fsdp-run calibrate"}};
   if (workload.hardware.architecture == "cpu") {
     const double predicted_step = EstimateRuntimeStepSeconds(workload);
     const double measured_step = total_s / static_cast<double>(f.steps);
     predicted_time = {{"step_s", predicted_step}};
     fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (seconds, calibrated {})\n", "step time", measured_step, predicted_step,
-               pct(measured_step, predicted_step), workload.hardware.id);
+               PercentError(measured_step, predicted_step), workload.hardware.id);
     // fsdp-sim on the same engine profile: collectives blocking on the compute stream, no CPU launch cost
     Workload engine_view = workload;
     engine_view.config.attention = Attention::kEager;
@@ -237,7 +250,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     if (simulated.ok()) {
       predicted_time["sim_step_s"] = simulated.value().step_s;
       fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (fsdp-sim)\n", "step time", measured_step, simulated.value().step_s,
-                 pct(measured_step, simulated.value().step_s));
+                 PercentError(measured_step, simulated.value().step_s));
     }
   }
   const runtime::CommStats& cs = engine.value()->shard_stats();
@@ -258,11 +271,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
                static_cast<double>(volume.reduce_scatter_bytes) * steps / 1e6);
   }
   if (!f.json_path.empty()) {
-    Json comm_json = {{"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
-                      {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor) * 1e9},
-                      {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
-                      {"reduce_scatter_s", cs.reduce_scatter_s},
-                      {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor) * 1e9}};
+    Json comm_json = CommStatsJson(cs, n);
     comm_json["predicted_all_gather_bytes"] = static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps;
     comm_json["predicted_reduce_scatter_bytes"] = static_cast<double>(volume.reduce_scatter_bytes) * steps;
     Json doc = {{"model", workload.model.id},

@@ -42,6 +42,13 @@ struct PreparedRun {
 };
 Result<PreparedRun> PrepareRun(const RunFlags& flags, PlanFlags plan);
 
+/// 100 * (predicted - measured) / measured; 0 when nothing was measured.
+double PercentError(double measured, double predicted);
+
+/// A communicator's collectives as JSON: bytes (nccl-tests sizes), counts, seconds and bus
+/// bandwidth for all-gather, reduce-scatter and all-reduce over a group of `group` ranks.
+Json CommStatsJson(const runtime::CommStats& stats, int64_t group);
+
 /// The largest `value` (0 <= value < 2^48) over the ranks of `comm`, exactly (the host Comm moves
 /// floats: the value travels as two 24-bit halves).
 Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value);

@@ -45,8 +45,6 @@ double Median(std::vector<double> v) {
   return n == 0 ? 0 : n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-double Pct(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }
-
 constexpr const char* kCategoryKeys[] = {"sharded_params", "unsharded_params", "gradients", "optimizer_states", "activations",
                                          "comm_buffers", "temporaries"};
 
@@ -57,10 +55,10 @@ Json MemoryTable(const runtime::GpuMemoryReport& m, const GpuRuntimeMemory& p, s
     const double mm = m.at_peak[c] / 1048576.0, pp = p.at_peak[c] / 1048576.0;
     measured[std::string(kCategoryKeys[c]) + "_bytes"] = m.at_peak[c];
     predicted[std::string(kCategoryKeys[c]) + "_bytes"] = p.at_peak[c];
-    fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%\n", kCategoryKeys[c], mm, pp, Pct(mm, pp));
+    fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%\n", kCategoryKeys[c], mm, pp, PercentError(mm, pp));
   }
   fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (measured at {}, predicted at {})\n", "peak allocated", m.peak_allocated_bytes / 1048576.0,
-             p.peak_bytes / 1048576.0, Pct(static_cast<double>(m.peak_allocated_bytes), static_cast<double>(p.peak_bytes)), m.peak_phase,
+             p.peak_bytes / 1048576.0, PercentError(static_cast<double>(m.peak_allocated_bytes), static_cast<double>(p.peak_bytes)), m.peak_phase,
              p.peak_phase);
   fmt::print(out, "  {:<22}{:>14.2f}   ({} cudaMalloc calls)\n", "peak reserved", m.peak_reserved_bytes / 1048576.0, m.device_mallocs);
   return Json{{"measured", measured}, {"predicted", predicted}};
@@ -80,18 +78,6 @@ Json FrameworkTable(const runtime::GpuMemoryReport& m, const MemoryEstimate& tor
               {"predicted_nccl_bytes_per_communicator", o.nccl_bytes_per_communicator}};
 }
 
-Json CommJson(const runtime::CommStats& cs, int64_t group) {
-  const double factor = group > 1 ? static_cast<double>(group - 1) / static_cast<double>(group) : 0.0;
-  auto busbw = [&](int64_t bytes, double s) { return s > 0 ? bytes / s * factor : 0.0; };
-  return Json{{"group_size", group},
-              {"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
-              {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s)},
-              {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
-              {"reduce_scatter_s", cs.reduce_scatter_s}, {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s)},
-              {"all_reduce_bytes", cs.all_reduce_bytes}, {"all_reduce_count", cs.all_reduce_count}, {"all_reduce_s", cs.all_reduce_s},
-              {"all_reduce_busbw_bytes_per_s", busbw(cs.all_reduce_bytes, cs.all_reduce_s) * 2}};
-}
-
 // The collectives of the shard group (all-gathers, reduce-scatters) and of the replica group
 // (HYBRID_SHARD's and NO_SHARD's gradient all-reduces), measured and predicted for the steps run.
 Json CommReport(const runtime::GpuEngine& engine, const Workload& w, int64_t steps, bool virtual_world, std::ostream& out) {
@@ -107,7 +93,7 @@ Json CommReport(const runtime::GpuEngine& engine, const Workload& w, int64_t ste
     fmt::print(out, "  gradient all-reduces across {} replicas: {} x {:.2f} MB in {:.4f} s\n", replicas, rs.all_reduce_count,
                per(rs.all_reduce_bytes, rs.all_reduce_count), rs.all_reduce_s);
   }
-  Json j = {{"shard", CommJson(cs, engine.shard_world())}, {"replica", CommJson(rs, replicas)}};
+  Json j = {{"shard", CommStatsJson(cs, engine.shard_world())}, {"replica", CommStatsJson(rs, replicas)}};
   // fsdp-plan counts no collective in a group of one rank; the engine still calls them (as copies)
   const CommVolume volume = EstimateComm(w).volume;
   const double n = static_cast<double>(steps);
@@ -115,6 +101,14 @@ Json CommReport(const runtime::GpuEngine& engine, const Workload& w, int64_t ste
   j["predicted_reduce_scatter_bytes"] = engine.shard_world() > 1 ? Json(static_cast<double>(volume.reduce_scatter_bytes) * n) : Json();
   j["predicted_all_reduce_bytes"] = replicas > 1 ? Json(static_cast<double>(volume.all_reduce_bytes) * n) : Json();
   return j;
+}
+
+// --gpu, or the catalog entry of the GPU this rank runs on.
+Result<std::string> GpuOfThisRank(const PlanFlags& plan, int rank) {
+  if (plan.gpu_given) return plan.gpu;
+  auto name = runtime::GpuDeviceName(rank);
+  if (!name.ok()) return name.error();
+  return HardwareIdForDevice(name.value());
 }
 
 // Steps after the first (which pays for cudaMalloc and cuBLAS's heuristics); the one step if only one ran.
@@ -141,15 +135,15 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
   const MemoryEstimate torch_profile = EstimateMemory(w);  // fsdp-plan's PyTorch FSDP profile, for reference
   fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (fsdp-plan's PyTorch {} profile: max_memory_allocated)\n", "peak allocated",
              mem.peak_allocated_bytes / 1048576.0, torch_profile.allocated_peak_bytes / 1048576.0,
-             Pct(static_cast<double>(mem.peak_allocated_bytes), static_cast<double>(torch_profile.allocated_peak_bytes)),
+             PercentError(static_cast<double>(mem.peak_allocated_bytes), static_cast<double>(torch_profile.allocated_peak_bytes)),
              w.config.framework == Framework::kFsdp2 ? "FSDP2" : "FSDP1");
   Json framework_json = FrameworkTable(mem, torch_profile, out);
   const TimeEstimate time = EstimateTime(w);  // fsdp-plan's step model and fsdp-sim on this GPU's hardware file
   auto simulated = sim::Simulate(w, sim::SimOptions{});
   const double sim_s = simulated.ok() ? simulated.value().step_s : 0.0;
-  fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-plan, {})\n", "step time s", step_s, time.step.step_s, Pct(step_s, time.step.step_s),
+  fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-plan, {})\n", "step time s", step_s, time.step.step_s, PercentError(step_s, time.step.step_s),
              w.hardware.id);
-  if (simulated.ok()) fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-sim)\n", "step time s", step_s, sim_s, Pct(step_s, sim_s));
+  if (simulated.ok()) fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-sim)\n", "step time s", step_s, sim_s, PercentError(step_s, sim_s));
   const runtime::GpuPhaseTimes t = engine.times();
   const double forward_s = Median(SteadySteps(t.forward_s)), backward_s = Median(SteadySteps(t.backward_s)),
                optimizer_s = Median(SteadySteps(t.optimizer_s));
@@ -190,14 +184,9 @@ Status RunCalibrateGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out
   if (!devices.ok()) return Error::RunFailed(fmt::format("--device cuda: {}", devices.error().message));
   auto model = LoadModel(f.plan.model);
   if (!model.ok()) return model.error();
-  std::string gpu = f.plan.gpu;
-  if (!f.plan.gpu_given) {
-    auto name = runtime::GpuDeviceName(comm.rank());
-    if (!name.ok()) return name.error();
-    auto id = HardwareIdForDevice(name.value());
-    if (!id.ok()) return id.error();
-    gpu = id.value();
-  }
+  auto gpu_id = GpuOfThisRank(f.plan, comm.rank());
+  if (!gpu_id.ok()) return gpu_id.error();
+  const std::string& gpu = gpu_id.value();
   auto path = ResolveCatalogPath("hardware", "GPU", gpu);
   if (!path.ok()) return path.error();
   auto catalog = LoadJsonFile(path.value());
@@ -231,13 +220,9 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
   }
   plan.attention = "eager";  // the engine's attention, so the PyTorch profile and the time model match it
   if (f.virtual_world > 0 && !plan.gpus_given) plan.config.gpus = f.virtual_world;
-  if (!plan.gpu_given) {  // the hardware file of the GPU this rank runs on
-    auto name = runtime::GpuDeviceName(comm.rank());
-    if (!name.ok()) return name.error();
-    auto id = HardwareIdForDevice(name.value());
-    if (!id.ok()) return id.error();
-    plan.gpu = id.value();
-  }
+  auto gpu = GpuOfThisRank(plan, comm.rank());
+  if (!gpu.ok()) return gpu.error();
+  plan.gpu = gpu.value();
   if (plan.config.gpus_per_node == 0) {  // a node as the hardware file says (HYBRID_SHARD's shard group), capped at --gpus
     auto hardware = LoadHardware(plan.gpu);
     if (!hardware.ok()) return hardware.error();
