@@ -25,10 +25,8 @@ double BestSeconds(int repeats, F&& f) {
 
 // FLOP/s of x (T, in) W^T (out, in) for the model's linear shapes, weighted by their FLOPs.
 double GemmFlops(const ModelSpec& m, int64_t tokens, int repeats) {
-  const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim, inner = m.intermediate_size;
-  const std::pair<int64_t, int64_t> shapes[] = {{q, h}, {kv, h}, {h, q}, {inner, h}, {h, inner}, {m.vocab_size, h}};
   double flops = 0, seconds = 0;
-  for (const auto& [out, in] : shapes) {
+  for (const auto& [out, in] : LinearShapes(m)) {
     Mat x = Mat::Random(tokens, in), w = Mat::Random(out, in), dy = Mat::Random(tokens, out), dw = Mat::Zero(out, in);
     Mat y;
     MatMap dw_map(dw.data(), out, in);
@@ -51,8 +49,7 @@ double AttentionFlops(const ModelSpec& m, int64_t batch, int64_t seq, int repeat
     out = AttentionForward(q, k, v, batch, seq, heads, kv, d, probs);
     AttentionBackward(out, q, k, v, probs, batch, seq, heads, kv, d, dq, dk, dv);
   });
-  // forward 4 s d per token and head, backward twice that (full s x s, as the engine computes it)
-  return 3.0 * 4.0 * static_cast<double>(seq) * static_cast<double>(heads * d) * static_cast<double>(batch * seq) / s;
+  return AttentionTrainingFlops(m, batch, seq) / s;
 }
 
 // Bytes read + written per second by a large copy.
@@ -93,14 +90,28 @@ Result<Json> CollectiveSweep(Comm& comm, int64_t max_bytes, int repeats) {
     const double rs = BestSeconds(repeats, [&] { if (status.ok()) status = comm.ReduceScatter(big.data(), small.data(), per_rank); });
     const double ar = BestSeconds(repeats, [&] { if (status.ok()) status = comm.AllReduce(big.data(), per_rank * n); });
     if (!status.ok()) return status.error();
-    const double size = static_cast<double>(per_rank * n * 4), f = static_cast<double>(n - 1) / n;
-    rows.push_back({{"ranks", n}, {"bytes", per_rank * n * 4}, {"all_gather_s", ag}, {"reduce_scatter_s", rs}, {"all_reduce_s", ar},
-                    {"all_gather_busbw", size / ag * f}, {"reduce_scatter_busbw", size / rs * f}, {"all_reduce_busbw", size / ar * 2 * f}});
+    rows.push_back(CollectiveRow(n, per_rank * n * 4, ag, rs, ar));
   }
   return rows;
 }
 
 }  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> LinearShapes(const ModelSpec& m) {
+  const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim, inner = m.intermediate_size;
+  return {{q, h}, {kv, h}, {h, q}, {inner, h}, {h, inner}, {m.vocab_size, h}};
+}
+
+double AttentionTrainingFlops(const ModelSpec& m, int64_t batch, int64_t seq) {
+  // forward 4 s d per token and head, backward twice that
+  return 3.0 * 4.0 * static_cast<double>(seq) * static_cast<double>(m.num_heads * m.head_dim) * static_cast<double>(batch * seq);
+}
+
+Json CollectiveRow(int n, int64_t bytes, double ag, double rs, double ar) {
+  const double size = static_cast<double>(bytes), f = static_cast<double>(n - 1) / n;
+  return {{"ranks", n}, {"bytes", bytes}, {"all_gather_s", ag}, {"reduce_scatter_s", rs}, {"all_reduce_s", ar},
+          {"all_gather_busbw", size / ag * f}, {"reduce_scatter_busbw", size / rs * f}, {"all_reduce_busbw", size / ar * 2 * f}};
+}
 
 Result<Json> Calibrate(const ModelSpec& m, Comm& comm, const CalibrationOptions& o) {
   const double gemm = GemmFlops(m, o.tokens, o.repeats);

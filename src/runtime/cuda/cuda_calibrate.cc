@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include "runtime/calibrate.h"
 #include "runtime/cuda/cuda_block.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_gemm.h"
@@ -58,10 +59,9 @@ struct Rates {
 
 Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repeats) {
   Rates r;
-  const int64_t T = c.tokens(), h = m.hidden_size, q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
-  const std::pair<int64_t, int64_t> shapes[] = {{q, h}, {kv, h}, {h, q}, {m.intermediate_size, h}, {h, m.intermediate_size}, {m.vocab_size, h}};
+  const int64_t T = c.tokens(), q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
   double flops = 0, seconds = 0;
-  for (const auto& [out, in] : shapes) {  // the three products of a linear layer in a training step
+  for (const auto& [out, in] : LinearShapes(m)) {  // the three products of a linear layer in a training step
     FSDP_ALLOC(x, c.Buffer(T * in, Mem::kTemporaries));
     FSDP_ALLOC(w, c.Buffer(out * in, Mem::kTemporaries));
     FSDP_ALLOC(y, c.Buffer(T * out, Mem::kTemporaries));
@@ -93,8 +93,7 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
     return DeviceAttentionBackward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get(), dq.get(), dk.get(), dv.get());
   });
   if (!attention.ok()) return attention.error();
-  // forward 4 s d per token and head, backward twice that (full s x s, as the engine computes it)
-  r.attention_flops = 3.0 * 4.0 * static_cast<double>(c.seq * q * T) / attention.value();
+  r.attention_flops = AttentionTrainingFlops(m, c.batch, c.seq) / attention.value();
   const int64_t copy_bytes = int64_t{1} << 30;
   FSDP_ALLOC(src, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
   FSDP_ALLOC(dst, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
@@ -122,10 +121,7 @@ Result<Json> CollectiveSweep(DeviceComm& comm, DeviceAllocator& alloc, cudaStrea
     for (const auto* t : {&ag, &rs, &ar}) {
       if (!t->ok()) return t->error();
     }
-    const double size = static_cast<double>(per_rank * n * e), f = static_cast<double>(n - 1) / n;
-    rows.push_back({{"ranks", n}, {"bytes", per_rank * n * e}, {"all_gather_s", ag.value()}, {"reduce_scatter_s", rs.value()},
-                    {"all_reduce_s", ar.value()}, {"all_gather_busbw", size / ag.value() * f}, {"reduce_scatter_busbw", size / rs.value() * f},
-                    {"all_reduce_busbw", size / ar.value() * 2 * f}});
+    rows.push_back(CollectiveRow(n, per_rank * n * e, ag.value(), rs.value(), ar.value()));
   }
   FSDP_TRY(comm.CollectTimes());
   return rows;
