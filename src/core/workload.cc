@@ -1,5 +1,6 @@
 #include "core/workload.h"
 
+#include <algorithm>
 #include <functional>
 #include <map>
 
@@ -157,6 +158,14 @@ int64_t Workload::PaddedNumelTotal() const {
   int64_t total = 0;
   for (const auto& u : units) total += u.padded_numel;
   return total;
+}
+
+std::vector<int> Workload::BlockUnits() const {
+  std::vector<int> units_of_blocks(static_cast<size_t>(model.num_layers), 0);
+  for (const ModuleNode& n : nodes) {
+    if (n.role == ModuleNode::Role::kBlock) units_of_blocks[n.block] = std::max(0, n.unit);
+  }
+  return units_of_blocks;
 }
 
 namespace {

@@ -58,6 +58,8 @@ struct Workload {
   int64_t ShardNumelTotal() const;
   /// Sum of all units' padded_numel.
   int64_t PaddedNumelTotal() const;
+  /// Per decoder block, the unit whose flat parameter holds it (0: the root, e.g. with --wrap none).
+  std::vector<int> BlockUnits() const;
 };
 
 /// Resolves the configuration against model and hardware (ResolveAndValidate), builds the module

@@ -18,7 +18,7 @@ using Cat = MemCategory;
 class RuntimePlayer {
  public:
   RuntimePlayer(const Workload& w, MemoryTracker& mem) : w_(w), mem_(mem), full_(w.units.size(), kNoBlock), grad_(w.units.size(), kNoBlock),
-                                                         shard_grad_(w.units.size(), kNoBlock) {
+                                                         shard_grad_(w.units.size(), kNoBlock), block_unit_(w.BlockUnits()) {
     const ModelSpec& m = w.model;
     tokens_ = w.TokensPerMicroBatch();
     hidden_bytes_ = tokens_ * m.hidden_size * 4;
@@ -77,10 +77,7 @@ class RuntimePlayer {
     return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
   }
 
-  int UnitOfBlock(int b) const {
-    for (const auto& n : w_.nodes) if (n.role == ModuleNode::Role::kBlock && n.block == b) return std::max(0, n.unit);
-    return 0;
-  }
+  int UnitOfBlock(int b) const { return block_unit_[b]; }
 
   void MicroBatch() {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
@@ -125,6 +122,7 @@ class RuntimePlayer {
   std::vector<BlockId> full_, grad_, shard_grad_;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0;
   bool reduce_now_ = true;
+  std::vector<int> block_unit_;  // Workload::BlockUnits
   std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)
 };
 
@@ -191,10 +189,7 @@ class GpuRuntimePlayer {
     kvd_ = m.num_kv_heads * m.head_dim;
     I_ = m.intermediate_size;
     scores_ = w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
-    block_unit_.assign(static_cast<size_t>(m.num_layers), 0);
-    for (const auto& n : w.nodes) {
-      if (n.role == ModuleNode::Role::kBlock) block_unit_[n.block] = std::max(0, n.unit);
-    }
+    block_unit_ = w.BlockUnits();
   }
 
   GpuRuntimeMemory Play() {

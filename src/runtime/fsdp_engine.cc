@@ -102,10 +102,7 @@ Status FsdpEngine::Init() {
     ledger_.Add(Mem::kOptimizerStates, 2 * s * 4);
   }
   if (Status st = ledger_.Sample("initialisation"); !st.ok()) return st;
-  block_unit_.assign(static_cast<size_t>(dims_.layers), 0);
-  for (const auto& node : w_.nodes) {
-    if (node.role == ModuleNode::Role::kBlock) block_unit_[node.block] = node.unit >= 0 ? node.unit : 0;
-  }
+  block_unit_ = w_.BlockUnits();
   return {};
 }
 

@@ -196,10 +196,7 @@ Status CudaEngine::Init(int virtual_world) {
     FSDP_CUDA_TRY(cudaEventCreateWithFlags(&gathered_[u], cudaEventDisableTiming));
     FSDP_TRY(InitUnit(static_cast<int>(u)));
   }
-  block_unit_.assign(static_cast<size_t>(ctx_.dims.layers), 0);
-  for (const auto& node : w_.nodes) {
-    if (node.role == ModuleNode::Role::kBlock) block_unit_[node.block] = node.unit >= 0 ? node.unit : 0;
-  }
+  block_unit_ = w_.BlockUnits();
   FSDP_CUDA_TRY(cudaEventRecord(params_ready_, compute_));
   FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
   return {};
@@ -226,26 +223,23 @@ Status CudaEngine::InitUnit(int u) {
     const std::vector<float> flat = InitialUnit(w_, u, o_.seed);
     FSDP_CUDA_TRY(cudaMemcpyAsync(p.get(), flat.data() + first, static_cast<size_t>(s * 4), cudaMemcpyHostToDevice, compute_));
     FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // after the memset on the same stream; `flat` dies here
-    shard_params_[u] = std::move(p);
-    exp_avg_[u] = std::move(m);
-    exp_avg_sq_[u] = std::move(v);
-    return {};
-  }
-  int64_t offset = 0;
-  for (int t : unit.tensors) {
-    const TensorSpec& ts = w_.model.tensors[t];
-    const int64_t begin = std::max(offset, first), end = std::min(offset + ts.numel(), first + s);
-    if (begin < end) {
-      float* out = p.as<float>() + (begin - first);
-      if (ts.shape.size() == 1) {
-        Fill(out, end - begin, 1.0f, compute_);
-      } else {
-        FillNormal(out, end - begin, o_.seed * 7919 + static_cast<uint64_t>(t), begin - offset, 0.02f, compute_);
+  } else {
+    int64_t offset = 0;
+    for (int t : unit.tensors) {
+      const TensorSpec& ts = w_.model.tensors[t];
+      const int64_t begin = std::max(offset, first), end = std::min(offset + ts.numel(), first + s);
+      if (begin < end) {
+        float* out = p.as<float>() + (begin - first);
+        if (ts.shape.size() == 1) {
+          Fill(out, end - begin, 1.0f, compute_);
+        } else {
+          FillNormal(out, end - begin, o_.seed * 7919 + static_cast<uint64_t>(t), begin - offset, 0.02f, compute_);
+        }
       }
+      offset += ts.numel();
     }
-    offset += ts.numel();
+    FSDP_TRY(CudaStatus(cudaGetLastError(), "initialisation kernels"));
   }
-  FSDP_TRY(CudaStatus(cudaGetLastError(), "initialisation kernels"));
   shard_params_[u] = std::move(p);
   exp_avg_[u] = std::move(m);
   exp_avg_sq_[u] = std::move(v);
