@@ -2,6 +2,8 @@
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
+#include <string>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
@@ -16,6 +18,7 @@
 #include "planner/runtime_profile.h"
 #include "planner/step_model.h"
 #include "runtime/gpu_engine.h"
+#include "runtime/memory_ledger.h"
 #include "sim/sim_report.h"
 #include "sim/simulator.h"
 
@@ -45,17 +48,16 @@ double Median(std::vector<double> v) {
   return n == 0 ? 0 : n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-constexpr const char* kCategoryKeys[] = {"sharded_params", "unsharded_params", "gradients", "optimizer_states", "activations",
-                                         "comm_buffers", "temporaries"};
-
 Json MemoryTable(const runtime::GpuMemoryReport& m, const GpuRuntimeMemory& p, std::ostream& out) {
   fmt::print(out, "  {:<22}{:>14}{:>14}{:>9}\n", "allocated at peak", "measured MiB", "predicted MiB", "error");
   Json measured = Json::object(), predicted = Json::object();
-  for (int c = 0; c < 7; ++c) {
+  static_assert(std::tuple_size_v<decltype(p.at_peak)> == runtime::kMemKinds, "the replay counts fsdp-run's categories");
+  for (int c = 0; c < runtime::kMemKinds; ++c) {
+    const std::string key = runtime::MemKey(static_cast<runtime::Mem>(c));
     const double mm = m.at_peak[c] / 1048576.0, pp = p.at_peak[c] / 1048576.0;
-    measured[std::string(kCategoryKeys[c]) + "_bytes"] = m.at_peak[c];
-    predicted[std::string(kCategoryKeys[c]) + "_bytes"] = p.at_peak[c];
-    fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%\n", kCategoryKeys[c], mm, pp, PercentError(mm, pp));
+    measured[key + "_bytes"] = m.at_peak[c];
+    predicted[key + "_bytes"] = p.at_peak[c];
+    fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%\n", key, mm, pp, PercentError(mm, pp));
   }
   fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (measured at {}, predicted at {})\n", "peak allocated", m.peak_allocated_bytes / 1048576.0,
              p.peak_bytes / 1048576.0, PercentError(static_cast<double>(m.peak_allocated_bytes), static_cast<double>(p.peak_bytes)), m.peak_phase,
