@@ -76,7 +76,7 @@ with open(out, "w") as f:
     json.dump(doc, f, indent=1)
 PY
 }
-[ -n "${MERGE_ONLY:-}" ] && { merge; exit; }  # only re-merge the runs already in $OUT/runs
+[ -n "${MERGE_ONLY:-}" ] && { merge; exit; }  # only re-merge the runs already in $RUNS
 start=$(date +%s)
 
 say "machine"

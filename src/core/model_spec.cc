@@ -23,15 +23,17 @@ struct HfDefaults {
   int64_t num_kv_heads;  // 0 = same as num_heads
   int64_t max_position_embeddings;
   bool tie_word_embeddings;
+  double rms_norm_eps;  // GPT-2: layer_norm_epsilon
+  double rope_theta;    // GPT-2: unused (learned positions)
 };
 
 HfDefaults DefaultsFor(ModelFamily family) {
   switch (family) {
-    case ModelFamily::kLlama: return {32000, 4096, 11008, 32, 32, 0, 2048, false};
-    case ModelFamily::kMistral: return {32000, 4096, 14336, 32, 32, 8, 4096 * 32, false};
-    case ModelFamily::kMixtral: return {32000, 4096, 14336, 32, 32, 8, 4096 * 32, false};
-    case ModelFamily::kQwen2: return {151936, 4096, 22016, 32, 32, 32, 32768, false};
-    case ModelFamily::kGpt2: return {50257, 768, 0, 12, 12, 0, 1024, true};
+    case ModelFamily::kLlama: return {32000, 4096, 11008, 32, 32, 0, 2048, false, 1e-6, 10000.0};
+    case ModelFamily::kMistral: return {32000, 4096, 14336, 32, 32, 8, 4096 * 32, false, 1e-6, 10000.0};
+    case ModelFamily::kMixtral: return {32000, 4096, 14336, 32, 32, 8, 4096 * 32, false, 1e-5, 1e6};
+    case ModelFamily::kQwen2: return {151936, 4096, 22016, 32, 32, 32, 32768, false, 1e-6, 10000.0};
+    case ModelFamily::kGpt2: return {50257, 768, 0, 12, 12, 0, 1024, true, 1e-5, 0.0};
   }
   return {};
 }
@@ -65,6 +67,16 @@ Result<double> ReadProbability(const JsonReader& reader, const char* key, double
   double p = *v.value();
   if (p < 0 || p >= 1) return reader.KeyError(key, fmt::format("dropout probability must be in [0, 1), got {}", p));
   return p;
+}
+
+// Reads a positive real key with a default; values outside (0, max_value] are typos.
+Result<double> ReadPositive(const JsonReader& reader, const char* key, double fallback, double max_value) {
+  auto v = reader.OptionalNumber(key);
+  if (!v.ok()) return v.error();
+  if (!v.value()) return fallback;
+  const double x = *v.value();
+  if (!(x > 0 && x <= max_value)) return reader.KeyError(key, fmt::format("must be positive and at most {}, got {}", max_value, x));
+  return x;
 }
 
 Result<bool> ReadFlag(const JsonReader& reader, const char* key, bool fallback) {
@@ -108,6 +120,14 @@ Status ReadHyperParameters(const JsonReader& r, ModelSpec& m) {
   }
   if (m.num_heads % m.num_kv_heads != 0) {
     return Error::BadInput(fmt::format("{}: {} attention heads are not divisible by {} key/value heads", r.origin(), m.num_heads, m.num_kv_heads));
+  }
+  auto eps = ReadPositive(r, gpt2 ? "layer_norm_epsilon" : "rms_norm_eps", d.rms_norm_eps, 0.1);
+  if (!eps.ok()) return eps.error();
+  m.norm_eps = eps.value();
+  if (!gpt2) {
+    auto theta = ReadPositive(r, "rope_theta", d.rope_theta, 1e12);
+    if (!theta.ok()) return theta.error();
+    m.rope_theta = theta.value();
   }
   return {};
 }

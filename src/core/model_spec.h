@@ -38,6 +38,8 @@ struct ModelSpec {
   int64_t head_dim = 0;
   int64_t max_position_embeddings = 0;
   bool tie_word_embeddings = false;
+  double norm_eps = 1e-6;       ///< rms_norm_eps (GPT-2: layer_norm_epsilon)
+  double rope_theta = 10000.0;  ///< RoPE base; rope_scaling is not read (0 for GPT-2's learned positions)
   bool qkv_bias = false;        ///< bias on q/k/v projections
   bool o_bias = false;          ///< bias on the attention output projection
   bool mlp_bias = false;        ///< bias on MLP projections

@@ -67,6 +67,26 @@ TEST_CASE("missing keys take transformers' defaults for each model type") {
   CHECK(m.value().head_dim == 64);
   CHECK_FALSE(m.value().tie_word_embeddings);
   CHECK(m.value().max_position_embeddings == 2048);
+  CHECK(m.value().norm_eps == 1e-6);  // LlamaConfig's rms_norm_eps default
+  CHECK(m.value().rope_theta == 10000.0);
+  auto mixtral = FromText(R"({"model_type":"mixtral"})");
+  REQUIRE(mixtral.ok());
+  CHECK(mixtral.value().norm_eps == 1e-5);
+  CHECK(mixtral.value().rope_theta == 1e6);
+}
+
+TEST_CASE("the norm epsilon and the RoPE base come from the config") {
+  auto llama3 = LoadModel("llama-3.1-8b");
+  REQUIRE(llama3.ok());
+  CHECK(llama3.value().rope_theta == 500000.0);
+  CHECK(llama3.value().norm_eps == 1e-5);
+  auto qwen = LoadModel("qwen2.5-7b");
+  REQUIRE(qwen.ok());
+  CHECK(qwen.value().norm_eps == 1e-6);
+  CHECK(qwen.value().rope_theta == 1e6);
+  auto tinyllama = LoadModel("tinyllama-1.1b");  // no rope_theta key: LlamaConfig's 10000
+  REQUIRE(tinyllama.ok());
+  CHECK(tinyllama.value().rope_theta == 10000.0);
 }
 
 TEST_CASE("tensor inventory uses HF names and shapes") {
@@ -128,6 +148,13 @@ TEST_CASE("bad model configs give one-line errors naming the problem") {
   auto absurd = FromText(R"({"model_type":"gpt2","n_layer":1000000})");
   REQUIRE_FALSE(absurd.ok());
   CHECK(absurd.error().message.find("'n_layer'") != std::string::npos);
+
+  auto theta = FromText(R"({"model_type":"llama","rope_theta":-1})");
+  REQUIRE_FALSE(theta.ok());
+  CHECK(theta.error().message == "inline.json: key 'rope_theta': must be positive and at most 1000000000000, got -1");
+  auto eps = FromText(R"({"model_type":"mistral","rms_norm_eps":0.5})");
+  REQUIRE_FALSE(eps.ok());
+  CHECK(eps.error().message == "inline.json: key 'rms_norm_eps': must be positive and at most 0.1, got 0.5");
 
   auto not_object = FromText("[1, 2]");
   REQUIRE_FALSE(not_object.ok());

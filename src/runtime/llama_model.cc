@@ -38,7 +38,8 @@ Result<LlamaDims> DimsOf(const ModelSpec& m) {
   }
   if (m.qkv_bias || m.o_bias || m.mlp_bias) return Error::BadInput(fmt::format("fsdp-run does not implement biases ({})", m.id));
   if (m.head_dim % 2 != 0) return Error::BadInput("RoPE needs an even head_dim");
-  return LlamaDims{m.vocab_size, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers, 1e-5f, 10000.0f,
+  return LlamaDims{m.vocab_size, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers,
+                   static_cast<float>(m.norm_eps), static_cast<float>(m.rope_theta),
                    m.tie_word_embeddings};
 }
 
