@@ -135,6 +135,7 @@ Result<DeviceBuffer> DeviceBlockForward(const DeviceContext& c, const void* para
     *cache = DeviceBlockCache{std::move(n1), std::move(q),  std::move(k),  std::move(v),   std::move(probs), std::move(attn), std::move(x2),
                               std::move(n2), std::move(gate), std::move(up), std::move(mid), std::move(inv1), std::move(inv2)};
   }
+  FSDP_CUDA_TRY(cudaGetLastError());  // a kernel launch of this block failed (the launchers return nothing)
   return y;
 }
 
@@ -194,6 +195,7 @@ Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* par
   RmsNormBackward(d_n1.get(), x.get(), w(o.in_norm), cache.inv1.as<float>(), d_x2.get(), dx.get(), dw_scratch, T, h, t, c.stream);
   AddF32(dw_scratch, g(o.in_norm), t, h, c.stream);
   cache.inv1.Release();
+  FSDP_CUDA_TRY(cudaGetLastError());
   return dx;
 }
 
