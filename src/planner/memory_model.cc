@@ -253,9 +253,12 @@ class StepPlayer {
     mem_.SetPhase(At(PhaseKind::kReduce, node_id));
     if (!Fsdp2()) mem_.ReleaseAllPending(Pool::kPostBackward);  // the previous unit's reduction has run
     BlockId grad = GatherUnitGrad(u);
+    // _post_backward_reshard (reshard, then the BACKWARD_POST prefetch) runs before the hook
+    // returns early under no_sync
     if (c_.no_sync && !LastMicro()) {
       KeepUnsyncedGrad(u, grad);
       Reshard(u);
+      if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u));
       return;
     }
     if (kept_grad_[u] != kNoBlock) mem_.Free(kept_grad_[u]);  // accumulated in place, then reduced

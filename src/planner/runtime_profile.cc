@@ -106,11 +106,9 @@ class RuntimePlayer {
       mem_.Free(dx);
       mem_.Free(recompute);
       mem_.Free(saved[b]);
+      if (u != 0) mem_.Free(full_[u]);  // reshard, BACKWARD_POST prefetch, reduce: as the engine
       if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous != u) Prefetch(previous);
-      if (u != 0) {
-        mem_.Free(full_[u]);
-        if (reduce_now_) Reduce(u);  // under no_sync the unsharded gradient is kept
-      }
+      if (u != 0 && reduce_now_) Reduce(u);  // under no_sync the unsharded gradient is kept
     }
     mem_.Free(head);
     mem_.Free(full_[0]);
@@ -355,11 +353,9 @@ class GpuRuntimePlayer {
       if (ac) Free(BlockForward(&caches_[b]));
       dx = BlockBackward(dx, caches_[b]);
       Free(inputs_[b]);
+      if (u != 0) Reshard(u);  // reshard, BACKWARD_POST prefetch, reduce: as the engine
       if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) Unshard(previous);
-      if (u != 0) {
-        Reshard(u);
-        if (reduce_now_) Reduce(u);
-      }
+      if (u != 0 && reduce_now_) Reduce(u);
     }
     Free(dx);
     Reshard(0);

@@ -290,14 +290,14 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
       ledger_.Sub(Mem::kActivations, inputs_saved[b].size() * 4);
       inputs_saved[b] = Mat();
     }
+    // FSDP1's post-backward hook: reshard, then the BACKWARD_POST prefetch (_post_backward_reshard),
+    // then the reduce-scatter
+    if (u != 0) Reshard(u);
     if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) {
-      if (Status s = Prefetch(previous); !s.ok()) return s.error();  // BACKWARD_POST: after its gradient
+      if (Status s = Prefetch(previous); !s.ok()) return s.error();
     }
-    if (u != 0) {
-      Reshard(u);
-      if (reduce_now_) {
-        if (Status s = Reduce(u); !s.ok()) return s.error();
-      }
+    if (u != 0 && reduce_now_) {
+      if (Status s = Reduce(u); !s.ok()) return s.error();
     }
   }
   MatMap g_embed(root_grad, vocab, h);
