@@ -72,12 +72,15 @@ Json FrameworkTable(const runtime::GpuMemoryReport& m, const MemoryEstimate& tor
   fmt::print(out, "  {:<22}{:>14}{:>14}\n", "framework (device)", "measured MiB", "fsdp-plan MiB");
   fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "CUDA context", m.context_bytes / 1048576.0, o.cuda_context_bytes / 1048576.0);
   fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "cuBLAS workspace", m.cublas_bytes / 1048576.0, o.cublas_workspace_bytes / 1048576.0);
-  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}   (per communicator)\n", "NCCL", m.nccl_bytes / 1048576.0, o.nccl_bytes_per_communicator / 1048576.0);
+  const int64_t predicted_nccl = m.nccl_communicators * o.nccl_bytes_per_communicator;
+  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}   ({} communicator{}; a virtual world has none)\n", "NCCL", m.nccl_bytes / 1048576.0,
+             predicted_nccl / 1048576.0, m.nccl_communicators, m.nccl_communicators == 1 ? "" : "s");
   fmt::print(out, "  {:<22}{:>14.1f}\n", "device in use (max)", m.device_used_bytes / 1048576.0);
   return Json{{"context_bytes", m.context_bytes}, {"cublas_bytes", m.cublas_bytes}, {"nccl_bytes", m.nccl_bytes},
               {"device_used_bytes", m.device_used_bytes}, {"device_total_bytes", m.device_total_bytes},
               {"predicted_context_bytes", o.cuda_context_bytes}, {"predicted_cublas_bytes", o.cublas_workspace_bytes},
-              {"predicted_nccl_bytes_per_communicator", o.nccl_bytes_per_communicator}};
+              {"predicted_nccl_bytes_per_communicator", o.nccl_bytes_per_communicator},
+              {"nccl_communicators", m.nccl_communicators}, {"predicted_nccl_bytes", predicted_nccl}};
 }
 
 // The collectives of the shard group (all-gathers, reduce-scatters) and of the replica group

@@ -33,7 +33,8 @@ struct GpuMemoryReport {
   int64_t device_total_bytes = 0;
   int64_t context_bytes = 0;    ///< device memory in use once the CUDA context exists (cudaMemGetInfo)
   int64_t cublas_bytes = 0;     ///< growth after creating the cuBLAS handle and a first product
-  int64_t nccl_bytes = 0;       ///< growth after creating the NCCL communicators and a first collective
+  int64_t nccl_bytes = 0;       ///< growth after creating the NCCL communicators and a first collective on each
+  int nccl_communicators = 0;   ///< how many NCCL communicators nccl_bytes covers (0 in a virtual world)
   int64_t device_used_bytes = 0;  ///< in use at the end (total - free): context, libraries and the allocator's reserve
 };
 

@@ -55,9 +55,10 @@ class CudaEngine : public GpuEngine {
  public:
   CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o) {}
   ~CudaEngine() override;
-  Status Init(int virtual_world);
+  /// Sets up the device, the communicators and the sharded model.
+  Status Init(int virtual_world) { return Guarded(InitDevice(virtual_world)); }
 
-  Result<float> Step(int64_t step) override;
+  Result<float> Step(int64_t step) override { return Guarded(StepOnce(step)); }
   void set_memory_limit(int64_t bytes) override { alloc_.set_limit(bytes); }
   GpuMemoryReport memory() const override;
   GpuPhaseTimes times() const override { return times_; }
@@ -67,6 +68,15 @@ class CudaEngine : public GpuEngine {
   std::string device_name() const override { return device_name_; }
 
  private:
+  template <typename R>
+  R Guarded(R r) {
+    if (!r.ok()) failed_ = true;
+    return r;
+  }
+  Status InitDevice(int virtual_world);
+  Status MeasureCublas();
+  Status MakeGroups();
+  Result<float> StepOnce(int64_t step);
   Status InitUnit(int u);
   Status Unshard(int u);
   Status WaitGathered(int u);
@@ -94,7 +104,8 @@ class CudaEngine : public GpuEngine {
   cublasHandle_t blas_ = nullptr;
   DeviceAllocator alloc_;  // before every DeviceBuffer member: destroyed after them
   DeviceContext ctx_;
-  std::unique_ptr<DeviceComm> world_comm_, shard_, replica_;
+  std::unique_ptr<DeviceComm> shard_, replica_;
+  bool failed_ = false;  // Init or a step returned an error: the destructor aborts the communicators
   DType dtype_ = DType::kBf16, reduce_dtype_ = DType::kFp32;
   std::vector<DeviceBuffer> shard_params_, exp_avg_, exp_avg_sq_, grad_shard_, full_, full_grad_;
   std::vector<cudaEvent_t> gathered_;
@@ -114,6 +125,11 @@ class CudaEngine : public GpuEngine {
 };
 
 CudaEngine::~CudaEngine() {
+  if (failed_) {  // collectives left pending may wait for peers that have given up: stop them, not wait
+    for (DeviceComm* c : {shard_.get(), replica_.get()}) {
+      if (c != nullptr) c->Abort();
+    }
+  }
   if (compute_ != nullptr) cudaDeviceSynchronize();
   for (cudaEvent_t e : gathered_) cudaEventDestroy(e);
   for (cudaEvent_t e : reshard_events_) cudaEventDestroy(e);
@@ -126,7 +142,63 @@ CudaEngine::~CudaEngine() {
   }
 }
 
-Status CudaEngine::Init(int virtual_world) {
+// The cuBLAS handle and a first product (cuBLAS takes its workspace then), measured as the growth of
+// the device's used memory with the product's buffers already allocated.
+Status CudaEngine::MeasureCublas() {
+  FSDP_ALLOC(probe, alloc_.Allocate(3 * 64 * 64 * 4, Mem::kTemporaries, compute_));
+  const int64_t before = DeviceUsedBytes();
+  FSDP_CUBLAS_TRY(cublasCreate(&blas_));
+  FSDP_CUBLAS_TRY(cublasSetStream(blas_, compute_));
+  FSDP_TRY(Gemm(blas_, dtype_, false, true, 64, 64, 64, {probe.get(), 64}, {Offset(probe.get(), 4096, dtype_), 64},
+                Offset(probe.get(), 8192, dtype_), 64, 0.0f));
+  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
+  device_view_.cublas_bytes = DeviceUsedBytes() - before;
+  return {};
+}
+
+// The shard and replica groups. In a virtual world, stand-ins of their sizes. Over NCCL, as PyTorch
+// makes them: the world's communicator itself for a group of every rank, a one-rank stand-in for a
+// group of one (FULL_SHARD's replicas, NO_SHARD's shards), and splits of the world for
+// HYBRID_SHARD (the world's own communicator is then released). Each NCCL communicator runs one
+// all-reduce on the loss buffer, as NCCL connects lazily, before its memory is read.
+Status CudaEngine::MakeGroups() {
+  const int shard_world = static_cast<int>(w_.shard_world);
+  if (virtual_world_ > 0) {
+    shard_ = MakeVirtualComm(shard_world);
+    replica_ = MakeVirtualComm(virtual_world_ / shard_world);
+    return {};
+  }
+  const int64_t before = DeviceUsedBytes();
+  auto world = MakeNcclComm(host_);
+  if (!world.ok()) return world.error();
+  const int rank = host_.rank(), size = host_.size();
+  std::vector<DeviceComm*> nccl;
+  if (shard_world == size) {
+    shard_ = std::move(world).value();
+    replica_ = MakeVirtualComm(1);
+    nccl = {shard_.get()};
+  } else if (shard_world == 1) {
+    replica_ = std::move(world).value();
+    shard_ = MakeVirtualComm(1);
+    nccl = {replica_.get()};
+  } else {
+    auto shard = world.value()->Split(rank / shard_world, rank);
+    if (!shard.ok()) return shard.error();
+    shard_ = std::move(shard).value();
+    auto replica = world.value()->Split(rank % shard_world, rank);
+    if (!replica.ok()) return replica.error();
+    replica_ = std::move(replica).value();
+    nccl = {shard_.get(), replica_.get()};
+  }
+  for (DeviceComm* c : nccl) FSDP_TRY(c->AllReduce(loss_sum_.get(), 1, DType::kFp32, compute_));
+  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
+  for (DeviceComm* c : nccl) FSDP_TRY(c->ClearStats());  // the warm-up is not the training's
+  device_view_.nccl_bytes = DeviceUsedBytes() - before;
+  device_view_.nccl_communicators = static_cast<int>(nccl.size());
+  return {};
+}
+
+Status CudaEngine::InitDevice(int virtual_world) {
   auto devices = GpuDeviceCount();
   if (!devices.ok()) return devices.error();
   const int device = GpuDeviceOfRank(host_.rank(), devices.value());
@@ -142,45 +214,16 @@ Status CudaEngine::Init(int virtual_world) {
   FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&gather_, cudaStreamNonBlocking));
   FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&reduce_, cudaStreamNonBlocking));
-  FSDP_CUBLAS_TRY(cublasCreate(&blas_));
-  FSDP_CUBLAS_TRY(cublasSetStream(blas_, compute_));
   virtual_world_ = virtual_world;
   dtype_ = w_.config.param_dtype;
   reduce_dtype_ = w_.config.reduce_dtype;
   auto dims = DimsOf(w_.model);
   if (!dims.ok()) return dims.error();
+  FSDP_TRY(MeasureCublas());
   ctx_ = DeviceContext{dims.value(), dtype_, w_.config.micro_batch, w_.config.seq_len, blas_, compute_, &alloc_};
-  {  // a first product, so that cuBLAS has its workspace before the memory is read
-    FSDP_ALLOC(probe, alloc_.Allocate(3 * 64 * 64 * 4, Mem::kTemporaries, compute_));
-    FSDP_TRY(Gemm(blas_, dtype_, false, true, 64, 64, 64, {probe.get(), 64}, {Offset(probe.get(), 4096, dtype_), 64},
-                  Offset(probe.get(), 8192, dtype_), 64, 0.0f));
-    FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
-    device_view_.cublas_bytes = DeviceUsedBytes() - device_view_.context_bytes - alloc_.reserved();
-  }
-  const int64_t before_nccl = DeviceUsedBytes();
-  const int shard_world = static_cast<int>(w_.shard_world);
-  if (virtual_world_ > 0) {
-    world_comm_ = MakeVirtualComm(virtual_world_);
-    shard_ = MakeVirtualComm(shard_world);
-    replica_ = MakeVirtualComm(virtual_world_ / shard_world);
-  } else {
-    auto comm = MakeNcclComm(host_);
-    if (!comm.ok()) return comm.error();
-    world_comm_ = std::move(comm).value();
-    const int rank = host_.rank();
-    auto shard = world_comm_->Split(rank / shard_world, rank);
-    if (!shard.ok()) return shard.error();
-    shard_ = std::move(shard).value();
-    auto replica = world_comm_->Split(rank % shard_world, rank);
-    if (!replica.ok()) return replica.error();
-    replica_ = std::move(replica).value();
-  }
   FSDP_ALLOC(loss, alloc_.Allocate(4, Mem::kTemporaries, compute_));
   loss_sum_ = std::move(loss);
-  FSDP_TRY(world_comm_->AllReduce(loss_sum_.get(), 1, DType::kFp32, compute_));  // NCCL connects lazily
-  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
-  FSDP_TRY(world_comm_->CollectTimes());
-  device_view_.nccl_bytes = DeviceUsedBytes() - before_nccl - DeviceAllocator::RoundUp(4);
+  FSDP_TRY(MakeGroups());
   FSDP_ALLOC(dw, alloc_.Allocate(ctx_.dims.hidden * 4, Mem::kTemporaries, compute_));
   dw_scratch_ = std::move(dw);
   FSDP_ALLOC(rope, alloc_.Allocate(ctx_.seq * ctx_.dims.head_dim * 4, Mem::kTemporaries, compute_));  // cos and sin, seq x head_dim/2 each
@@ -468,7 +511,7 @@ Status CudaEngine::Optimizer(int64_t step) {
   return CudaStatus(cudaGetLastError(), "optimizer kernels");
 }
 
-Result<float> CudaEngine::Step(int64_t step) {
+Result<float> CudaEngine::StepOnce(int64_t step) {
   FSDP_CUDA_TRY(cudaMemsetAsync(loss_sum_.get(), 0, 4, compute_));
   FSDP_CUDA_TRY(cudaEventRecord(phase_events_[0], compute_));
   for (int64_t m = 0; m < w_.config.grad_accum; ++m) {

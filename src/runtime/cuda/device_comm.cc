@@ -13,18 +13,25 @@ DeviceComm::~DeviceComm() {
     cudaEventDestroy(t.start);
     cudaEventDestroy(t.end);
   }
+  if (last_end_ != nullptr) cudaEventDestroy(last_end_);
 }
 
 template <typename Call>
 Status DeviceComm::Time(Kind kind, int64_t bytes, cudaStream_t stream, Call&& call) {
+  if (last_end_ == nullptr) FSDP_CUDA_TRY(cudaEventCreateWithFlags(&last_end_, cudaEventDisableTiming));
   auto start = events_.Take();
   if (!start.ok()) return start.error();
   auto end = events_.Take();
-  if (!end.ok()) return end.error();
+  if (!end.ok()) {
+    events_.Give(start.value());
+    return end.error();
+  }
+  timed_.push_back({kind, start.value(), end.value()});  // destroyed with the communicator even if a call below fails
+  FSDP_CUDA_TRY(cudaStreamWaitEvent(stream, last_end_, 0));
   FSDP_CUDA_TRY(cudaEventRecord(start.value(), stream));
   FSDP_TRY(call());
   FSDP_CUDA_TRY(cudaEventRecord(end.value(), stream));
-  timed_.push_back({kind, start.value(), end.value()});
+  FSDP_CUDA_TRY(cudaEventRecord(last_end_, stream));
   switch (kind) {
     case Kind::kAllGather: stats_.all_gather_bytes += bytes, ++stats_.all_gather_count; break;
     case Kind::kReduceScatter: stats_.reduce_scatter_bytes += bytes, ++stats_.reduce_scatter_count; break;
@@ -64,6 +71,12 @@ Status DeviceComm::CollectTimes() {
   return {};
 }
 
+Status DeviceComm::ClearStats() {
+  FSDP_TRY(CollectTimes());
+  stats_ = {};
+  return {};
+}
+
 namespace {
 
 ncclDataType_t NcclType(DType dtype) {
@@ -86,7 +99,13 @@ class NcclComm : public DeviceComm {
     ncclCommUserRank(comm_, &rank_);
     ncclCommCount(comm_, &size_);
   }
-  ~NcclComm() override { ncclCommDestroy(comm_); }
+  ~NcclComm() override {
+    if (comm_ != nullptr) ncclCommDestroy(comm_);
+  }
+  void Abort() override {
+    if (comm_ != nullptr) ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Result<std::unique_ptr<DeviceComm>> Split(int color, int key) override {
@@ -112,8 +131,9 @@ class NcclComm : public DeviceComm {
 };
 
 // Rank 0 of size_ ranks: the all-gather writes the rank's shard into every slot (size * count
-// elements written, as the real one), the reduce-scatter copies the rank's slice (count
-// elements), the all-reduce rewrites its buffer once (a read and a write of count elements).
+// elements written, as the real one), the reduce-scatter writes size * the rank's slice (what
+// size ranks holding this rank's gradient would sum to, so the gradient keeps its scale), the
+// all-reduce multiplies its buffer by size in place (a read and a write of count elements).
 class VirtualComm : public DeviceComm {
  public:
   explicit VirtualComm(int size) : size_(size) {}
@@ -133,10 +153,11 @@ class VirtualComm : public DeviceComm {
   }
   Status DoReduceScatter(const void* in, void* out, int64_t count, DType dtype, cudaStream_t stream) override {
     FSDP_CUDA_TRY(cudaMemcpyAsync(out, in, static_cast<size_t>(count * BytesPerElement(dtype)), cudaMemcpyDeviceToDevice, stream));
-    return {};
+    Scale(out, dtype, static_cast<float>(size_), count, stream);
+    return CudaStatus(cudaGetLastError(), "virtual reduce-scatter");
   }
   Status DoAllReduce(void* data, int64_t count, DType dtype, cudaStream_t stream) override {
-    Scale(data, dtype, 1.0f, count, stream);
+    Scale(data, dtype, static_cast<float>(size_), count, stream);
     return CudaStatus(cudaGetLastError(), "virtual all-reduce");
   }
 
@@ -147,11 +168,19 @@ class VirtualComm : public DeviceComm {
 }  // namespace
 
 Result<std::unique_ptr<DeviceComm>> MakeNcclComm(Comm& host) {
-  ncclUniqueId id{};
+  struct {
+    ncclUniqueId id;
+    int32_t ok;  // rank 0 sends its failure too, so that no rank waits for an id that never comes
+  } boot{};
+  Status made;
   if (host.rank() == 0) {
-    if (Status s = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId"); !s.ok()) return s.error();
+    made = NcclStatus(ncclGetUniqueId(&boot.id), "ncclGetUniqueId");
+    boot.ok = made.ok() ? 1 : 0;
   }
-  if (Status s = host.Broadcast(&id, sizeof(id), 0); !s.ok()) return s.error();
+  if (Status s = host.Broadcast(&boot, sizeof(boot), 0); !s.ok()) return s.error();
+  if (!made.ok()) return made.error();
+  if (boot.ok == 0) return Error::RunFailed("rank 0 could not create the NCCL unique id (ncclGetUniqueId failed there)");
+  const ncclUniqueId& id = boot.id;
   ncclComm_t comm = nullptr;
   if (Status s = NcclStatus(ncclCommInitRank(&comm, host.size(), id, host.rank()), "ncclCommInitRank"); !s.ok()) return s.error();
   return std::unique_ptr<DeviceComm>(new NcclComm(comm));

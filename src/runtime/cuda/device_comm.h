@@ -4,6 +4,10 @@
 // and a "virtual world": rank 0 of N ranks on one GPU, every collective replaced by device copies
 // of the sizes the real one writes, so an N-GPU plan's per-GPU memory and compute run on one card.
 // Each call is timed with CUDA events; CollectTimes() adds the elapsed times once the work is done.
+// A communicator runs its collectives one after another whatever stream they are issued on (NCCL
+// does; so does PyTorch, which issues every collective of a process group on one stream): each
+// call's stream first waits for the previous call's end, so a timed interval is the collective's
+// own and not a wait for the one before it.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +37,12 @@ class DeviceComm {
   virtual Result<std::unique_ptr<DeviceComm>> Split(int color, int key) = 0;
   /// Adds the elapsed times of completed collectives to stats(); call after synchronizing.
   Status CollectTimes();
+  /// After a failure: stops this rank's pending collectives (ncclCommAbort) so that freeing device
+  /// memory and exiting cannot wait for peers that will never join; the communicator is unusable.
+  virtual void Abort() {}
   const CommStats& stats() const { return stats_; }
+  /// Forgets the counts and times so far (after a warm-up); pending timings are dropped.
+  Status ClearStats();
 
  protected:
   enum class Kind { kAllGather, kReduceScatter, kAllReduce };
@@ -50,6 +59,7 @@ class DeviceComm {
   Status Time(Kind kind, int64_t bytes, cudaStream_t stream, Call&& call);
   std::vector<Timed> timed_;
   EventPool events_{cudaEventDefault};  // timing events
+  cudaEvent_t last_end_ = nullptr;      // the end of the latest collective, whatever its stream
   CommStats stats_;
 };
 
