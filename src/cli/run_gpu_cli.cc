@@ -215,7 +215,7 @@ Status RunCalibrateGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out
 
 Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   if (f.virtual_world < 0 || f.virtual_world > 1 << 16) {
-    return Error::BadInput(fmt::format("--virtual-world must be between 1 and 65536 ranks, got {}", f.virtual_world));
+    return Error::BadInput(fmt::format("--virtual-world must be between 1 and 65536 ranks (0: off), got {}", f.virtual_world));
   }
   auto devices = runtime::GpuDeviceCount();
   if (!devices.ok()) return Error::RunFailed(fmt::format("--device cuda: {}", devices.error().message));

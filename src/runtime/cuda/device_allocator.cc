@@ -142,13 +142,15 @@ void DeviceAllocator::Free(void* ptr, std::initializer_list<cudaStream_t> also_u
 
 Status DeviceAllocator::EmptyCache() {
   for (auto& [stream, pool] : pools_) {
-    for (auto& [size, block] : pool) {
-      const cudaError_t code = cudaFree(block->ptr);
-      if (code != cudaSuccess) return Error::RunFailed(fmt::format("cudaFree: {}", cudaGetErrorString(code)));
+    while (!pool.empty()) {  // each entry leaves the pool before its block is freed: none dangles if one fails
+      const auto [size, block] = *pool.begin();
+      pool.erase(pool.begin());
+      void* ptr = block->ptr;
+      blocks_.erase(ptr);
       reserved_ -= size;
-      blocks_.erase(block->ptr);
+      const cudaError_t code = cudaFree(ptr);
+      if (code != cudaSuccess) return Error::RunFailed(fmt::format("cudaFree: {}", cudaGetErrorString(code)));
     }
-    pool.clear();
   }
   return {};
 }
