@@ -3,12 +3,15 @@
 # tools/torch_reference.py runs llama-100m under fully_shard and records FSDPMemTracker's
 # categories at the peak; fsdp-plan predicts the same configuration (--framework fsdp2, eager
 # attention). Compared: the tensors at the peak (fsdp-plan's categories without the framework term,
-# the tracker's Total). Needs torch and transformers: PYTHON=/path/to/python (default python3).
+# the tracker's Total). Needs torch and transformers: PYTHON=/path/to/python (default
+# $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them.
 #   bench/torch_memory_check.sh [build dir]
+# MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
+# the three one-rank configurations of the first, third and fourth rows only (the CTest check torch_memory_agreement does both).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
-python=${PYTHON:-python3}
+python=${PYTHON:-${FSDPKIT_PYTHON:-python3}}
 export FSDPKIT_DATA_DIR=$root
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -31,10 +34,20 @@ name, torch_path, plan_path = sys.argv[1:]
 tracked = json.load(open(torch_path))["measured"]["memory"]["categories_at_peak"]["Total"]
 per_gpu = json.load(open(plan_path))["memory"]["per_gpu"]
 planned = sum(v for k, v in per_gpu["categories"].items() if k != "framework_bytes")
-print(f"{name:44s} {tracked:14d} {planned:14d} {100 * (planned - tracked) / tracked:+7.2f}%  {per_gpu['peak_phase']}")
+error = 100 * (planned - tracked) / tracked
+print(f"{name:44s} {tracked:14d} {planned:14d} {error:+7.2f}%  {per_gpu['peak_phase']}")
+limit = float(__import__("os").environ.get("MAX_ERROR_PCT") or "inf")
+if abs(error) > limit:
+    print(f"torch_memory_check: {' '.join(name.split())}: error {error:+.2f}% exceeds {limit}%")
+    sys.exit(1)
 PY
 }
 check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
+if [ -n "${QUICK:-}" ]; then
+  check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
+  check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
+  exit 0
+fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
 check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
 check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024

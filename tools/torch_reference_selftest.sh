@@ -2,11 +2,12 @@
 # CPU smoke tests of tools/torch_reference.py (PyTorch FSDP2 over gloo).
 # Exits 77 (skip) when torch or transformers cannot be imported, or when
 # torch < 2.7 (FSDP2 on CPU needs 2.7; the tool refuses --device cpu there).
-#   PYTHON=/path/to/python   interpreter with torch + transformers (default python3)
+#   PYTHON=/path/to/python   interpreter with torch + transformers (default $FSDPKIT_PYTHON, which
+#                            ./fsdpkit test sets up, else python3)
 #   TORCH_REF_MULTI=0        skip the 2-rank torchrun run (default: run it)
 set -u
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+PY=${PYTHON:-${FSDPKIT_PYTHON:-python3}}
 TOOL=tools/torch_reference.py
 MODEL=models/tiny-llama.json
 
