@@ -14,7 +14,7 @@ TEST_CASE("CUDA device names map to the hardware catalog; unknown and look-alike
   CHECK(HardwareIdForDevice("NVIDIA A100-SXM4-40GB").value() == "a100-40gb-sxm");
   CHECK(HardwareIdForDevice("NVIDIA A100 80GB PCIe").value() == "a100-80gb-pcie");
   CHECK(HardwareIdForDevice("NVIDIA GeForce RTX 4090").value() == "rtx-4090");
-  for (const char* name : {"NVIDIA GH200 480GB", "NVIDIA H100 NVL", "Tesla V100-SXM2-16GB"}) {
+  for (const char* name : {"NVIDIA GH200 480GB", "NVIDIA H100 NVL", "Tesla V100-SXM2-16GB", "NVIDIA A100-PCIE-40GB"}) {
     auto id = HardwareIdForDevice(name);
     REQUIRE_FALSE(id.ok());
     CHECK(id.error().message.find("not in the hardware catalog") != std::string::npos);

@@ -26,13 +26,15 @@ namespace fsdp {
 
 Result<std::string> HardwareIdForDevice(const std::string& name) {
   auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
-  if (has("GH200") || has("NVL")) {  // Grace Hopper (96/144 GB) and H100 NVL (94 GB) have no catalog entry
+  const bool pcie = has("PCIE") || has("PCIe");
+  // Grace Hopper (96/144 GB), H100 NVL (94 GB) and A100 PCIe 40GB have no catalog entry
+  if (has("GH200") || has("NVL") || (has("A100") && has("40GB") && pcie)) {
     return Error::BadInput(fmt::format("GPU '{}' is not in the hardware catalog: pass --gpu with a hardware file", name));
   }
   if (has("H200")) return std::string("h200-sxm");
-  if (has("H100")) return std::string(has("PCIe") ? "h100-pcie" : "h100-sxm");
+  if (has("H100")) return std::string(pcie ? "h100-pcie" : "h100-sxm");
   if (has("B200")) return std::string("b200");
-  if (has("A100")) return std::string(has("40GB") ? "a100-40gb-sxm" : has("PCIE") || has("PCIe") ? "a100-80gb-pcie" : "a100-80gb-sxm");
+  if (has("A100")) return std::string(has("40GB") ? "a100-40gb-sxm" : pcie ? "a100-80gb-pcie" : "a100-80gb-sxm");
   if (has("L40S")) return std::string("l40s");
   if (has("RTX A6000")) return std::string("rtx-a6000");
   if (has("4090")) return std::string("rtx-4090");
