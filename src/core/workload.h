@@ -53,6 +53,17 @@ struct Workload {
   /// (_ExecOrderData.get_handle_to_backward_prefetch); -1 for none.
   int BackwardPrefetchTarget(int u) const { return backward_prefetch_target[u]; }
 
+  /// Whether a unit's backward frees its unsharded parameters, in a micro-batch that reduces its
+  /// gradients or not (no_sync). FSDP1's _should_free_in_backward keeps them under no_sync for
+  /// SHARD_GRAD_OP, so the next micro-batch's forward needs no all-gather; FULL_SHARD,
+  /// HYBRID_SHARD, NO_SHARD (its low-precision copy) and FSDP2 always free.
+  bool FreesInBackward(bool reduces_now) const {
+    return reduces_now || config.framework == Framework::kFsdp2 || config.strategy != Strategy::kShardGradOp;
+  }
+  /// All-gathers of a unit's parameters in the forwards of one step: one per micro-batch, or one
+  /// per step when the parameters stay unsharded from one no_sync micro-batch to the next.
+  int64_t ForwardGathersPerStep() const { return config.no_sync && !FreesInBackward(false) ? 1 : config.grad_accum; }
+
   int64_t TokensPerMicroBatch() const { return config.micro_batch * config.seq_len; }
   /// Sum of all units' shard_numel (elements each rank stores).
   int64_t ShardNumelTotal() const;

@@ -72,8 +72,9 @@ CommModel EstimateComm(const Workload& w) {
       uc.reduce_scatter_s = rs.time_s;
       const int64_t gathers_bwd = RegathersInBackward(w, u) ? micro : 0;
       if (ag.time_s > 0) {
-        v.forward_all_gather_bytes += micro * unit.padded_numel * p;
-        v.forward_all_gather_count += micro;
+        const int64_t gathers_fwd = w.ForwardGathersPerStep();
+        v.forward_all_gather_bytes += gathers_fwd * unit.padded_numel * p;
+        v.forward_all_gather_count += gathers_fwd;
         v.backward_all_gather_bytes += gathers_bwd * unit.padded_numel * p;
         v.backward_all_gather_count += gathers_bwd;
         v.reduce_scatter_bytes += reductions * unit.padded_numel * r;

@@ -257,7 +257,7 @@ class StepPlayer {
     // returns early under no_sync
     if (c_.no_sync && !LastMicro()) {
       KeepUnsyncedGrad(u, grad);
-      Reshard(u);
+      if (w_.FreesInBackward(false)) Reshard(u);
       if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u));
       return;
     }

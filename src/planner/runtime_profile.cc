@@ -106,12 +106,12 @@ class RuntimePlayer {
       mem_.Free(dx);
       mem_.Free(recompute);
       mem_.Free(saved[b]);
-      if (u != 0) mem_.Free(full_[u]);  // reshard, BACKWARD_POST prefetch, reduce: as the engine
+      if (u != 0 && w_.FreesInBackward(reduce_now_)) mem_.Free(full_[u]);  // reshard, BACKWARD_POST prefetch, reduce
       if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous != u) Prefetch(previous);
       if (u != 0 && reduce_now_) Reduce(u);  // under no_sync the unsharded gradient is kept
     }
     mem_.Free(head);
-    mem_.Free(full_[0]);
+    if (w_.FreesInBackward(reduce_now_)) mem_.Free(full_[0]);
     if (reduce_now_) Reduce(0);
   }
 
@@ -353,12 +353,12 @@ class GpuRuntimePlayer {
       if (ac) Free(BlockForward(&caches_[b]));
       dx = BlockBackward(dx, caches_[b]);
       Free(inputs_[b]);
-      if (u != 0) Reshard(u);  // reshard, BACKWARD_POST prefetch, reduce: as the engine
+      if (u != 0 && w_.FreesInBackward(reduce_now_)) Reshard(u);  // reshard, BACKWARD_POST prefetch, reduce: as the engine
       if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) Unshard(previous);
       if (u != 0 && reduce_now_) Reduce(u);
     }
     Free(dx);
-    Reshard(0);
+    if (w_.FreesInBackward(reduce_now_)) Reshard(0);
     if (reduce_now_) Reduce(0);
   }
 

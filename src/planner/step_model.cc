@@ -147,7 +147,7 @@ class StepTimer {
     }
     Compute(u, cm_.units[u].backward_s + cm_.units[u].recompute_s);
     for (auto it = children_[u].rbegin(); it != children_[u].rend(); ++it) BackwardUnit(*it);
-    if (Sharded()) Free(u);
+    if (Sharded() && w_.FreesInBackward(ReducesNow())) Free(u);
     if (w_.config.backward_prefetch == BackwardPrefetch::kPost && w_.BackwardPrefetchTarget(u) >= 0) Gather(w_.BackwardPrefetchTarget(u));
     if (ReducesNow()) {
       const UnitComm& c = comm_.units[u];

@@ -61,6 +61,19 @@ TEST_CASE("collective inventory follows strategy, accumulation and no_sync") {
   CommVolume no_sync = EstimateComm(Build(c)).volume;
   CHECK(no_sync.forward_all_gather_count == 12);
   CHECK(no_sync.reduce_scatter_count == 3);
+  // SHARD_GRAD_OP under no_sync: FSDP1 keeps the parameters unsharded from one micro-batch to the
+  // next (_should_free_in_backward), so each unit is gathered once per step; FSDP2 reshards after
+  // every backward and gathers in every micro-batch
+  c.strategy = Strategy::kShardGradOp;
+  CommVolume zero2 = EstimateComm(Build(c)).volume;
+  CHECK(zero2.forward_all_gather_count == 3);
+  CHECK(zero2.forward_all_gather_bytes == (264 + 594 + 594) * 4);
+  CHECK(zero2.backward_all_gather_count == 0);
+  c.framework = Framework::kFsdp2;
+  CHECK(EstimateComm(Build(c)).volume.forward_all_gather_count == 12);
+  c.framework = Framework::kFsdp1;
+  c.no_sync = false;
+  CHECK(EstimateComm(Build(c)).volume.forward_all_gather_count == 12);
 }
 
 TEST_CASE("HYBRID_SHARD: reduce-scatter in the node, all-reduce of the shard across nodes") {

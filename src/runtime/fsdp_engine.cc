@@ -292,7 +292,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
     }
     // FSDP1's post-backward hook: reshard, then the BACKWARD_POST prefetch (_post_backward_reshard),
     // then the reduce-scatter
-    if (u != 0) Reshard(u);
+    if (u != 0 && w_.FreesInBackward(reduce_now_)) Reshard(u);
     if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) {
       if (Status s = Prefetch(previous); !s.ok()) return s.error();
     }
@@ -303,7 +303,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   MatMap g_embed(root_grad, vocab, h);
   EmbeddingBackward(dx, inputs, g_embed);
   ledger_.Sub(Mem::kActivations, head_bytes);
-  Reshard(0);
+  if (w_.FreesInBackward(reduce_now_)) Reshard(0);
   if (reduce_now_) {
     if (Status s = Reduce(0); !s.ok()) return s.error();
   }

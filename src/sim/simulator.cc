@@ -162,7 +162,7 @@ class RankBuilder {
     EventId done = ComputeOp(u, c.recompute_s > 0 ? "BWD+RECOMPUTE" : "BWD", c.backward_s + c.recompute_s, 2 * Kernels(u));
     for (auto it = children_[u].rbegin(); it != children_[u].rend(); ++it) Backward(*it);
     Mark(u, kPostMarker);
-    if (Sharded()) Reshard(u, done);
+    if (Sharded() && w_.FreesInBackward(ReducesNow())) Reshard(u, done);
     if (w_.config.backward_prefetch == BackwardPrefetch::kPost) Gather(w_.BackwardPrefetchTarget(u));
     if (!ReducesNow() || w_.units[u].numel == 0) return;
     EventId reduced = done;

@@ -458,13 +458,13 @@ Status CudaEngine::Backward(DeviceBuffer x) {
     inputs_[b].Release();  // block 0's input is the embedding output
     // FSDP1's post-backward hook: reshard, then the BACKWARD_POST prefetch (_post_backward_reshard),
     // then the reduce-scatter
-    if (u != 0) FSDP_TRY(Reshard(u));
+    if (u != 0 && w_.FreesInBackward(reduce_now_)) FSDP_TRY(Reshard(u));
     if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) FSDP_TRY(Unshard(previous));
     if (u != 0 && reduce_now_) FSDP_TRY(Reduce(u));
   }
   EmbeddingBackward(dx.get(), ids_.as<int32_t>(), root_grad, T, h, dtype_, compute_);
   dx.Release();
-  FSDP_TRY(Reshard(0));
+  if (w_.FreesInBackward(reduce_now_)) FSDP_TRY(Reshard(0));
   if (reduce_now_) FSDP_TRY(Reduce(0));
   return CudaStatus(cudaGetLastError(), "backward kernels");
 }
