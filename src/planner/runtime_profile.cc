@@ -203,6 +203,7 @@ class GpuRuntimePlayer {
     }
     Alloc(kTemp, T_ * 4);  // token ids
     Alloc(kTemp, T_ * 4);  // targets
+    Alloc(kTemp, (3 * T_ + 1) * 4);  // the embedding backward's token groups
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
       reduce_now_ = !w_.config.no_sync || micro == w_.config.grad_accum - 1;
       Backward(Forward());

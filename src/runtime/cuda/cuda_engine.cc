@@ -114,6 +114,8 @@ class CudaEngine : public GpuEngine {
   EventPool events_{cudaEventDisableTiming};
   cudaEvent_t params_ready_ = nullptr, reduced_ = nullptr;
   DeviceBuffer dw_scratch_, rope_table_, loss_sum_, ids_, targets_;
+  DeviceBuffer token_groups_;  // GroupTokens(ids).Packed(): the embedding backward's rows per token
+  int64_t distinct_tokens_ = 0;
   // per micro-batch state
   std::vector<DeviceBuffer> inputs_;  // block inputs (block 0's is the embedding output)
   std::vector<DeviceBlockCache> caches_;
@@ -462,7 +464,7 @@ Status CudaEngine::Backward(DeviceBuffer x) {
     if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) FSDP_TRY(Unshard(previous));
     if (u != 0 && reduce_now_) FSDP_TRY(Reduce(u));
   }
-  EmbeddingBackward(dx.get(), ids_.as<int32_t>(), root_grad, T, h, dtype_, compute_);
+  EmbeddingBackward(dx.get(), token_groups_.as<int32_t>(), distinct_tokens_, root_grad, h, dtype_, compute_);
   dx.Release();
   if (w_.FreesInBackward(reduce_now_)) FSDP_TRY(Reshard(0));
   if (reduce_now_) FSDP_TRY(Reduce(0));
@@ -480,18 +482,24 @@ Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
   if (ids_.empty()) {
     FSDP_ALLOC(a, alloc_.Allocate(T * 4, Mem::kTemporaries, compute_));
     FSDP_ALLOC(b, alloc_.Allocate(T * 4, Mem::kTemporaries, compute_));
+    FSDP_ALLOC(c, alloc_.Allocate((3 * T + 1) * 4, Mem::kTemporaries, compute_));  // at most T distinct tokens
     ids_ = std::move(a);
     targets_ = std::move(b);
+    token_groups_ = std::move(c);
   }
+  const TokenGroups groups = GroupTokens(ids);
+  const std::vector<int32_t> packed = groups.Packed();
+  distinct_tokens_ = static_cast<int64_t>(groups.ids.size());
   FSDP_CUDA_TRY(cudaMemcpyAsync(ids_.get(), ids.data(), static_cast<size_t>(T * 4), cudaMemcpyHostToDevice, compute_));
   FSDP_CUDA_TRY(cudaMemcpyAsync(targets_.get(), targets.data(), static_cast<size_t>(T * 4), cudaMemcpyHostToDevice, compute_));
+  FSDP_CUDA_TRY(cudaMemcpyAsync(token_groups_.get(), packed.data(), packed.size() * 4, cudaMemcpyHostToDevice, compute_));
   inputs_.resize(static_cast<size_t>(ctx_.dims.layers));
   caches_.resize(static_cast<size_t>(ctx_.dims.layers));
   DeviceBuffer x;
   FSDP_TRY(Forward(x));
   if (micro == 0) FSDP_CUDA_TRY(cudaEventRecord(phase_events_[1], compute_));
   FSDP_TRY(Backward(std::move(x)));
-  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // the host token vectors are reused next micro-batch
+  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // the host token vectors above must outlive their copies
   return 0.0f;
 }
 

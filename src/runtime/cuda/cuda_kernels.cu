@@ -1,5 +1,7 @@
 #include "runtime/cuda/cuda_kernels.h"
 
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -124,9 +126,17 @@ __global__ void EmbeddingForwardKernel(const T* table, const int32_t* ids, T* ou
   GRID_STRIDE(i, rows * h) out[i] = table[static_cast<int64_t>(ids[i / h]) * h + i % h];
 }
 
+// One block per distinct token: its threads walk the hidden dimension, each summing the token's
+// rows of d_out in fp32 for its columns.
 template <typename T>
-__global__ void EmbeddingBackwardKernel(const T* d_out, const int32_t* ids, T* d_table, int64_t rows, int64_t h) {
-  GRID_STRIDE(i, rows * h) atomicAdd(d_table + static_cast<int64_t>(ids[i / h]) * h + i % h, d_out[i]);
+__global__ void EmbeddingBackwardKernel(const T* d_out, const int32_t* ids, const int32_t* offsets, const int32_t* rows, T* d_table, int64_t h) {
+  const int64_t token = blockIdx.x;
+  T* out = d_table + static_cast<int64_t>(ids[token]) * h;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    float sum = 0;
+    for (int32_t r = offsets[token]; r < offsets[token + 1]; ++r) sum += ToF(d_out[static_cast<int64_t>(rows[r]) * h + j]);
+    out[j] = FromF<T>(ToF(out[j]) + sum);
+  }
 }
 
 template <typename T>
@@ -328,8 +338,33 @@ void EmbeddingForward(const void* table, const int32_t* ids, void* out, int64_t 
   FSDP_DISPATCH(dtype, T, EmbeddingForwardKernel<<<Blocks(rows * h), kThreads, 0, stream>>>(static_cast<const T*>(table), ids, static_cast<T*>(out), rows, h))
 }
 
-void EmbeddingBackward(const void* d_out, const int32_t* ids, void* d_table, int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, EmbeddingBackwardKernel<<<Blocks(rows * h), kThreads, 0, stream>>>(static_cast<const T*>(d_out), ids, static_cast<T*>(d_table), rows, h))
+std::vector<int32_t> TokenGroups::Packed() const {
+  std::vector<int32_t> packed(ids);
+  packed.insert(packed.end(), offsets.begin(), offsets.end());
+  packed.insert(packed.end(), rows.begin(), rows.end());
+  return packed;
+}
+
+TokenGroups GroupTokens(const std::vector<int32_t>& token_ids) {
+  TokenGroups g;
+  g.rows.resize(token_ids.size());
+  for (size_t i = 0; i < token_ids.size(); ++i) g.rows[i] = static_cast<int32_t>(i);
+  std::stable_sort(g.rows.begin(), g.rows.end(), [&](int32_t a, int32_t b) { return token_ids[a] < token_ids[b]; });
+  for (size_t i = 0; i < g.rows.size(); ++i) {
+    if (i == 0 || token_ids[g.rows[i]] != token_ids[g.rows[i - 1]]) {
+      g.ids.push_back(token_ids[g.rows[i]]);
+      g.offsets.push_back(static_cast<int32_t>(i));
+    }
+  }
+  g.offsets.push_back(static_cast<int32_t>(g.rows.size()));
+  return g;
+}
+
+void EmbeddingBackward(const void* d_out, const int32_t* packed, int64_t tokens, void* d_table, int64_t h, DType dtype, cudaStream_t stream) {
+  if (tokens == 0) return;
+  const int32_t *ids = packed, *offsets = packed + tokens, *rows = offsets + tokens + 1;
+  FSDP_DISPATCH(dtype, T, EmbeddingBackwardKernel<<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(static_cast<const T*>(d_out), ids, offsets, rows,
+                                                                                                       static_cast<T*>(d_table), h))
 }
 
 void RmsNormForward(const void* x, const void* w, void* y, float* inv_rms, int64_t rows, int64_t h, float eps, DType dtype, cudaStream_t stream) {

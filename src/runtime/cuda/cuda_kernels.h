@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime.h>
 
@@ -32,8 +33,18 @@ void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream);
 
 /// out (rows, h) = table rows at ids (rows).
 void EmbeddingForward(const void* table, const int32_t* ids, void* out, int64_t rows, int64_t h, DType dtype, cudaStream_t stream);
-/// d_table rows at ids += d_out rows (atomic adds in the compute dtype).
-void EmbeddingBackward(const void* d_out, const int32_t* ids, void* d_table, int64_t rows, int64_t h, DType dtype, cudaStream_t stream);
+/// The rows of each distinct token id, for the embedding backward (PyTorch sorts the ids for the
+/// same purpose): token i is ids[i], its rows are rows[offsets[i] .. offsets[i + 1]); ids ascending.
+struct TokenGroups {
+  std::vector<int32_t> ids, offsets, rows;
+  /// ids, offsets and rows one after another (3 * tokens + 1 int32 at most): what the kernel reads.
+  std::vector<int32_t> Packed() const;
+};
+TokenGroups GroupTokens(const std::vector<int32_t>& token_ids);
+/// d_table rows of the grouped tokens += the sum of their d_out rows, summed in fp32 and written
+/// once per token (no atomics: deterministic). `packed` is TokenGroups::Packed() on the device,
+/// `tokens` its ids.size().
+void EmbeddingBackward(const void* d_out, const int32_t* packed, int64_t tokens, void* d_table, int64_t h, DType dtype, cudaStream_t stream);
 
 /// y = x * inv_rms * w with inv_rms = 1 / sqrt(mean(x^2) + eps), saved per row (fp32).
 void RmsNormForward(const void* x, const void* w, void* y, float* inv_rms, int64_t rows, int64_t h, float eps, DType dtype,
