@@ -44,6 +44,10 @@ bool RegathersInBackward(const Workload& w, int u) {
   return w.config.strategy == Strategy::kFullShard || w.config.strategy == Strategy::kHybridShard;
 }
 
+int64_t AllGathersPerStep(const Workload& w, int u) {
+  return w.ForwardGathersPerStep() + (RegathersInBackward(w, u) ? w.config.grad_accum : 0);
+}
+
 CommModel EstimateComm(const Workload& w) {
   CommModel cm;
   cm.shard_group = ShardGroup(w);
@@ -81,7 +85,7 @@ CommModel EstimateComm(const Workload& w) {
         v.reduce_scatter_count += reductions;
       }
       const double ag_factor = BusFactor(Collective::kAllGather, cm.shard_group.ranks);
-      v.sent_bytes += static_cast<double>((micro + gathers_bwd) * unit.padded_numel * p + reductions * unit.padded_numel * r) * ag_factor;
+      v.sent_bytes += static_cast<double>(AllGathersPerStep(w, u) * unit.padded_numel * p + reductions * unit.padded_numel * r) * ag_factor;
       if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
         auto ar = replica_cache.Get(Collective::kAllReduce, unit.shard_numel * r);
         uc.all_reduce_s = ar.time_s;
@@ -91,13 +95,13 @@ CommModel EstimateComm(const Workload& w) {
       }
     }
     if (c.cpu_offload) {
-      const int64_t gathers = micro * (1 + (RegathersInBackward(w, u) ? 1 : 0));
+      const int64_t gathers = AllGathersPerStep(w, u);
       uc.host_to_device_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
       uc.device_to_host_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
       v.host_to_device_bytes += gathers * unit.shard_numel * m;
       v.device_to_host_bytes += reductions * unit.shard_numel * m;
     }
-    const int64_t gathers = no_shard ? 0 : micro * (1 + (RegathersInBackward(w, u) ? 1 : 0));
+    const int64_t gathers = no_shard ? 0 : AllGathersPerStep(w, u);
     v.total_comm_s += static_cast<double>(gathers) * uc.all_gather_s +
                       static_cast<double>(reductions) * (uc.reduce_scatter_s + uc.all_reduce_s + uc.device_to_host_s) +
                       static_cast<double>(c.cpu_offload ? gathers : 0) * uc.host_to_device_s;

@@ -43,5 +43,7 @@ CommModel EstimateComm(const Workload& workload);
 
 /// Whether FSDP gathers unit u again in backward (it was freed after forward).
 bool RegathersInBackward(const Workload& workload, int u);
+/// All-gathers of unit u per optimizer step, forward and backward, over every micro-batch.
+int64_t AllGathersPerStep(const Workload& workload, int u);
 
 }  // namespace fsdp

@@ -159,7 +159,7 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
   const double reductions = w.config.no_sync ? 1.0 : micro;
   for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
     const double shard = static_cast<double>(w.units[u].shard_numel) * 4, padded = static_cast<double>(w.units[u].padded_numel) * 4;
-    const double gathers = micro * (1.0 + (RegathersInBackward(w, u) ? 1.0 : 0.0));
+    const double gathers = static_cast<double>(AllGathersPerStep(w, u));
     pass_bytes += gathers * (2 * shard + padded) + reductions * (3 * padded + 2 * shard);
   }
   const double passes_s = pass_bytes / (w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency);

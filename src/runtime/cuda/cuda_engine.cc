@@ -185,11 +185,14 @@ Status CudaEngine::MakeGroups() {
     nccl = {replica_.get()};
   } else {
     auto shard = world.value()->Split(rank / shard_world, rank);
-    if (!shard.ok()) return shard.error();
+    auto replica = shard.ok() ? world.value()->Split(rank % shard_world, rank) : shard.error();
+    if (!replica.ok()) {
+      world.value()->Abort();
+      return replica.error();
+    }
     shard_ = std::move(shard).value();
-    auto replica = world.value()->Split(rank % shard_world, rank);
-    if (!replica.ok()) return replica.error();
     replica_ = std::move(replica).value();
+    world.value().reset();  // PyTorch's HSDP keeps only the two groups' communicators
     nccl = {shard_.get(), replica_.get()};
   }
   for (DeviceComm* c : nccl) FSDP_TRY(c->AllReduce(loss_sum_.get(), 1, DType::kFp32, compute_));

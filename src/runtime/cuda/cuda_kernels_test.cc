@@ -23,6 +23,7 @@
 #include "planner/runtime_profile.h"
 #include "runtime/cuda/cuda_block.h"
 #include "runtime/cuda/cuda_kernels.h"
+#include "runtime/cuda/device_comm.h"
 #include "runtime/fsdp_engine.h"
 #include "runtime/gpu_engine.h"
 #include "runtime/llama_ops.h"
@@ -247,11 +248,13 @@ TEST_CASE("Embedding forward and backward match the CPU, with repeated tokens, i
   for (DType dtype : {DType::kFp32, DType::kBf16}) {
     const bool fp32 = dtype == DType::kFp32;
     Gpu g;
-    const int64_t rows = 40, n = 72, vocab = 50;
+    const int64_t rows = 40, n = 300, vocab = 50;  // n: more than one pass of 256 threads
     std::vector<int32_t> ids_host(rows);
     for (int64_t i = 0; i < rows; ++i) ids_host[i] = static_cast<int32_t>((i * 7) % 13);  // each of 13 tokens 3 or 4 times
     const Mat table = Random(vocab, n, 13), dout = Random(rows, n, 14);
-    Mat dtable_cpu = Mat::Zero(vocab, n);
+    // the gradient accumulates into what is there (the tied head's, earlier micro-batches')
+    const Mat grad_before = Random(vocab, n, 15);
+    Mat dtable_cpu = grad_before;
     MatMap dtable_map(dtable_cpu.data(), vocab, n);
     runtime::EmbeddingBackward(dout, ids_host, dtable_map);
     DeviceBuffer ids = g.alloc.Allocate(rows * 4, Mem::kTemporaries, g.stream).value();
@@ -261,7 +264,7 @@ TEST_CASE("Embedding forward and backward match the CPU, with repeated tokens, i
     const std::vector<int32_t> packed = groups.Packed();
     DeviceBuffer dpacked = g.alloc.Allocate(static_cast<int64_t>(packed.size()) * 4, Mem::kTemporaries, g.stream).value();
     cudaMemcpyAsync(dpacked.get(), packed.data(), packed.size() * 4, cudaMemcpyHostToDevice, g.stream);
-    DeviceBuffer dtable = g.Upload(table, dtype), out = g.Upload(dout, dtype), grad = g.Upload(Mat::Zero(vocab, n), dtype);
+    DeviceBuffer dtable = g.Upload(table, dtype), out = g.Upload(dout, dtype), grad = g.Upload(grad_before, dtype);
     DeviceBuffer ddout = g.Upload(dout, dtype);
     EmbeddingForward(dtable.get(), ids.as<int32_t>(), out.get(), rows, n, dtype, g.stream);
     CheckClose(g.Download(out.get(), rows, n, dtype), runtime::EmbeddingForward(ConstMatMap(table.data(), vocab, n), ids_host),
@@ -270,7 +273,8 @@ TEST_CASE("Embedding forward and backward match the CPU, with repeated tokens, i
     const Mat grad_gpu = g.Download(grad.get(), vocab, n, dtype);
     if (fp32) CheckClose(grad_gpu, dtable_cpu, kFp32, "embedding backward");
     CheckRelative(grad_gpu, dtable_cpu, fp32 ? kRelFp32 : kRelBf16, "embedding backward");
-    CHECK(grad_gpu.bottomRows(vocab - 13).isZero());  // tokens never seen get no gradient
+    CheckRelative(grad_gpu - grad_before, dtable_cpu - grad_before, fp32 ? kRelFp32 : kRelBf16, "embedding backward's increment");
+    if (fp32) CHECK(grad_gpu.bottomRows(vocab - 13) == grad_before.bottomRows(vocab - 13));  // tokens never seen: untouched
   }
 }
 
@@ -363,6 +367,26 @@ TEST_CASE("The caching allocator reuses blocks per stream, waits for other strea
   cudaStreamDestroy(other);
 }
 
+TEST_CASE("A virtual world's collectives write what its size of identical ranks would") {
+  Gpu g;
+  std::unique_ptr<DeviceComm> comm = MakeVirtualComm(4);
+  const int64_t count = 3;
+  const Mat in = Random(1, 4 * count, 21), shard = Random(1, count, 22);
+  DeviceBuffer din = g.Upload(in, DType::kFp32), dshard = g.Upload(shard, DType::kFp32);
+  DeviceBuffer out = g.Upload(Mat::Zero(1, count), DType::kFp32), gathered = g.Upload(Mat::Zero(1, 4 * count), DType::kFp32);
+  REQUIRE(comm->ReduceScatter(din.get(), out.get(), count, DType::kFp32, g.stream).ok());
+  CHECK(g.Download(out.get(), 1, count, DType::kFp32) == Mat(4.0f * in.leftCols(count)));  // rank 0's slice from 4 ranks
+  REQUIRE(comm->AllReduce(out.get(), count, DType::kFp32, g.stream).ok());
+  CHECK(g.Download(out.get(), 1, count, DType::kFp32) == Mat(16.0f * in.leftCols(count)));
+  REQUIRE(comm->AllGather(dshard.get(), gathered.get(), count, DType::kFp32, g.stream).ok());
+  const Mat all = g.Download(gathered.get(), 1, 4 * count, DType::kFp32);
+  for (int r = 0; r < 4; ++r) CHECK(all.middleCols(r * count, count) == shard);
+  REQUIRE(comm->CollectTimes().ok());
+  CHECK(comm->stats().reduce_scatter_count == 1);
+  CHECK(comm->stats().reduce_scatter_bytes == 4 * count * 4);
+  CHECK(comm->stats().all_gather_bytes == 4 * count * 4);
+}
+
 Workload TinyWorkload(Strategy strategy, Checkpointing ac, DType param_dtype, int gpus, WrapPolicy wrap = WrapPolicy::kBlock,
                       int64_t grad_accum = 1, bool no_sync = false, int64_t gpus_per_node = 0) {
   FsdpConfig config;
@@ -425,13 +449,16 @@ TEST_CASE("Training steps: fp32 losses equal the CPU engine's; allocated peak eq
 TEST_CASE("Gradient accumulation with and without no_sync matches the CPU; HYBRID_SHARD's replica all-reduce in a virtual world") {
   std::unique_ptr<Comm> host = MakeSingleComm();
   TrainOptions o;
-  for (bool no_sync : {false, true}) {
-    const Workload w = TinyWorkload(Strategy::kFullShard, Checkpointing::kNone, DType::kFp32, 1, WrapPolicy::kBlock, 2, no_sync);
+  // FULL_SHARD with and without no_sync, and SHARD_GRAD_OP under no_sync, which keeps the
+  // parameters unsharded from one micro-batch to the next (one all-gather per unit and step)
+  for (auto [strategy, no_sync] : {std::pair{Strategy::kFullShard, false}, std::pair{Strategy::kFullShard, true}, std::pair{Strategy::kShardGradOp, true}}) {
+    const Workload w = TinyWorkload(strategy, Checkpointing::kNone, DType::kFp32, 1, WrapPolicy::kBlock, 2, no_sync);
     auto cpu = FsdpEngine::Create(w, *host, o).value();
     auto gpu = CreateGpuEngine(w, *host, o, 0);
     REQUIRE(gpu.ok());
     for (int64_t step = 0; step < 2; ++step) CHECK(gpu.value()->Step(step).value() == doctest::Approx(cpu->Step(step).value()).epsilon(1e-3));
     CHECK(gpu.value()->memory().peak_allocated_bytes == EstimateGpuRuntimeMemory(w).peak_bytes);
+    if (strategy == Strategy::kShardGradOp) CHECK(gpu.value()->shard_stats().all_gather_count == 2 * static_cast<int64_t>(w.units.size()));
   }
   const Workload hybrid = TinyWorkload(Strategy::kHybridShard, Checkpointing::kNone, DType::kBf16, 8, WrapPolicy::kBlock, 1, false, 4);
   REQUIRE(hybrid.shard_world == 4);

@@ -55,9 +55,14 @@ Status DeviceComm::AllReduce(void* data, int64_t count, DType dtype, cudaStream_
 }
 
 Status DeviceComm::CollectTimes() {
+  size_t done = 0;  // entries whose events went back to the pool leave timed_ even if a later one fails
+  auto forget_done = [&] { timed_.erase(timed_.begin(), timed_.begin() + static_cast<std::ptrdiff_t>(done)); };
   for (const Timed& t : timed_) {
     float ms = 0;
-    FSDP_CUDA_TRY(cudaEventElapsedTime(&ms, t.start, t.end));
+    if (const cudaError_t code = cudaEventElapsedTime(&ms, t.start, t.end); code != cudaSuccess) {
+      forget_done();
+      return CudaStatus(code, "cudaEventElapsedTime");
+    }
     const double s = ms / 1e3;
     switch (t.kind) {
       case Kind::kAllGather: stats_.all_gather_s += s; break;
@@ -66,6 +71,7 @@ Status DeviceComm::CollectTimes() {
     }
     events_.Give(t.start);
     events_.Give(t.end);
+    ++done;
   }
   timed_.clear();
   return {};
