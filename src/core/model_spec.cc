@@ -124,6 +124,7 @@ Status ReadHyperParameters(const JsonReader& r, ModelSpec& m) {
   auto eps = ReadPositive(r, gpt2 ? "layer_norm_epsilon" : "rms_norm_eps", d.rms_norm_eps, 0.1);
   if (!eps.ok()) return eps.error();
   m.norm_eps = eps.value();
+  m.rope_theta = d.rope_theta;  // GPT-2: 0, learned positions
   if (!gpt2) {
     auto theta = ReadPositive(r, "rope_theta", d.rope_theta, 1e12);
     if (!theta.ok()) return theta.error();

@@ -87,6 +87,10 @@ TEST_CASE("the norm epsilon and the RoPE base come from the config") {
   auto tinyllama = LoadModel("tinyllama-1.1b");  // no rope_theta key: LlamaConfig's 10000
   REQUIRE(tinyllama.ok());
   CHECK(tinyllama.value().rope_theta == 10000.0);
+  auto gpt2 = LoadModel("gpt2");  // learned positions; layer_norm_epsilon
+  REQUIRE(gpt2.ok());
+  CHECK(gpt2.value().rope_theta == 0.0);
+  CHECK(gpt2.value().norm_eps == 1e-5);
 }
 
 TEST_CASE("tensor inventory uses HF names and shapes") {

@@ -63,6 +63,7 @@ CommModel EstimateComm(const Workload& w) {
     const WrapUnit& unit = w.units[u];
     UnitComm uc;
     if (unit.numel == 0) { cm.units.push_back(uc); continue; }
+    const int64_t gathers = AllGathersPerStep(w, u);  // forward and backward, every micro-batch
     if (no_shard) {
       auto ar = replica_cache.Get(Collective::kAllReduce, unit.numel * r);
       uc.all_reduce_s = ar.time_s;
@@ -85,7 +86,7 @@ CommModel EstimateComm(const Workload& w) {
         v.reduce_scatter_count += reductions;
       }
       const double ag_factor = BusFactor(Collective::kAllGather, cm.shard_group.ranks);
-      v.sent_bytes += static_cast<double>(AllGathersPerStep(w, u) * unit.padded_numel * p + reductions * unit.padded_numel * r) * ag_factor;
+      v.sent_bytes += static_cast<double>(gathers * unit.padded_numel * p + reductions * unit.padded_numel * r) * ag_factor;
       if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
         auto ar = replica_cache.Get(Collective::kAllReduce, unit.shard_numel * r);
         uc.all_reduce_s = ar.time_s;
@@ -95,16 +96,15 @@ CommModel EstimateComm(const Workload& w) {
       }
     }
     if (c.cpu_offload) {
-      const int64_t gathers = AllGathersPerStep(w, u);
       uc.host_to_device_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
       uc.device_to_host_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
       v.host_to_device_bytes += gathers * unit.shard_numel * m;
       v.device_to_host_bytes += reductions * unit.shard_numel * m;
     }
-    const int64_t gathers = no_shard ? 0 : AllGathersPerStep(w, u);
-    v.total_comm_s += static_cast<double>(gathers) * uc.all_gather_s +
+    const int64_t device_gathers = no_shard ? 0 : gathers;
+    v.total_comm_s += static_cast<double>(device_gathers) * uc.all_gather_s +
                       static_cast<double>(reductions) * (uc.reduce_scatter_s + uc.all_reduce_s + uc.device_to_host_s) +
-                      static_cast<double>(c.cpu_offload ? gathers : 0) * uc.host_to_device_s;
+                      static_cast<double>(c.cpu_offload ? device_gathers : 0) * uc.host_to_device_s;
     cm.units.push_back(uc);
   }
   return cm;

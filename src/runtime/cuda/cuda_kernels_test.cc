@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
-#include <random>
 
 #include <cuda_runtime.h>
 #define DOCTEST_CONFIG_IMPLEMENT
