@@ -85,6 +85,64 @@ Result<bool> ReadFlag(const JsonReader& reader, const char* key, bool fallback) 
   return v.value().value_or(fallback);
 }
 
+// The RoPE scaling object: transformers 5 writes `rope_parameters` (which may carry rope_theta),
+// transformers 4 `rope_scaling`; absent or null means no scaling.
+Result<std::optional<JsonReader>> RopeObject(const JsonReader& r) {
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    auto it = r.json().find(key);
+    if (it == r.json().end() || it->is_null()) continue;
+    if (!it->is_object()) return r.KeyError(key, "expected an object");
+    return std::optional<JsonReader>(JsonReader(*it, fmt::format("{}: key '{}'", r.origin(), key)));
+  }
+  return std::optional<JsonReader>{};
+}
+
+// Reads rope_theta and the scaling parameters transformers' _compute_<type>_parameters use, with
+// the checks of its _validate_<type>_rope_parameters. Types fsdp-run does not implement (yarn,
+// longrope) are kept by name: they change no shape.
+Status ReadRopeScaling(const JsonReader& s, int64_t max_positions, RopeScaling& out) {
+  auto type = s.OptionalString("rope_type");
+  if (!type.ok()) return type.error();
+  auto old_type = s.OptionalString("type");
+  if (!old_type.ok()) return old_type.error();
+  out.type = type.value().value_or(old_type.value().value_or("default"));
+  if (out.type != "linear" && out.type != "dynamic" && out.type != "llama3") return {};
+  auto factor = s.PositiveNumber("factor");
+  if (!factor.ok()) return factor.error();
+  if (factor.value() < 1 || factor.value() > 1e6) return s.KeyError("factor", fmt::format("must be between 1 and 1000000, got {}", factor.value()));
+  out.factor = factor.value();
+  if (out.type != "llama3") return {};
+  auto low = s.PositiveNumber("low_freq_factor"), high = s.PositiveNumber("high_freq_factor");
+  if (!low.ok()) return low.error();
+  if (!high.ok()) return high.error();
+  if (!(high.value() > low.value())) {
+    return s.KeyError("high_freq_factor", fmt::format("must exceed low_freq_factor {}, got {}", low.value(), high.value()));
+  }
+  out.low_freq_factor = low.value();
+  out.high_freq_factor = high.value();
+  auto original = ReadDim(s, {"original_max_position_embeddings"}, max_positions, kMaxPositions);
+  if (!original.ok()) return original.error();
+  out.original_max_positions = original.value();
+  return {};
+}
+
+// rope_theta (top level, else inside rope_parameters, else the family's default) and the scaling.
+Status ReadRope(const JsonReader& r, ModelSpec& m) {
+  auto object = RopeObject(r);
+  if (!object.ok()) return object.error();
+  double theta_default = DefaultsFor(m.family).rope_theta;
+  if (object.value()) {
+    auto inner = ReadPositive(*object.value(), "rope_theta", theta_default, 1e12);
+    if (!inner.ok()) return inner.error();
+    theta_default = inner.value();
+  }
+  auto theta = ReadPositive(r, "rope_theta", theta_default, 1e12);
+  if (!theta.ok()) return theta.error();
+  m.rope_theta = theta.value();
+  if (!object.value()) return {};
+  return ReadRopeScaling(*object.value(), m.max_position_embeddings, m.rope_scaling);
+}
+
 // Reads the hyper-parameters common to all families into `m`.
 Status ReadHyperParameters(const JsonReader& r, ModelSpec& m) {
   const HfDefaults d = DefaultsFor(m.family);
@@ -125,11 +183,7 @@ Status ReadHyperParameters(const JsonReader& r, ModelSpec& m) {
   if (!eps.ok()) return eps.error();
   m.norm_eps = eps.value();
   m.rope_theta = d.rope_theta;  // GPT-2: 0, learned positions
-  if (!gpt2) {
-    auto theta = ReadPositive(r, "rope_theta", d.rope_theta, 1e12);
-    if (!theta.ok()) return theta.error();
-    m.rope_theta = theta.value();
-  }
+  if (!gpt2) return ReadRope(r, m);
   return {};
 }
 
@@ -175,7 +229,13 @@ Status ReadFamilyRules(const JsonReader& r, ModelSpec& m) {
       }
       break;
     }
-    case ModelFamily::kMistral: break;
+    case ModelFamily::kMistral: {
+      auto window = ReadDim(r, {"sliding_window"}, 4096, kMaxPositions);  // MistralConfig: 4096; null: none
+      if (!window.ok()) return window.error();
+      const auto it = r.json().find("sliding_window");
+      m.sliding_window = it != r.json().end() && it->is_null() ? 0 : window.value();
+      break;
+    }
   }
   auto act = r.OptionalString("hidden_act");
   if (!act.ok()) return act.error();

@@ -24,6 +24,17 @@ struct TensorSpec {
   std::string module() const;
 };
 
+/// RoPE frequency scaling: config.json's `rope_scaling` (transformers 4) or `rope_parameters`
+/// (transformers 5), as transformers' modeling_rope_utils.py reads it. Shapes do not depend on it;
+/// fsdp-run's rotary tables do (RopeInverseFrequencies in runtime/llama_model.h).
+struct RopeScaling {
+  std::string type = "default";        ///< rope_type (or the older "type"): default, linear, dynamic, llama3, yarn, ...
+  double factor = 1.0;                 ///< linear, dynamic, llama3
+  double low_freq_factor = 1.0;        ///< llama3
+  double high_freq_factor = 4.0;       ///< llama3
+  int64_t original_max_positions = 0;  ///< llama3: original_max_position_embeddings (max_position_embeddings when absent)
+};
+
 /// Architecture hyper-parameters after HF's defaults were applied, plus the tensor inventory.
 struct ModelSpec {
   std::string id;               ///< catalog id or the config file's stem
@@ -39,7 +50,9 @@ struct ModelSpec {
   int64_t max_position_embeddings = 0;
   bool tie_word_embeddings = false;
   double norm_eps = 1e-6;       ///< rms_norm_eps (GPT-2: layer_norm_epsilon)
-  double rope_theta = 10000.0;  ///< RoPE base; rope_scaling is not read (0 for GPT-2's learned positions)
+  double rope_theta = 10000.0;  ///< RoPE base (0 for GPT-2's learned positions)
+  RopeScaling rope_scaling;     ///< RoPE frequency scaling (type "default": none)
+  int64_t sliding_window = 0;   ///< Mistral's attention window in tokens (0: full causal attention)
   bool qkv_bias = false;        ///< bias on q/k/v projections
   bool o_bias = false;          ///< bias on the attention output projection
   bool mlp_bias = false;        ///< bias on MLP projections

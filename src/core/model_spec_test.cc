@@ -93,6 +93,49 @@ TEST_CASE("the norm epsilon and the RoPE base come from the config") {
   CHECK(gpt2.value().norm_eps == 1e-5);
 }
 
+TEST_CASE("RoPE scaling and Mistral's sliding window come from the config") {
+  auto llama31 = LoadModel("llama-3.1-8b");  // transformers 4's rope_scaling
+  REQUIRE(llama31.ok());
+  const RopeScaling& s = llama31.value().rope_scaling;
+  CHECK(s.type == "llama3");
+  CHECK(s.factor == 8.0);
+  CHECK(s.low_freq_factor == 1.0);
+  CHECK(s.high_freq_factor == 4.0);
+  CHECK(s.original_max_positions == 8192);
+  CHECK(LoadModel("llama-2-7b").value().rope_scaling.type == "default");  // "rope_scaling": null
+
+  // transformers 5's rope_parameters carries rope_theta; llama3 without original_max_position_embeddings
+  // takes max_position_embeddings (standardize_rope_params)
+  auto v5 = FromText(R"({"model_type":"llama","max_position_embeddings":4096,
+      "rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":32.0,"low_freq_factor":1.0,"high_freq_factor":4.0}})");
+  REQUIRE(v5.ok());
+  CHECK(v5.value().rope_theta == 500000.0);
+  CHECK(v5.value().rope_scaling.factor == 32.0);
+  CHECK(v5.value().rope_scaling.original_max_positions == 4096);
+  auto old_key = FromText(R"({"model_type":"llama","rope_scaling":{"type":"linear","factor":2}})");  // "type" before "rope_type"
+  REQUIRE(old_key.ok());
+  CHECK(old_key.value().rope_scaling.type == "linear");
+  CHECK(FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"yarn","factor":4.0}})").value().rope_scaling.type == "yarn");
+
+  auto small = FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"linear","factor":0.5}})");
+  REQUIRE_FALSE(small.ok());
+  CHECK(small.error().message == "inline.json: key 'rope_scaling': key 'factor': must be between 1 and 1000000, got 0.5");
+  auto bands = FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":1}})");
+  REQUIRE_FALSE(bands.ok());
+  CHECK(bands.error().message == "inline.json: key 'rope_scaling': key 'high_freq_factor': must exceed low_freq_factor 4, got 1");
+  auto missing = FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"llama3","factor":8}})");
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.error().message == "inline.json: key 'rope_scaling': key 'low_freq_factor': missing");
+  auto text = FromText(R"({"model_type":"llama","rope_scaling":"llama3"})");
+  REQUIRE_FALSE(text.ok());
+  CHECK(text.error().message == "inline.json: key 'rope_scaling': expected an object");
+
+  CHECK(LoadModel("mistral-7b").value().sliding_window == 4096);
+  CHECK(FromText(R"({"model_type":"mistral","sliding_window":null})").value().sliding_window == 0);
+  CHECK(FromText(R"({"model_type":"mistral"})").value().sliding_window == 4096);  // MistralConfig's default
+  CHECK(LoadModel("llama-3.1-8b").value().sliding_window == 0);
+}
+
 TEST_CASE("tensor inventory uses HF names and shapes") {
   auto m = LoadModel("qwen2.5-7b");
   REQUIRE(m.ok());

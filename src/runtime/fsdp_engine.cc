@@ -60,7 +60,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
 }
 
 Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& world, const TrainOptions& o) {
-  auto dims = DimsOf(w.model);
+  auto dims = DimsOf(w.model, w.config.seq_len);
   if (!dims.ok()) return dims.error();
   if (w.config.wrap != WrapPolicy::kBlock && w.config.wrap != WrapPolicy::kNone) {
     return Error::BadInput("fsdp-run wraps per block (--wrap block) or the whole model (--wrap none)");

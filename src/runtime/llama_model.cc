@@ -1,6 +1,7 @@
 #include "runtime/llama_model.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -32,15 +33,57 @@ LlamaDims::BlockOffsets LlamaDims::Offsets() const {
   return o;
 }
 
-Result<LlamaDims> DimsOf(const ModelSpec& m) {
+Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& m, int64_t seq_len) {
+  const RopeScaling& s = m.rope_scaling;
+  const auto dim = static_cast<double>(m.head_dim);
+  if (s.type == "default") return RopeBaseFrequencies(m.rope_theta, m.head_dim);
+  if (s.type == "linear") {
+    std::vector<double> inv_freq = RopeBaseFrequencies(m.rope_theta, m.head_dim);
+    for (double& f : inv_freq) f /= s.factor;
+    return inv_freq;
+  }
+  if (s.type == "dynamic") {
+    if (m.head_dim <= 2) return Error::BadInput("dynamic RoPE scaling needs head_dim > 2");
+    const double max_positions = static_cast<double>(m.max_position_embeddings);
+    const double length = std::max(static_cast<double>(seq_len), max_positions);
+    const double base = m.rope_theta * std::pow(s.factor * length / max_positions - (s.factor - 1), dim / (dim - 2));
+    return RopeBaseFrequencies(base, m.head_dim);
+  }
+  if (s.type == "llama3") {
+    std::vector<double> inv_freq = RopeBaseFrequencies(m.rope_theta, m.head_dim);
+    const double old_context = static_cast<double>(s.original_max_positions);
+    const double low_freq_wavelen = old_context / s.low_freq_factor, high_freq_wavelen = old_context / s.high_freq_factor;
+    for (double& f : inv_freq) {
+      const double wavelen = 2 * M_PI / f;
+      if (wavelen > low_freq_wavelen) {
+        f /= s.factor;  // long wavelengths: interpolated
+      } else if (wavelen >= high_freq_wavelen) {  // between the bands: smoothed
+        const double smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+        f = (1 - smooth) * f / s.factor + smooth * f;
+      }  // short wavelengths: unchanged
+    }
+    return inv_freq;
+  }
+  return Error::BadInput(fmt::format("fsdp-run does not implement rope_scaling type '{}' ({})", s.type, m.id));
+}
+
+Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   if (m.family != ModelFamily::kLlama && m.family != ModelFamily::kMistral) {
     return Error::BadInput(fmt::format("fsdp-run trains llama and mistral models; {} is {}", m.id, m.model_type));
   }
   if (m.qkv_bias || m.o_bias || m.mlp_bias) return Error::BadInput(fmt::format("fsdp-run does not implement biases ({})", m.id));
   if (m.head_dim % 2 != 0) return Error::BadInput("RoPE needs an even head_dim");
-  return LlamaDims{m.vocab_size, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers,
-                   static_cast<float>(m.norm_eps), static_cast<float>(m.rope_theta),
-                   m.tie_word_embeddings};
+  if (m.sliding_window > 0 && seq_len > m.sliding_window) {
+    return Error::BadInput(fmt::format("--seq-len {} exceeds {}'s sliding_window {}: fsdp-run's attention is fully causal", seq_len, m.id,
+                                       m.sliding_window));
+  }
+  auto inv_freq = RopeInverseFrequencies(m, seq_len);
+  if (!inv_freq.ok()) return inv_freq.error();
+  LlamaDims d{m.vocab_size, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers};
+  d.rms_eps = static_cast<float>(m.norm_eps);
+  d.rope_inv_freq = std::move(inv_freq).value();
+  d.tied = m.tie_word_embeddings;
+  return d;
 }
 
 int64_t BlockCache::SavedBytes() const {
@@ -65,8 +108,8 @@ Mat BlockForward(const LlamaDims& d, const float* p, const Mat& x, int64_t batch
   c.q = LinearForward(c.n1, W(p + o.wq, qd, d.hidden));
   c.k = LinearForward(c.n1, W(p + o.wk, kvd, d.hidden));
   c.v = LinearForward(c.n1, W(p + o.wv, kvd, d.hidden));
-  Rope(c.q, d.heads, d.head_dim, seq, d.rope_theta, false);
-  Rope(c.k, d.kv_heads, d.head_dim, seq, d.rope_theta, false);
+  Rope(c.q, d.heads, d.head_dim, seq, d.rope_inv_freq, false);
+  Rope(c.k, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, false);
   c.attn = AttentionForward(c.q, c.k, c.v, batch, seq, d.heads, d.kv_heads, d.head_dim, c.probs);
   c.x2 = x + LinearForward(c.attn, W(p + o.wo, d.hidden, qd));
   c.n2 = RmsNormForward(c.x2, V(p + o.post_norm, d.hidden), d.rms_eps, c.inv2);
@@ -93,8 +136,8 @@ Mat BlockBackward(const LlamaDims& d, const float* p, float* g, const Mat& dy, c
   Mat d_attn = LinearBackward(d_x2, c.attn, W(p + o.wo, d.hidden, qd), g_wo);
   Mat dq, dk, dv;
   AttentionBackward(d_attn, c.q, c.k, c.v, c.probs, batch, seq, d.heads, d.kv_heads, d.head_dim, dq, dk, dv);
-  Rope(dq, d.heads, d.head_dim, seq, d.rope_theta, true);
-  Rope(dk, d.kv_heads, d.head_dim, seq, d.rope_theta, true);
+  Rope(dq, d.heads, d.head_dim, seq, d.rope_inv_freq, true);
+  Rope(dk, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, true);
   Mat d_n1 = LinearBackward(dq, c.n1, W(p + o.wq, qd, d.hidden), g_wq) + LinearBackward(dk, c.n1, W(p + o.wk, kvd, d.hidden), g_wk) +
              LinearBackward(dv, c.n1, W(p + o.wv, kvd, d.hidden), g_wv);
   return d_x2 + RmsNormBackward(d_n1, c.x, V(p + o.in_norm, d.hidden), c.inv1, g_in);

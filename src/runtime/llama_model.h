@@ -13,7 +13,8 @@ namespace fsdp::runtime {
 
 struct LlamaDims {
   int64_t vocab, hidden, inner, heads, kv_heads, head_dim, layers;
-  float rms_eps = 1e-5f, rope_theta = 10000.0f;
+  float rms_eps = 1e-5f;
+  std::vector<double> rope_inv_freq = {};  ///< RopeInverseFrequencies: head_dim / 2 values
   bool tied = false;
   int64_t BlockNumel() const;
   /// Offsets of a block's tensors in its flat buffer, in inventory order.
@@ -27,8 +28,17 @@ struct LlamaDims {
   RootOffsets Root(const std::vector<int>& block_unit) const;
 };
 
-/// Dimensions of a llama/mistral model without biases; BadInput for other models.
-Result<LlamaDims> DimsOf(const ModelSpec& model);
+/// RoPE's inverse frequencies (head_dim / 2) as transformers computes them for `model` trained at
+/// seq_len: rope_theta^(-2i/head_dim), then rope_scaling "linear" (divided by factor), "dynamic"
+/// (NTK base, unchanged up to max_position_embeddings) or "llama3" (Llama 3.1's banded
+/// interpolation); BadInput for types fsdp-run does not implement (yarn, longrope, ...).
+/// Source: transformers' modeling_rope_utils.py (_compute_*_parameters).
+Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& model, int64_t seq_len);
+
+/// Dimensions of a llama/mistral model without biases trained at seq_len; BadInput for other
+/// models, for RoPE scaling it does not implement, and for a Mistral sliding window shorter than
+/// seq_len (fsdp-run's attention is fully causal).
+Result<LlamaDims> DimsOf(const ModelSpec& model, int64_t seq_len);
 
 /// What a block's forward keeps for its backward.
 struct BlockCache {

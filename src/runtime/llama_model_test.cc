@@ -6,11 +6,14 @@
 
 #include <random>
 
+#include <fmt/format.h>
+
 namespace fsdp::runtime {
 namespace {
 
 TEST_CASE("a whole decoder block: backward against finite differences") {
   LlamaDims d{11, 8, 12, 4, 2, 2, 1};
+  d.rope_inv_freq = RopeBaseFrequencies(10000.0, d.head_dim);
   std::mt19937 rng(7);
   std::normal_distribution<float> n(0.0f, 0.3f);
   std::vector<float> params(static_cast<size_t>(d.BlockNumel()));
@@ -32,11 +35,53 @@ TEST_CASE("a whole decoder block: backward against finite differences") {
 TEST_CASE("the flat block layout matches the checkpoint inventory") {
   auto m = LoadModel("tiny-llama");
   REQUIRE(m.ok());
-  auto d = DimsOf(m.value());
+  auto d = DimsOf(m.value(), 64);
   REQUIRE(d.ok());
   CHECK(d.value().BlockNumel() == m.value().BlockParams(0));
   auto gpt2 = LoadModel("gpt2");
-  CHECK_FALSE(DimsOf(gpt2.value()).ok());
+  CHECK_FALSE(DimsOf(gpt2.value(), 64).ok());
+}
+
+// Expected values: transformers 5.24's ROPE_INIT_FUNCTIONS (float32) on the same configurations.
+TEST_CASE("RoPE frequencies follow transformers' rope_scaling types") {
+  auto llama31 = LoadModel("llama-3.1-8b");  // llama3: factor 8, bands 8192 and 2048, theta 500000
+  REQUIRE(llama31.ok());
+  auto inv = RopeInverseFrequencies(llama31.value(), 4096);
+  REQUIRE(inv.ok());
+  REQUIRE(inv.value().size() == 64);
+  const std::vector<std::pair<int, double>> expected = {
+      {0, 1.0}, {1, 0.8146172165870667}, {28, 0.0032114461064338684},  // short wavelengths: unchanged
+      {29, 0.0021665706299245358}, {30, 0.0013718936825171113}, {34, 0.0001785077911335975},  // smoothed
+      {35, 9.556212171446532e-05}, {63, 3.068925877869333e-07}};  // long wavelengths: divided by 8
+  for (const auto& [i, value] : expected) CHECK(inv.value()[static_cast<size_t>(i)] == doctest::Approx(value).epsilon(1e-6));
+
+  auto spec = [](const char* scaling) {
+    return ModelFromHfConfig(Json::parse(fmt::format(R"({{"model_type":"llama","hidden_size":64,"num_attention_heads":4,
+        "intermediate_size":128,"num_hidden_layers":1,"vocab_size":100,"max_position_embeddings":128,"rope_theta":10000.0,
+        "rope_scaling":{}}})", scaling)), "t", "t.json").value();
+  };
+  auto linear = RopeInverseFrequencies(spec(R"({"rope_type":"linear","factor":4.0})"), 64).value();  // head_dim 16
+  CHECK(linear[0] == 0.25);
+  CHECK(linear[1] == doctest::Approx(0.07905694097280502).epsilon(1e-6));
+  const ModelSpec dynamic = spec(R"({"type":"dynamic","factor":2.0})");
+  auto within = RopeInverseFrequencies(dynamic, 64).value();  // up to max_position_embeddings: plain RoPE
+  CHECK(within[1] == doctest::Approx(0.3162277638912201).epsilon(1e-6));
+  auto beyond = RopeInverseFrequencies(dynamic, 512).value();  // NTK base for 4x the positions
+  CHECK(beyond[1] == doctest::Approx(0.2394813746213913).epsilon(1e-6));
+  CHECK(beyond[2] == doctest::Approx(0.05735132098197937).epsilon(1e-6));
+
+  auto yarn = RopeInverseFrequencies(spec(R"({"rope_type":"yarn","factor":4.0})"), 64);
+  REQUIRE_FALSE(yarn.ok());
+  CHECK(yarn.error().message == "fsdp-run does not implement rope_scaling type 'yarn' (t)");
+}
+
+TEST_CASE("fsdp-run refuses a sequence longer than Mistral's sliding window") {
+  auto mistral = LoadModel("mistral-7b");  // sliding_window 4096
+  REQUIRE(mistral.ok());
+  CHECK(DimsOf(mistral.value(), 4096).ok());
+  auto longer = DimsOf(mistral.value(), 4097);
+  REQUIRE_FALSE(longer.ok());
+  CHECK(longer.error().message == "--seq-len 4097 exceeds mistral-7b's sliding_window 4096: fsdp-run's attention is fully causal");
 }
 
 }  // namespace

@@ -46,12 +46,18 @@ Mat LinearBackward(const Mat& dy, const Mat& x, const ConstMatMap& w, MatMap& dw
   return dy * w;
 }
 
-void Rope(Mat& x, int64_t heads, int64_t head_dim, int64_t seq, float theta, bool inverse) {
+std::vector<double> RopeBaseFrequencies(double theta, int64_t head_dim) {
+  std::vector<double> inv_freq(static_cast<size_t>(head_dim / 2));
+  for (size_t i = 0; i < inv_freq.size(); ++i) inv_freq[i] = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+  return inv_freq;
+}
+
+void Rope(Mat& x, int64_t heads, int64_t head_dim, int64_t seq, const std::vector<double>& inv_freq, bool inverse) {
   const int64_t half = head_dim / 2;
   for (Eigen::Index t = 0; t < x.rows(); ++t) {
     const double pos = static_cast<double>(t % seq);
     for (int64_t i = 0; i < half; ++i) {
-      const double freq = std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+      const double freq = inv_freq[static_cast<size_t>(i)];
       const float c = static_cast<float>(std::cos(pos * freq));
       const float s = static_cast<float>(inverse ? -std::sin(pos * freq) : std::sin(pos * freq));
       for (int64_t h = 0; h < heads; ++h) {

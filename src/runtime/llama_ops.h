@@ -32,9 +32,13 @@ Mat LinearForward(const Mat& x, const ConstMatMap& w);
 /// Returns dx (T, in); accumulates dW (out, in) += dy^T x.
 Mat LinearBackward(const Mat& dy, const Mat& x, const ConstMatMap& w, MatMap& dw);
 
+/// RoPE's inverse frequencies without scaling: theta^(-2i/head_dim) for i < head_dim/2.
+std::vector<double> RopeBaseFrequencies(double theta, int64_t head_dim);
+
 /// Rotary embedding in place on x (T, heads * head_dim) for positions t % seq, HF layout
-/// (pairs i and i + head_dim/2); theta is rope_theta. `inverse` applies the transpose (backward).
-void Rope(Mat& x, int64_t heads, int64_t head_dim, int64_t seq, float theta, bool inverse);
+/// (pairs i and i + head_dim/2, angle position * inv_freq[i]). `inverse` applies the transpose
+/// (backward).
+void Rope(Mat& x, int64_t heads, int64_t head_dim, int64_t seq, const std::vector<double>& inv_freq, bool inverse);
 
 /// Causal attention with grouped-query heads. q (T, a*d), k and v (T, g*d); returns (T, a*d) and
 /// saves the probabilities (batch * a blocks of (seq, seq)).

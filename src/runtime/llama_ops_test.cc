@@ -65,14 +65,14 @@ TEST_CASE("RoPE is a rotation: its backward is the inverse rotation") {
   Mat x = Random(6, heads * head_dim), r = Random(6, heads * head_dim);
   auto loss = [&] {
     Mat y = x;
-    Rope(y, heads, head_dim, seq, 10000.0f, false);
+    Rope(y, heads, head_dim, seq, RopeBaseFrequencies(10000.0, head_dim), false);
     return Dot(y, r);
   };
   Mat dx = r;
-  Rope(dx, heads, head_dim, seq, 10000.0f, true);
+  Rope(dx, heads, head_dim, seq, RopeBaseFrequencies(10000.0, head_dim), true);
   CheckGradient(x, dx, loss, "x");
   Mat y = x;
-  Rope(y, heads, head_dim, seq, 10000.0f, false);
+  Rope(y, heads, head_dim, seq, RopeBaseFrequencies(10000.0, head_dim), false);
   CHECK(y.row(0).isApprox(x.row(0)));  // position 0 is not rotated
   CHECK(y.norm() == doctest::Approx(x.norm()).epsilon(1e-5));
 }

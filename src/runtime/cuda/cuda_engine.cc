@@ -222,7 +222,7 @@ Status CudaEngine::InitDevice(int virtual_world) {
   virtual_world_ = virtual_world;
   dtype_ = w_.config.param_dtype;
   reduce_dtype_ = w_.config.reduce_dtype;
-  auto dims = DimsOf(w_.model);
+  auto dims = DimsOf(w_.model, w_.config.seq_len);
   if (!dims.ok()) return dims.error();
   FSDP_TRY(MeasureCublas());
   ctx_ = DeviceContext{dims.value(), dtype_, w_.config.micro_batch, w_.config.seq_len, blas_, compute_, &alloc_};
@@ -232,7 +232,7 @@ Status CudaEngine::InitDevice(int virtual_world) {
   FSDP_ALLOC(dw, alloc_.Allocate(ctx_.dims.hidden * 4, Mem::kTemporaries, compute_));
   dw_scratch_ = std::move(dw);
   FSDP_ALLOC(rope, alloc_.Allocate(ctx_.seq * ctx_.dims.head_dim * 4, Mem::kTemporaries, compute_));  // cos and sin, seq x head_dim/2 each
-  RopeTable(rope.as<float>(), ctx_.seq, ctx_.dims.head_dim, ctx_.dims.rope_theta, compute_);
+  FSDP_TRY(RopeTable(rope.as<float>(), ctx_.seq, ctx_.dims.rope_inv_freq, compute_));
   rope_table_ = std::move(rope);
   ctx_.rope_table = rope_table_.as<float>();
   for (cudaEvent_t* e : {&params_ready_, &reduced_}) FSDP_CUDA_TRY(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
@@ -560,7 +560,7 @@ GpuMemoryReport CudaEngine::memory() const {
 }  // namespace cuda
 
 Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& w, Comm& host, const TrainOptions& o, int virtual_world) {
-  auto dims = DimsOf(w.model);
+  auto dims = DimsOf(w.model, w.config.seq_len);
   if (!dims.ok()) return dims.error();
   if (w.config.wrap != WrapPolicy::kBlock && w.config.wrap != WrapPolicy::kNone) {
     return Error::BadInput("fsdp-run wraps per block (--wrap block) or the whole model (--wrap none)");

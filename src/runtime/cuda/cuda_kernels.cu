@@ -1,9 +1,12 @@
 #include "runtime/cuda/cuda_kernels.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "runtime/cuda/cuda_check.h"
 
 namespace fsdp::runtime::cuda {
 namespace {
@@ -184,16 +187,6 @@ __global__ void RmsNormWeightGradKernel(const T* dy, const T* x, const float* in
     float total = 0;
     for (int k = 0; k < 8; ++k) total += partial[k][threadIdx.x];
     atomicAdd(dw + col, total);
-  }
-}
-
-__global__ void RopeTableKernel(float* table, int64_t seq, int64_t head_dim, float theta) {
-  const int64_t half = head_dim / 2;
-  GRID_STRIDE(idx, seq * half) {
-    const int64_t i = idx % half, pos = idx / half;
-    const double freq = pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
-    table[idx] = static_cast<float>(cos(static_cast<double>(pos) * freq));
-    table[seq * half + idx] = static_cast<float>(sin(static_cast<double>(pos) * freq));
   }
 }
 
@@ -385,8 +378,19 @@ void RmsNormBackward(const void* dy, const void* x, const void* w, const float* 
                                                               rows_per_chunk))
 }
 
-void RopeTable(float* table, int64_t seq, int64_t head_dim, float theta, cudaStream_t stream) {
-  RopeTableKernel<<<Blocks(seq * head_dim / 2), kThreads, 0, stream>>>(table, seq, head_dim, theta);
+Status RopeTable(float* table, int64_t seq, const std::vector<double>& inv_freq, cudaStream_t stream) {
+  const auto half = static_cast<int64_t>(inv_freq.size());
+  std::vector<float> host(static_cast<size_t>(2 * seq * half));
+  for (int64_t pos = 0; pos < seq; ++pos) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(pos) * inv_freq[static_cast<size_t>(i)];
+      host[static_cast<size_t>(pos * half + i)] = static_cast<float>(std::cos(angle));
+      host[static_cast<size_t>(seq * half + pos * half + i)] = static_cast<float>(std::sin(angle));
+    }
+  }
+  FSDP_CUDA_TRY(cudaMemcpyAsync(table, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice, stream));
+  FSDP_CUDA_TRY(cudaStreamSynchronize(stream));  // `host` dies on return
+  return {};
 }
 
 void Rope(void* x, const float* table, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, bool inverse, DType dtype,

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "core/dtype.h"
+#include "core/status.h"
 
 namespace fsdp::runtime::cuda {
 
@@ -54,9 +55,11 @@ void RmsNormForward(const void* x, const void* w, void* y, float* inv_rms, int64
 void RmsNormBackward(const void* dy, const void* x, const void* w, const float* inv_rms, const void* residual, void* dx,
                      float* dw_f32, int64_t rows, int64_t h, DType dtype, cudaStream_t stream);
 
-/// The rotary table of `seq` positions: cos then sin of pos * theta^(-2i/head_dim) for i < head_dim/2,
-/// computed in double and stored fp32 (2 * seq * head_dim/2 floats), as the CPU's Rope computes them.
-void RopeTable(float* table, int64_t seq, int64_t head_dim, float theta, cudaStream_t stream);
+/// Fills the device rotary table of `seq` positions: cos then sin of pos * inv_freq[i] for
+/// i < head_dim/2 (inv_freq from RopeInverseFrequencies), computed on the host in double as the
+/// CPU's Rope computes them and stored fp32 (2 * seq * head_dim/2 floats). Returns when the copy
+/// on `stream` is done.
+Status RopeTable(float* table, int64_t seq, const std::vector<double>& inv_freq, cudaStream_t stream);
 /// Rotary embedding in place on x (rows, heads * head_dim), position = row % seq, HF rotate_half
 /// layout, angles from RopeTable; `inverse` applies the transpose (backward).
 void Rope(void* x, const float* table, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, bool inverse, DType dtype,

@@ -135,14 +135,16 @@ TEST_CASE("RMSNorm forward and backward match the CPU, in fp32 and bf16") {
 TEST_CASE("RoPE and its inverse match the CPU") {
   Gpu g;
   const int64_t rows = 64, heads = 4, d = 16, seq = 32;
+  std::vector<double> inv_freq = RopeBaseFrequencies(500000.0, d);
+  inv_freq.back() /= 8;  // scaled frequencies, as Llama 3.1's, come from the table too
   Mat x = Random(rows, heads * d, 4);
   DeviceBuffer dev = g.Upload(x, DType::kFp32);
   DeviceBuffer table = g.alloc.Allocate(seq * d * 4, Mem::kTemporaries, g.stream).value();
-  RopeTable(table.as<float>(), seq, d, 10000.0f, g.stream);
-  runtime::Rope(x, heads, d, seq, 10000.0f, false);
+  REQUIRE(RopeTable(table.as<float>(), seq, inv_freq, g.stream).ok());
+  runtime::Rope(x, heads, d, seq, inv_freq, false);
   Rope(dev.get(), table.as<float>(), rows, heads, d, seq, false, DType::kFp32, g.stream);
   CheckClose(g.Download(dev.get(), rows, heads * d, DType::kFp32), x, kFp32, "rope");
-  runtime::Rope(x, heads, d, seq, 10000.0f, true);
+  runtime::Rope(x, heads, d, seq, inv_freq, true);
   Rope(dev.get(), table.as<float>(), rows, heads, d, seq, true, DType::kFp32, g.stream);
   CheckClose(g.Download(dev.get(), rows, heads * d, DType::kFp32), x, kFp32, "rope inverse");
 }
@@ -295,8 +297,8 @@ std::vector<BlockTensor> BlockTensors(const LlamaDims& d) {
 TEST_CASE("A whole block's forward and backward match the CPU block") {
   auto model = LoadModel("tiny-llama");
   REQUIRE(model.ok());
-  const LlamaDims d = DimsOf(model.value()).value();
   const int64_t batch = 2, seq = 16, T = batch * seq;
+  const LlamaDims d = DimsOf(model.value(), seq).value();
   // Linear weights of std 0.1 (about 1/sqrt(hidden)) and norm weights near 1, as after training
   // starts: every path through the block then carries a gradient well above the tolerances.
   Mat params = Random(1, d.BlockNumel(), 15, 0.1f);
@@ -313,7 +315,7 @@ TEST_CASE("A whole block's forward and backward match the CPU block") {
     Gpu g;
     DeviceContext c{d, dtype, batch, seq, g.blas, g.stream, &g.alloc};
     DeviceBuffer table = g.alloc.Allocate(seq * d.head_dim * 4, Mem::kTemporaries, g.stream).value();
-    RopeTable(table.as<float>(), seq, d.head_dim, d.rope_theta, g.stream);
+    REQUIRE(RopeTable(table.as<float>(), seq, d.rope_inv_freq, g.stream).ok());
     c.rope_table = table.as<float>();
     DeviceBuffer p = g.Upload(params, dtype), dx_in = g.Upload(x, dtype), ddy = g.Upload(dy, dtype), grads = g.Upload(Mat::Zero(1, d.BlockNumel()), dtype);
     // x and dy as the GPU holds them (rounded in bf16)
