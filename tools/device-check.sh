@@ -5,6 +5,8 @@
 #   2. runs cuda_test: every CUDA kernel, the attention, a whole block and training steps against
 #      the CPU implementation, and the allocated peak against the planner's replay; then the kernel
 #      checks again under compute-sanitizer's memcheck where it works;
+#   2b. runs tools/hf_parity.py --device cuda: fsdp-run's fp32 losses against transformers' training
+#      of the same safetensors checkpoint on the same tokens;
 #   3. runs fsdp-run calibrate --device cuda, then fsdp-run --device cuda on a set of configurations (FULL_SHARD, SHARD_GRAD_OP,
 #      NO_SHARD; activation checkpointing off and on; virtual world 1 and 8; TinyLlama 1.1B at
 #      sequence length 2048), each writing predicted vs measured JSON;
@@ -108,6 +110,10 @@ if command -v compute-sanitizer > /dev/null; then  # out-of-bounds and misaligne
     --test-case-exclude="Training steps*,Gradient accumulation*,calibrate*"
   echo "memcheck exit $?" | tee -a "$LOG"
 fi
+
+say "fsdp-run --device cuda against transformers on the same checkpoint and tokens (tools/hf_parity.py, fp32)"
+run python3 tools/hf_parity.py --fsdp-run build-device/fsdp-run --device cuda
+echo "hf_parity exit $?" | tee -a "$LOG"
 
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)

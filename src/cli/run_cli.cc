@@ -99,6 +99,9 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
   app.add_option("--memory-limit", f.memory_limit_mib, "MiB each rank may use: stop with the phase and category where it would run out");
   app.add_option("--timeout", f.timeout_s, "seconds a step may take before every rank is stopped")->capture_default_str();
   app.add_option("--tokens", f.tokens_path, "file of whitespace-separated token ids to train on (default: seeded synthetic tokens)");
+  app.add_option("--init-from", f.init_from,
+                 "start from a HuggingFace safetensors checkpoint (a file, or a directory with model.safetensors or its sharded index) "
+                 "instead of seeded weights");
   app.add_option("--hang-rank", f.hang_rank, "fault injection: this rank stops responding at --fail-step (tests)");
   app.add_option("--fail-rank", f.fail_rank, "fault injection: this rank exits abruptly at --fail-step (tests)");
   app.add_option("--fail-step", f.fail_step, "fault injection: the step at which --fail-rank dies");
@@ -149,6 +152,14 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   PreparedRun run{std::move(w).value(), {}};
   run.options.seed = f.seed;
   run.options.lr = f.lr;
+  if (!f.init_from.empty()) {
+    auto checkpoint = runtime::Checkpoint::Open(f.init_from);
+    if (!checkpoint.ok()) return checkpoint.error();
+    for (const TensorSpec& t : run.workload.model.tensors) {  // every tensor before any rank starts
+      if (Status s = checkpoint.value().Check(t.name, t.shape); !s.ok()) return s.error();
+    }
+    run.options.checkpoint = std::make_shared<const runtime::Checkpoint>(std::move(checkpoint).value());
+  }
   if (!f.tokens_path.empty()) {
     auto tokens = ReadTokens(f.tokens_path, run.workload.model.vocab_size);
     if (!tokens.ok()) return tokens.error();

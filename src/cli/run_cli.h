@@ -25,6 +25,7 @@ struct RunFlags {
   double memory_limit_mib = 0;  ///< --memory-limit: rehearse an out-of-memory
   double timeout_s = 600;  ///< a step that takes longer stops every rank (a peer died or hangs)
   std::string tokens_path; ///< whitespace-separated token ids instead of synthetic tokens
+  std::string init_from;   ///< safetensors checkpoint (file or directory) to start from instead of seeded weights
   int hang_rank = -1;      ///< fault injection for tests: this rank stops responding at fail_step
   int fail_rank = -1;      ///< fault injection for tests: this rank exits abruptly...
   int64_t fail_step = 0;   ///< ...at the start of this step

@@ -47,6 +47,18 @@ std::vector<float> InitialUnit(const Workload& w, int u, uint64_t seed) {
   return flat;
 }
 
+Result<std::vector<float>> StartingUnit(const Workload& w, int u, const TrainOptions& o) {
+  if (!o.checkpoint) return InitialUnit(w, u, o.seed);
+  std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
+  int64_t offset = 0;
+  for (int t : w.units[u].tensors) {
+    const TensorSpec& ts = w.model.tensors[t];
+    if (Status s = o.checkpoint->Read(ts.name, ts.shape, flat.data() + offset); !s.ok()) return s.error();
+    offset += ts.numel();
+  }
+  return flat;
+}
+
 uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   const FsdpConfig& c = w.config;
   uint64_t h = 1469598103934665603ULL;
@@ -56,6 +68,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
     mix(static_cast<uint64_t>(v));
   }
   mix(o.seed);
+  mix(o.checkpoint ? 1 : 0);
   return h;
 }
 
@@ -94,7 +107,9 @@ Status FsdpEngine::Init() {
   const int shard_rank = shard_comm_->rank();
   for (size_t u = 0; u < n; ++u) {
     const int64_t s = w_.units[u].shard_numel;
-    std::vector<float> flat = InitialUnit(w_, static_cast<int>(u), o_.seed);
+    auto start = StartingUnit(w_, static_cast<int>(u), o_);
+    if (!start.ok()) return start.error();
+    const std::vector<float>& flat = start.value();
     shard_[u].assign(flat.begin() + shard_rank * s, flat.begin() + (shard_rank + 1) * s);
     exp_avg_[u].assign(static_cast<size_t>(s), 0.0f);
     exp_avg_sq_[u].assign(static_cast<size_t>(s), 0.0f);

@@ -15,6 +15,7 @@
 #include "runtime/comm.h"
 #include "runtime/llama_model.h"
 #include "runtime/memory_ledger.h"
+#include "runtime/safetensors.h"
 
 namespace fsdp::runtime {
 
@@ -23,6 +24,7 @@ struct TrainOptions {
   float lr = 1e-3f;
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
   std::vector<int32_t> tokens;   ///< a token stream to train on (cycled); empty: seeded synthetic tokens
+  std::shared_ptr<const Checkpoint> checkpoint;  ///< weights to start from (--init-from); null: seeded values
 };
 
 class FsdpEngine {
@@ -90,6 +92,11 @@ std::vector<int32_t> TrainingTokens(const Workload& workload, const TrainOptions
 /// Deterministic initial values of unit u's flat buffer (padded_numel), independent of the world
 /// size: norms 1, everything else N(0, 0.02) from mt19937_64, padding 0.
 std::vector<float> InitialUnit(const Workload& workload, int u, uint64_t seed);
+
+/// Unit u's starting flat buffer (padded_numel): each tensor read by its HF name from
+/// options.checkpoint when there is one (BadInput when it lacks one or its shape differs), else
+/// InitialUnit's seeded values.
+Result<std::vector<float>> StartingUnit(const Workload& workload, int u, const TrainOptions& options);
 
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).
 uint64_t ConfigFingerprint(const Workload& workload, const TrainOptions& options);

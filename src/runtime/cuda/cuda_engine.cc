@@ -250,13 +250,13 @@ Status CudaEngine::InitDevice(int virtual_world) {
   return {};
 }
 
-// Units up to this size start from the CPU engine's values (InitialUnit), so that a small model
+// Units up to this size start from the CPU engine's values (StartingUnit), so that a small model
 // trains the same on both; larger ones are initialised on the device (a host mt19937 would take
 // about 15 s for TinyLlama 1.1B's 44M-parameter blocks).
 constexpr int64_t kHostInitMaxNumel = 8 << 20;
 
-// This rank's slice of the unit's flat parameter: norms 1, other tensors N(0, 0.02), padding 0;
-// AdamW states 0.
+// This rank's slice of the unit's flat parameter: the checkpoint's values (--init-from), else norms
+// 1, other tensors N(0, 0.02); padding 0; AdamW states 0.
 Status CudaEngine::InitUnit(int u) {
   const WrapUnit& unit = w_.units[u];
   const int64_t s = unit.shard_numel, first = shard_->rank() * s;
@@ -267,8 +267,10 @@ Status CudaEngine::InitUnit(int u) {
   FSDP_CUDA_TRY(cudaMemsetAsync(p.get(), 0, static_cast<size_t>(s * 4), compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(m.get(), 0, static_cast<size_t>(s * 4), compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(v.get(), 0, static_cast<size_t>(s * 4), compute_));
-  if (unit.padded_numel <= kHostInitMaxNumel) {
-    const std::vector<float> flat = InitialUnit(w_, u, o_.seed);
+  if (o_.checkpoint || unit.padded_numel <= kHostInitMaxNumel) {
+    auto start = StartingUnit(w_, u, o_);
+    if (!start.ok()) return start.error();
+    const std::vector<float>& flat = start.value();
     FSDP_CUDA_TRY(cudaMemcpyAsync(p.get(), flat.data() + first, static_cast<size_t>(s * 4), cudaMemcpyHostToDevice, compute_));
     FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // after the memset on the same stream; `flat` dies here
   } else {

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""fsdp-run's numerics against HuggingFace transformers on the same weights and tokens.
+
+For each case a small model is built with transformers (LlamaForCausalLM / MistralForCausalLM,
+seeded), saved with save_pretrained (config.json + model.safetensors, fp32), and trained for a few
+AdamW steps in plain PyTorch fp32 on a token file. fsdp-run then starts from that checkpoint
+(--init-from) with the same tokens (--tokens), fp32 parameters and reductions, and the losses of
+every step are compared. Step 1's loss checks the forward (embedding, RMSNorm eps, RoPE with the
+config's scaling, grouped-query attention, SwiGLU, tied or untied head, cross-entropy); later steps
+check the backward, gradient accumulation and AdamW (lr, betas, eps, decoupled weight decay on every
+parameter, as torch.optim.AdamW over model.parameters()).
+
+fsdp-run's token windows are TrainingTokens' (runtime/fsdp_engine.h): sequence index
+((step * grad_accum + micro) * world + rank) * micro_batch + i takes tokens
+[index * (seq + 1), (index + 1) * (seq + 1)) of the file, cycled; inputs are the first seq tokens,
+targets the last seq.
+
+Usage: hf_parity.py --fsdp-run build/fsdp-run [--mpirun "mpirun --oversubscribe"] [--device cuda] [--keep DIR]
+Exit status: 0 all cases agree, 1 a case disagrees or fsdp-run failed, 77 torch/transformers missing.
+"""
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# Relative agreement of the losses. fp32 on both sides, sums in different orders (Eigen vs ATen):
+# measured agreement is <= 1e-7 (docs/accuracy.md). Weights are drawn with std 0.1
+# (initializer_range) so that the logits are far from uniform and the details matter: on the first
+# case, dropping the llama3 RoPE scaling moves step 1's loss by 6e-3 relative, rms_norm_eps 1e-6
+# instead of 1e-5 by 1.4e-5.
+FIRST_STEP_REL = 2e-6
+LATER_STEP_REL = 2e-5
+GPU_FACTOR = 5  # --device cuda: cuBLAS fp32 (CUBLAS_COMPUTE_32F, no TF32) and CUDA reductions in another order
+
+CASES = [
+    {   # Llama 3.1's RoPE bands (original context 16 < seq 32: every band is used), GQA, tied head
+        "name": "llama3-rope-gqa-tied",
+        "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "initializer_range": 0.1,
+                   "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                   "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
+                   "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+        "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--wrap", "block"],
+        "mpi_ranks": 2,
+    },
+    {   # untied head, linear RoPE scaling, whole-model wrap, activation checkpointing, grad accumulation
+        "name": "llama-linear-untied-ac-accum",
+        "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "initializer_range": 0.1,
+                   "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 2,
+                   "num_attention_heads": 6, "num_key_value_heads": 6, "max_position_embeddings": 128,
+                   "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+                   "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        "seq": 24, "micro_batch": 1, "grad_accum": 2, "steps": 3, "flags": ["--wrap", "none", "--ac", "full"],
+    },
+    {   # Mistral with head_dim * heads != hidden_size, window wider than the sequence
+        "name": "mistral-head-dim",
+        "config": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 200, "initializer_range": 0.1,
+                   "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+                   "max_position_embeddings": 256, "sliding_window": 64, "rms_norm_eps": 1e-5,
+                   "rope_theta": 1000000.0, "tie_word_embeddings": False},
+        "seq": 20, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "shard_grad_op"],
+    },
+]
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.01  # fsdp-run's TrainOptions defaults
+
+
+def build_model(case, seed):
+    import torch
+    import transformers
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[case["config"]["model_type"]]
+    model_class = getattr(transformers, case["config"]["architectures"][0])
+    config = config_class.from_dict(dict(case["config"]), attn_implementation="eager")
+    config.use_cache = False
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    with torch.no_grad():  # norms away from 1 so that their gradients and the eps matter
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def window(tokens, index, seq):
+    n = len(tokens)
+    return [tokens[(index * (seq + 1) + j) % n] for j in range(seq + 1)]
+
+
+def reference_losses(case, model, tokens):
+    import torch
+    import torch.nn.functional as F
+    seq, mb, accum = case["seq"], case["micro_batch"], case["grad_accum"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    model.train()
+    losses = []
+    for step in range(case["steps"]):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(accum):
+            rows = [window(tokens, (step * accum + micro) * mb + i, seq) for i in range(mb)]
+            batch = torch.tensor(rows, dtype=torch.long)
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+            (loss / accum).backward()
+            total += loss.item() / accum
+        optimizer.step()
+        losses.append(total)
+    return losses
+
+
+def run_fsdp(args, case, directory, token_file, ranks):
+    out = os.path.join(directory, f"run-{ranks}.json")
+    cmd = [args.fsdp_run, "--model", os.path.join(directory, "config.json"), "--init-from", directory,
+           "--tokens", token_file, "--gpus", str(ranks), "--steps", str(case["steps"]),
+           "--seq-len", str(case["seq"]), "--micro-batch", str(case["micro_batch"] // ranks if ranks > 1 else case["micro_batch"]),
+           "--grad-accum", str(case["grad_accum"]), "--param-dtype", "fp32", "--reduce-dtype", "fp32",
+           "--lr", str(LR), "--device", args.device, "--quiet", "--out", out] + case["flags"]
+    if ranks > 1:
+        cmd = shlex.split(args.mpirun) + ["-np", str(ranks)] + cmd
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return None, f"{' '.join(cmd)}\n{done.stdout}{done.stderr}"
+    with open(out) as f:
+        return json.load(f)["measured"]["loss"], None
+
+
+def compare(name, reference, measured, factor):
+    ok = len(reference) == len(measured)
+    rows = []
+    for i, (r, m) in enumerate(zip(reference, measured)):
+        rel = abs(m - r) / abs(r)
+        limit = factor * (FIRST_STEP_REL if i == 0 else LATER_STEP_REL)
+        ok = ok and rel <= limit
+        rows.append(f"  step {i + 1}: transformers {r:.7f}  fsdp-run {m:.7f}  rel {rel:.2e} (limit {limit:.0e})")
+    print(("ok   " if ok else "FAIL ") + name)
+    print("\n".join(rows))
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fsdp-run", required=True, help="path to the fsdp-run binary")
+    parser.add_argument("--mpirun", default="",
+                        help="mpirun command (with its options) to also run the multi-rank cases (empty: skip them)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="fsdp-run's --device (cuda: one GPU, 1 rank)")
+    parser.add_argument("--keep", default="", help="keep the checkpoints and results in this directory")
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args()
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        print(f"hf_parity: needs torch and transformers ({e}): skipped")
+        return 77
+    root = args.keep or tempfile.mkdtemp(prefix="fsdpkit-hf-parity-")
+    all_ok = True
+    try:
+        for case in CASES:
+            directory = os.path.join(root, case["name"])
+            os.makedirs(directory, exist_ok=True)
+            model = build_model(case, args.seed)
+            model.save_pretrained(directory, safe_serialization=True)
+            import random
+            rng = random.Random(args.seed)
+            tokens = [rng.randrange(case["config"]["vocab_size"]) for _ in range(4000)]
+            token_file = os.path.join(directory, "tokens.txt")
+            with open(token_file, "w") as f:
+                f.write(" ".join(map(str, tokens)) + "\n")
+            reference = reference_losses(case, model, tokens)
+            multi = args.mpirun and case.get("mpi_ranks") and args.device == "cpu"
+            for ranks in [1] + ([case["mpi_ranks"]] if multi else []):
+                measured, error = run_fsdp(args, case, directory, token_file, ranks)
+                label = f"{case['name']} ({args.device}, {ranks} rank{'s' if ranks > 1 else ''})"
+                if error:
+                    print(f"FAIL {label}: fsdp-run failed\n{error}")
+                    all_ok = False
+                    continue
+                factor = GPU_FACTOR if args.device == "cuda" else 1
+                all_ok = compare(label, reference, measured, factor) and all_ok
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
