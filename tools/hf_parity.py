@@ -116,7 +116,7 @@ def reference_losses(case, model, tokens):
 
 def run_fsdp(args, case, directory, token_file, ranks):
     out = os.path.join(directory, f"run-{ranks}.json")
-    cmd = [args.fsdp_run, "--model", os.path.join(directory, "config.json"), "--init-from", directory,
+    cmd = [args.fsdp_run, "--model", directory, "--init-from", directory,
            "--tokens", token_file, "--gpus", str(ranks), "--steps", str(case["steps"]),
            "--seq-len", str(case["seq"]), "--micro-batch", str(case["micro_batch"] // ranks if ranks > 1 else case["micro_batch"]),
            "--grad-accum", str(case["grad_accum"]), "--param-dtype", "fp32", "--reduce-dtype", "fp32",

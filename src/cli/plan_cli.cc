@@ -175,7 +175,7 @@ Result<Workload> WorkloadFromFlags(const PlanFlags& flags) {
 }
 
 void AddPlanFlags(CLI::App& app, PlanFlags& f) {
-  app.add_option("--model", f.model, "catalog id (models/) or path to a HuggingFace config.json");
+  app.add_option("--model", f.model, "catalog id (models/), or a HuggingFace config.json or the directory holding it");
   app.add_option("--gpu", f.gpu, "catalog id (hardware/) or path to a hardware JSON")->capture_default_str();
   app.add_option("--cluster", f.cluster, "cluster id (hardware/clusters/) or path: sets --gpu, --gpus and --gpus-per-node unless given");
   app.add_option("--gpus", f.config.gpus, "total number of GPUs")->capture_default_str();

@@ -126,7 +126,7 @@ class Progress {
 }  // namespace
 
 void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
-  app.add_option("--model", f.model, "catalog id or path to a HuggingFace config.json")->required();
+  app.add_option("--model", f.model, "catalog id, or a HuggingFace config.json or the directory holding it")->required();
   app.add_option("--gpu-types", f.gpu_types, "comma-separated GPU ids to consider (default: the whole catalog)");
   app.add_option("--seq-len", f.seq_len, "sequence length (default: min(4096, max positions))");
   app.add_option("--global-batch-tokens", f.global_batch_tokens, "tokens per optimizer step (default 4194304)");

@@ -363,6 +363,13 @@ Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, c
 }
 
 Result<ModelSpec> LoadModel(const std::string& id_or_path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(id_or_path, ec)) {  // a downloaded model: its config.json
+    const std::string config = (std::filesystem::path(id_or_path) / "config.json").string();
+    if (std::filesystem::is_regular_file(config, ec)) return LoadModel(config);
+    // a folder that happens to share a catalog id's name does not hide the catalog
+    if (id_or_path.find('/') != std::string::npos) return Error::BadInput(fmt::format("model directory '{}' has no config.json", id_or_path));
+  }
   auto path = ResolveCatalogPath("models", "model", id_or_path);
   if (!path.ok()) return path.error();
   auto json = LoadJsonFile(path.value());

@@ -80,7 +80,8 @@ struct ModelSpec {
 /// sizes) give BadInput naming `origin` and the key.
 Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);
 
-/// Loads a catalog id (models/<id>.json) or a path to a config.json.
+/// Loads a catalog id (models/<id>.json), a path to a config.json, or a directory holding one (a
+/// downloaded model; its id is the directory's name).
 Result<ModelSpec> LoadModel(const std::string& id_or_path);
 
 }  // namespace fsdp

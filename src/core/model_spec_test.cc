@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include <filesystem>
 #include <string>
 
 #include "core/catalog.h"
@@ -212,6 +213,19 @@ TEST_CASE("unknown catalog ids suggest the closest ones") {
   REQUIRE_FALSE(m.ok());
   CHECK(m.error().kind == Error::Kind::kBadInput);
   CHECK(m.error().message.starts_with("unknown model 'llama-2-7' (did you mean llama-2-7b"));
+
+  // a downloaded model's directory stands for its config.json and is named after the directory
+  const auto dir = std::filesystem::temp_directory_path() / "fsdpkit-model-dir" / "Llama-Test";
+  std::filesystem::create_directories(dir);
+  std::filesystem::copy_file(DataDir() + "/models/tiny-llama.json", dir / "config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  auto from_dir = LoadModel(dir.string());
+  REQUIRE(from_dir.ok());
+  CHECK(from_dir.value().id == "Llama-Test");
+  CHECK(from_dir.value().ParamsTotal() == LoadModel("tiny-llama").value().ParamsTotal());
+  std::filesystem::remove(dir / "config.json");
+  CHECK(LoadModel(dir.string()).error().message == "model directory '" + dir.string() + "' has no config.json");
+  std::filesystem::remove_all(dir.parent_path());
 
   auto missing = LoadModel("no/such/config.json");
   REQUIRE_FALSE(missing.ok());
