@@ -51,7 +51,13 @@ How fsdpkit's options map to PyTorch
 * Data: synthetic and deterministic. Sequence i (global index over steps and
   ranks) starts at a token drawn from ``torch.Generator().manual_seed(seed)``;
   then t' = (5 t + 3) mod vocab for seq_len + 1 tokens; inputs are the first
-  seq_len tokens, targets the last seq_len.
+  seq_len tokens, targets the last seq_len. With --tokens FILE, fsdp-run's
+  windows instead: sequence (step * world + rank) * micro_batch + i is the
+  file's tokens [index * (seq + 1), (index + 1) * (seq + 1)), cycled.
+* Weights: seeded random (transformers' init) unless --init-from DIR loads a
+  safetensors checkpoint (``from_pretrained``, fp32). With --init-from and
+  --tokens the losses are fsdp-run's on the same flags (fsdp-run --init-from
+  DIR --tokens FILE).
 * Optimizer: ``AdamW(lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01,
   foreach=True)``, ``zero_grad(set_to_none=True)`` every step.
 * Measurement: peak stats are reset after init, before the first warmup step
@@ -166,6 +172,10 @@ def build_parser():
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--seed", type=non_negative_int, default=1)
+    p.add_argument("--init-from", default="",
+                   help="safetensors checkpoint directory to start from (as fsdp-run --init-from)")
+    p.add_argument("--tokens", default="",
+                   help="file of whitespace-separated token ids, windowed as fsdp-run --tokens")
     p.add_argument("--no-tracker", action="store_true",
                    help="skip the extra FSDPMemTracker step")
     p.add_argument("--out", required=True, help="output JSON path")
@@ -188,10 +198,27 @@ def load_model_json(parser, path):
     return config
 
 
+def load_tokens(parser, path, vocab):
+    try:
+        with open(path) as f:
+            ids = [int(t) for t in f.read().split()]
+    except (OSError, ValueError) as e:
+        parser.error(f"--tokens: cannot read {path}: {e}")
+    if not ids:
+        parser.error(f"--tokens: {path} holds no token ids")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        parser.error(f"--tokens: token id {bad} is outside the vocabulary [0, {vocab})")
+    return ids
+
+
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     args.model_dict = load_model_json(parser, args.model)
+    if args.init_from and not os.path.isdir(args.init_from):
+        parser.error(f"--init-from: not a directory: {args.init_from}")
+    args.token_ids = load_tokens(parser, args.tokens, args.model_dict["vocab_size"]) if args.tokens else None
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         parser.error(f"--out: directory does not exist: {out_dir}")
@@ -251,8 +278,16 @@ def build_model(args, device):
                                    attn_implementation=args.attention)
     config.use_cache = False
     torch.manual_seed(args.seed)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
+    if args.init_from:  # every weight from the checkpoint; a missing one is an error
+        model, info = LlamaForCausalLM.from_pretrained(args.init_from, config=config, dtype=torch.float32,
+                                                       output_loading_info=True)
+        if info["missing_keys"] or info["mismatched_keys"]:
+            raise SystemExit(f"torch_reference: error: --init-from {args.init_from}: missing "
+                             f"{info['missing_keys']}, mismatched {info['mismatched_keys']}")
+        model.to(device)
+    else:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
     model.to(dtype=torch.float32)
     model.train()
     return model
@@ -322,6 +357,14 @@ def make_batches(args, vocab, n_steps, rank, world):
     """Per-step (inputs, targets) CPU tensors of shape [micro_batch, seq_len]."""
     import torch
 
+    if args.token_ids is not None:
+        ids, seq, batches = args.token_ids, args.seq_len, []
+        for s in range(n_steps):
+            first = [((s * world + rank) * args.micro_batch + i) * (seq + 1) for i in range(args.micro_batch)]
+            rows = [[ids[(f + j) % len(ids)] for j in range(seq + 1)] for f in first]
+            t = torch.tensor(rows, dtype=torch.int64)
+            batches.append((t[:, :-1].contiguous(), t[:, 1:].contiguous()))
+        return batches
     gen = torch.Generator().manual_seed(args.seed)
     per_step = args.micro_batch * world
     starts = torch.randint(0, vocab, (n_steps * per_step,), generator=gen,
@@ -485,6 +528,7 @@ def build_report(args, env, params, notes, run):
             "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
             "attention": args.attention, "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "seed": args.seed, "device": args.device,
+            "init_from": args.init_from or None, "tokens": args.tokens or None,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
         },
         "notes": notes,

@@ -4,7 +4,8 @@
 # torch < 2.7 (FSDP2 on CPU needs 2.7; the tool refuses --device cpu there).
 #   PYTHON=/path/to/python   interpreter with torch + transformers (default $FSDPKIT_PYTHON, which
 #                            ./fsdpkit test sets up, else python3)
-#   TORCH_REF_MULTI=0        skip the 2-rank torchrun run (default: run it)
+#   TORCH_REF_MULTI=0        skip the 2-rank torchrun runs (default: run them)
+#   FSDP_RUN=build/fsdp-run  also compare with fsdp-run on the same checkpoint and tokens
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-${FSDPKIT_PYTHON:-python3}}
@@ -109,6 +110,9 @@ bad_input lr "${base[@]}" --lr 0
 bad_input missing-model --model models/does-not-exist.json --device cpu --out "$TMP/bad.json"
 bad_input not-llama --model models/gpt2.json --device cpu --out "$TMP/bad.json"
 bad_input out-dir --model "$MODEL" --device cpu --out "$TMP/no/such/dir/x.json"
+echo "1 2 999999" > "$TMP/bad-tokens.txt"
+bad_input tokens "${base[@]}" --tokens "$TMP/bad-tokens.txt"
+bad_input init-from "${base[@]}" --init-from "$TMP/no-such-checkpoint"
 
 # Two ranks over gloo (FULL_SHARD and NO_SHARD -> HSDP 2x1).
 if [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
@@ -124,6 +128,40 @@ if [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
             fail "2-ranks-$strategy" "$log"
         fi
     done
+fi
+
+# The same checkpoint and tokens as fsdp-run (--init-from, --tokens): FSDP2 on 2 gloo ranks in fp32
+# against fsdp-run's single process. Needs FSDP_RUN (the fsdp-run binary; CTest passes it).
+if [ -n "${FSDP_RUN:-}" ] && [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
+    log="$TMP/same.log" ckpt="$TMP/ckpt"
+    if "$PY" - "$ckpt" "$MODEL" >"$log" 2>&1 <<'EOF' &&
+import json, random, sys
+import torch, transformers
+out, model_json = sys.argv[1], sys.argv[2]
+config = transformers.LlamaConfig.from_dict(dict(json.load(open(model_json)), initializer_range=0.1))
+torch.manual_seed(5)
+transformers.LlamaForCausalLM(config).save_pretrained(out)
+rng = random.Random(5)
+with open(out + "/tokens.txt", "w") as f:
+    f.write(" ".join(str(rng.randrange(config.vocab_size)) for _ in range(3000)))
+EOF
+       "$FSDP_RUN" --model "$ckpt" --init-from "$ckpt" --tokens "$ckpt/tokens.txt" --gpus 1 --seq-len 32 \
+            --micro-batch 2 --steps 3 --param-dtype fp32 --reduce-dtype fp32 --quiet --out "$TMP/same-fsdp.json" >>"$log" 2>&1 &&
+       OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 "$TOOL" --device cpu \
+            --model "$ckpt/config.json" --init-from "$ckpt" --tokens "$ckpt/tokens.txt" --seq-len 32 --micro-batch 1 \
+            --steps 3 --warmup 0 --param-dtype fp32 --reduce-dtype fp32 --no-tracker --out "$TMP/same-torch.json" >>"$log" 2>&1 &&
+       "$PY" -c "
+import json, sys
+f = json.load(open(sys.argv[1]))['measured']['loss']
+t = json.load(open(sys.argv[2]))['measured']['loss']
+rel = max(abs(a - b) / abs(b) for a, b in zip(f, t))
+print('fsdp-run %s, torch %s: max rel %.1e' % (' '.join('%.6f' % x for x in f), ' '.join('%.6f' % x for x in t), rel))
+assert len(f) == len(t) == 3 and rel <= 1e-5
+" "$TMP/same-fsdp.json" "$TMP/same-torch.json" >>"$log" 2>&1; then
+        ok "same-checkpoint-as-fsdp-run ($(tail -1 "$log"))"
+    else
+        fail "same-checkpoint-as-fsdp-run" "$log"
+    fi
 fi
 
 echo "$passed passed, $failed failed"
