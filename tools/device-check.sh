@@ -10,7 +10,9 @@
 #   3. runs fsdp-run calibrate --device cuda, then fsdp-run --device cuda on a set of configurations (FULL_SHARD, SHARD_GRAD_OP,
 #      NO_SHARD; activation checkpointing off and on; virtual world 1 and 8; TinyLlama 1.1B at
 #      sequence length 2048), each writing predicted vs measured JSON;
-#   4. runs tools/torch_reference.py (PyTorch FSDP2) on the same 1-GPU configurations;
+#   4. runs tools/torch_reference.py (PyTorch FSDP2) on the same 1-GPU configurations; the FULL_SHARD
+#      pair starts both from one seeded bf16 checkpoint on one token file (--init-from, --tokens), so
+#      their losses are compared too;
 #   5. merges everything into $OUT/device-check.json (and the log into $OUT/device-check.log); the
 #      calibrated hardware file is $OUT/calibrated-gpu.json, used by one more FULL_SHARD run.
 # Must finish in under 8 minutes including the build. Environment: OUT (default ./device-out), RUNS,
@@ -67,13 +69,18 @@ for name, r in doc["runs"].items():
     row["plan_vs_torch_error_pct"] = err(row["torch_max_allocated_bytes"], row["plan_pytorch_peak_bytes"])
     row["step_error_pct"] = err(row["fsdp_run_step_s"], row["plan_step_s"])
     row["tokens_ratio_vs_torch"] = row["fsdp_run_tokens_per_s"] / row["torch_tokens_per_s"] if row["torch_tokens_per_s"] else None
+    # same checkpoint and tokens (torch's --init-from): the losses of the steps both ran, warm-up first
+    same = doc["runs"].get("torch_" + key, {}).get("config", {}).get("init_from")
+    pairs = list(zip(m.get("loss", []), t.get("loss", []))) if same else []
+    row["loss_max_rel_diff_vs_torch"] = max(abs(a - b) / abs(b) for a, b in pairs) if pairs else None
     doc["comparison"][key] = row
     g = lambda b: b / 2**30 if b else float("nan")
     f = lambda x: x if x is not None else float("nan")
     print(f"{key:20s} {g(row['fsdp_run_peak_bytes']):9.3f} {g(row['fsdp_run_predicted_peak_bytes']):7.3f} {f(row['peak_error_pct']):6.1f} "
           f"{g(row['torch_max_allocated_bytes']):9.3f} {g(row['plan_pytorch_peak_bytes']):7.3f} {f(row['plan_vs_torch_error_pct']):6.1f} "
           f"{row['fsdp_run_step_s']:7.4f} {row['plan_step_s']:7.4f} {f(row['step_error_pct']):6.1f} "
-          f"{row['fsdp_run_tokens_per_s']:8.0f} {f(row['torch_tokens_per_s']):8.0f} {f(row['tokens_ratio_vs_torch']):6.2f}")
+          f"{row['fsdp_run_tokens_per_s']:8.0f} {f(row['torch_tokens_per_s']):8.0f} {f(row['tokens_ratio_vs_torch']):6.2f}"
+          + (f"  losses vs torch: max rel {row['loss_max_rel_diff_vs_torch']:.1e}" if pairs else ""))
 with open(out, "w") as f:
     json.dump(doc, f, indent=1)
 PY
@@ -115,6 +122,26 @@ say "fsdp-run --device cuda against transformers on the same checkpoint and toke
 run python3 tools/hf_parity.py --fsdp-run build-device/fsdp-run --device cuda
 echo "hf_parity exit $?" | tee -a "$LOG"
 
+# One checkpoint and token file for the FULL_SHARD pair, so that fsdp-run and PyTorch FSDP2 train the
+# same weights on the same tokens and their bf16 losses can be compared step by step.
+CKPT=${TMPDIR:-/tmp}/fsdpkit-device-ckpt
+say "checkpoint of $MODEL for the FULL_SHARD pair (seeded, bf16 safetensors)"
+run python3 - "$CKPT" "models/$MODEL.json" <<'PY' || CKPT=""
+import json, random, sys
+import torch, transformers
+out, model_json = sys.argv[1], sys.argv[2]
+config = transformers.LlamaConfig.from_dict(json.load(open(model_json)))
+torch.manual_seed(7)
+with torch.device("cuda"):
+    model = transformers.LlamaForCausalLM(config)
+model.to(torch.bfloat16).save_pretrained(out)
+rng = random.Random(7)
+with open(out + "/tokens.txt", "w") as f:
+    f.write(" ".join(str(rng.randrange(config.vocab_size)) for _ in range(100000)))
+print("checkpoint", out)
+PY
+same=(); [ -n "$CKPT" ] && same=(--init-from "$CKPT" --tokens "$CKPT/tokens.txt")
+
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
 say "fsdp-run calibrate --device cuda"
@@ -124,7 +151,7 @@ fsdp() {  # name, then extra flags
   FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
 }
 # fsdp2 profiles (as the PyTorch reference runs fully_shard); FSDP2 has no NO_SHARD, so that one is fsdp1's
-fsdp full_shard --framework fsdp2 --strategy FULL_SHARD
+fsdp full_shard --framework fsdp2 --strategy FULL_SHARD "${same[@]}"
 fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
 fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
 fsdp no_shard --framework fsdp1 --strategy NO_SHARD
@@ -135,11 +162,12 @@ fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world
 say "fsdp-run done after $(( $(date +%s) - start )) s"
 
 say "PyTorch FSDP2 reference (tools/torch_reference.py)"
-torch_run() {  # name, strategy, ac
-  run python3 tools/torch_reference.py --device cuda --model "models/$MODEL.json" --strategy "$2" --ac "$3" --micro-batch 1 \
-    --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$1.json"
+torch_run() {  # name, strategy, ac, extra flags
+  local name=$1 strategy=$2 ac=$3; shift 3
+  run python3 tools/torch_reference.py --device cuda --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" --micro-batch 1 \
+    --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
 }
-torch_run full_shard FULL_SHARD none
+torch_run full_shard FULL_SHARD none "${same[@]}"
 torch_run full_shard_ac FULL_SHARD full
 torch_run shard_grad_op SHARD_GRAD_OP none
 torch_run no_shard NO_SHARD none
