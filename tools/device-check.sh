@@ -70,7 +70,7 @@ for name, r in doc["runs"].items():
     row["step_error_pct"] = err(row["fsdp_run_step_s"], row["plan_step_s"])
     row["tokens_ratio_vs_torch"] = row["fsdp_run_tokens_per_s"] / row["torch_tokens_per_s"] if row["torch_tokens_per_s"] else None
     # same checkpoint and tokens (torch's --init-from): the losses of the steps both ran, warm-up first
-    same = doc["runs"].get("torch_" + key, {}).get("config", {}).get("init_from")
+    same = doc["runs"].get("torch_" + key, {}).get("config", {}).get("init_from") and r.get("inputs", {}).get("init_from")
     pairs = list(zip(m.get("loss", []), t.get("loss", []))) if same else []
     row["loss_max_rel_diff_vs_torch"] = max(abs(a - b) / abs(b) for a, b in pairs) if pairs else None
     doc["comparison"][key] = row
@@ -113,7 +113,7 @@ FSDPKIT_DATA_DIR=$PWD run build-device/src/runtime/cuda_test
 echo "cuda_test exit $?" | tee -a "$LOG"
 if command -v compute-sanitizer > /dev/null; then  # out-of-bounds and misaligned accesses in the kernels (not on gVisor machines)
   say "compute-sanitizer memcheck on the kernel checks"
-  FSDPKIT_DATA_DIR=$PWD run timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 build-device/src/runtime/cuda_test \
+  FSDPKIT_DATA_DIR=$PWD run timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 build-device/src/runtime/cuda_test \
     --test-case-exclude="Training steps*,Gradient accumulation*,calibrate*"
   echo "memcheck exit $?" | tee -a "$LOG"
 fi
@@ -151,7 +151,7 @@ fsdp() {  # name, then extra flags
   FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
 }
 # fsdp2 profiles (as the PyTorch reference runs fully_shard); FSDP2 has no NO_SHARD, so that one is fsdp1's
-fsdp full_shard --framework fsdp2 --strategy FULL_SHARD "${same[@]}"
+fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
 fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
 fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
 fsdp no_shard --framework fsdp1 --strategy NO_SHARD
@@ -167,7 +167,7 @@ torch_run() {  # name, strategy, ac, extra flags
   run python3 tools/torch_reference.py --device cuda --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" --micro-batch 1 \
     --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
 }
-torch_run full_shard FULL_SHARD none "${same[@]}"
+torch_run full_shard FULL_SHARD none ${same[@]+"${same[@]}"}
 torch_run full_shard_ac FULL_SHARD full
 torch_run shard_grad_op SHARD_GRAD_OP none
 torch_run no_shard NO_SHARD none

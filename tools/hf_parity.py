@@ -165,7 +165,7 @@ def main():
             directory = os.path.join(root, case["name"])
             os.makedirs(directory, exist_ok=True)
             model = build_model(case, args.seed)
-            model.save_pretrained(directory, safe_serialization=True)
+            model.save_pretrained(directory)  # config.json + model.safetensors
             import random
             rng = random.Random(args.seed)
             tokens = [rng.randrange(case["config"]["vocab_size"]) for _ in range(4000)]

@@ -199,13 +199,18 @@ def load_model_json(parser, path):
 
 
 def load_tokens(parser, path, vocab):
+    """Token ids as fsdp-run's ReadTokens accepts them: plain decimal, at least 2."""
     try:
         with open(path) as f:
-            ids = [int(t) for t in f.read().split()]
-    except (OSError, ValueError) as e:
+            words = f.read().split()
+    except OSError as e:
         parser.error(f"--tokens: cannot read {path}: {e}")
-    if not ids:
-        parser.error(f"--tokens: {path} holds no token ids")
+    bad_word = next((w for w in words if not w.isascii() or not w.isdigit()), None)
+    if bad_word is not None:
+        parser.error(f"--tokens: {path}: '{bad_word}' is not a token id")
+    ids = [int(w) for w in words]
+    if len(ids) < 2:
+        parser.error(f"--tokens: {path} needs at least 2 tokens")
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         parser.error(f"--tokens: token id {bad} is outside the vocabulary [0, {vocab})")

@@ -112,6 +112,8 @@ bad_input not-llama --model models/gpt2.json --device cpu --out "$TMP/bad.json"
 bad_input out-dir --model "$MODEL" --device cpu --out "$TMP/no/such/dir/x.json"
 echo "1 2 999999" > "$TMP/bad-tokens.txt"
 bad_input tokens "${base[@]}" --tokens "$TMP/bad-tokens.txt"
+echo "7" > "$TMP/one-token.txt"
+bad_input one-token "${base[@]}" --tokens "$TMP/one-token.txt"
 bad_input init-from "${base[@]}" --init-from "$TMP/no-such-checkpoint"
 
 # Two ranks over gloo (FULL_SHARD and NO_SHARD -> HSDP 2x1).

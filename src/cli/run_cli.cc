@@ -110,6 +110,11 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
                  "cuda: run rank 0 of an N-rank configuration on one GPU (shards and buffers sized for N, collectives as device copies)");
 }
 
+Json RunInputsJson(const RunFlags& f) {
+  auto path = [](const std::string& p) { return p.empty() ? Json(nullptr) : Json(p); };
+  return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", f.lr}};
+}
+
 double PercentError(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }
 
 Json CommStatsJson(const runtime::CommStats& cs, int64_t group) {
@@ -290,6 +295,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
                                {"time", predicted_time}}},
                 {"ranks", comm.size()},
                 {"config", ConfigToJson(workload.config)},
+                {"inputs", RunInputsJson(f)},
                 {"measured",
                  {{"loss", losses},
                   {"memory", {{"peak_bytes", largest_peak.value()}, {"rank0_peak_bytes", mem.peak_bytes()},

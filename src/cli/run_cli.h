@@ -43,6 +43,9 @@ struct PreparedRun {
 };
 Result<PreparedRun> PrepareRun(const RunFlags& flags, PlanFlags plan);
 
+/// What fsdp-run trained from, for --out: {"init_from", "tokens"} (paths or null), "seed", "lr".
+Json RunInputsJson(const RunFlags& flags);
+
 /// 100 * (predicted - measured) / measured; 0 when nothing was measured.
 double PercentError(double measured, double predicted);
 

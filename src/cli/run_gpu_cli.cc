@@ -165,6 +165,7 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
               {"ranks", ranks},
               {"virtual_world", f.virtual_world},
               {"config", ConfigToJson(w.config)},
+              {"inputs", RunInputsJson(f)},
               {"predicted",
                {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"peak_phase", predicted.peak_phase}, {"categories", memory_json["predicted"]}}},
                 {"pytorch_profile", {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes}, {"peak_bytes", torch_profile.peak_bytes}}},

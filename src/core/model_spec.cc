@@ -85,13 +85,16 @@ Result<bool> ReadFlag(const JsonReader& reader, const char* key, bool fallback) 
   return v.value().value_or(fallback);
 }
 
-// The RoPE scaling object: transformers 5 writes `rope_parameters` (which may carry rope_theta),
-// transformers 4 `rope_scaling`; absent or null means no scaling.
+// The RoPE scaling object: transformers 4 writes `rope_scaling`, transformers 5 `rope_parameters`
+// (which may carry rope_theta); a non-empty rope_scaling wins, as in transformers 5's
+// convert_rope_params_to_dict (`rope_scaling or self.rope_parameters`); absent, null or empty
+// means no scaling.
 Result<std::optional<JsonReader>> RopeObject(const JsonReader& r) {
-  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
     auto it = r.json().find(key);
     if (it == r.json().end() || it->is_null()) continue;
     if (!it->is_object()) return r.KeyError(key, "expected an object");
+    if (it->empty()) continue;
     return std::optional<JsonReader>(JsonReader(*it, fmt::format("{}: key '{}'", r.origin(), key)));
   }
   return std::optional<JsonReader>{};
@@ -126,20 +129,18 @@ Status ReadRopeScaling(const JsonReader& s, int64_t max_positions, RopeScaling& 
   return {};
 }
 
-// rope_theta (top level, else inside rope_parameters, else the family's default) and the scaling.
+// rope_theta (inside the RoPE object, else top level, else the family's default: transformers 5's
+// setdefault order) and the scaling.
 Status ReadRope(const JsonReader& r, ModelSpec& m) {
   auto object = RopeObject(r);
   if (!object.ok()) return object.error();
-  double theta_default = DefaultsFor(m.family).rope_theta;
-  if (object.value()) {
-    auto inner = ReadPositive(*object.value(), "rope_theta", theta_default, 1e12);
-    if (!inner.ok()) return inner.error();
-    theta_default = inner.value();
-  }
-  auto theta = ReadPositive(r, "rope_theta", theta_default, 1e12);
+  auto theta = ReadPositive(r, "rope_theta", DefaultsFor(m.family).rope_theta, 1e12);
   if (!theta.ok()) return theta.error();
   m.rope_theta = theta.value();
   if (!object.value()) return {};
+  auto inner = ReadPositive(*object.value(), "rope_theta", m.rope_theta, 1e12);
+  if (!inner.ok()) return inner.error();
+  m.rope_theta = inner.value();
   return ReadRopeScaling(*object.value(), m.max_position_embeddings, m.rope_scaling);
 }
 
@@ -365,7 +366,9 @@ Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, c
 Result<ModelSpec> LoadModel(const std::string& id_or_path) {
   std::error_code ec;
   if (std::filesystem::is_directory(id_or_path, ec)) {  // a downloaded model: its config.json
-    const std::string config = (std::filesystem::path(id_or_path) / "config.json").string();
+    std::filesystem::path dir = std::filesystem::path(id_or_path).lexically_normal();
+    if (!dir.has_filename()) dir = dir.parent_path();  // "models/Llama-3.2-1B/" names the folder too
+    const std::string config = (dir / "config.json").string();
     if (std::filesystem::is_regular_file(config, ec)) return LoadModel(config);
     // a folder that happens to share a catalog id's name does not hide the catalog
     if (id_or_path.find('/') != std::string::npos) return Error::BadInput(fmt::format("model directory '{}' has no config.json", id_or_path));

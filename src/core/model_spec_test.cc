@@ -117,6 +117,16 @@ TEST_CASE("RoPE scaling and Mistral's sliding window come from the config") {
   REQUIRE(old_key.ok());
   CHECK(old_key.value().rope_scaling.type == "linear");
   CHECK(FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"yarn","factor":4.0}})").value().rope_scaling.type == "yarn");
+  // both keys: rope_scaling wins, a rope_theta inside the object wins over the top level's
+  // (convert_rope_params_to_dict); an empty rope_scaling leaves rope_parameters in charge
+  auto both = FromText(R"({"model_type":"llama","rope_theta":10000.0,"rope_scaling":{"rope_type":"linear","factor":2.0,"rope_theta":20000.0},
+      "rope_parameters":{"rope_type":"linear","factor":4.0}})");
+  REQUIRE(both.ok());
+  CHECK(both.value().rope_scaling.factor == 2.0);
+  CHECK(both.value().rope_theta == 20000.0);
+  auto empty = FromText(R"({"model_type":"llama","rope_scaling":{},"rope_parameters":{"rope_type":"linear","factor":4.0}})");
+  REQUIRE(empty.ok());
+  CHECK(empty.value().rope_scaling.factor == 4.0);
 
   auto small = FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"linear","factor":0.5}})");
   REQUIRE_FALSE(small.ok());
@@ -223,6 +233,7 @@ TEST_CASE("unknown catalog ids suggest the closest ones") {
   REQUIRE(from_dir.ok());
   CHECK(from_dir.value().id == "Llama-Test");
   CHECK(from_dir.value().ParamsTotal() == LoadModel("tiny-llama").value().ParamsTotal());
+  CHECK(LoadModel(dir.string() + "/").value().id == "Llama-Test");  // a trailing slash, as shells complete it
   std::filesystem::remove(dir / "config.json");
   CHECK(LoadModel(dir.string()).error().message == "model directory '" + dir.string() + "' has no config.json");
   std::filesystem::remove_all(dir.parent_path());

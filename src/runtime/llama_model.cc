@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numbers>
 
 #include <fmt/format.h>
 
@@ -54,7 +55,7 @@ Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& m, int64_t s
     const double old_context = static_cast<double>(s.original_max_positions);
     const double low_freq_wavelen = old_context / s.low_freq_factor, high_freq_wavelen = old_context / s.high_freq_factor;
     for (double& f : inv_freq) {
-      const double wavelen = 2 * M_PI / f;
+      const double wavelen = 2 * std::numbers::pi / f;
       if (wavelen > low_freq_wavelen) {
         f /= s.factor;  // long wavelengths: interpolated
       } else if (wavelen >= high_freq_wavelen) {  // between the bands: smoothed

@@ -1,6 +1,7 @@
 #include "runtime/safetensors.h"
 
 #include <cstring>
+#include <bit>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,8 @@ namespace fsdp::runtime {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // the format's own limit (safetensors README)
+// Tensor bytes are little-endian in the file and copied as they are.
+static_assert(std::endian::native == std::endian::little, "safetensors reading assumes a little-endian host");
 
 // Bytes per element of the safetensors dtypes; 0 for names the format does not define.
 int64_t ElementBytes(const std::string& dtype) {
@@ -68,12 +71,14 @@ Status ParseEntry(const std::string& file, const std::string& name, const Json& 
     return bad("expected {\"dtype\": string, \"shape\": [...], \"data_offsets\": [begin, end]}");
   }
   dtype = j["dtype"].get<std::string>();
+  constexpr int64_t kMaxNumel = int64_t{1} << 40;
   int64_t numel = 1;
   for (const Json& d : j["shape"]) {
-    if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > (int64_t{1} << 40)) return bad("shape entries must be non-negative integers");
-    shape.push_back(d.get<int64_t>());
-    numel *= shape.back();
-    if (numel > (int64_t{1} << 40)) return bad("more than 2^40 elements");
+    if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad("shape entries must be non-negative integers");
+    const int64_t dim = d.get<int64_t>();
+    if (dim > 0 && numel > kMaxNumel / dim) return bad("more than 2^40 elements");  // checked before it could overflow
+    shape.push_back(dim);
+    numel *= dim;
   }
   const Json& o = j["data_offsets"];
   if (!o[0].is_number_unsigned() || !o[1].is_number_unsigned()) return bad("data_offsets must be non-negative integers");

@@ -10,6 +10,12 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "core/catalog.h"
+#include "core/workload.h"
+#include "runtime/fsdp_engine.h"
+
 namespace fsdp::runtime {
 namespace {
 
@@ -145,6 +151,90 @@ TEST_CASE("malformed safetensors files are refused with the file and the reason"
   CHECK(error() == f + ": tensor 'a': shape entries must be non-negative integers");
   WriteFile(f, R"({"a":{"dtype":"F32","shape":[2]}})", {});
   CHECK(error() == f + R"(: tensor 'a': expected {"dtype": string, "shape": [...], "data_offsets": [begin, end]})");
+}
+
+TEST_CASE("more edge cases: truncated data, float offsets, a bad weight_map, a huge shape") {
+  TempDir dir("edges");
+  const std::string f = dir / "m.safetensors";
+  WriteFile(f, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", std::vector<unsigned char>(8, 0));
+  auto c = Checkpoint::Open(f);
+  REQUIRE(c.ok());
+  fs::resize_file(f, fs::file_size(f) - 4);  // cut after Open read the header
+  float a[2];
+  auto truncated = c.value().Read("a", {2}, a);
+  REQUIRE_FALSE(truncated.ok());
+  CHECK(truncated.error().message == f + ": tensor 'a' cannot be read");
+  WriteFile(f, R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0.0,8.0]}})", std::vector<unsigned char>(8, 0));
+  CHECK(Checkpoint::Open(f).error().message == f + ": tensor 'a': data_offsets must be non-negative integers");
+  WriteFile(f, R"({"a":{"dtype":"F32","shape":[1099511627776,16777216],"data_offsets":[0,0]}})", {});  // 2^40 x 2^24
+  CHECK(Checkpoint::Open(f).error().message == f + ": tensor 'a': more than 2^40 elements");
+  fs::remove(f);
+  std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map":["a"]})";
+  CHECK(Checkpoint::Open(dir.path.string()).error().message ==
+        dir / "model.safetensors.index.json" + ": expected an object with a 'weight_map' object");
+}
+
+// Every tensor of tiny-llama as (tensor index + 1) + (element % 1024) / 1024, exact in fp32.
+float Marker(int tensor, int64_t element) { return static_cast<float>(tensor + 1) + static_cast<float>(element % 1024) / 1024.0f; }
+
+void WriteModel(const std::string& path, const ModelSpec& m, const std::string& skip = "") {
+  std::string header = "{";
+  std::vector<unsigned char> data;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    const TensorSpec& ts = m.tensors[t];
+    if (ts.name == skip) continue;
+    std::string shape;
+    for (int64_t d : ts.shape) {
+      if (!shape.empty()) shape += ',';
+      shape += std::to_string(d);
+    }
+    header += fmt::format(R"({}"{}":{{"dtype":"F32","shape":[{}],"data_offsets":[{},{}]}})", header.size() > 1 ? "," : "", ts.name, shape,
+                          data.size(), data.size() + ts.numel() * 4);
+    for (int64_t i = 0; i < ts.numel(); ++i) {
+      const float v = Marker(static_cast<int>(t), i);
+      Append(data, &v, 4);
+    }
+  }
+  WriteFile(path, header + "}", data);
+}
+
+TEST_CASE("StartingUnit places every checkpoint tensor at its offset in each unit, padding zero") {
+  TempDir dir("model");
+  const ModelSpec model = LoadModel("tiny-llama").value();
+  WriteModel(dir / "model.safetensors", model);
+  TrainOptions options;
+  options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
+  for (WrapPolicy wrap : {WrapPolicy::kBlock, WrapPolicy::kNone}) {
+    FsdpConfig config;
+    config.gpus = config.gpus_per_node = 3;  // padding to a multiple of 3
+    config.wrap = wrap;
+    config.seq_len = 16;
+    const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
+    int64_t checked = 0;
+    for (size_t u = 0; u < w.units.size(); ++u) {
+      auto flat = StartingUnit(w, static_cast<int>(u), options);
+      REQUIRE(flat.ok());
+      REQUIRE(static_cast<int64_t>(flat.value().size()) == w.units[u].padded_numel);
+      int64_t offset = 0;
+      for (int t : w.units[u].tensors) {
+        for (int64_t i = 0; i < model.tensors[t].numel(); ++i) {
+          if (flat.value()[static_cast<size_t>(offset + i)] != Marker(t, i)) FAIL("tensor ", model.tensors[t].name, " element ", i);
+        }
+        offset += model.tensors[t].numel();
+      }
+      for (int64_t i = offset; i < w.units[u].padded_numel; ++i) CHECK(flat.value()[static_cast<size_t>(i)] == 0.0f);
+      checked += offset;
+    }
+    CHECK(checked == model.ParamsTotal());  // every tensor, once
+  }
+  WriteModel(dir / "model.safetensors", model, "model.norm.weight");
+  options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
+  FsdpConfig config;
+  config.gpus = config.gpus_per_node = 1;
+  const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
+  auto missing = StartingUnit(w, 0, options);  // the root unit holds the final norm
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.error().message == "checkpoint '" + dir.path.string() + "' has no tensor 'model.norm.weight'");
 }
 
 }  // namespace

@@ -19,7 +19,7 @@ struct DeviceContext {
   cublasHandle_t blas = nullptr;
   cudaStream_t stream = nullptr;
   DeviceAllocator* alloc = nullptr;
-  const float* rope_table = nullptr;  ///< RopeTable(seq, head_dim, rope_theta)
+  const float* rope_table = nullptr;  ///< RopeTable(seq, inv_freq): cos then sin, seq x head_dim/2 each
   int64_t tokens() const { return batch * seq; }
   int64_t elem() const { return BytesPerElement(dtype); }
   /// An activation-sized buffer of `elements` compute-dtype values.

@@ -138,7 +138,10 @@ Result<Json> CalibrateGpu(const ModelSpec& m, Comm& host, const Json& catalog, D
   FSDP_CUDA_TRY(cudaSetDevice(GpuDeviceOfRank(host.rank(), devices.value())));
   auto name = GpuDeviceName(host.rank());
   if (!name.ok()) return name.error();
-  auto dims = DimsOf(m, seq_len);
+  ModelSpec shapes = m;  // calibration times the products only: RoPE scaling and the window do not matter
+  shapes.rope_scaling = RopeScaling{};
+  shapes.sliding_window = 0;
+  auto dims = DimsOf(shapes, seq_len);
   if (!dims.ok()) return dims.error();
   struct Handles {  // destroyed last, after the allocator and the communicator below
     cudaStream_t stream = nullptr;
