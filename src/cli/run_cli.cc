@@ -112,7 +112,8 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
 
 Json RunInputsJson(const RunFlags& f) {
   auto path = [](const std::string& p) { return p.empty() ? Json(nullptr) : Json(p); };
-  return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", f.lr}};
+  const double lr = std::stod(fmt::format("{}", f.lr));  // the float's shortest decimal, 0.001 rather than 0.0010000000474974513
+  return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", lr}};
 }
 
 double PercentError(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }

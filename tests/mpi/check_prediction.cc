@@ -1,5 +1,6 @@
 // check_prediction results.json: exit 0 when fsdp-run's measured rank-0 peak is within 3% of the
-// planner's prediction for its engine and the collective bytes match the prediction exactly.
+// planner's prediction for its engine, the collective bytes match the prediction exactly and the
+// inputs (default seed and learning rate, no checkpoint, no token file) are recorded.
 #include <cmath>
 #include <cstdio>
 
@@ -20,5 +21,10 @@ int main(int argc, char** argv) {
               100 * error, ag, ag_pred, rs, rs_pred);
   if (error > 0.03) { std::fprintf(stderr, "peak memory off by %.2f%% (> 3%%)\n", 100 * error); return 1; }
   if (ag != ag_pred || rs != rs_pred) { std::fprintf(stderr, "collective bytes differ from the prediction\n"); return 1; }
+  const auto& in = j["inputs"];  // seeded weights and tokens unless told otherwise
+  if (!in.is_object() || !in["init_from"].is_null() || !in["tokens"].is_null() || in["seed"] != 1 || in["lr"] != 0.001) {
+    std::fprintf(stderr, "inputs not recorded as {init_from: null, tokens: null, seed: 1, lr: 0.001}: %s\n", in.dump().c_str());
+    return 1;
+  }
   return 0;
 }
