@@ -68,7 +68,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
     mix(static_cast<uint64_t>(v));
   }
   mix(o.seed);
-  mix(o.checkpoint ? 1 : 0);
+  mix(o.checkpoint ? o.checkpoint->Fingerprint() : 0);
   return h;
 }
 

@@ -165,6 +165,21 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
   return c;
 }
 
+uint64_t Checkpoint::Fingerprint() const {
+  uint64_t h = 1469598103934665603ULL;  // FNV-1a
+  auto mix = [&](const std::string& text) {
+    for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ULL;
+    h = (h ^ 0xFF) * 1099511628211ULL;  // separator
+  };
+  for (const auto& [name, e] : tensors_) {  // std::map: the same order on every rank
+    mix(name);
+    mix(e.dtype);
+    mix(ShapeText(e.shape));
+    mix(std::to_string(e.bytes));
+  }
+  return h;
+}
+
 Status Checkpoint::Check(const std::string& name, const std::vector<int64_t>& shape) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) return Error::BadInput(fmt::format("checkpoint '{}' has no tensor '{}'", origin_, name));

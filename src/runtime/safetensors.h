@@ -24,6 +24,9 @@ class Checkpoint {
   bool Has(const std::string& name) const { return tensors_.count(name) != 0; }
   /// Number of tensors in the checkpoint.
   size_t size() const { return tensors_.size(); }
+  /// A hash of every tensor's name, dtype, shape and size in bytes (not of the values): ranks that
+  /// opened different checkpoints (different paths on different nodes) disagree on it.
+  uint64_t Fingerprint() const;
 
   /// BadInput when tensor `name` is absent, when its shape is not `shape`, or when its dtype is
   /// not one Read converts (F32, BF16, F16).

@@ -42,8 +42,9 @@ void WriteFile(const std::string& path, const std::string& header, const std::ve
 }
 
 void Append(std::vector<unsigned char>& data, const void* p, size_t n) {
-  const auto* b = static_cast<const unsigned char*>(p);
-  data.insert(data.end(), b, b + n);
+  const size_t at = data.size();
+  data.resize(at + n);
+  std::memcpy(data.data() + at, p, n);
 }
 
 // F32 [2, 2] {1, -2, 0.5, 3e38}, BF16 [2] {1.5, -0.25}, F16 [4] {1, 65504, 2^-24, -inf}, I32 [1].
@@ -71,6 +72,11 @@ TEST_CASE("safetensors tensors read back as fp32 from F32, BF16 and F16") {
   auto c = Checkpoint::Open(dir.path.string());  // a directory with model.safetensors
   REQUIRE(c.ok());
   CHECK(c.value().size() == 4);  // __metadata__ is not a tensor
+  const uint64_t fingerprint = c.value().Fingerprint();
+  WriteFile(dir / "model.safetensors", kMixedHeader, MixedData());  // the same file again: the same fingerprint
+  CHECK(Checkpoint::Open(dir.path.string()).value().Fingerprint() == fingerprint);
+  WriteFile(dir / "other.safetensors", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", std::vector<unsigned char>(16, 0));
+  CHECK(Checkpoint::Open(dir / "other.safetensors").value().Fingerprint() != fingerprint);
   float a[4], b[2], h[4];
   REQUIRE(c.value().Read("a", {2, 2}, a).ok());
   CHECK(a[0] == 1.0f);
