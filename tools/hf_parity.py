@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """fsdp-run's numerics against HuggingFace transformers on the same weights and tokens.
 
-For each case a small model is built with transformers (LlamaForCausalLM / MistralForCausalLM,
-seeded), saved with save_pretrained (config.json + model.safetensors, fp32), and trained for a few
+For each case a small model is built with transformers (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM; seeded), saved with save_pretrained (config.json + model.safetensors, fp32), and trained for a few
 AdamW steps in plain PyTorch fp32 on a token file. fsdp-run then starts from that checkpoint
 (--init-from) with the same tokens (--tokens), fp32 parameters and reductions, and the losses of
 every step are compared. Step 1's loss checks the forward (embedding, RMSNorm eps, RoPE with the
@@ -66,6 +66,16 @@ CASES = [
                    "rope_theta": 1000000.0, "tie_word_embeddings": False},
         "seq": 20, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "shard_grad_op"],
     },
+    {   # Qwen2: q/k/v biases (drawn non-zero below), tied head, theta 1e6; 2 ranks NO_SHARD
+        "name": "qwen2-qkv-bias",
+        "config": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 240, "initializer_range": 0.1,
+                   "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                   "use_sliding_window": False},
+        "seq": 16, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "no_shard"],
+        "mpi_ranks": 2, "cuda": False,  # the GPU engine has no bias kernels yet
+    },
 ]
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.01  # fsdp-run's TrainOptions defaults
@@ -74,15 +84,18 @@ LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.01  # fsdp-run's Train
 def build_model(case, seed):
     import torch
     import transformers
-    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig}[case["config"]["model_type"]]
+    config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                    "qwen2": transformers.Qwen2Config}[case["config"]["model_type"]]
     model_class = getattr(transformers, case["config"]["architectures"][0])
     config = config_class.from_dict(dict(case["config"]), attn_implementation="eager")
     config.use_cache = False
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    with torch.no_grad():  # norms away from 1 so that their gradients and the eps matter
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so that they matter
         for name, p in model.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                p.uniform_(-0.5, 0.5)
+            elif p.dim() == 1:
                 p.uniform_(0.5, 1.5)
     return model
 
@@ -162,6 +175,9 @@ def main():
     all_ok = True
     try:
         for case in CASES:
+            if args.device == "cuda" and not case.get("cuda", True):
+                print(f"skip {case['name']}: not implemented by --device cuda")
+                continue
             directory = os.path.join(root, case["name"])
             os.makedirs(directory, exist_ok=True)
             model = build_model(case, args.seed)

@@ -208,9 +208,17 @@ Status ReadFamilyRules(const JsonReader& r, ModelSpec& m) {
       m.attention_dropout = a.value(); m.residual_dropout = res.value(); m.embedding_dropout = e.value();
       return {};
     }
-    case ModelFamily::kQwen2:
+    case ModelFamily::kQwen2: {
       m.qkv_bias = true;  // Qwen2Attention: q/k/v Linear(bias=True), o_proj bias=False
+      auto use_window = ReadFlag(r, "use_sliding_window", false);  // Qwen2Config: off; then layers from max_window_layers on
+      if (!use_window.ok()) return use_window.error();
+      if (use_window.value()) {
+        auto window = ReadDim(r, {"sliding_window"}, 4096, kMaxPositions);
+        if (!window.ok()) return window.error();
+        m.sliding_window = window.value();
+      }
       break;
+    }
     case ModelFamily::kLlama: {
       auto ab = ReadFlag(r, "attention_bias", false), mb = ReadFlag(r, "mlp_bias", false);
       if (!ab.ok()) return ab.error();

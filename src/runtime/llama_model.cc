@@ -10,7 +10,7 @@ namespace fsdp::runtime {
 
 int64_t LlamaDims::BlockNumel() const {
   const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
-  return 2 * hidden + q * hidden + 2 * kv * hidden + hidden * q + 3 * inner * hidden;
+  return 2 * hidden + q * hidden + 2 * kv * hidden + hidden * q + 3 * inner * hidden + (qkv_bias ? q + 2 * kv : 0);
 }
 
 LlamaDims::RootOffsets LlamaDims::Root(const std::vector<int>& block_unit) const {
@@ -21,12 +21,16 @@ LlamaDims::RootOffsets LlamaDims::Root(const std::vector<int>& block_unit) const
 
 LlamaDims::BlockOffsets LlamaDims::Offsets() const {
   const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
+  const int64_t bias = qkv_bias ? 1 : 0;
   BlockOffsets o;
   o.in_norm = 0;
   o.wq = hidden;
-  o.wk = o.wq + q * hidden;
-  o.wv = o.wk + kv * hidden;
-  o.wo = o.wv + kv * hidden;
+  o.bq = qkv_bias ? o.wq + q * hidden : -1;
+  o.wk = o.wq + q * hidden + bias * q;
+  o.bk = qkv_bias ? o.wk + kv * hidden : -1;
+  o.wv = o.wk + kv * hidden + bias * kv;
+  o.bv = qkv_bias ? o.wv + kv * hidden : -1;
+  o.wo = o.wv + kv * hidden + bias * kv;
   o.post_norm = o.wo + hidden * q;
   o.wg = o.post_norm + hidden;
   o.wu = o.wg + inner * hidden;
@@ -69,10 +73,12 @@ Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& m, int64_t s
 }
 
 Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
-  if (m.family != ModelFamily::kLlama && m.family != ModelFamily::kMistral) {
-    return Error::BadInput(fmt::format("fsdp-run trains llama and mistral models; {} is {}", m.id, m.model_type));
+  if (m.family != ModelFamily::kLlama && m.family != ModelFamily::kMistral && m.family != ModelFamily::kQwen2) {
+    return Error::BadInput(fmt::format("fsdp-run trains llama, mistral and qwen2 models; {} is {}", m.id, m.model_type));
   }
-  if (m.qkv_bias || m.o_bias || m.mlp_bias) return Error::BadInput(fmt::format("fsdp-run does not implement biases ({})", m.id));
+  if (m.o_bias || m.mlp_bias) {
+    return Error::BadInput(fmt::format("fsdp-run implements biases on q/k/v only (Qwen2's); {} has {} biases", m.id, m.o_bias ? "o_proj" : "MLP"));
+  }
   if (m.head_dim % 2 != 0) return Error::BadInput("RoPE needs an even head_dim");
   if (m.sliding_window > 0 && seq_len > m.sliding_window) {
     return Error::BadInput(fmt::format("--seq-len {} exceeds {}'s sliding_window {}: fsdp-run's attention is fully causal", seq_len, m.id,
@@ -81,6 +87,7 @@ Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   auto inv_freq = RopeInverseFrequencies(m, seq_len);
   if (!inv_freq.ok()) return inv_freq.error();
   LlamaDims d{m.vocab_size, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers};
+  d.qkv_bias = m.qkv_bias;
   d.rms_eps = static_cast<float>(m.norm_eps);
   d.rope_inv_freq = std::move(inv_freq).value();
   d.tied = m.tie_word_embeddings;
@@ -109,6 +116,11 @@ Mat BlockForward(const LlamaDims& d, const float* p, const Mat& x, int64_t batch
   c.q = LinearForward(c.n1, W(p + o.wq, qd, d.hidden));
   c.k = LinearForward(c.n1, W(p + o.wk, kvd, d.hidden));
   c.v = LinearForward(c.n1, W(p + o.wv, kvd, d.hidden));
+  if (d.qkv_bias) {
+    c.q.rowwise() += V(p + o.bq, qd).transpose();
+    c.k.rowwise() += V(p + o.bk, kvd).transpose();
+    c.v.rowwise() += V(p + o.bv, kvd).transpose();
+  }
   Rope(c.q, d.heads, d.head_dim, seq, d.rope_inv_freq, false);
   Rope(c.k, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, false);
   c.attn = AttentionForward(c.q, c.k, c.v, batch, seq, d.heads, d.kv_heads, d.head_dim, c.probs);
@@ -139,6 +151,11 @@ Mat BlockBackward(const LlamaDims& d, const float* p, float* g, const Mat& dy, c
   AttentionBackward(d_attn, c.q, c.k, c.v, c.probs, batch, seq, d.heads, d.kv_heads, d.head_dim, dq, dk, dv);
   Rope(dq, d.heads, d.head_dim, seq, d.rope_inv_freq, true);
   Rope(dk, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, true);
+  if (d.qkv_bias) {  // the projections' outputs' gradients, summed over tokens
+    Eigen::Map<Vec>(g + o.bq, qd) += dq.colwise().sum().transpose();
+    Eigen::Map<Vec>(g + o.bk, kvd) += dk.colwise().sum().transpose();
+    Eigen::Map<Vec>(g + o.bv, kvd) += dv.colwise().sum().transpose();
+  }
   Mat d_n1 = LinearBackward(dq, c.n1, W(p + o.wq, qd, d.hidden), g_wq) + LinearBackward(dk, c.n1, W(p + o.wk, kvd, d.hidden), g_wk) +
              LinearBackward(dv, c.n1, W(p + o.wv, kvd, d.hidden), g_wv);
   return d_x2 + RmsNormBackward(d_n1, c.x, V(p + o.in_norm, d.hidden), c.inv1, g_in);

@@ -13,12 +13,14 @@ namespace fsdp::runtime {
 
 struct LlamaDims {
   int64_t vocab, hidden, inner, heads, kv_heads, head_dim, layers;
+  bool qkv_bias = false;  ///< q/k/v projections with biases (Qwen2)
   float rms_eps = 1e-5f;
   std::vector<double> rope_inv_freq = {};  ///< RopeInverseFrequencies: head_dim / 2 values
   bool tied = false;
   int64_t BlockNumel() const;
-  /// Offsets of a block's tensors in its flat buffer, in inventory order.
-  struct BlockOffsets { int64_t in_norm, wq, wk, wv, wo, post_norm, wg, wu, wd; };
+  /// Offsets of a block's tensors in its flat buffer, in inventory order (each bias right after
+  /// its weight; -1 without biases).
+  struct BlockOffsets { int64_t in_norm, wq, bq, wk, bk, wv, bv, wo, post_norm, wg, wu, wd; };
   BlockOffsets Offsets() const;
   /// Offsets of the final norm and the LM head (0: tied to the embedding) in the root unit's flat
   /// buffer, in inventory order (embedding, the blocks the root holds, final norm, lm_head).
@@ -35,9 +37,9 @@ struct LlamaDims {
 /// Source: transformers' modeling_rope_utils.py (_compute_*_parameters).
 Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& model, int64_t seq_len);
 
-/// Dimensions of a llama/mistral model without biases trained at seq_len; BadInput for other
-/// models, for RoPE scaling it does not implement, and for a Mistral sliding window shorter than
-/// seq_len (fsdp-run's attention is fully causal).
+/// Dimensions of a llama, mistral or qwen2 model trained at seq_len (biases on q/k/v only, as
+/// Qwen2's); BadInput for other models or biases, for RoPE scaling it does not implement, and for
+/// a sliding window shorter than seq_len (fsdp-run's attention is fully causal).
 Result<LlamaDims> DimsOf(const ModelSpec& model, int64_t seq_len);
 
 /// What a block's forward keeps for its backward.

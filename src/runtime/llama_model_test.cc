@@ -11,8 +11,11 @@
 namespace fsdp::runtime {
 namespace {
 
-TEST_CASE("a whole decoder block: backward against finite differences") {
+// One block with or without Qwen2's q/k/v biases against finite differences of sum(y * r).
+void CheckBlockGradients(bool qkv_bias) {
+  CAPTURE(qkv_bias);
   LlamaDims d{11, 8, 12, 4, 2, 2, 1};
+  d.qkv_bias = qkv_bias;
   d.rope_inv_freq = RopeBaseFrequencies(10000.0, d.head_dim);
   std::mt19937 rng(7);
   std::normal_distribution<float> n(0.0f, 0.3f);
@@ -30,7 +33,16 @@ TEST_CASE("a whole decoder block: backward against finite differences") {
   Mat dx = BlockBackward(d, params.data(), grads.data(), r, cache, batch, seq);
   CheckGradient(params.data(), static_cast<int64_t>(params.size()), grads.data(), loss, rng, 40, "params");
   CheckGradient(x.data(), x.size(), dx.data(), loss, rng, 20, "x");
+  if (d.qkv_bias) {  // every bias element: they are too few for the random sample above
+    const int64_t qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim;
+    CheckGradient(params.data() + o.bq, qd, grads.data() + o.bq, loss, rng, 2 * static_cast<int>(qd), "q bias");
+    CheckGradient(params.data() + o.bk, kvd, grads.data() + o.bk, loss, rng, 2 * static_cast<int>(kvd), "k bias");
+    CheckGradient(params.data() + o.bv, kvd, grads.data() + o.bv, loss, rng, 2 * static_cast<int>(kvd), "v bias");
+  }
 }
+
+TEST_CASE("a whole decoder block: backward against finite differences") { CheckBlockGradients(false); }
+TEST_CASE("a block with q/k/v biases (Qwen2): backward against finite differences") { CheckBlockGradients(true); }
 
 TEST_CASE("the flat block layout matches the checkpoint inventory") {
   auto m = LoadModel("tiny-llama");
@@ -38,6 +50,15 @@ TEST_CASE("the flat block layout matches the checkpoint inventory") {
   auto d = DimsOf(m.value(), 64);
   REQUIRE(d.ok());
   CHECK(d.value().BlockNumel() == m.value().BlockParams(0));
+  auto qwen = LoadModel("qwen2.5-7b");  // q/k/v biases, each right after its weight
+  REQUIRE(qwen.ok());
+  const LlamaDims q = DimsOf(qwen.value(), 64).value();
+  CHECK(q.BlockNumel() == qwen.value().BlockParams(0));
+  const auto o = q.Offsets();
+  CHECK(o.bq == q.hidden + 3584 * 3584);  // after input_layernorm and q_proj.weight
+  CHECK(o.wk == o.bq + 3584);
+  CHECK(o.bv == o.wv + 512 * 3584);       // 4 kv heads x 128
+  CHECK(o.wo == o.bv + 512);
   auto gpt2 = LoadModel("gpt2");
   CHECK_FALSE(DimsOf(gpt2.value(), 64).ok());
 }
