@@ -1,6 +1,7 @@
 #include "runtime/cuda/cuda_block.h"
 
 #include <cmath>
+#include <tuple>
 
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/cuda/cuda_gemm.h"
@@ -108,9 +109,16 @@ Result<DeviceBuffer> DeviceBlockForward(const DeviceContext& c, const void* para
   FSDP_ALLOC(q, c.Buffer(T * qd, saved));
   FSDP_ALLOC(k, c.Buffer(T * kvd, saved));
   FSDP_ALLOC(v, c.Buffer(T * kvd, saved));
-  FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wq), q.get(), T, h, qd));
-  FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wk), k.get(), T, h, kvd));
-  FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wv), v.get(), T, h, kvd));
+  if (d.qkv_bias) {  // y = bias + x W^T, one rounding (Qwen2's q/k/v)
+    for (auto [out, weight, bias, n] : {std::tuple{q.get(), o.wq, o.bq, qd}, std::tuple{k.get(), o.wk, o.bk, kvd}, std::tuple{v.get(), o.wv, o.bv, kvd}}) {
+      BroadcastRows(w(bias), out, T, n, t, c.stream);
+      FSDP_TRY(Gemm(c.blas, t, false, true, T, n, h, {n1.get(), h}, {w(weight), h}, out, n, 1.0f));
+    }
+  } else {
+    FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wq), q.get(), T, h, qd));
+    FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wk), k.get(), T, h, kvd));
+    FSDP_TRY(LinearForward(c.blas, t, n1.get(), w(o.wv), v.get(), T, h, kvd));
+  }
   Rope(q.get(), c.rope_table, T, d.heads, d.head_dim, c.seq, false, t, c.stream);
   Rope(k.get(), c.rope_table, T, d.kv_heads, d.head_dim, c.seq, false, t, c.stream);
   FSDP_ALLOC(probs, c.Buffer(c.batch * d.heads * c.seq * c.seq, saved));
@@ -180,6 +188,12 @@ Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* par
   cache.probs.Release();
   Rope(dq.get(), c.rope_table, T, d.heads, d.head_dim, c.seq, true, t, c.stream);
   Rope(dk.get(), c.rope_table, T, d.kv_heads, d.head_dim, c.seq, true, t, c.stream);
+  if (d.qkv_bias) {  // bias gradients: the outputs' gradients summed over tokens (dw_scratch holds hidden >= qd floats)
+    for (auto [grad, bias, n] : {std::tuple{dq.get(), o.bq, qd}, std::tuple{dk.get(), o.bk, kvd}, std::tuple{dv.get(), o.bv, kvd}}) {
+      ColumnSums(grad, dw_scratch, T, n, t, c.stream);
+      AddF32(dw_scratch, g(bias), t, n, c.stream);
+    }
+  }
   FSDP_ALLOC(d_n1, c.Buffer(T * h, Mem::kTemporaries));
   FSDP_TRY(LinearBackward(c.blas, t, dq.get(), cache.n1.get(), w(o.wq), d_n1.get(), g(o.wq), T, h, qd));
   FSDP_TRY(LinearBackward(c.blas, t, dk.get(), cache.n1.get(), w(o.wk), d_n1.get(), g(o.wk), T, h, kvd, 1.0f));

@@ -564,8 +564,8 @@ GpuMemoryReport CudaEngine::memory() const {
 Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& w, Comm& host, const TrainOptions& o, int virtual_world) {
   auto dims = DimsOf(w.model, w.config.seq_len);
   if (!dims.ok()) return dims.error();
-  if (dims.value().qkv_bias) {
-    return Error::BadInput(fmt::format("--device cuda does not implement q/k/v biases ({}): --device cpu trains it", w.model.id));
+  if (dims.value().qkv_bias && dims.value().heads * dims.value().head_dim > dims.value().hidden) {  // the bias gradient uses the norm's scratch
+    return Error::BadInput(fmt::format("--device cuda implements q/k/v biases only with heads x head_dim <= hidden ({})", w.model.id));
   }
   if (w.config.wrap != WrapPolicy::kBlock && w.config.wrap != WrapPolicy::kNone) {
     return Error::BadInput("fsdp-run wraps per block (--wrap block) or the whole model (--wrap none)");

@@ -120,6 +120,31 @@ __global__ void AddF32Kernel(const float* in, T* out, int64_t n) {
 }
 
 template <typename T>
+__global__ void BroadcastRowsKernel(const T* bias, T* out, int64_t rows, int64_t cols) {
+  GRID_STRIDE(i, rows * cols) out[i] = bias[i % cols];
+}
+
+// out_j += sum over a chunk of rows of x; blockDim (32, 8) as RmsNormWeightGradKernel.
+template <typename T>
+__global__ void ColumnSumsKernel(const T* x, float* out, int64_t rows, int64_t cols, int64_t rows_per_chunk) {
+  __shared__ float partial[8][33];
+  const int64_t col = blockIdx.x * 32 + threadIdx.x;
+  const int64_t begin = blockIdx.y * rows_per_chunk;
+  const int64_t end = min(rows, begin + rows_per_chunk);
+  float s = 0;
+  if (col < cols) {
+    for (int64_t r = begin + threadIdx.y; r < end; r += 8) s += ToF(x[r * cols + col]);
+  }
+  partial[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0;
+    for (int k = 0; k < 8; ++k) total += partial[k][threadIdx.x];
+    atomicAdd(out + col, total);
+  }
+}
+
+template <typename T>
 __global__ void ScaleKernel(T* x, float scale, int64_t n) {
   GRID_STRIDE(i, n) x[i] = FromF<T>(ToF(x[i]) * scale);
 }
@@ -321,6 +346,18 @@ void AccumulateF32(const void* in, DType dtype, float scale, float* acc, int64_t
 
 void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream) {
   FSDP_DISPATCH(dtype, T, AddF32Kernel<<<Blocks(n), kThreads, 0, stream>>>(in, static_cast<T*>(out), n))
+}
+
+void BroadcastRows(const void* bias, void* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream) {
+  FSDP_DISPATCH(dtype, T, BroadcastRowsKernel<<<Blocks(rows * cols), kThreads, 0, stream>>>(static_cast<const T*>(bias), static_cast<T*>(out), rows, cols))
+}
+
+void ColumnSums(const void* x, float* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream) {
+  cudaMemsetAsync(out, 0, static_cast<size_t>(cols) * sizeof(float), stream);
+  const int64_t chunks = rows < 256 ? 1 : 64;
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks));
+  FSDP_DISPATCH(dtype, T, ColumnSumsKernel<<<grid, dim3(32, 8), 0, stream>>>(static_cast<const T*>(x), out, rows, cols, rows_per_chunk))
 }
 
 void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream) {

@@ -29,6 +29,11 @@ void Cast(const void* in, DType from, void* out, DType to, int64_t n, cudaStream
 void AccumulateF32(const void* in, DType dtype, float scale, float* acc, int64_t n, cudaStream_t stream);
 /// out (n, dtype) += in (n, fp32).
 void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream);
+/// out (rows, cols) = bias (cols) in every row: a Linear's output preset to its bias, so that the
+/// product added with beta 1 rounds once, as PyTorch's fused addmm does.
+void BroadcastRows(const void* bias, void* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream);
+/// out (cols, fp32, zeroed here) = sum over rows of x (rows, cols): a bias's gradient.
+void ColumnSums(const void* x, float* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream);
 /// x (n) *= scale, in place.
 void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream);
 

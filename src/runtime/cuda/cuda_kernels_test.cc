@@ -211,6 +211,20 @@ TEST_CASE("SwiGLU matches the CPU, in fp32 and bf16") {
   }
 }
 
+TEST_CASE("Bias broadcast and column sums (a bias's gradient) match the CPU, over one and many row chunks") {
+  for (int64_t rows : {40, 700}) {  // 700: 64 chunks of rows summed with atomics
+    Gpu g;
+    const int64_t cols = 72;
+    const Mat x = Random(rows, cols, 12), bias = Random(1, cols, 13);
+    DeviceBuffer dx = g.Upload(x, DType::kFp32), dbias = g.Upload(bias, DType::kFp32), out = g.Upload(x, DType::kFp32);
+    DeviceBuffer sums = g.alloc.Allocate(cols * 4, Mem::kTemporaries, g.stream).value();
+    BroadcastRows(dbias.get(), out.get(), rows, cols, DType::kFp32, g.stream);
+    CheckClose(g.Download(out.get(), rows, cols, DType::kFp32), bias.replicate(rows, 1), kFp32, "broadcast rows");
+    ColumnSums(dx.get(), sums.as<float>(), rows, cols, DType::kFp32, g.stream);
+    CheckClose(g.Download(sums.get(), 1, cols, DType::kFp32), x.colwise().sum(), {1e-3f, 1e-4f}, "column sums");
+  }
+}
+
 TEST_CASE("Cross-entropy matches the CPU: vocabularies below and above one pass of 1024 threads, fp32 and bf16") {
   for (int64_t vocab : {50, 1500}) {
     for (DType dtype : {DType::kFp32, DType::kBf16}) {
@@ -289,16 +303,20 @@ std::vector<BlockTensor> BlockTensors(const LlamaDims& d) {
   const auto o = d.Offsets();
   std::vector<BlockTensor> t = {{"in_norm", o.in_norm, 0}, {"wq", o.wq, 0}, {"wk", o.wk, 0}, {"wv", o.wv, 0}, {"wo", o.wo, 0},
                                 {"post_norm", o.post_norm, 0}, {"wg", o.wg, 0}, {"wu", o.wu, 0}, {"wd", o.wd, 0}};
+  if (d.qkv_bias) t.insert(t.end(), {{"bq", o.bq, 0}, {"bk", o.bk, 0}, {"bv", o.bv, 0}});
   std::sort(t.begin(), t.end(), [](const BlockTensor& a, const BlockTensor& b) { return a.offset < b.offset; });
   for (size_t i = 0; i < t.size(); ++i) t[i].numel = (i + 1 < t.size() ? t[i + 1].offset : d.BlockNumel()) - t[i].offset;
   return t;
 }
 
-TEST_CASE("A whole block's forward and backward match the CPU block") {
+// tiny-llama's block, or with Qwen2's q/k/v biases (drawn like the weights) when qkv_bias.
+void CheckDeviceBlock(bool qkv_bias) {
+  CAPTURE(qkv_bias);
   auto model = LoadModel("tiny-llama");
   REQUIRE(model.ok());
   const int64_t batch = 2, seq = 16, T = batch * seq;
-  const LlamaDims d = DimsOf(model.value(), seq).value();
+  LlamaDims d = DimsOf(model.value(), seq).value();
+  d.qkv_bias = qkv_bias;
   // Linear weights of std 0.1 (about 1/sqrt(hidden)) and norm weights near 1, as after training
   // starts: every path through the block then carries a gradient well above the tolerances.
   Mat params = Random(1, d.BlockNumel(), 15, 0.1f);
@@ -340,6 +358,9 @@ TEST_CASE("A whole block's forward and backward match the CPU block") {
     CHECK(dc.Bytes() == 0);  // the backward consumed the cache
   }
 }
+
+TEST_CASE("A whole block's forward and backward match the CPU block") { CheckDeviceBlock(false); }
+TEST_CASE("A block with q/k/v biases (Qwen2) matches the CPU block") { CheckDeviceBlock(true); }
 
 TEST_CASE("The caching allocator reuses blocks per stream, waits for other streams and counts categories") {
   Gpu g;
