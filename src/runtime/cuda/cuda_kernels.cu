@@ -124,26 +124,6 @@ __global__ void BroadcastRowsKernel(const T* bias, T* out, int64_t rows, int64_t
   GRID_STRIDE(i, rows * cols) out[i] = bias[i % cols];
 }
 
-// out_j += sum over a chunk of rows of x; blockDim (32, 8) as RmsNormWeightGradKernel.
-template <typename T>
-__global__ void ColumnSumsKernel(const T* x, float* out, int64_t rows, int64_t cols, int64_t rows_per_chunk) {
-  __shared__ float partial[8][33];
-  const int64_t col = blockIdx.x * 32 + threadIdx.x;
-  const int64_t begin = blockIdx.y * rows_per_chunk;
-  const int64_t end = min(rows, begin + rows_per_chunk);
-  float s = 0;
-  if (col < cols) {
-    for (int64_t r = begin + threadIdx.y; r < end; r += 8) s += ToF(x[r * cols + col]);
-  }
-  partial[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    float total = 0;
-    for (int k = 0; k < 8; ++k) total += partial[k][threadIdx.x];
-    atomicAdd(out + col, total);
-  }
-}
-
 template <typename T>
 __global__ void ScaleKernel(T* x, float scale, int64_t n) {
   GRID_STRIDE(i, n) x[i] = FromF<T>(ToF(x[i]) * scale);
@@ -194,24 +174,38 @@ __global__ void RmsNormBackwardKernel(const T* dy, const T* x, const T* w, const
   }
 }
 
-// dw_j += sum over a chunk of rows of dy * x * inv; blockDim (32, 8): 32 columns, 8 row lanes.
+// Terms of the column reductions: x[r, c] (a bias's gradient) and dy * x * inv_rms (RMSNorm's weight).
 template <typename T>
-__global__ void RmsNormWeightGradKernel(const T* dy, const T* x, const float* inv_rms, float* dw, int64_t rows, int64_t h,
-                                        int64_t rows_per_chunk) {
+struct ElementTerm {
+  const T* x;
+  __device__ float operator()(int64_t r, int64_t c, int64_t cols) const { return ToF(x[r * cols + c]); }
+};
+template <typename T>
+struct NormWeightTerm {
+  const T* dy;
+  const T* x;
+  const float* inv_rms;
+  __device__ float operator()(int64_t r, int64_t c, int64_t cols) const { return ToF(dy[r * cols + c]) * ToF(x[r * cols + c]) * inv_rms[r]; }
+};
+
+// out_c += sum over a chunk of rows of term(r, c); blockDim (32, 8): 32 columns, 8 row lanes; the
+// chunks meet in fp32 atomics.
+template <typename Term>
+__global__ void ColumnReduceKernel(Term term, float* out, int64_t rows, int64_t cols, int64_t rows_per_chunk) {
   __shared__ float partial[8][33];
   const int64_t col = blockIdx.x * 32 + threadIdx.x;
   const int64_t begin = blockIdx.y * rows_per_chunk;
   const int64_t end = min(rows, begin + rows_per_chunk);
   float s = 0;
-  if (col < h) {
-    for (int64_t r = begin + threadIdx.y; r < end; r += 8) s += ToF(dy[r * h + col]) * ToF(x[r * h + col]) * inv_rms[r];
+  if (col < cols) {
+    for (int64_t r = begin + threadIdx.y; r < end; r += 8) s += term(r, col, cols);
   }
   partial[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
-  if (threadIdx.y == 0 && col < h) {
+  if (threadIdx.y == 0 && col < cols) {
     float total = 0;
     for (int k = 0; k < 8; ++k) total += partial[k][threadIdx.x];
-    atomicAdd(dw + col, total);
+    atomicAdd(out + col, total);
   }
 }
 
@@ -348,16 +342,22 @@ void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t str
   FSDP_DISPATCH(dtype, T, AddF32Kernel<<<Blocks(n), kThreads, 0, stream>>>(in, static_cast<T*>(out), n))
 }
 
+// out (cols, fp32) = sum over rows of term: zeroed, then one (32, 8) block per 32 columns and chunk of rows.
+template <typename Term>
+void ColumnReduce(Term term, float* out, int64_t rows, int64_t cols, cudaStream_t stream) {
+  cudaMemsetAsync(out, 0, static_cast<size_t>(cols) * sizeof(float), stream);
+  const int64_t chunks = rows < 256 ? 1 : 64;
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks));
+  ColumnReduceKernel<<<grid, dim3(32, 8), 0, stream>>>(term, out, rows, cols, rows_per_chunk);
+}
+
 void BroadcastRows(const void* bias, void* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream) {
   FSDP_DISPATCH(dtype, T, BroadcastRowsKernel<<<Blocks(rows * cols), kThreads, 0, stream>>>(static_cast<const T*>(bias), static_cast<T*>(out), rows, cols))
 }
 
 void ColumnSums(const void* x, float* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream) {
-  cudaMemsetAsync(out, 0, static_cast<size_t>(cols) * sizeof(float), stream);
-  const int64_t chunks = rows < 256 ? 1 : 64;
-  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks));
-  FSDP_DISPATCH(dtype, T, ColumnSumsKernel<<<grid, dim3(32, 8), 0, stream>>>(static_cast<const T*>(x), out, rows, cols, rows_per_chunk))
+  FSDP_DISPATCH(dtype, T, ColumnReduce(ElementTerm<T>{static_cast<const T*>(x)}, out, rows, cols, stream))
 }
 
 void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream) {
@@ -404,15 +404,10 @@ void RmsNormForward(const void* x, const void* w, void* y, float* inv_rms, int64
 
 void RmsNormBackward(const void* dy, const void* x, const void* w, const float* inv_rms, const void* residual, void* dx, float* dw_f32,
                      int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {
-  cudaMemsetAsync(dw_f32, 0, static_cast<size_t>(h) * sizeof(float), stream);
   FSDP_DISPATCH(dtype, T, RmsNormBackwardKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
                                                                                static_cast<const T*>(w), inv_rms,
                                                                                static_cast<const T*>(residual), static_cast<T*>(dx), h);
-    const int64_t chunks = rows < 256 ? 1 : 64;
-    const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
-    const dim3 grid(static_cast<unsigned>((h + 31) / 32), static_cast<unsigned>(chunks));
-    RmsNormWeightGradKernel<<<grid, dim3(32, 8), 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x), inv_rms, dw_f32, rows, h,
-                                                              rows_per_chunk))
+    ColumnReduce(NormWeightTerm<T>{static_cast<const T*>(dy), static_cast<const T*>(x), inv_rms}, dw_f32, rows, h, stream))
 }
 
 Status RopeTable(float* table, int64_t seq, const std::vector<double>& inv_freq, cudaStream_t stream) {
