@@ -15,7 +15,8 @@
 #      their losses are compared too;
 #   5. merges everything into $OUT/device-check.json (and the log into $OUT/device-check.log); the
 #      calibrated hardware file is $OUT/calibrated-gpu.json, used by one more FULL_SHARD run.
-# Must finish in under 8 minutes including the build. Environment: OUT (default ./device-out), RUNS,
+# Must finish in under 8 minutes including the build; every step has a `timeout` so that one hang
+# (an NCCL bootstrap, a kernel) costs its limit, not the device session. Environment: OUT (default ./device-out), RUNS,
 # MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead; MERGE_ONLY=1
 # only merges the JSON files already in $RUNS.
 set -uo pipefail
@@ -109,7 +110,7 @@ run cmake --build build-device -j"$(nproc)" --target fsdp-run cuda_test || exit 
 say "build done after $(( $(date +%s) - start )) s"
 
 say "kernel and engine checks (cuda_test)"
-FSDPKIT_DATA_DIR=$PWD run build-device/src/runtime/cuda_test
+FSDPKIT_DATA_DIR=$PWD run timeout 180 build-device/src/runtime/cuda_test
 echo "cuda_test exit $?" | tee -a "$LOG"
 if command -v compute-sanitizer > /dev/null; then  # out-of-bounds and misaligned accesses in the kernels (not on gVisor machines)
   say "compute-sanitizer memcheck on the kernel checks"
@@ -119,14 +120,14 @@ if command -v compute-sanitizer > /dev/null; then  # out-of-bounds and misaligne
 fi
 
 say "fsdp-run --device cuda against transformers on the same checkpoint and tokens (tools/hf_parity.py, fp32)"
-run python3 tools/hf_parity.py --fsdp-run build-device/fsdp-run --device cuda
+run timeout 120 python3 tools/hf_parity.py --fsdp-run build-device/fsdp-run --device cuda
 echo "hf_parity exit $?" | tee -a "$LOG"
 
 # One checkpoint and token file for the FULL_SHARD pair, so that fsdp-run and PyTorch FSDP2 train the
 # same weights on the same tokens and their bf16 losses can be compared step by step.
 CKPT=${TMPDIR:-/tmp}/fsdpkit-device-ckpt
 say "checkpoint of $MODEL for the FULL_SHARD pair (seeded, bf16 safetensors)"
-run python3 - "$CKPT" "models/$MODEL.json" <<'PY' || CKPT=""
+run timeout 90 python3 - "$CKPT" "models/$MODEL.json" <<'PY' || CKPT=""
 import json, random, sys
 import torch, transformers
 out, model_json = sys.argv[1], sys.argv[2]
@@ -145,10 +146,10 @@ same=(); [ -n "$CKPT" ] && same=(--init-from "$CKPT" --tokens "$CKPT/tokens.txt"
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
 say "fsdp-run calibrate --device cuda"
-FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
+FSDPKIT_DATA_DIR=$PWD run timeout 120 build-device/fsdp-run calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
 fsdp() {  # name, then extra flags
   local name=$1; shift
-  FSDPKIT_DATA_DIR=$PWD run build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
+  FSDPKIT_DATA_DIR=$PWD run timeout 90 build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
 }
 # fsdp2 profiles (as the PyTorch reference runs fully_shard); FSDP2 has no NO_SHARD, so that one is fsdp1's
 fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
@@ -164,7 +165,7 @@ say "fsdp-run done after $(( $(date +%s) - start )) s"
 say "PyTorch FSDP2 reference (tools/torch_reference.py)"
 torch_run() {  # name, strategy, ac, extra flags
   local name=$1 strategy=$2 ac=$3; shift 3
-  run python3 tools/torch_reference.py --device cuda --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" --micro-batch 1 \
+  run timeout 90 python3 tools/torch_reference.py --device cuda --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" --micro-batch 1 \
     --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
 }
 torch_run full_shard FULL_SHARD none ${same[@]+"${same[@]}"}
