@@ -65,6 +65,7 @@ CASES = [
                    "max_position_embeddings": 256, "sliding_window": 64, "rms_norm_eps": 1e-5,
                    "rope_theta": 1000000.0, "tie_word_embeddings": False},
         "seq": 20, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "shard_grad_op"],
+        "max_shard_size": "150KB",  # several files and model.safetensors.index.json, as large checkpoints are saved
     },
     {   # Qwen2: q/k/v biases (drawn non-zero below), tied head, theta 1e6; 2 ranks NO_SHARD
         "name": "qwen2-qkv-bias",
@@ -178,7 +179,7 @@ def main():
             directory = os.path.join(root, case["name"])
             os.makedirs(directory, exist_ok=True)
             model = build_model(case, args.seed)
-            model.save_pretrained(directory)  # config.json + model.safetensors
+            model.save_pretrained(directory, max_shard_size=case.get("max_shard_size", "5GB"))  # config.json + safetensors
             import random
             rng = random.Random(args.seed)
             tokens = [rng.randrange(case["config"]["vocab_size"]) for _ in range(4000)]
