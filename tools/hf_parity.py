@@ -75,7 +75,7 @@ CASES = [
                    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
                    "use_sliding_window": False},
         "seq": 16, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "no_shard"],
-        "mpi_ranks": 2,
+        "mpi_ranks": 2, "save_bf16": True,  # a bf16 checkpoint, as Hub models are stored; both sides train from its values in fp32
     },
 ]
 
@@ -179,7 +179,12 @@ def main():
             directory = os.path.join(root, case["name"])
             os.makedirs(directory, exist_ok=True)
             model = build_model(case, args.seed)
-            model.save_pretrained(directory, max_shard_size=case.get("max_shard_size", "5GB"))  # config.json + safetensors
+            if case.get("save_bf16"):  # the reference reloads it in fp32 as a user would (module.to() would also round RoPE's buffer)
+                import torch
+                model.to(torch.bfloat16).save_pretrained(directory)
+                model = type(model).from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+            else:
+                model.save_pretrained(directory, max_shard_size=case.get("max_shard_size", "5GB"))  # config.json + safetensors
             import random
             rng = random.Random(args.seed)
             tokens = [rng.randrange(case["config"]["vocab_size"]) for _ in range(4000)]
