@@ -7,14 +7,14 @@
 #      checks again under compute-sanitizer's memcheck where it works;
 #   2b. runs tools/hf_parity.py --device cuda: fsdp-run's fp32 losses against transformers' training
 #      of the same safetensors checkpoint on the same tokens;
-#   3. runs fsdp-run calibrate --device cuda, then fsdp-run --device cuda on a set of configurations (FULL_SHARD, SHARD_GRAD_OP,
-#      NO_SHARD; activation checkpointing off and on; virtual world 1 and 8; TinyLlama 1.1B at
-#      sequence length 2048), each writing predicted vs measured JSON;
-#   4. runs tools/torch_reference.py (PyTorch FSDP2) on the same 1-GPU configurations; the FULL_SHARD
-#      pair starts both from one seeded bf16 checkpoint on one token file (--init-from, --tokens), so
-#      their losses are compared too;
-#   5. merges everything into $OUT/device-check.json (and the log into $OUT/device-check.log); the
-#      calibrated hardware file is $OUT/calibrated-gpu.json, used by one more FULL_SHARD run.
+#   3. runs fsdp-run --device cuda and tools/torch_reference.py (PyTorch FSDP2) pair by pair on
+#      TinyLlama 1.1B at sequence length 2048 (FULL_SHARD, AC off and on, SHARD_GRAD_OP, NO_SHARD),
+#      each writing predicted vs measured JSON; the FULL_SHARD pair starts both from one seeded bf16
+#      checkpoint on one token file (--init-from, --tokens), so their losses are compared too;
+#   4. runs fsdp-run alone with virtual world 8, then fsdp-run calibrate --device cuda and one more
+#      FULL_SHARD run with the calibrated hardware file ($OUT/calibrated-gpu.json);
+#   5. merges everything into $OUT/device-check.json after every run (so a session cut short still
+#      brings back what ran) and keeps the log in $OUT/device-check.log.
 # Must finish in under 8 minutes including the build; every step has a `timeout` so that one hang
 # (an NCCL bootstrap, a kernel) costs its limit, not the device session. Environment: OUT (default ./device-out), RUNS,
 # MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead; MERGE_ONLY=1
@@ -145,34 +145,35 @@ same=(); [ -n "$CKPT" ] && same=(--init-from "$CKPT" --tokens "$CKPT/tokens.txt"
 
 say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
-say "fsdp-run calibrate --device cuda"
-FSDPKIT_DATA_DIR=$PWD run timeout 120 build-device/fsdp-run calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
-fsdp() {  # name, then extra flags
+fsdp() {  # name, then extra flags; the merge is refreshed after every run, so a cut-short session still brings results back
   local name=$1; shift
   FSDPKIT_DATA_DIR=$PWD run timeout 90 build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
+  [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
-# fsdp2 profiles (as the PyTorch reference runs fully_shard); FSDP2 has no NO_SHARD, so that one is fsdp1's
-fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
-fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
-fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
-fsdp no_shard --framework fsdp1 --strategy NO_SHARD
-fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
-fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
-fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
-[ -e "$OUT/calibrated-gpu.json" ] && fsdp full_shard_calibrated --framework fsdp2 --strategy FULL_SHARD --gpu "$OUT/calibrated-gpu.json"
-say "fsdp-run done after $(( $(date +%s) - start )) s"
-
-say "PyTorch FSDP2 reference (tools/torch_reference.py)"
 torch_run() {  # name, strategy, ac, extra flags
   local name=$1 strategy=$2 ac=$3; shift 3
   run timeout 90 python3 tools/torch_reference.py --device cuda --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" --micro-batch 1 \
     --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
+  [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
+# The pairs with PyTorch FSDP2 first (fsdp2 profiles, as the reference runs fully_shard; FSDP2 has no
+# NO_SHARD, so that one is fsdp1's), then the runs without a PyTorch counterpart.
+fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
 torch_run full_shard FULL_SHARD none ${same[@]+"${same[@]}"}
+fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
 torch_run full_shard_ac FULL_SHARD full
+fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
 torch_run shard_grad_op SHARD_GRAD_OP none
+fsdp no_shard --framework fsdp1 --strategy NO_SHARD
 torch_run no_shard NO_SHARD none
-say "torch done after $(( $(date +%s) - start )) s"
+say "pairs with PyTorch done after $(( $(date +%s) - start )) s"
+fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
+fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
+fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
+say "fsdp-run calibrate --device cuda"
+FSDPKIT_DATA_DIR=$PWD run timeout 120 build-device/fsdp-run calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
+[ -e "$OUT/calibrated-gpu.json" ] && fsdp full_shard_calibrated --framework fsdp2 --strategy FULL_SHARD --gpu "$OUT/calibrated-gpu.json"
+say "fsdp-run done after $(( $(date +%s) - start )) s"
 
 [ -n "${DRY_RUN:-}" ] && exit 0
 merge
