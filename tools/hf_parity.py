@@ -16,6 +16,8 @@ fsdp-run's token windows are TrainingTokens' (runtime/fsdp_engine.h): sequence i
 targets the last seq.
 
 Usage: hf_parity.py --fsdp-run build/fsdp-run [--mpirun "mpirun --oversubscribe"] [--device cuda] [--keep DIR]
+       hf_parity.py --fsdp-run build/fsdp-run --config path/to/config.json [--seq-len 64] [--steps 2]
+         (one real model's shapes at full size instead of the built-in small cases)
 Exit status: 0 all cases agree, 1 a case disagrees or fsdp-run failed, 77 torch/transformers missing.
 """
 import argparse
@@ -157,12 +159,63 @@ def compare(name, reference, measured, factor):
     return ok
 
 
+def run_case(args, case, root):
+    """Saves the case's checkpoint and tokens, trains the reference, runs fsdp-run; True if they agree."""
+    import random
+    import torch
+    directory = os.path.join(root, case["name"])
+    os.makedirs(directory, exist_ok=True)
+    model = build_model(case, args.seed)
+    if case.get("save_bf16"):  # the reference reloads it in fp32 as a user would (module.to() would also round RoPE's buffer)
+        model.to(torch.bfloat16).save_pretrained(directory)
+        model = type(model).from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+    else:
+        model.save_pretrained(directory, max_shard_size=case.get("max_shard_size", "5GB"))  # config.json + safetensors
+    rng = random.Random(args.seed)
+    tokens = [rng.randrange(case["config"]["vocab_size"]) for _ in range(4000)]
+    token_file = os.path.join(directory, "tokens.txt")
+    with open(token_file, "w") as f:
+        f.write(" ".join(map(str, tokens)) + "\n")
+    reference = reference_losses(case, model, tokens)
+    del model
+    ok = True
+    multi = args.mpirun and case.get("mpi_ranks") and args.device == "cpu"
+    for ranks in [1] + ([case["mpi_ranks"]] if multi else []):
+        measured, error = run_fsdp(args, case, directory, token_file, ranks)
+        label = f"{case['name']} ({args.device}, {ranks} rank{'s' if ranks > 1 else ''})"
+        if error:
+            print(f"FAIL {label}: fsdp-run failed\n{error}")
+            ok = False
+            continue
+        ok = compare(label, reference, measured, GPU_FACTOR if args.device == "cuda" else 1) and ok
+    return ok
+
+
+def case_from_config(args):
+    """One case from a HuggingFace config.json (--config): a seeded bf16 checkpoint of that model."""
+    with open(args.config) as f:
+        config = json.load(f)
+    kind = config.get("model_type")
+    config.setdefault("architectures", [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                         "qwen2": "Qwen2ForCausalLM"}.get(kind, "")])
+    if kind not in ("llama", "mistral", "qwen2"):
+        raise SystemExit(f"hf_parity: --config {args.config}: model_type {kind!r} is not llama, mistral or qwen2")
+    name = os.path.basename(os.path.dirname(os.path.abspath(args.config))) if os.path.basename(args.config) == "config.json" \
+        else os.path.splitext(os.path.basename(args.config))[0]
+    return {"name": name, "config": config, "seq": args.seq_len, "micro_batch": 2, "grad_accum": 1, "steps": args.steps,
+            "flags": [], "save_bf16": True}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--fsdp-run", required=True, help="path to the fsdp-run binary")
     parser.add_argument("--mpirun", default="",
                         help="mpirun command (with its options) to also run the multi-rank cases (empty: skip them)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="fsdp-run's --device (cuda: one GPU, 1 rank)")
+    parser.add_argument("--config", default="",
+                        help="instead of the built-in cases: one model's HuggingFace config.json, at full size (seeded bf16 weights)")
+    parser.add_argument("--seq-len", type=int, default=64, help="with --config: sequence length (micro-batch 2)")
+    parser.add_argument("--steps", type=int, default=2, help="with --config: AdamW steps")
     parser.add_argument("--keep", default="", help="keep the checkpoints and results in this directory")
     parser.add_argument("--seed", type=int, default=3)
     args = parser.parse_args()
@@ -172,36 +225,12 @@ def main():
     except ImportError as e:
         print(f"hf_parity: needs torch and transformers ({e}): skipped")
         return 77
+    cases = [case_from_config(args)] if args.config else CASES
     root = args.keep or tempfile.mkdtemp(prefix="fsdpkit-hf-parity-")
     all_ok = True
     try:
-        for case in CASES:
-            directory = os.path.join(root, case["name"])
-            os.makedirs(directory, exist_ok=True)
-            model = build_model(case, args.seed)
-            if case.get("save_bf16"):  # the reference reloads it in fp32 as a user would (module.to() would also round RoPE's buffer)
-                import torch
-                model.to(torch.bfloat16).save_pretrained(directory)
-                model = type(model).from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
-            else:
-                model.save_pretrained(directory, max_shard_size=case.get("max_shard_size", "5GB"))  # config.json + safetensors
-            import random
-            rng = random.Random(args.seed)
-            tokens = [rng.randrange(case["config"]["vocab_size"]) for _ in range(4000)]
-            token_file = os.path.join(directory, "tokens.txt")
-            with open(token_file, "w") as f:
-                f.write(" ".join(map(str, tokens)) + "\n")
-            reference = reference_losses(case, model, tokens)
-            multi = args.mpirun and case.get("mpi_ranks") and args.device == "cpu"
-            for ranks in [1] + ([case["mpi_ranks"]] if multi else []):
-                measured, error = run_fsdp(args, case, directory, token_file, ranks)
-                label = f"{case['name']} ({args.device}, {ranks} rank{'s' if ranks > 1 else ''})"
-                if error:
-                    print(f"FAIL {label}: fsdp-run failed\n{error}")
-                    all_ok = False
-                    continue
-                factor = GPU_FACTOR if args.device == "cuda" else 1
-                all_ok = compare(label, reference, measured, factor) and all_ok
+        for case in cases:
+            all_ok = run_case(args, case, root) and all_ok
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
