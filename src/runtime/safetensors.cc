@@ -145,7 +145,11 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
     return c;
   }
   const std::string index = (dir / "model.safetensors.index.json").string();
-  if (!fs::exists(index, ec)) return Error::BadInput(fmt::format("checkpoint directory '{}' has neither model.safetensors nor model.safetensors.index.json", path));
+  if (!fs::exists(index, ec)) {
+    const bool pickled = fs::exists(dir / "pytorch_model.bin", ec) || fs::exists(dir / "pytorch_model.bin.index.json", ec);
+    return Error::BadInput(fmt::format("checkpoint directory '{}' has neither model.safetensors nor model.safetensors.index.json{}", path,
+                                       pickled ? " (pytorch_model.bin is not read: save it again with transformers' save_pretrained)" : ""));
+  }
   auto json = LoadJsonFile(index);
   if (!json.ok()) return json.error();
   const Json& j = json.value();

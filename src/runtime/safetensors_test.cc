@@ -128,6 +128,11 @@ TEST_CASE("a sharded checkpoint is found through its index") {
   fs::remove(dir / "model.safetensors.index.json");
   CHECK(Checkpoint::Open(dir.path.string()).error().message ==
         "checkpoint directory '" + dir.path.string() + "' has neither model.safetensors nor model.safetensors.index.json");
+  std::ofstream(dir / "pytorch_model.bin") << "pickle";
+  CHECK(Checkpoint::Open(dir.path.string()).error().message ==
+        "checkpoint directory '" + dir.path.string() +
+            "' has neither model.safetensors nor model.safetensors.index.json (pytorch_model.bin is not read: save it again with "
+            "transformers' save_pretrained)");
 }
 
 TEST_CASE("malformed safetensors files are refused with the file and the reason") {
