@@ -2,7 +2,8 @@
 """fsdp-run's numerics against HuggingFace transformers on the same weights and tokens.
 
 For each case a small model is built with transformers (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM; seeded), saved with save_pretrained (config.json + model.safetensors, fp32), and trained for a few
+Qwen2ForCausalLM; seeded), saved with save_pretrained (config.json and safetensors: fp32, one case
+sharded over several files, one in bf16), and trained for a few
 AdamW steps in plain PyTorch fp32 on a token file. fsdp-run then starts from that checkpoint
 (--init-from) with the same tokens (--tokens), fp32 parameters and reductions, and the losses of
 every step are compared. Step 1's loss checks the forward (embedding, RMSNorm eps, RoPE with the
@@ -134,7 +135,7 @@ def run_fsdp(args, case, directory, token_file, ranks):
     out = os.path.join(directory, f"run-{ranks}.json")
     cmd = [args.fsdp_run, "--model", directory, "--init-from", directory,
            "--tokens", token_file, "--gpus", str(ranks), "--steps", str(case["steps"]),
-           "--seq-len", str(case["seq"]), "--micro-batch", str(case["micro_batch"] // ranks if ranks > 1 else case["micro_batch"]),
+           "--seq-len", str(case["seq"]), "--micro-batch", str(case["micro_batch"] // ranks),
            "--grad-accum", str(case["grad_accum"]), "--param-dtype", "fp32", "--reduce-dtype", "fp32",
            "--lr", str(LR), "--device", args.device, "--quiet", "--out", out] + case["flags"]
     if ranks > 1:

@@ -188,6 +188,14 @@ Status ReadHyperParameters(const JsonReader& r, ModelSpec& m) {
   return {};
 }
 
+// `sliding_window`: 4096 when absent (MistralConfig's and Qwen2Config's default), 0 (no window)
+// when null, as Mistral v0.2+ and Qwen2 write it.
+Result<int64_t> ReadSlidingWindow(const JsonReader& r) {
+  const auto it = r.json().find("sliding_window");
+  if (it != r.json().end() && it->is_null()) return int64_t{0};
+  return ReadDim(r, {"sliding_window"}, 4096, kMaxPositions);
+}
+
 // Reads tie/bias/MoE/dropout flags with each family's rules.
 Status ReadFamilyRules(const JsonReader& r, ModelSpec& m) {
   const HfDefaults d = DefaultsFor(m.family);
@@ -213,7 +221,7 @@ Status ReadFamilyRules(const JsonReader& r, ModelSpec& m) {
       auto use_window = ReadFlag(r, "use_sliding_window", false);  // Qwen2Config: off; then layers from max_window_layers on
       if (!use_window.ok()) return use_window.error();
       if (use_window.value()) {
-        auto window = ReadDim(r, {"sliding_window"}, 4096, kMaxPositions);
+        auto window = ReadSlidingWindow(r);
         if (!window.ok()) return window.error();
         m.sliding_window = window.value();
       }
@@ -239,10 +247,9 @@ Status ReadFamilyRules(const JsonReader& r, ModelSpec& m) {
       break;
     }
     case ModelFamily::kMistral: {
-      auto window = ReadDim(r, {"sliding_window"}, 4096, kMaxPositions);  // MistralConfig: 4096; null: none
+      auto window = ReadSlidingWindow(r);
       if (!window.ok()) return window.error();
-      const auto it = r.json().find("sliding_window");
-      m.sliding_window = it != r.json().end() && it->is_null() ? 0 : window.value();
+      m.sliding_window = window.value();
       break;
     }
   }

@@ -147,6 +147,7 @@ TEST_CASE("RoPE scaling and Mistral's sliding window come from the config") {
   CHECK(LoadModel("llama-3.1-8b").value().sliding_window == 0);
   CHECK(LoadModel("qwen2.5-7b").value().sliding_window == 0);  // sliding_window 131072 but use_sliding_window false
   CHECK(FromText(R"({"model_type":"qwen2","use_sliding_window":true,"sliding_window":1024})").value().sliding_window == 1024);
+  CHECK(FromText(R"({"model_type":"qwen2","use_sliding_window":true,"sliding_window":null})").value().sliding_window == 0);
 }
 
 TEST_CASE("tensor inventory uses HF names and shapes") {
