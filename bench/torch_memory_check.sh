@@ -8,6 +8,8 @@
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
 # the three one-rank configurations of the first, third and fourth rows only (the CTest check torch_memory_agreement does both).
+# The last two rows use selective checkpointing (torch_reference.py --ac selective: HF's attention
+# function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -17,16 +19,16 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
-check() {  # name ranks strategy ac micro seq
-  local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6
-  local args=(--device cpu --model "$root/models/llama-100m.json" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
+check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json]
+  local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json}
+  local args=(--device cpu --model "$model" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
               --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$out/$name.json")
   if [ "$ranks" -gt 1 ]; then
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   else
     "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   fi
-  "$build/fsdp-plan" --model llama-100m --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework fsdp2 --strategy "$strategy" \
+  "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework fsdp2 --strategy "$strategy" \
     --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention eager --param-dtype bf16 --reduce-dtype fp32 --json > "$out/$name.plan.json"
   python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
 import json, sys
@@ -53,3 +55,5 @@ check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
 check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
 check "2 ranks FULL_SHARD     seq 1024 x 2"      2 FULL_SHARD    none 2 1024
 check "2 ranks FULL_SHARD AC  seq 1024 x 2"      2 FULL_SHARD    full 2 1024
+check "1 rank  FULL_SHARD SAC seq 1024 x 4"      1 FULL_SHARD    selective 4 1024
+check "1 rank  FULL_SHARD SAC seq 2048 x 2 GQA"  1 FULL_SHARD    selective 2 2048 "$root/tests/data/hf_configs/llama-100m-gqa.json"

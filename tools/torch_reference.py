@@ -41,6 +41,12 @@ How fsdpkit's options map to PyTorch
 * --ac full: every decoder layer is wrapped with ``checkpoint_wrapper``
   (CheckpointImpl.NO_REENTRANT, preserve_rng_state=False) before
   ``fully_shard``, the torchtitan way. HF's own gradient checkpointing is off.
+* --ac selective: HF's attention function (eager_attention_forward, or SDPA's)
+  runs under ``torch.utils.checkpoint(use_reentrant=False)``, registered with
+  ``AttentionInterface`` and its mask function with ``AttentionMaskInterface``
+  as attn_implementation "fsdpkit_selective": the scores and probabilities are
+  recomputed in the backward (Korthikanti et al.'s selective recomputation);
+  q, k, v and the mask stay referenced. fsdp-plan --export writes the same code.
 * --param-dtype / --reduce-dtype: ``MixedPrecisionPolicy(param_dtype,
   reduce_dtype)`` on every ``fully_shard`` call. The sharded parameters, the
   gradients FSDP hands to the optimizer and the AdamW states stay fp32.
@@ -161,7 +167,7 @@ def build_parser():
     p = OneLineParser(description="Measure one Llama config under PyTorch FSDP2.")
     p.add_argument("--model", required=True, help="HuggingFace config.json")
     p.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
-    p.add_argument("--ac", default="none", choices=("none", "full"))
+    p.add_argument("--ac", default="none", choices=("none", "selective", "full"))
     p.add_argument("--micro-batch", type=positive_int, default=1)
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--steps", type=positive_int, default=6, help="timed steps")
@@ -280,7 +286,7 @@ def build_model(args, device):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig.from_dict(dict(args.model_dict),
-                                   attn_implementation=args.attention)
+                                   attn_implementation=attention_implementation(args))
     config.use_cache = False
     torch.manual_seed(args.seed)
     if args.init_from:  # every weight from the checkpoint; a missing one is an error
@@ -332,6 +338,32 @@ def strategy_notes(strategy, world):
                      f"state on every rank, gradients all-reduced (DDP semantics), "
                      f"reshard_after_forward=False")
     return notes
+
+
+def attention_implementation(args):
+    """The attn_implementation name for --attention. With --ac selective, "fsdpkit_selective": HF's
+    attention function under a non-reentrant torch.utils.checkpoint, registered with its mask
+    function as `fsdp-plan --export` writes it. The attention core (repeat_kv, scores, softmax,
+    probabilities x V) is recomputed in the backward; its inputs (q and k after RoPE, v, the
+    mask) stay referenced."""
+    if args.ac != "selective":
+        return args.attention
+    from torch.utils.checkpoint import checkpoint
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import eager_mask, sdpa_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    eager = args.attention == "eager"
+    core = eager_attention_forward if eager else sdpa_attention_forward
+
+    def checkpointed_attention(module, query, key, value, attention_mask, **kwargs):
+        return checkpoint(core, module, query, key, value, attention_mask, use_reentrant=False, **kwargs)
+
+    AttentionInterface.register("fsdpkit_selective", checkpointed_attention)
+    # without its own mask function a new name gets none for a causal batch: no causal mask
+    AttentionMaskInterface.register("fsdpkit_selective", eager_mask if eager else sdpa_mask)
+    return "fsdpkit_selective"
 
 
 def apply_activation_checkpointing(model):
@@ -623,6 +655,11 @@ def main(argv=None):
         model = build_model(args, device)
         params = sum(p.numel() for p in model.parameters())
         notes = strategy_notes(args.strategy, world)
+        if args.ac == "selective":
+            notes.append(f"ac=selective -> HF's {args.attention} attention function under "
+                         "torch.utils.checkpoint(use_reentrant=False), registered with its mask "
+                         "function as attn_implementation 'fsdpkit_selective' (the attention core "
+                         "is recomputed)")
         if args.ac == "full":
             apply_activation_checkpointing(model)
             notes.append("ac=full -> checkpoint_wrapper(NO_REENTRANT, "

@@ -69,6 +69,7 @@ for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD; do
         run_case "$strategy-$ac" "$strategy" "$ac"
     done
 done
+run_case FULL_SHARD-selective FULL_SHARD selective
 run_case sdpa-fp32 FULL_SHARD none --attention sdpa --param-dtype fp32 --reduce-dtype fp32
 
 # Loss goes down on the synthetic (5t+3 mod V) sequences.
@@ -101,7 +102,7 @@ bad_input() {  # NAME ARGS...
 }
 base=(--model "$MODEL" --device cpu --out "$TMP/bad.json")
 bad_input strategy "${base[@]}" --strategy HYBRID_SHARD
-bad_input ac "${base[@]}" --ac selective
+bad_input ac "${base[@]}" --ac partial
 bad_input dtype "${base[@]}" --param-dtype int8
 bad_input seq-len "${base[@]}" --seq-len 0
 bad_input micro-batch "${base[@]}" --micro-batch -2

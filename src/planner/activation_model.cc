@@ -21,17 +21,21 @@ Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg) {
 // Which RMSNorm of the model, for the names of its saved tensors.
 enum class Norm { kInput, kPostAttention, kFinal };
 
-// LlamaRMSNorm upcasts to fp32: pow() saves the fp32 input, rsqrt() its [T,1] result, and
-// weight * x.to(dtype) the normalised input in the compute dtype.
+// LlamaRMSNorm upcasts to fp32: pow() saves the fp32 input, rsqrt() its [T,1] result,
+// weight * x.to(dtype) the normalised input in the compute dtype (for the weight's gradient), and
+// the next linear its product, a second tensor of the same size (measured with
+// saved_tensors_hooks on transformers 5.24: docs/memory-model.md).
 void AddRmsNorm(std::vector<SavedTensor>& out, Norm which, const Dims& d) {
-  static constexpr std::string_view kNames[3][3] = {
-      {"input_layernorm.x_fp32", "input_layernorm.rsqrt", "input_layernorm.normed"},
-      {"post_attention_layernorm.x_fp32", "post_attention_layernorm.rsqrt", "post_attention_layernorm.normed"},
-      {"norm.x_fp32", "norm.rsqrt", "norm.normed"}};
+  static constexpr std::string_view kNames[3][4] = {
+      {"input_layernorm.x_fp32", "input_layernorm.rsqrt", "input_layernorm.x_normalized", "input_layernorm.out"},
+      {"post_attention_layernorm.x_fp32", "post_attention_layernorm.rsqrt", "post_attention_layernorm.x_normalized",
+       "post_attention_layernorm.out"},
+      {"norm.x_fp32", "norm.rsqrt", "norm.x_normalized", "norm.out"}};
   const auto& names = kNames[static_cast<int>(which)];
   out.push_back({names[0], 4 * d.h * d.tokens});
   out.push_back({names[1], 4 * d.tokens});
   out.push_back({names[2], d.c * d.h * d.tokens});
+  out.push_back({names[3], d.c * d.h * d.tokens});
 }
 
 void AddLlamaAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
@@ -39,9 +43,13 @@ void AddLlamaAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
   const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
   out.push_back({"self_attn.q_rope", d.c * q});
   if (cfg.attention == Attention::kEager) {
-    // repeat_kv expands k and v to all heads before the two matmuls save them.
-    out.push_back({"self_attn.k_repeated", d.c * q});
-    out.push_back({"self_attn.v_repeated", d.c * q});
+    // repeat_kv expands k and v to all heads before the two matmuls save them (with as many kv
+    // heads as heads it returns k and v themselves). The expansion runs inside HF's
+    // eager_attention_forward, so with GQA it belongs to the core that selective checkpointing
+    // recomputes (SelectiveCheckpointInputs then keeps k and v at kv-head width).
+    const bool gqa = d.kv_heads < d.heads;
+    out.push_back({"self_attn.k_repeated", d.c * q, gqa});
+    out.push_back({"self_attn.v_repeated", d.c * q, gqa});
     out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
     if (d.c != 4) out.push_back({"attn_core.probs", d.c * scores, true});
     if (m.attention_dropout > 0) {
@@ -87,6 +95,16 @@ std::vector<SavedTensor> LlamaBlock(const ModelSpec& m, const FsdpConfig& cfg, c
   return out;
 }
 
+// What selective checkpointing keeps beyond the un-recomputed tensors: the checkpointed attention
+// function's inputs stay referenced until its recomputation. q (after RoPE) is saved anyway; with
+// GQA k and v are kept at kv-head width where the matmuls would have saved their expansions.
+// GPT-2's q/k/v are views of c_attn's output, which stays saved.
+std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  if (m.family == ModelFamily::kGpt2 || cfg.attention != Attention::kEager || d.kv_heads >= d.heads) return {};
+  const int64_t kv = d.kv_heads * d.head_dim * d.tokens;
+  return {{"attn_core.k_input", d.c * kv}, {"attn_core.v_input", d.c * kv}};
+}
+
 // HF GPT2Block: native LayerNorm saves input + fp32 mean/rstd; Conv1D saves its input; the q/k/v
 // views keep the whole c_attn output alive; dropout saves a bool mask; NewGELUActivation is written
 // in Python and saves input, tanh, 0.5*x and 1+tanh.
@@ -128,8 +146,11 @@ int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Di
   const bool gpt2 = m.family == ModelFamily::kGpt2;
   int64_t attention = 0;
   if (cfg.attention == Attention::kEager) {
-    // grad of probs, its fp32 upcast and the fp32 softmax gradient (GPT-2: all in compute dtype).
-    attention = gpt2 ? 3 * d.c * scores : (d.c + 8) * scores;
+    // Llama: one fp32 scores-sized gradient beyond the saved tensors it replaces (autograd frees
+    // the probabilities and the fp32 softmax output as their nodes run): MemTracker on CPU,
+    // transformers 5.24, gave 4.0-4.3 a*s bytes per token in bf16, fp16 and fp32
+    // (docs/memory-model.md). GPT-2 (not measured): grad of probs, softmax grad, input grad in c.
+    attention = gpt2 ? 3 * d.c * scores : 4 * scores;
   } else {
     attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }
@@ -161,6 +182,7 @@ BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cf
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
       for (const auto& t : a.full) if (!t.attention_core) a.kept.push_back(t);
+      for (const auto& t : SelectiveCheckpointInputs(m, cfg, d)) a.kept.push_back(t);
       break;
     case Checkpointing::kFull:
       // checkpoint_wrapper (non-reentrant) saves only the block's input hidden states.
@@ -184,6 +206,11 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
   // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the
   // model output until backward ends.
+  if (cfg.checkpointing == Checkpointing::kSelective && cfg.attention == Attention::kEager) {
+    // The checkpointed attention function holds its inputs until its recomputation, the model's
+    // one [B, 1, s, s] eager mask (compute dtype) among them; without checkpointing no op saves it.
+    head.embedding.push_back({"attn_core.causal_mask", d.c * d.seq * d.tokens, true});
+  }
   head.logits_bytes = d.c * vT;
   head.loss_saved_bytes = 4 * vT;
   head.loss_forward_transient_bytes = d.c == 4 ? 0 : 4 * vT;

@@ -29,11 +29,11 @@ TEST_CASE("GPT-2 block, eager, bf16: Korthikanti et al.'s sbh(34 + 5as/h) plus w
 }
 
 TEST_CASE("Llama-2-7B block at 4096 tokens: flash vs eager vs checkpointing") {
-  // flash: norms 2*(4h + 4 + 2h), q/k/v 2h each, lse 4a, o_proj input (= SDPA output) 2h, SwiGLU 4*2I
-  // = 20h + 8I + 136 = 170,120 bytes per token.
-  CHECK(Profile("llama-2-7b", 4096, Attention::kFlash).FullBytes() == 170'120LL * 4096);
+  // flash: norms 2*(4h + 4 + 2h + 2h), q/k/v 2h each, lse 4a, o_proj input (= SDPA output) 2h,
+  // SwiGLU 4*2I = 24h + 8I + 136 = 186,504 bytes per token.
+  CHECK(Profile("llama-2-7b", 4096, Attention::kFlash).FullBytes() == 186'504LL * 4096);
   // eager: k and v repeated (2h each), fp32 softmax 4as and bf16 probs 2as instead of SDPA's output.
-  const int64_t eager_per_token = 20 * 4096 + 8 + 8 * 11008 + 6 * 32 * 4096;
+  const int64_t eager_per_token = 24 * 4096 + 8 + 8 * 11008 + 6 * 32 * 4096;
   BlockActivations eager = Profile("llama-2-7b", 4096, Attention::kEager);
   CHECK(eager.FullBytes() == eager_per_token * 4096);
   // selective recomputation drops exactly the 6as scores; full keeps the block input (2h).
@@ -50,6 +50,30 @@ TEST_CASE("GQA: flash keeps k/v at kv-head width, eager repeats them") {
   for (const auto& t : eager.full) if (t.name == "self_attn.k_repeated") k_eager = t.bytes;
   CHECK(k_flash == 2 * 1024);
   CHECK(k_eager == 2 * 4096);
+}
+
+TEST_CASE("selective checkpointing with GQA keeps k and v at kv-head width") {
+  // llama-3.1-8b, eager, 1 token: q 4096 wide, k/v 1024 wide (8 kv heads of 128), bf16.
+  // The core recomputes repeat_kv's two 4096-wide expansions and the 32-head scores (6 * 32 * s);
+  // the checkpointed function keeps its k and v inputs (2 * 1024 each).
+  const int64_t seq = 4096;
+  BlockActivations none = Profile("llama-3.1-8b", seq, Attention::kEager);
+  BlockActivations selective = Profile("llama-3.1-8b", seq, Attention::kEager, Checkpointing::kSelective);
+  CHECK(none.FullBytes() - selective.KeptBytes() == (2 * 2 * 4096 + 6 * 32 * seq - 2 * 2 * 1024) * seq);
+  int64_t recomputed = 0;
+  for (const auto& t : selective.full) if (t.attention_core) recomputed += t.bytes;
+  CHECK(recomputed == (2 * 2 * 4096 + 6 * 32 * seq) * seq);
+  // without GQA nothing changes: k and v are saved as they are in both cases
+  CHECK(Profile("llama-2-7b", seq, Attention::kEager).FullBytes() -
+            Profile("llama-2-7b", seq, Attention::kEager, Checkpointing::kSelective).KeptBytes() == 6LL * 32 * seq * seq);
+}
+
+TEST_CASE("eager backward working memory: one fp32 scores-sized gradient") {
+  // llama-2-7b at seq 4096, bf16: incoming and outgoing hidden-state gradients 2 * 2h plus the
+  // largest transient, the softmax backward's fp32 gradient 4as (> the MLP's 3 * 2I = 66,048).
+  CHECK(Profile("llama-2-7b", 4096, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 4LL * 32 * 4096) * 4096);
+  // at seq 128 the MLP's transient is the larger: 3 * 2I > 4as = 16,384
+  CHECK(Profile("llama-2-7b", 128, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 128);
 }
 
 TEST_CASE("Mixtral saves each routed token once per selected expert") {

@@ -51,14 +51,14 @@ int64_t Cat(const MemoryEstimate& m, MemCategory c) { return m.peak[static_cast<
 TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
   Workload w = Build(HandConfig());
   BlockActivations a = BlockActivationProfile(w.model, w.config);
-  // Per token: 2 RMSNorms x (4h + 4 + 4h) = 136; q 32, k 16, v 16, lse 8, o_proj input (= the SDPA
-  // output) 32 = 104; SwiGLU 4 x 4I = 256. 496 bytes x 2 tokens.
-  CHECK(a.FullBytes() == 992);
-  CHECK(a.KeptBytes() == 992);
+  // Per token: 2 RMSNorms x (4h + 4 + 4h + 4h) = 200; q 32, k 16, v 16, lse 8, o_proj input (= the SDPA
+  // output) 32 = 104; SwiGLU 4 x 4I = 256. 560 bytes x 2 tokens.
+  CHECK(a.FullBytes() == 1120);
+  CHECK(a.KeptBytes() == 1120);
   // 2ch*T = 128 plus the largest transient, the MLP's 3cI*T = 384.
   CHECK(a.backward_working_bytes == 512);
   HeadActivations head = HeadActivationProfile(w.model, w.config);
-  CHECK(SumBytes(head.final_norm) == 136);
+  CHECK(SumBytes(head.final_norm) == 200);
   CHECK(head.logits_bytes == 128);
   CHECK(head.loss_saved_bytes == 128);
   CHECK(head.loss_forward_transient_bytes == 0);  // logits already fp32: .float() copies nothing
@@ -67,41 +67,41 @@ TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
 
 TEST_CASE("FULL_SHARD on 3 ranks, counted by hand event by event") {
   // Sharded fp32 params: (88 + 198 + 198) * 4 = 1936. Unsharded units: root 264*4 = 1056, block
-  // 594*4 = 2376 (padded). Block activations 992, backward working memory 512.
+  // 594*4 = 2376 (padded). Block activations 1120, backward working memory 512.
   // Backward of model.layers.1 (BACKWARD_PRE prefetches layers.0), flat-gradient concat:
   //   1936 + root 1056 + layers.1 2376 + layers.0 2376 + grads (lm_head 512 + norm 32 + layers.1
-  //   pieces 2368 + flat 2368) + layers.0 activations 992 = 14016 allocated: the allocated peak.
+  //   pieces 2368 + flat 2368) + layers.0 activations 1120 = 14144 allocated: the allocated peak.
   // Its post-backward hook reshards layers.1 (its buffer joins layers.1's forward buffer behind the
   // rate limiter: 4752 pending), pads the gradient to 594 (2376) and reduce-scatters into a 198-element
   // shard (792); autograd's gradient (2368) is then record_stream'd to the post-backward stream.
   // Backward of model.layers.0 then allocates its 2368 bytes of gradients while that is still pending:
   //   allocated 1936 + 1056 + 2376 + grads (512 + 32 + sharded 792 + pieces 2368) + working 512
-  //   + activations 992 = 10576; pending 4752 (all-gather stream) + 2368 (post-backward stream)
-  //   = 17696 on the device: the device peak.
+  //   + activations 1120 = 10704; pending 4752 (all-gather stream) + 2368 (post-backward stream)
+  //   = 17824 on the device: the device peak.
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), Exact());
-  CHECK(m.allocated_peak_bytes == 14016);
+  CHECK(m.allocated_peak_bytes == 14144);
   CHECK(m.allocated_peak_phase == "backward: reduce-scatter model.layers.1");
-  CHECK(m.peak_bytes == 17696);
+  CHECK(m.peak_bytes == 17824);
   CHECK(m.peak_phase == "backward: model.layers.0");
   CHECK(m.pending_free_bytes_at_peak == 4752 + 2368);
   CHECK(Cat(m, MemCategory::kShardedParams) == 1936);
   CHECK(Cat(m, MemCategory::kUnshardedParams) == 1056 + 2376 + 4752);
   CHECK(Cat(m, MemCategory::kGradients) == 512 + 32 + 792 + 2368 + 2368);
-  CHECK(Cat(m, MemCategory::kActivations) == 512 + 992);
+  CHECK(Cat(m, MemCategory::kActivations) == 512 + 1120);
   CHECK(Cat(m, MemCategory::kOptimizerStates) == 0);
   CHECK(Cat(m, MemCategory::kCommBuffers) == 0);
   CHECK(Cat(m, MemCategory::kFramework) == 0);
   CHECK(m.fits);
-  CHECK(m.headroom_bytes == 20000 - 17696);
+  CHECK(m.headroom_bytes == 20000 - 17824);
 }
 
 TEST_CASE("without limit_all_gathers every freed buffer stays reserved until backward ends") {
   FsdpConfig c = HandConfig();
   c.limit_all_gathers = false;
   MemoryEstimate m = EstimateMemory(Build(c), Exact());
-  CHECK(m.allocated_peak_bytes == 14016);  // allocations are the same
-  // layers.0's forward buffer is no longer released by the limiter: 17696 + 2376
-  CHECK(m.peak_bytes == 17696 + 2376);
+  CHECK(m.allocated_peak_bytes == 14144);  // allocations are the same
+  // layers.0's forward buffer is no longer released by the limiter: 17824 + 2376
+  CHECK(m.peak_bytes == 17824 + 2376);
 }
 
 TEST_CASE("AdamW adds 8 bytes per sharded element and a foreach temporary at the step") {
@@ -109,7 +109,7 @@ TEST_CASE("AdamW adds 8 bytes per sharded element and a foreach temporary at the
   c.optimizer = Optimizer::kAdamW;
   MemoryEstimate m = EstimateMemory(Build(c), Exact());
   CHECK(Cat(m, MemCategory::kOptimizerStates) == 8 * 484);
-  CHECK(m.allocated_peak_bytes == 14016 + 8 * 484);
+  CHECK(m.allocated_peak_bytes == 14144 + 8 * 484);
   c.optimizer = Optimizer::kSgdMomentum;
   CHECK(Cat(EstimateMemory(Build(c), Exact()), MemCategory::kOptimizerStates) == 4 * 484);
 }
@@ -127,8 +127,8 @@ TEST_CASE("framework terms add to the device peak but not to the tensors") {
   o.overheads.nccl_bytes_per_communicator = 300;
   o.overheads.cublas_workspace_bytes = 64;
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);
-  CHECK(m.allocated_peak_bytes == 14016 + 64);
-  CHECK(m.peak_bytes == 17696 + 64 + 1000 + 300);
+  CHECK(m.allocated_peak_bytes == 14144 + 64);
+  CHECK(m.peak_bytes == 17824 + 64 + 1000 + 300);
   CHECK(Cat(m, MemCategory::kFramework) == 1364);
 }
 
@@ -199,7 +199,9 @@ TEST_CASE("activation checkpointing keeps block inputs only and recomputes in ba
   c.checkpointing = Checkpointing::kSelective;
   Workload eager = Build(c);
   BlockActivations a = BlockActivationProfile(eager.model, eager.config);
-  CHECK(a.FullBytes() - a.KeptBytes() == 4 * 2 * 32 * 32);  // the fp32 softmax of 2 heads x 32 x 32
+  // recomputed: the fp32 softmax of 2 heads x 32 x 32 and repeat_kv's k and v (2 heads x 4 wide
+  // x 32 tokens each); kept instead: the checkpointed function's k and v inputs (1 kv head x 4 x 32)
+  CHECK(a.FullBytes() - a.KeptBytes() == 4 * 2 * 32 * 32 + 2 * 4 * 8 * 32 - 2 * 4 * 4 * 32);
 }
 
 TEST_CASE("gradient accumulation: sharded grads persist, no_sync keeps unsharded ones") {
@@ -208,7 +210,7 @@ TEST_CASE("gradient accumulation: sharded grads persist, no_sync keeps unsharded
   MemoryEstimate accum = EstimateMemory(Build(c), Exact());
   c.no_sync = true;
   MemoryEstimate no_sync = EstimateMemory(Build(c), Exact());
-  CHECK(accum.allocated_peak_bytes > 14016);  // micro-batch 2 runs with 1936 bytes of sharded grads
+  CHECK(accum.allocated_peak_bytes > 14144);  // micro-batch 2 runs with 1936 bytes of sharded grads
   CHECK(no_sync.allocated_peak_bytes > accum.allocated_peak_bytes);
   CHECK(no_sync.peak_phase.find("micro-batch 2/2") != std::string::npos);
 }
@@ -230,12 +232,12 @@ TEST_CASE("FSDP2 holds the previous all-gather output until the next copy-out") 
   // FSDP2 pads each parameter's dim 0 to a multiple of 3: root 144 + 9 + 144 = 297 (shard 99),
   // block 9 + 72 + 48 + 48 + 72 + 9 + 144 + 144 + 144 = 690 (shard 230). Forward of layers.0:
   // sharded (99 + 230 + 230) * 4 = 2236 + root unsharded 1188 + layers.0's flat all-gather output
-  // 2760 (held until the next copy-out) + its per-parameter copy 2760 + activations 992 = 9936
+  // 2760 (held until the next copy-out) + its per-parameter copy 2760 + activations 1120 = 10064
   // (the root's flat output was freed at layers.0's copy-out).
-  CHECK(PhaseMax(m, "forward: model.layers.0") == 9936);
-  // FSDP1 frees the all-gather output as the unsharded parameter itself: 1936 + 1056 + 2376 + 992.
+  CHECK(PhaseMax(m, "forward: model.layers.0") == 10064);
+  // FSDP1 frees the all-gather output as the unsharded parameter itself: 1936 + 1056 + 2376 + 1120.
   c.framework = Framework::kFsdp1;
-  CHECK(PhaseMax(EstimateMemory(Build(c), o), "forward: model.layers.0") == 6360);
+  CHECK(PhaseMax(EstimateMemory(Build(c), o), "forward: model.layers.0") == 6488);
 }
 
 TEST_CASE("full state dict checkpoint memory") {
