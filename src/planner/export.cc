@@ -65,14 +65,50 @@ std::string AutoWrapPolicy(const Workload& w) {
   return "None";
 }
 
+// --ac selective as fsdpkit models it: HF's attention function (with its mask function) under a
+// non-reentrant checkpoint, registered as the model's attention implementation, so only the
+// attention core is recomputed. tools/torch_reference.py runs this code (and
+// tools/export_check.py runs the exported FSDP2 code).
+std::string SelectiveCheckpointingCode(const Workload& w, std::string_view model_var) {
+  const bool eager = w.config.attention == Attention::kEager;
+  const std::string core = eager ? fmt::format("from transformers.models.{0}.modeling_{0} import eager_attention_forward as attention_core\n",
+                                               ModelingModule(w.model))
+                                 : "from transformers.integrations.sdpa_attention import sdpa_attention_forward as attention_core\n";
+  return fmt::format(
+      "# selective activation checkpointing: the attention core (scores, softmax, probabilities x V)\n"
+      "# is recomputed in backward, the rest of each block is saved\n"
+      "from torch.utils.checkpoint import checkpoint\n"
+      "from transformers import AttentionInterface, AttentionMaskInterface\n"
+      "from transformers.masking_utils import {}_mask as attention_mask_function\n{}\n\n"
+      "def checkpointed_attention(module, query, key, value, attention_mask, **kwargs):\n"
+      "    return checkpoint(attention_core, module, query, key, value, attention_mask, use_reentrant=False, **kwargs)\n\n\n"
+      "AttentionInterface.register(\"fsdpkit_selective\", checkpointed_attention)\n"
+      "AttentionMaskInterface.register(\"fsdpkit_selective\", attention_mask_function)  # else a causal batch gets no mask\n"
+      "{}.set_attn_implementation(\"fsdpkit_selective\")  # before wrapping; or from_pretrained(..., attn_implementation=...)\n",
+      eager ? "eager" : "sdpa", core, model_var);
+}
+
 std::string CheckpointingCode(const Workload& w, std::string_view model_var) {
   if (w.config.checkpointing == Checkpointing::kNone) return "";
-  std::string note = w.config.checkpointing == Checkpointing::kSelective
-                         ? "# selective: fsdpkit modelled recomputing the attention core only; wrapping the blocks is the closest stock option\n" : "";
-  return fmt::format("{}apply_activation_checkpointing(\n    {},\n"
+  if (w.config.checkpointing == Checkpointing::kSelective) return SelectiveCheckpointingCode(w, model_var);
+  return fmt::format("{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n"
+                     "apply_activation_checkpointing(\n    {0},\n"
                      "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),\n"
-                     "    check_fn=lambda m: isinstance(m, {}),\n)\n",
-                     note, model_var, DecoderLayerClass(w.model));
+                     "    check_fn=lambda m: isinstance(m, {1}),\n)\n",
+                     model_var, DecoderLayerClass(w.model));
+}
+
+// A block of Python as comment lines, for formats that cannot hold code (YAML, Trainer arguments).
+std::string Commented(const std::string& code) {
+  std::string out;
+  size_t begin = 0;
+  while (begin < code.size()) {
+    const size_t end = code.find('\n', begin);
+    const std::string_view line(code.data() + begin, (end == std::string::npos ? code.size() : end) - begin);
+    out += line.empty() ? "#\n" : fmt::format("#   {}\n", line);
+    begin = end == std::string::npos ? code.size() : end + 1;
+  }
+  return out;
 }
 
 std::string MeshCode(const Workload& w) {
@@ -96,13 +132,14 @@ std::string Fsdp1(const Workload& w) {
   out += fmt::format("mixed_precision = MixedPrecision(param_dtype={}, reduce_dtype={}, buffer_dtype={})\n", TorchDType(c.param_dtype),
                      TorchDType(c.reduce_dtype), TorchDType(c.buffer_dtype));
   const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);
+  if (c.checkpointing == Checkpointing::kSelective) out += CheckpointingCode(w, "model");
   out += fmt::format("model = FSDP(\n    model,\n    sharding_strategy=ShardingStrategy.{},\n    auto_wrap_policy={},\n"
                      "    mixed_precision=mixed_precision,\n    cpu_offload=CPUOffload(offload_params={}),\n    backward_prefetch={},\n"
                      "    forward_prefetch={},\n    limit_all_gathers={},\n    use_orig_params={},\n    device_mesh=mesh,\n"
                      "    device_id=torch.cuda.current_device(),\n)\n",
                      StrategyName(c.strategy), AutoWrapPolicy(w), Python(c.cpu_offload), prefetch, Python(c.forward_prefetch),
                      Python(c.limit_all_gathers), Python(c.use_orig_params));
-  out += CheckpointingCode(w, "model");
+  if (c.checkpointing == Checkpointing::kFull) out += CheckpointingCode(w, "model");
   return out;
 }
 
@@ -143,8 +180,12 @@ std::string Accelerate(const Workload& w) {
     out += fmt::format("# the plan reduces gradients in {}: pass FullyShardedDataParallelPlugin(mixed_precision_policy=...) to Accelerator\n",
                        DTypeName(c.reduce_dtype));
   }
+  if (c.checkpointing == Checkpointing::kSelective) {
+    out += "# selective checkpointing is not an accelerate option: run this in train.py before accelerator.prepare(model)\n";
+    out += Commented(CheckpointingCode(w, "model"));
+  }
   out += "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
-  out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing != Checkpointing::kNone ? "true" : "false");
+  out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing == Checkpointing::kFull ? "true" : "false");
   out += fmt::format("  fsdp_auto_wrap_policy: {}\n", wrap);
   if (!fsdp2) out += fmt::format("  fsdp_backward_prefetch: {}\n", prefetch);
   out += "  fsdp_cpu_ram_efficient_loading: true\n";
@@ -176,7 +217,11 @@ std::string Lightning(const Workload& w) {
          "from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision\n";
   out += LayerImport(w.model) + "\n";
   std::string wrap = c.wrap == WrapPolicy::kBlock ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
-  std::string ac = c.checkpointing != Checkpointing::kNone ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
+  std::string ac = c.checkpointing == Checkpointing::kFull ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
+  if (c.checkpointing == Checkpointing::kSelective) {
+    out += "# selective checkpointing is not a FSDPStrategy option: run this on the model before the Trainer wraps it\n";
+    out += Commented(CheckpointingCode(w, "model"));
+  }
   const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);
   out += fmt::format("strategy = FSDPStrategy(\n    sharding_strategy=\"{}\",\n    auto_wrap_policy={},\n"
                      "    activation_checkpointing_policy={},\n    cpu_offload={},\n"

@@ -105,6 +105,39 @@ TEST_CASE("FSDP2 export uses fully_shard and MixedPrecisionPolicy names") {
   CHECK(code.find("fully_shard(model, **fsdp_kwargs)") != std::string::npos);
 }
 
+TEST_CASE("selective checkpointing exports HF's attention function under a checkpoint, registered before wrapping") {
+  FsdpConfig c;
+  c.checkpointing = Checkpointing::kSelective;
+  c.attention = Attention::kEager;
+  const std::string fsdp1 = ExportConfig(Plan(c, "mistral-7b"), ExportFormat::kFsdp1);
+  CHECK(fsdp1.find("from transformers.models.mistral.modeling_mistral import eager_attention_forward as attention_core") != std::string::npos);
+  CHECK(fsdp1.find("checkpoint(attention_core, module, query, key, value, attention_mask, use_reentrant=False, **kwargs)") != std::string::npos);
+  CHECK(fsdp1.find("AttentionMaskInterface.register(\"fsdpkit_selective\", attention_mask_function)") != std::string::npos);
+  CHECK(fsdp1.find("eager_mask as attention_mask_function") != std::string::npos);
+  CHECK(fsdp1.find("model.set_attn_implementation(\"fsdpkit_selective\")") < fsdp1.find("model = FSDP("));
+  CHECK(fsdp1.find("apply_activation_checkpointing(\n") == std::string::npos);  // not whole blocks
+  c.attention = Attention::kFlash;
+  c.framework = Framework::kFsdp2;
+  const std::string fsdp2 = ExportConfig(Plan(c), ExportFormat::kFsdp2);
+  CHECK(fsdp2.find("sdpa_attention_forward as attention_core") != std::string::npos);
+  CHECK(fsdp2.find("sdpa_mask as attention_mask_function") != std::string::npos);
+  CHECK(fsdp2.find("set_attn_implementation") < fsdp2.find("fully_shard("));
+  // accelerate and Lightning cannot express it: the code comes as comments and block checkpointing stays off
+  const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
+  CHECK(yaml.find("fsdp_activation_checkpointing: false") != std::string::npos);
+  CHECK(yaml.find("#   AttentionInterface.register(\"fsdpkit_selective\", checkpointed_attention)") != std::string::npos);
+  const std::string lightning = ExportConfig(Plan(c), ExportFormat::kLightning);
+  CHECK(lightning.find("activation_checkpointing_policy=None") != std::string::npos);
+  CHECK(lightning.find("#   model.set_attn_implementation(\"fsdpkit_selective\")") != std::string::npos);
+}
+
+TEST_CASE("full checkpointing turns the KV cache off") {
+  FsdpConfig c;
+  c.checkpointing = Checkpointing::kFull;
+  const std::string code = ExportConfig(Plan(c), ExportFormat::kFsdp1);
+  CHECK(code.find("model.config.use_cache = False") < code.find("apply_activation_checkpointing("));
+}
+
 TEST_CASE("accelerate YAML uses the keys and values accelerate reads") {
   Json keys = Keys();
   for (Framework fw : {Framework::kFsdp1, Framework::kFsdp2}) {
