@@ -166,6 +166,8 @@ fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
 torch_run shard_grad_op SHARD_GRAD_OP none
 fsdp no_shard --framework fsdp1 --strategy NO_SHARD
 torch_run no_shard NO_SHARD none
+fsdp full_shard_sac --framework fsdp2 --strategy FULL_SHARD --ac selective
+torch_run full_shard_sac FULL_SHARD selective
 say "pairs with PyTorch done after $(( $(date +%s) - start )) s"
 fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
 fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8

@@ -60,14 +60,14 @@ CASES = [
                    "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
         "seq": 24, "micro_batch": 1, "grad_accum": 2, "steps": 3, "flags": ["--wrap", "none", "--ac", "full"],
     },
-    {   # Mistral with head_dim * heads != hidden_size, window wider than the sequence
+    {   # Mistral with head_dim * heads != hidden_size, window wider than the sequence; selective checkpointing
         "name": "mistral-head-dim",
         "config": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "vocab_size": 200, "initializer_range": 0.1,
                    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
                    "max_position_embeddings": 256, "sliding_window": 64, "rms_norm_eps": 1e-5,
                    "rope_theta": 1000000.0, "tie_word_embeddings": False},
-        "seq": 20, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "shard_grad_op"],
+        "seq": 20, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "shard_grad_op", "--ac", "selective"],
         "max_shard_size": "150KB",  # several files and model.safetensors.index.json, as large checkpoints are saved
     },
     {   # Qwen2: q/k/v biases (drawn non-zero below), tied head, theta 1e6; 2 ranks NO_SHARD

@@ -152,9 +152,6 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   const FsdpConfig& c = w.value().config;
   if (c.cpu_offload) return Error::BadInput("fsdp-run does not implement CPU offload (--cpu-offload): fsdp-plan and fsdp-sim model it");
   if (c.optimizer != Optimizer::kAdamW) return Error::BadInput("fsdp-run trains with AdamW only (--optimizer adamw)");
-  if (c.checkpointing == Checkpointing::kSelective) {
-    return Error::BadInput("fsdp-run checkpoints whole blocks only (--ac none or full); fsdp-plan and fsdp-sim model --ac selective");
-  }
   PreparedRun run{std::move(w).value(), {}};
   run.options.seed = f.seed;
   run.options.lr = f.lr;

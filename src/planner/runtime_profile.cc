@@ -24,6 +24,7 @@ class RuntimePlayer {
     hidden_bytes_ = tokens_ * m.hidden_size * 4;
     head_bytes_ = (2 * tokens_ * m.vocab_size + 2 * tokens_ * m.hidden_size) * 4;  // logits, d_logits, normed, x
     block_bytes_ = RuntimeBlockSavedBytes(w);
+    core_bytes_ = RuntimeAttentionCoreBytes(w);
   }
 
   void Play() {
@@ -81,6 +82,7 @@ class RuntimePlayer {
 
   void MicroBatch() {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+    const bool selective = w_.config.checkpointing == Checkpointing::kSelective;
     const int layers = static_cast<int>(w_.model.num_layers);
     std::vector<BlockId> saved(static_cast<size_t>(layers), kNoBlock);
     Unshard(0);
@@ -89,7 +91,7 @@ class RuntimePlayer {
       const int u = UnitOfBlock(b);
       Unshard(u);
       if (w_.config.forward_prefetch && b + 1 < layers && UnitOfBlock(b + 1) != u) Prefetch(UnitOfBlock(b + 1));
-      saved[b] = mem_.Alloc(Cat::kActivations, ac ? hidden_bytes_ : block_bytes_);
+      saved[b] = mem_.Alloc(Cat::kActivations, ac ? hidden_bytes_ : selective ? block_bytes_ - core_bytes_ : block_bytes_);
       if (u != 0 && Reshards(u)) mem_.Free(full_[u]);
     }
     mem_.Free(x);
@@ -101,7 +103,7 @@ class RuntimePlayer {
       const int previous = b > 0 ? UnitOfBlock(b - 1) : -1;
       if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous != u) Prefetch(previous);
       if (grad_[u] == kNoBlock) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].padded_numel * 4);
-      BlockId recompute = ac ? mem_.Alloc(Cat::kActivations, block_bytes_) : kNoBlock;
+      BlockId recompute = ac ? mem_.Alloc(Cat::kActivations, block_bytes_) : selective ? mem_.Alloc(Cat::kActivations, core_bytes_) : kNoBlock;
       BlockId dx = mem_.Alloc(Cat::kActivations, hidden_bytes_);  // the gradient flowing back
       mem_.Free(dx);
       mem_.Free(recompute);
@@ -118,7 +120,7 @@ class RuntimePlayer {
   const Workload& w_;
   MemoryTracker& mem_;
   std::vector<BlockId> full_, grad_, shard_grad_;
-  int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0;
+  int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
   bool reduce_now_ = true;
   std::vector<int> block_unit_;  // Workload::BlockUnits
   std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)
@@ -132,6 +134,10 @@ int64_t RuntimeBlockSavedBytes(const Workload& w) {
   const int64_t floats = 4 * t * m.hidden_size + 2 * t * m.num_heads * m.head_dim + 2 * t * m.num_kv_heads * m.head_dim +
                          3 * t * m.intermediate_size + 2 * t + w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
   return floats * 4;
+}
+
+int64_t RuntimeAttentionCoreBytes(const Workload& w) {
+  return w.config.micro_batch * w.model.num_heads * w.config.seq_len * w.config.seq_len * 4;
 }
 
 MemoryEstimate EstimateRuntimeMemory(const Workload& w) {
@@ -325,6 +331,7 @@ class GpuRuntimePlayer {
       if (w_.config.forward_prefetch && b + 1 < layers && block_unit_[b + 1] != u) Unshard(block_unit_[b + 1]);
       phase_ = "forward of a block";
       const Id y = BlockForward(ac ? nullptr : &caches_[b]);
+      if (w_.config.checkpointing == Checkpointing::kSelective) Free(std::exchange(caches_[b].probs, -1));
       inputs_[b] = x;
       x = y;
       if (u != 0 && ReshardAfterForward(u)) Reshard(u);
@@ -352,6 +359,7 @@ class GpuRuntimePlayer {
       phase_ = "backward of a block";
       EnsureGrad(u);
       if (ac) Free(BlockForward(&caches_[b]));
+      if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs = Alloc(kActs, scores_ * e_);
       dx = BlockBackward(dx, caches_[b]);
       Free(inputs_[b]);
       if (u != 0 && w_.FreesInBackward(reduce_now_)) Reshard(u);  // reshard, BACKWARD_POST prefetch, reduce: as the engine

@@ -17,6 +17,10 @@ namespace fsdp {
 /// inverse RMS vectors (T), and the attention probabilities (B*a*s*s), all fp32.
 int64_t RuntimeBlockSavedBytes(const Workload& workload);
 
+/// Of those, the attention probabilities (B*a*s*s fp32): what --ac selective frees after a block's
+/// forward and recomputes before its backward.
+int64_t RuntimeAttentionCoreBytes(const Workload& workload);
+
 /// Peak and categories at the same sample points the engine's ledger uses (tensor memory only:
 /// no framework terms; the hidden-state matrices are counted as activations).
 MemoryEstimate EstimateRuntimeMemory(const Workload& workload);

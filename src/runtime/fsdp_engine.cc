@@ -246,6 +246,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   std::vector<BlockCache> caches(static_cast<size_t>(dims_.layers));
   std::vector<Mat> inputs_saved(static_cast<size_t>(dims_.layers));
   const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+  const bool selective = w_.config.checkpointing == Checkpointing::kSelective;  // the probabilities are recomputed
   for (int b = 0; b < dims_.layers; ++b) {
     const int u = block_unit_[b];
     if (Status s = Unshard(u); !s.ok()) return s.error();
@@ -257,6 +258,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
       ledger_.Add(Mem::kActivations, x.size() * 4);
     }
     x = BlockForward(dims_, block_params(b), x, mb, seq, ac ? nullptr : &caches[b]);
+    if (selective) DropAttentionCore(caches[b]);
     if (!ac) ledger_.Add(Mem::kActivations, caches[b].SavedBytes());
     if (Status st = ledger_.Sample("forward of a block"); !st.ok()) return st.error();
     if (u != 0 && ReshardAfterForward(u)) Reshard(u);
@@ -296,6 +298,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
       BlockForward(dims_, block_params(b), inputs_saved[b], mb, seq, &caches[b]);
       ledger_.Add(Mem::kActivations, caches[b].SavedBytes());
     }
+    if (selective) ledger_.Add(Mem::kActivations, RecomputeAttentionCore(dims_, caches[b], mb, seq));
     float* grads = full_grad_[u].data() + (u == 0 ? vocab * h + static_cast<int64_t>(b) * block_numel : 0);
     dx = BlockBackward(dims_, block_params(b), grads, dx, caches[b], mb, seq);
     if (Status st = ledger_.Sample("backward of a block"); !st.ok()) return st.error();

@@ -3,7 +3,8 @@
 // param_dtype; reshard = free, following the strategy (the root stays unsharded until its
 // backward); gradients reduce-scattered (rounded to reduce_dtype) into fp32 shards, all-reduced
 // across HYBRID_SHARD replicas (NO_SHARD: all-reduced); sharded AdamW; activation checkpointing
-// (a block's forward rerun in its backward); gradient accumulation.
+// (full: a block's forward rerun in its backward; selective: its attention probabilities
+// recomputed); gradient accumulation.
 #pragma once
 
 #include <cstdint>

@@ -4,7 +4,8 @@
 // stream, gradients reduce-scattered in reduce_dtype on a reduce-scatter stream, both
 // synchronised with the compute stream through CUDA events; forward and backward prefetch; the
 // limit_all_gathers rate limiter (at most two resharded-but-unfinished units before the CPU
-// waits); fp32 sharded parameters, gradients and AdamW states; activation checkpointing.
+// waits); fp32 sharded parameters, gradients and AdamW states; full (block) and selective
+// (attention probabilities) activation checkpointing.
 // Memory comes from a caching allocator with per-category accounting, plus the device's own view
 // (cudaMemGetInfo) of the CUDA context, cuBLAS and NCCL. Times come from CUDA events.
 //

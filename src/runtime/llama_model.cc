@@ -101,6 +101,15 @@ int64_t BlockCache::SavedBytes() const {
   return floats * 4;
 }
 
+void DropAttentionCore(BlockCache& cache) { std::vector<Mat>().swap(cache.probs); }
+
+int64_t RecomputeAttentionCore(const LlamaDims& d, BlockCache& cache, int64_t batch, int64_t seq) {
+  AttentionForward(cache.q, cache.k, cache.v, batch, seq, d.heads, d.kv_heads, d.head_dim, cache.probs);  // output = cache.attn
+  int64_t floats = 0;
+  for (const auto& p : cache.probs) floats += p.size();
+  return floats * 4;
+}
+
 namespace {
 ConstMatMap W(const float* p, int64_t rows, int64_t cols) { return ConstMatMap(p, rows, cols); }
 Eigen::Map<const Vec> V(const float* p, int64_t n) { return Eigen::Map<const Vec>(p, n); }

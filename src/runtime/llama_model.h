@@ -50,6 +50,11 @@ struct BlockCache {
   int64_t SavedBytes() const;
 };
 
+/// Selective checkpointing: frees the attention probabilities (`cache.probs`) after the forward...
+void DropAttentionCore(BlockCache& cache);
+/// ...and recomputes them from the saved q and k (after RoPE) before the backward; returns their bytes.
+int64_t RecomputeAttentionCore(const LlamaDims& d, BlockCache& cache, int64_t batch, int64_t seq);
+
 /// x (T, h) -> block output; fills `cache` when non-null. `params` is the block's flat buffer.
 Mat BlockForward(const LlamaDims& d, const float* params, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache);
 /// Returns dx; accumulates the block's parameter gradients into `grads` (same layout as params).

@@ -29,7 +29,7 @@ static HeadBatch HeadsOf(const DeviceContext& c, int64_t b, int64_t r) {
   return {b * s * d.heads * d.head_dim + r * d.head_dim, b * s * d.kv_heads * d.head_dim, (b * d.heads + r) * s * s};
 }
 
-Status DeviceAttentionForward(const DeviceContext& c, const void* q, const void* k, const void* v, void* probs, void* out) {
+Status DeviceAttentionProbs(const DeviceContext& c, const void* q, const void* k, void* probs) {
   const LlamaDims& d = c.dims;
   const int64_t s = c.seq, rep = d.heads / d.kv_heads, qld = d.heads * d.head_dim, kvld = d.kv_heads * d.head_dim;
   const DType t = c.dtype;
@@ -41,6 +41,14 @@ Status DeviceAttentionForward(const DeviceContext& c, const void* q, const void*
     }
   }
   CausalSoftmaxForward(probs, c.batch * d.heads, s, 1.0f / std::sqrt(static_cast<float>(d.head_dim)), t, c.stream);
+  return {};
+}
+
+Status DeviceAttentionForward(const DeviceContext& c, const void* q, const void* k, const void* v, void* probs, void* out) {
+  FSDP_TRY(DeviceAttentionProbs(c, q, k, probs));
+  const LlamaDims& d = c.dims;
+  const int64_t s = c.seq, rep = d.heads / d.kv_heads, qld = d.heads * d.head_dim, kvld = d.kv_heads * d.head_dim;
+  const DType t = c.dtype;
   for (int64_t b = 0; b < c.batch; ++b) {
     for (int64_t r = 0; r < rep; ++r) {
       const HeadBatch h = HeadsOf(c, b, r);

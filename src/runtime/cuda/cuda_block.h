@@ -41,6 +41,9 @@ Result<DeviceBuffer> DeviceBlockForward(const DeviceContext& c, const void* para
 Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* params, void* grads, float* dw_scratch, const DeviceBuffer& x,
                                          DeviceBuffer dy, DeviceBlockCache& cache);
 
+/// The causal softmax probabilities (B*a, s, s) of q (T, a*d) against k (T, g*d): the first half of
+/// DeviceAttentionForward, and what --ac selective recomputes before a block's backward.
+Status DeviceAttentionProbs(const DeviceContext& c, const void* q, const void* k, void* probs);
 /// Causal GQA attention: out (T, a*d) from q (T, a*d), k, v (T, g*d); probs (B*a, s, s) is written.
 Status DeviceAttentionForward(const DeviceContext& c, const void* q, const void* k, const void* v, void* probs, void* out);
 /// dq (T, a*d), dk, dv (T, g*d) from d_out and the saved probs.

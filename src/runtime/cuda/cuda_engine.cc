@@ -395,6 +395,7 @@ Status CudaEngine::Forward(DeviceBuffer& x) {
     alloc_.set_phase("forward of a block");
     auto y = DeviceBlockForward(ctx_, BlockParams(b), x, ac ? nullptr : &caches_[b]);
     if (!y.ok()) return y.error();
+    if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs.Release();  // recomputed in backward
     inputs_[b] = std::move(x);
     x = std::move(y).value();
     if (u != 0 && ReshardAfterForward(u)) FSDP_TRY(Reshard(u));
@@ -458,6 +459,11 @@ Status CudaEngine::Backward(DeviceBuffer x) {
     if (ac) {
       auto y = DeviceBlockForward(ctx_, BlockParams(b), inputs_[b], &caches_[b]);
       if (!y.ok()) return y.error();
+    }
+    if (w_.config.checkpointing == Checkpointing::kSelective) {  // the attention core, from the saved q and k
+      FSDP_ALLOC(probs, ctx_.Buffer(ctx_.batch * d.heads * ctx_.seq * ctx_.seq, Mem::kActivations));
+      FSDP_TRY(DeviceAttentionProbs(ctx_, caches_[b].q.get(), caches_[b].k.get(), probs.get()));
+      caches_[b].probs = std::move(probs);
     }
     auto next = DeviceBlockBackward(ctx_, BlockParams(b), BlockGrads(b), dw_scratch_.as<float>(), inputs_[b], std::move(dx), caches_[b]);
     if (!next.ok()) return next.error();

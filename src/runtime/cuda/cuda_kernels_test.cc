@@ -444,7 +444,7 @@ TEST_CASE("Training steps: fp32 losses equal the CPU engine's; allocated peak eq
     }
     CHECK(gpu.value()->memory().peak_allocated_bytes == EstimateGpuRuntimeMemory(w).peak_bytes);
   }
-  for (Checkpointing ac : {Checkpointing::kNone, Checkpointing::kFull}) {
+  for (Checkpointing ac : {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull}) {
     for (int world : {1, 8}) {  // virtual world of 8 on this GPU
       const Workload w = TinyWorkload(Strategy::kFullShard, ac, DType::kBf16, world);
       auto gpu = CreateGpuEngine(w, *host, o, world == 1 ? 0 : world);
