@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fsdp-plan's PyTorch FSDP2 memory profile against PyTorch FSDP2 itself, on CPU ranks (gloo):
+# fsdp-plan's PyTorch FSDP2 (and FSDP1) memory profile against PyTorch itself, on CPU ranks (gloo):
 # tools/torch_reference.py runs llama-100m under fully_shard and records FSDPMemTracker's
 # categories at the peak; fsdp-plan predicts the same configuration (--framework fsdp2, eager
 # attention). Compared: the tensors at the peak (fsdp-plan's categories without the framework term,
@@ -7,9 +7,12 @@
 # $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them.
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
-# the three one-rank configurations of the first, third and fourth rows only (the CTest check torch_memory_agreement does both).
-# The last two rows use selective checkpointing (torch_reference.py --ac selective: HF's attention
+# the three one-rank configurations of the first, third and fourth rows and the first FSDP1 row only
+# (the CTest check torch_memory_agreement does both).
+# Rows 7 and 8 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
+# The FSDP1 rows (torch_reference.py --framework fsdp1: FullyShardedDataParallel, MemTracker) use
+# 2 ranks: FSDP1 on one rank silently switches every strategy to NO_SHARD.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -19,23 +22,24 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
-check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json]
-  local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json}
-  local args=(--device cpu --model "$model" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
+check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2]
+  local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}
+  local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
               --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$out/$name.json")
   if [ "$ranks" -gt 1 ]; then
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   else
     "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   fi
-  "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework fsdp2 --strategy "$strategy" \
+  "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
     --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention eager --param-dtype bf16 --reduce-dtype fp32 --json > "$out/$name.plan.json"
   python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
 import json, sys
 name, torch_path, plan_path = sys.argv[1:]
 tracked = json.load(open(torch_path))["measured"]["memory"]["categories_at_peak"]["Total"]
 per_gpu = json.load(open(plan_path))["memory"]["per_gpu"]
-planned = sum(v for k, v in per_gpu["categories"].items() if k != "framework_bytes")
+# tensors only: without the framework term and without blocks FSDP1's record_stream keeps reserved (none on the CPU)
+planned = sum(v for k, v in per_gpu["categories"].items() if k != "framework_bytes") - per_gpu["pending_free_bytes_at_peak"]
 error = 100 * (planned - tracked) / tracked
 print(f"{name:44s} {tracked:14d} {planned:14d} {error:+7.2f}%  {per_gpu['peak_phase']}")
 limit = float(__import__("os").environ.get("MAX_ERROR_PCT") or "inf")
@@ -45,9 +49,11 @@ if abs(error) > limit:
 PY
 }
 check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
+fsdp1_row() { check "2 ranks FSDP1 FULL_SHARD seq 1024 x 2"   2 FULL_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp1; }
 if [ -n "${QUICK:-}" ]; then
   check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
   check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
+  fsdp1_row
   exit 0
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
@@ -57,3 +63,6 @@ check "2 ranks FULL_SHARD     seq 1024 x 2"      2 FULL_SHARD    none 2 1024
 check "2 ranks FULL_SHARD AC  seq 1024 x 2"      2 FULL_SHARD    full 2 1024
 check "1 rank  FULL_SHARD SAC seq 1024 x 4"      1 FULL_SHARD    selective 4 1024
 check "1 rank  FULL_SHARD SAC seq 2048 x 2 GQA"  1 FULL_SHARD    selective 2 2048 "$root/tests/data/hf_configs/llama-100m-gqa.json"
+fsdp1_row
+check "2 ranks FSDP1 SHARD_GRAD_OP seq 1024 x 2" 2 SHARD_GRAD_OP none 2 1024 "$root/models/llama-100m.json" fsdp1
+check "2 ranks FSDP1 FULL_SHARD AC seq 1024 x 2" 2 FULL_SHARD full 2 1024 "$root/models/llama-100m.json" fsdp1

@@ -156,8 +156,8 @@ torch_run() {  # name, strategy, ac, extra flags
     --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
-# The pairs with PyTorch FSDP2 first (fsdp2 profiles, as the reference runs fully_shard; FSDP2 has no
-# NO_SHARD, so that one is fsdp1's), then the runs without a PyTorch counterpart.
+# The pairs with PyTorch first (fsdp2 profiles against fully_shard; FSDP2 has no NO_SHARD, so that
+# pair is FSDP1's on both sides), then the runs without a PyTorch counterpart.
 fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
 torch_run full_shard FULL_SHARD none ${same[@]+"${same[@]}"}
 fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
@@ -165,7 +165,7 @@ torch_run full_shard_ac FULL_SHARD full
 fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
 torch_run shard_grad_op SHARD_GRAD_OP none
 fsdp no_shard --framework fsdp1 --strategy NO_SHARD
-torch_run no_shard NO_SHARD none
+torch_run no_shard NO_SHARD none --framework fsdp1
 fsdp full_shard_sac --framework fsdp2 --strategy FULL_SHARD --ac selective
 torch_run full_shard_sac FULL_SHARD selective
 say "pairs with PyTorch done after $(( $(date +%s) - start )) s"

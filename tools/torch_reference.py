@@ -175,6 +175,8 @@ def build_parser():
     p.add_argument("--param-dtype", default="bf16", choices=DTYPES)
     p.add_argument("--reduce-dtype", default="fp32", choices=DTYPES)
     p.add_argument("--attention", default="eager", choices=("eager", "sdpa"))
+    p.add_argument("--framework", default="fsdp2", choices=("fsdp1", "fsdp2"),
+                   help="fully_shard (default) or FullyShardedDataParallel")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--lr", type=positive_float, default=1e-3)
     p.add_argument("--seed", type=non_negative_int, default=1)
@@ -377,6 +379,37 @@ def apply_activation_checkpointing(model):
                                        preserve_rng_state=False)
 
 
+def shard_model_fsdp1(model, args, device):
+    """FullyShardedDataParallel as fsdp-plan --framework fsdp1 models it and --export pytorch writes
+    it: one FSDP unit per decoder layer plus the root, flat parameters (use_orig_params=False),
+    MixedPrecision(param, reduce, buffer=param), BACKWARD_PRE, limit_all_gathers; NO_SHARD is
+    FSDP1's own. On the CPU, device_id=cpu (FSDP1 otherwise refuses to run without an accelerator)."""
+    import functools
+    import torch
+    from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    param = torch_dtype(args.param_dtype)
+    return FullyShardedDataParallel(
+        model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}),
+        sharding_strategy=getattr(ShardingStrategy, args.strategy),
+        mixed_precision=MixedPrecision(param_dtype=param, reduce_dtype=torch_dtype(args.reduce_dtype), buffer_dtype=param),
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True, use_orig_params=False,
+        device_id=device)
+
+
+def apply_activation_checkpointing_fsdp1(model):
+    import functools
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+
+
 def shard_model(model, args, mesh):
     fully_shard, MixedPrecisionPolicy = import_fsdp2()
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(args.param_dtype),
@@ -507,13 +540,20 @@ def category_name(key):
 
 
 def tracked_categories(model, optimizer, batch, device):
-    """One extra step under FSDPMemTracker; returns (categories, loss, error)."""
+    """One extra step under FSDPMemTracker (FSDP2) or MemTracker (FSDP1); returns (categories,
+    loss, error)."""
     try:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
         inputs, targets = to_device(batch, device)
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((inputs, targets))
+        if isinstance(model, FullyShardedDataParallel):
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, inputs, targets)
+        else:
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((inputs, targets))
         with tracker:
             loss = train_step(model, optimizer, inputs, targets)
         snapshot = tracker.get_tracker_snapshot("peak")
@@ -563,7 +603,8 @@ def build_report(args, env, params, notes, run):
             "params": params, "strategy": args.strategy, "ac": args.ac,
             "micro_batch": args.micro_batch, "seq_len": args.seq_len,
             "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
-            "attention": args.attention, "steps": args.steps, "warmup": args.warmup,
+            "attention": args.attention, "framework": args.framework,
+            "steps": args.steps, "warmup": args.warmup,
             "lr": args.lr, "seed": args.seed, "device": args.device,
             "init_from": args.init_from or None, "tokens": args.tokens or None,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -654,13 +695,15 @@ def main(argv=None):
     try:
         model = build_model(args, device)
         params = sum(p.numel() for p in model.parameters())
-        notes = strategy_notes(args.strategy, world)
+        notes = (strategy_notes(args.strategy, world) if args.framework == "fsdp2" else
+                 [f"FullyShardedDataParallel({args.strategy}) per decoder layer and the root, "
+                  "flat parameters, BACKWARD_PRE, limit_all_gathers; categories_at_peak from MemTracker"])
         if args.ac == "selective":
             notes.append(f"ac=selective -> HF's {args.attention} attention function under "
                          "torch.utils.checkpoint(use_reentrant=False), registered with its mask "
                          "function as attn_implementation 'fsdpkit_selective' (the attention core "
                          "is recomputed)")
-        if args.ac == "full":
+        if args.ac == "full" and args.framework == "fsdp2":
             apply_activation_checkpointing(model)
             notes.append("ac=full -> checkpoint_wrapper(NO_REENTRANT, "
                          "preserve_rng_state=False) on each decoder layer before fully_shard")
@@ -668,12 +711,19 @@ def main(argv=None):
                      "script (not HF's labels= loss), averaged over ranks; "
                      "measured.loss lists warmup steps first")
         notes.append("memory numbers are rank 0's; categories_at_peak from one extra "
-                     "step under FSDPMemTracker after the timed steps")
+                     "step under FSDPMemTracker (FSDP1: MemTracker) after the timed steps")
         if args.param_dtype == "fp16":
             notes.append("param_dtype fp16 runs without loss scaling (no GradScaler)")
         if args.seq_len > args.model_dict.get("max_position_embeddings", args.seq_len):
             notes.append("seq_len exceeds max_position_embeddings (RoPE extrapolates)")
-        shard_model(model, args, make_mesh(args.strategy, device, world))
+        if args.framework == "fsdp1":
+            model = shard_model_fsdp1(model, args, device)
+            if args.ac == "full":  # inside each FSDP unit, as fsdp-plan --export pytorch writes it
+                apply_activation_checkpointing_fsdp1(model)
+                notes.append("ac=full -> apply_activation_checkpointing(checkpoint_wrapper NO_REENTRANT) "
+                             "on each decoder layer after FullyShardedDataParallel")
+        else:
+            shard_model(model, args, make_mesh(args.strategy, device, world))
         run = run_training(args, model, device, rank, world)
         env = {"world": world, "device_name": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu"}

@@ -47,7 +47,8 @@ for key in ("max_allocated_bytes", "max_reserved_bytes", "timed_max_allocated_by
             "after_init_allocated_bytes", "device_used_bytes"):
     assert key in mem and mem[key] is None, key          # CPU run: CUDA fields null
 cats = mem["categories_at_peak"]
-assert cats and cats["Total"] > 0 and cats["OptState"] > 0, mem.get("categories_error")
+assert cats and cats["Total"] > 0, mem.get("categories_error")
+assert cats.get("OptState", cats.get("Optstate", 0)) > 0, cats  # FSDPMemTracker / MemTracker (FSDP1) names
 assert any(strategy in n for n in r["notes"])
 EOF
 }
@@ -70,6 +71,7 @@ for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD; do
     done
 done
 run_case FULL_SHARD-selective FULL_SHARD selective
+run_case fsdp1-FULL_SHARD-full FULL_SHARD full --framework fsdp1
 run_case sdpa-fp32 FULL_SHARD none --attention sdpa --param-dtype fp32 --reduce-dtype fp32
 
 # Loss goes down on the synthetic (5t+3 mod V) sequences.
@@ -104,6 +106,7 @@ base=(--model "$MODEL" --device cpu --out "$TMP/bad.json")
 bad_input strategy "${base[@]}" --strategy HYBRID_SHARD
 bad_input ac "${base[@]}" --ac partial
 bad_input dtype "${base[@]}" --param-dtype int8
+bad_input framework "${base[@]}" --framework fsdp3
 bad_input seq-len "${base[@]}" --seq-len 0
 bad_input micro-batch "${base[@]}" --micro-batch -2
 bad_input steps "${base[@]}" --steps abc
