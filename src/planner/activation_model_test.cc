@@ -53,7 +53,7 @@ TEST_CASE("GQA: flash keeps k/v at kv-head width, eager repeats them") {
 }
 
 TEST_CASE("selective checkpointing with GQA keeps k and v at kv-head width") {
-  // llama-3.1-8b, eager, 1 token: q 4096 wide, k/v 1024 wide (8 kv heads of 128), bf16.
+  // llama-3.1-8b, eager, per token: q 4096 wide, k/v 1024 wide (8 kv heads of 128), bf16.
   // The core recomputes repeat_kv's two 4096-wide expansions and the 32-head scores (6 * 32 * s);
   // the checkpointed function keeps its k and v inputs (2 * 1024 each).
   const int64_t seq = 4096;

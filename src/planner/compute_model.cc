@@ -116,8 +116,10 @@ ComputeModel EstimateUnitCompute(const Workload& w) {
       // checkpoint_wrapper reruns the whole block forward (its linears included) in backward
       u.recompute_flops += fwd_flops;
       u.recompute_s += fwd_s;
-    } else if (ac == Checkpointing::kSelective && n.role == ModuleNode::Role::kBlock && !flash) {
-      const double core_bytes = static_cast<double>(block.FullBytes() - block.KeptBytes());
+    } else if (ac == Checkpointing::kSelective && n.role == ModuleNode::Role::kBlock) {
+      // the checkpointed attention function runs again (eager or SDPA), rewriting its core tensors
+      double core_bytes = 0;
+      for (const auto& t : block.full) core_bytes += t.attention_core ? static_cast<double>(t.bytes) : 0.0;
       u.recompute_flops += work.attention_flops;
       u.recompute_s += work.attention_flops / attention_rate + kForwardTrafficPerSavedByte * core_bytes / mem_rate;
     }

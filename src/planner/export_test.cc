@@ -114,6 +114,7 @@ TEST_CASE("selective checkpointing exports HF's attention function under a check
   CHECK(fsdp1.find("checkpoint(attention_core, module, query, key, value, attention_mask, use_reentrant=False, **kwargs)") != std::string::npos);
   CHECK(fsdp1.find("AttentionMaskInterface.register(\"fsdpkit_selective\", attention_mask_function)") != std::string::npos);
   CHECK(fsdp1.find("eager_mask as attention_mask_function") != std::string::npos);
+  REQUIRE(fsdp1.find("model = FSDP(") != std::string::npos);
   CHECK(fsdp1.find("model.set_attn_implementation(\"fsdpkit_selective\")") < fsdp1.find("model = FSDP("));
   CHECK(fsdp1.find("apply_activation_checkpointing(\n") == std::string::npos);  // not whole blocks
   c.attention = Attention::kFlash;
@@ -121,6 +122,7 @@ TEST_CASE("selective checkpointing exports HF's attention function under a check
   const std::string fsdp2 = ExportConfig(Plan(c), ExportFormat::kFsdp2);
   CHECK(fsdp2.find("sdpa_attention_forward as attention_core") != std::string::npos);
   CHECK(fsdp2.find("sdpa_mask as attention_mask_function") != std::string::npos);
+  REQUIRE(fsdp2.find("fully_shard(") != std::string::npos);
   CHECK(fsdp2.find("set_attn_implementation") < fsdp2.find("fully_shard("));
   // accelerate and Lightning cannot express it: the code comes as comments and block checkpointing stays off
   const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
@@ -135,6 +137,7 @@ TEST_CASE("full checkpointing turns the KV cache off") {
   FsdpConfig c;
   c.checkpointing = Checkpointing::kFull;
   const std::string code = ExportConfig(Plan(c), ExportFormat::kFsdp1);
+  REQUIRE(code.find("apply_activation_checkpointing(") != std::string::npos);
   CHECK(code.find("model.config.use_cache = False") < code.find("apply_activation_checkpointing("));
 }
 

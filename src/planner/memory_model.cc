@@ -167,8 +167,9 @@ class StepPlayer {
     switch (node.role) {
       case ModuleNode::Role::kEmbedding:
         AllocSaved(node_id, head_.embedding);
-        if (c_.attention == Attention::kEager) {
-          // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention.
+        if (c_.attention == Attention::kEager && c_.checkpointing != Checkpointing::kSelective) {
+          // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention (with
+          // selective checkpointing it is among head_.embedding: kept until the backward).
           causal_mask_ = mem_.Alloc(Cat::kActivations, pb_ * c_.micro_batch * c_.seq_len * c_.seq_len);
         }
         break;

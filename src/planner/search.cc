@@ -25,7 +25,8 @@ std::vector<int64_t> GpuCounts(int64_t min, int64_t max) {
 
 std::vector<Checkpointing> CheckpointModes(const FsdpConfig& base) {
   if (base.attention == Attention::kEager) return {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
-  return {Checkpointing::kNone, Checkpointing::kFull};  // selective changes nothing with flash attention
+  // with flash attention selective saves only the LSE and still reruns the attention: not worth searching
+  return {Checkpointing::kNone, Checkpointing::kFull};
 }
 
 // Tensor memory does not depend on the GPU type, and from the second micro-batch on every
