@@ -170,6 +170,11 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
 
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
 int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
+int64_t BlockActivations::CoreBytes() const {
+  int64_t total = 0;
+  for (const auto& t : full) total += t.attention_core ? t.bytes : 0;
+  return total;
+}
 int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
@@ -206,11 +211,6 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
   // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the
   // model output until backward ends.
-  if (cfg.checkpointing == Checkpointing::kSelective && cfg.attention == Attention::kEager) {
-    // The checkpointed attention function holds its inputs until its recomputation, the model's
-    // one [B, 1, s, s] eager mask (compute dtype) among them; without checkpointing no op saves it.
-    head.embedding.push_back({"attn_core.causal_mask", d.c * d.seq * d.tokens, true});
-  }
   head.logits_bytes = d.c * vT;
   head.loss_saved_bytes = 4 * vT;
   head.loss_forward_transient_bytes = d.c == 4 ? 0 : 4 * vT;

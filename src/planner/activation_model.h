@@ -26,6 +26,7 @@ struct BlockActivations {
   int64_t backward_working_bytes = 0;  ///< transient gradients alive inside the block's backward
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
+  int64_t CoreBytes() const;  ///< the attention-core tensors of `full` (what selective checkpointing recomputes)
 };
 
 /// Activation memory outside the blocks (embedding, final norm, logits and loss).

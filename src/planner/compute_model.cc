@@ -118,8 +118,7 @@ ComputeModel EstimateUnitCompute(const Workload& w) {
       u.recompute_s += fwd_s;
     } else if (ac == Checkpointing::kSelective && n.role == ModuleNode::Role::kBlock) {
       // the checkpointed attention function runs again (eager or SDPA), rewriting its core tensors
-      double core_bytes = 0;
-      for (const auto& t : block.full) core_bytes += t.attention_core ? static_cast<double>(t.bytes) : 0.0;
+      const double core_bytes = static_cast<double>(block.CoreBytes());
       u.recompute_flops += work.attention_flops;
       u.recompute_s += work.attention_flops / attention_rate + kForwardTrafficPerSavedByte * core_bytes / mem_rate;
     }

@@ -167,10 +167,16 @@ class StepPlayer {
     switch (node.role) {
       case ModuleNode::Role::kEmbedding:
         AllocSaved(node_id, head_.embedding);
-        if (c_.attention == Attention::kEager && c_.checkpointing != Checkpointing::kSelective) {
-          // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention (with
-          // selective checkpointing it is among head_.embedding: kept until the backward).
-          causal_mask_ = mem_.Alloc(Cat::kActivations, pb_ * c_.micro_batch * c_.seq_len * c_.seq_len);
+        if (c_.attention == Attention::kEager) {
+          // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention, freed
+          // after the last block's forward; selective checkpointing keeps it (an input of every
+          // checkpointed attention function) until the embedding's backward, as a saved tensor.
+          const BlockId mask = mem_.Alloc(Cat::kActivations, pb_ * c_.micro_batch * c_.seq_len * c_.seq_len);
+          if (c_.checkpointing == Checkpointing::kSelective) {
+            node_saved_[node_id].push_back(mask);
+          } else {
+            causal_mask_ = mask;
+          }
         }
         break;
       case ModuleNode::Role::kBlock: AllocSaved(node_id, block_.kept); break;

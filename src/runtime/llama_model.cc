@@ -104,7 +104,7 @@ int64_t BlockCache::SavedBytes() const {
 void DropAttentionCore(BlockCache& cache) { std::vector<Mat>().swap(cache.probs); }
 
 int64_t RecomputeAttentionCore(const LlamaDims& d, BlockCache& cache, int64_t batch, int64_t seq) {
-  AttentionForward(cache.q, cache.k, cache.v, batch, seq, d.heads, d.kv_heads, d.head_dim, cache.probs);  // output = cache.attn
+  AttentionProbs(cache.q, cache.k, batch, seq, d.heads, d.kv_heads, d.head_dim, cache.probs);
   int64_t floats = 0;
   for (const auto& p : cache.probs) floats += p.size();
   return floats * 4;

@@ -84,16 +84,14 @@ auto HeadBlock(Mat& m, int64_t b, int64_t h, int64_t seq, int64_t head_dim) {
 
 }  // namespace
 
-Mat AttentionForward(const Mat& q, const Mat& k, const Mat& v, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
-                     int64_t head_dim, std::vector<Mat>& probs) {
-  Mat out = Mat::Zero(q.rows(), q.cols());
+void AttentionProbs(const Mat& q, const Mat& k, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    std::vector<Mat>& probs) {
   probs.assign(static_cast<size_t>(batch * heads), Mat());
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t group = heads / kv_heads;
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t kvh = h / group;
-      Mat s = HeadBlock(q, b, h, seq, head_dim) * HeadBlock(k, b, kvh, seq, head_dim).transpose() * scale;
+      Mat s = HeadBlock(q, b, h, seq, head_dim) * HeadBlock(k, b, h / group, seq, head_dim).transpose() * scale;
       for (int64_t i = 0; i < seq; ++i) {
         float m = -INFINITY;
         for (int64_t j = 0; j <= i; ++j) m = std::max(m, s(i, j));
@@ -104,8 +102,19 @@ Mat AttentionForward(const Mat& q, const Mat& k, const Mat& v, int64_t batch, in
         }
         s.row(i) /= sum;
       }
-      HeadBlock(out, b, h, seq, head_dim) = s * HeadBlock(v, b, kvh, seq, head_dim);
       probs[static_cast<size_t>(b * heads + h)] = std::move(s);
+    }
+  }
+}
+
+Mat AttentionForward(const Mat& q, const Mat& k, const Mat& v, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+                     int64_t head_dim, std::vector<Mat>& probs) {
+  AttentionProbs(q, k, batch, seq, heads, kv_heads, head_dim, probs);
+  Mat out = Mat::Zero(q.rows(), q.cols());
+  const int64_t group = heads / kv_heads;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      HeadBlock(out, b, h, seq, head_dim) = probs[static_cast<size_t>(b * heads + h)] * HeadBlock(v, b, h / group, seq, head_dim);
     }
   }
   return out;

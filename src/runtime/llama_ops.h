@@ -40,6 +40,10 @@ std::vector<double> RopeBaseFrequencies(double theta, int64_t head_dim);
 /// (backward).
 void Rope(Mat& x, int64_t heads, int64_t head_dim, int64_t seq, const std::vector<double>& inv_freq, bool inverse);
 
+/// The causal softmax probabilities (batch * a blocks of (seq, seq)) of q (T, a*d) against k
+/// (T, g*d): AttentionForward's first half, and what --ac selective recomputes.
+void AttentionProbs(const Mat& q, const Mat& k, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    std::vector<Mat>& probs);
 /// Causal attention with grouped-query heads. q (T, a*d), k and v (T, g*d); returns (T, a*d) and
 /// saves the probabilities (batch * a blocks of (seq, seq)).
 Mat AttentionForward(const Mat& q, const Mat& k, const Mat& v, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
