@@ -38,6 +38,12 @@ How fsdpkit's options map to PyTorch
   are all-reduced, i.e. DDP semantics, while keeping the same
   MixedPrecisionPolicy (``replicate``/DDP do not take that policy).
   Each mapping is also written to the JSON "notes".
+* --framework fsdp1: ``FullyShardedDataParallel`` instead (transformer_auto_wrap_policy
+  on LlamaDecoderLayer, flat parameters, ``MixedPrecision(param, reduce,
+  buffer=param)``, BACKWARD_PRE, limit_all_gathers; NO_SHARD is FSDP1's own;
+  ``device_id=cpu`` on the CPU), --ac full applied after wrapping as fsdp-plan
+  --export pytorch writes it, and ``MemTracker`` instead of FSDPMemTracker. FSDP1
+  runs every strategy as NO_SHARD on one rank.
 * --ac full: every decoder layer is wrapped with ``checkpoint_wrapper``
   (CheckpointImpl.NO_REENTRANT, preserve_rng_state=False) before
   ``fully_shard``, the torchtitan way. HF's own gradient checkpointing is off.
