@@ -9,7 +9,10 @@ changed), and two AdamW steps are trained. Checked:
   * its losses equal those of the same model trained without FSDP and without checkpointing
     (fp32, 1 rank: relative difference below 1e-5), so the checkpointing code recomputes exactly;
   * with --ac selective, no tensor of the attention scores' shape [B, heads, s, s] is saved for
-    backward (the attention core is recomputed), while without checkpointing one is saved per layer.
+    backward (the attention core is recomputed), while without checkpointing one is saved per layer;
+  * with --param-dtype fp16, the export's ShardedGradScaler (moved to the CPU) drives the loop as
+    its comment says (scaler.scale(loss).backward(), scaler.step, scaler.update), the scale stays at
+    2^16 (no step overflows) and the losses stay within fp16 rounding (5e-3) of the fp32 reference.
 
 Usage: tools/export_check.py --fsdp-plan build/fsdp-plan
 Exit status: 0 all cases pass, 1 a case fails, 77 torch/transformers missing.
@@ -32,23 +35,28 @@ TINY = {
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
 }
-# (name, family, fsdp-plan flags): selective with eager and with SDPA attention, full checkpointing
+# (name, family, param dtype, fsdp-plan flags): selective with eager and with SDPA attention, full
+# checkpointing, fp16 with its loss scaler
 CASES = [
-    ("llama selective eager", "llama", ["--ac", "selective", "--attention", "eager"]),
-    ("llama selective sdpa", "llama", ["--ac", "selective", "--attention", "flash"]),
-    ("gpt2 selective eager", "gpt2", ["--ac", "selective", "--attention", "eager"]),
-    ("llama full", "llama", ["--ac", "full", "--attention", "eager"]),
+    ("llama selective eager", "llama", "fp32", ["--ac", "selective", "--attention", "eager"]),
+    ("llama selective sdpa", "llama", "fp32", ["--ac", "selective", "--attention", "flash"]),
+    ("gpt2 selective eager", "gpt2", "fp32", ["--ac", "selective", "--attention", "eager"]),
+    ("llama full", "llama", "fp32", ["--ac", "full", "--attention", "eager"]),
+    ("llama fp16 scaler", "llama", "fp16", ["--ac", "none", "--attention", "eager"]),
 ]
 
 
-def exported_code(fsdp_plan, config_path, flags):
+def exported_code(fsdp_plan, config_path, dtype, flags):
     cmd = [fsdp_plan, "--model", config_path, "--gpu", "h100-sxm", "--gpus", "1", "--framework", "fsdp2",
-           "--strategy", "FULL_SHARD", "--param-dtype", "fp32", "--reduce-dtype", "fp32", "--seq-len", str(SEQ),
+           "--strategy", "FULL_SHARD", "--param-dtype", dtype, "--reduce-dtype", "fp32", "--seq-len", str(SEQ),
            "--micro-batch", str(BATCH), "--export", "fsdp2", *flags]
     code = subprocess.run(cmd, check=True, capture_output=True, text=True,
                           env=dict(os.environ, FSDPKIT_DATA_DIR=ROOT)).stdout
     if 'init_device_mesh("cuda"' not in code:
         raise SystemExit("export_check: the export has no init_device_mesh(\"cuda\", ...) to move to the CPU")
+    if dtype == "fp16" and "scaler = ShardedGradScaler()" not in code:
+        raise SystemExit("export_check: the fp16 export has no ShardedGradScaler")
+    code = code.replace("scaler = ShardedGradScaler()", 'scaler = ShardedGradScaler(device="cpu")')
     return code.replace('init_device_mesh("cuda"', 'init_device_mesh("cpu"')
 
 
@@ -70,8 +78,9 @@ def batches():
     return [torch.randint(0, 128, (BATCH, SEQ + 1), generator=g) for _ in range(2)]
 
 
-def train(model, data, watch_shape=None):
-    """Two AdamW steps; returns the losses and how many saved tensors had watch_shape."""
+def train(model, data, watch_shape=None, scaler=None):
+    """Two AdamW steps (through `scaler` when given); returns the losses and how many saved tensors
+    had watch_shape."""
     import torch
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -86,20 +95,25 @@ def train(model, data, watch_shape=None):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits = model(input_ids=tokens[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, matches
 
 
-def run_case(fsdp_plan, name, family, flags, workdir):
+def run_case(fsdp_plan, name, family, dtype, flags, workdir):
     from torch.distributed.fsdp import FSDPModule
 
     config_path = os.path.join(workdir, f"{family}.json")
     with open(config_path, "w") as f:
         json.dump(TINY[family], f)
-    code = exported_code(fsdp_plan, config_path, flags)
+    code = exported_code(fsdp_plan, config_path, dtype, flags)
     attention = "eager" if "eager" in flags else "sdpa"
     heads = TINY[family].get("num_attention_heads", TINY[family].get("n_head"))
     scores = (BATCH, heads, SEQ, SEQ)
@@ -109,14 +123,19 @@ def run_case(fsdp_plan, name, family, flags, workdir):
     scope = {"model": model}
     exec(compile(code, f"<fsdp-plan --export fsdp2 {' '.join(flags)}>", "exec"), scope)
     model = scope["model"]
+    scaler = scope.get("scaler")
     sharded = sum(isinstance(m, FSDPModule) for m in model.modules())
-    losses, kept_scores = train(model, data, scores)
+    losses, kept_scores = train(model, data, scores, scaler)
     problems = []
     if sharded != TINY[family].get("num_hidden_layers", TINY[family].get("n_layer")) + 1:
         problems.append(f"{sharded} FSDP modules")
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-    if worst > 1e-5:
+    if worst > (5e-3 if dtype == "fp16" else 1e-5):
         problems.append(f"losses {losses} differ from {reference} by {worst:.1e}")
+    if (scaler is not None) != (dtype == "fp16"):
+        problems.append(f"a {dtype} export {'with' if scaler is not None else 'without'} a loss scaler")
+    elif scaler is not None and scaler.get_scale() != 2.0**16:
+        problems.append(f"loss scale {scaler.get_scale()} after {len(data)} steps (expected 65536: no overflow)")
     if "selective" in flags:
         if model.config._attn_implementation != "fsdpkit_selective":
             problems.append(f"attn_implementation is {model.config._attn_implementation}")
@@ -145,7 +164,7 @@ def main():
     torch.use_deterministic_algorithms(True)
     try:
         with tempfile.TemporaryDirectory() as workdir:
-            ok = [run_case(args.fsdp_plan, name, family, flags, workdir) for name, family, flags in CASES]
+            ok = [run_case(args.fsdp_plan, name, family, dtype, flags, workdir) for name, family, dtype, flags in CASES]
     finally:
         dist.destroy_process_group()
     return 0 if all(ok) else 1

@@ -106,6 +106,11 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
   app.add_option("--fail-rank", f.fail_rank, "fault injection: this rank exits abruptly at --fail-step (tests)");
   app.add_option("--fail-step", f.fail_step, "fault injection: the step at which --fail-rank dies");
   app.add_option("--device", f.device, "cpu (Eigen fp32, MPI ranks) or cuda (one GPU per rank: CUDA kernels, cuBLAS, NCCL)")->capture_default_str();
+  app.add_option("--loss-scale", f.loss_scale,
+                 "auto (dynamic when --param-dtype fp16), none or dynamic: ShardedGradScaler's loss scaling, inf/NaN steps skipped")
+      ->capture_default_str();
+  app.add_option("--loss-scale-init", f.loss_scale_init, "initial loss scale, a power of two (init_scale)")->capture_default_str();
+  app.add_option("--loss-scale-interval", f.loss_scale_interval, "clean steps before the scale doubles (growth_interval)")->capture_default_str();
   app.add_option("--virtual-world", f.virtual_world,
                  "cuda: run rank 0 of an N-rank configuration on one GPU (shards and buffers sized for N, collectives as device copies)");
 }
@@ -114,6 +119,22 @@ Json RunInputsJson(const RunFlags& f) {
   auto path = [](const std::string& p) { return p.empty() ? Json(nullptr) : Json(p); };
   const double lr = std::stod(fmt::format("{}", f.lr));  // the float's shortest decimal, 0.001 rather than 0.0010000000474974513
   return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", lr}};
+}
+
+void PrintLossScaling(const runtime::LossScaler& scaler, int64_t steps, std::ostream& out) {
+  if (!scaler.enabled()) return;
+  std::string skipped;
+  for (int64_t s : scaler.skipped_steps()) skipped += fmt::format("{}{}", skipped.empty() ? "" : ", ", s + 1);
+  fmt::print(out, "  loss scaling: dynamic, scale {:g} after {} steps, {}\n", scaler.scale(), steps,
+             skipped.empty() ? "no step skipped" : fmt::format("skipped steps {} (inf/NaN gradients)", skipped));
+}
+
+Json LossScalingJson(const runtime::LossScaler& scaler) {
+  Json skipped = Json::array();
+  for (int64_t s : scaler.skipped_steps()) skipped.push_back(s + 1);
+  return Json{{"mode", std::string(runtime::LossScalingName(scaler.mode()))},
+              {"final_scale", scaler.scale()},
+              {"skipped_steps", skipped}};
 }
 
 double PercentError(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }
@@ -155,6 +176,11 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   PreparedRun run{std::move(w).value(), {}};
   run.options.seed = f.seed;
   run.options.lr = f.lr;
+  auto scaling = runtime::ParseLossScaling(f.loss_scale, c.param_dtype);
+  if (!scaling.ok()) return scaling.error();
+  run.options.loss_scaling = {scaling.value(), f.loss_scale_init};
+  run.options.loss_scaling.growth_interval = f.loss_scale_interval;
+  if (Status s = runtime::CheckLossScalerOptions(run.options.loss_scaling); !s.ok()) return s.error();
   if (!f.init_from.empty()) {
     auto checkpoint = runtime::Checkpoint::Open(f.init_from);
     if (!checkpoint.ok()) return checkpoint.error();
@@ -226,6 +252,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   fmt::print(out, "{} on {} rank(s), {}: losses", workload.model.id, comm.size(), StrategyName(workload.config.strategy));
   for (const auto& l : losses) fmt::print(out, " {:.6f}", l.get<double>());
   fmt::print(out, "; mean step {:.3f} s\n", step_s);
+  PrintLossScaling(engine.value()->loss_scaler(), f.steps, out);
   fmt::print(out, "  rank 0 peak heap {:.2f} MiB at {}:", mem.peak_bytes() / 1048576.0, mem.peak_phase());
   Json categories = Json::object();
   for (int c = 0; c < runtime::kMemKinds; ++c) {
@@ -296,6 +323,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
                 {"inputs", RunInputsJson(f)},
                 {"measured",
                  {{"loss", losses},
+                  {"loss_scaling", LossScalingJson(engine.value()->loss_scaler())},
                   {"memory", {{"peak_bytes", largest_peak.value()}, {"rank0_peak_bytes", mem.peak_bytes()},
                               {"rank0_peak_phase", mem.peak_phase()}, {"rank0_categories", categories}}},
                   {"time", {{"step_s", step_s}, {"steps_s", times}, {"forward_s", t.forward_s / f.steps}, {"backward_s", t.backward_s / f.steps},

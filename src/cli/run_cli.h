@@ -31,6 +31,9 @@ struct RunFlags {
   int64_t fail_step = 0;   ///< ...at the start of this step
   std::string device = "cpu";  ///< cpu (Eigen, MPI) or cuda (one GPU per rank: CUDA, cuBLAS, NCCL)
   int virtual_world = 0;       ///< cuda: run rank 0 of this many ranks on one GPU
+  std::string loss_scale = "auto";    ///< auto (dynamic for fp16 parameters) | none | dynamic
+  float loss_scale_init = 65536.0f;   ///< ShardedGradScaler's init_scale
+  int64_t loss_scale_interval = 2000; ///< ShardedGradScaler's growth_interval
 };
 
 void AddRunFlags(CLI::App& app, RunFlags& flags);
@@ -45,6 +48,12 @@ Result<PreparedRun> PrepareRun(const RunFlags& flags, PlanFlags plan);
 
 /// What fsdp-run trained from, for --out: {"init_from", "tokens"} (paths or null), "seed", "lr".
 Json RunInputsJson(const RunFlags& flags);
+
+/// The loss scaling of a run, when it has one: a report line ("  loss scaling: dynamic, scale
+/// 32768 after 3 steps, skipped steps 1 (inf/NaN gradients)") and {"mode", "final_scale",
+/// "skipped_steps" (1-based)} for --out.
+void PrintLossScaling(const runtime::LossScaler& scaler, int64_t steps, std::ostream& out);
+Json LossScalingJson(const runtime::LossScaler& scaler);
 
 /// 100 * (predicted - measured) / measured; 0 when nothing was measured.
 double PercentError(double measured, double predicted);

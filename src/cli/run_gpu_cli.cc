@@ -135,7 +135,9 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
   fmt::print(out, "{} on {} ({}{} ranks), {}, {}/{}: losses", w.model.id, engine.device_name(), f.virtual_world > 0 ? "rank 0 of a virtual world of " : "",
              world, StrategyName(w.config.strategy), DTypeName(w.config.param_dtype), DTypeName(w.config.reduce_dtype));
   for (const auto& l : log.losses) fmt::print(out, " {:.4f}", l.get<double>());
-  fmt::print(out, "\n  step {:.4f} s ({}), {:.0f} tokens/s per GPU\n", step_s, steps.size() > 1 ? fmt::format("median of steps 2..{}", steps.size()) : "step 1 only",
+  fmt::print(out, "\n");
+  PrintLossScaling(engine.loss_scaler(), f.steps, out);
+  fmt::print(out, "  step {:.4f} s ({}), {:.0f} tokens/s per GPU\n", step_s, steps.size() > 1 ? fmt::format("median of steps 2..{}", steps.size()) : "step 1 only",
              tokens_per_gpu);
   const runtime::GpuMemoryReport mem = engine.memory();
   Json memory_json = MemoryTable(mem, predicted, out);
@@ -172,6 +174,7 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
                 {"time", {{"step_s", time.step.step_s}, {"sim_step_s", sim_s}, {"tokens_per_s_per_gpu", time.step.tokens_per_s_per_gpu}}}}},
               {"measured",
                {{"loss", log.losses},
+                {"loss_scaling", LossScalingJson(engine.loss_scaler())},
                 {"memory",
                  {{"peak_bytes", largest_peak},
                   {"rank0_peak_allocated_bytes", mem.peak_allocated_bytes},

@@ -111,6 +111,15 @@ std::string Commented(const std::string& code) {
   return out;
 }
 
+// fp16 parameters need loss scaling (bf16 has fp32's exponent range and does not): PyTorch's
+// ShardedGradScaler, whose inf/NaN check is all-reduced over the ranks.
+std::string GradScalerCode(const FsdpConfig& c) {
+  if (c.param_dtype != DType::kFp16) return "";
+  return "# fp16 gradients underflow without loss scaling; a step whose gradients hold an inf or NaN on any rank is\n"
+         "# skipped and halves the scale. In the loop: scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()\n"
+         "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\nscaler = ShardedGradScaler()\n";
+}
+
 std::string MeshCode(const Workload& w) {
   if (w.config.strategy == Strategy::kHybridShard) {
     return fmt::format("mesh = init_device_mesh(\"cuda\", ({}, {}), mesh_dim_names=(\"replicate\", \"shard\"))\n", w.replicas, w.shard_world);
@@ -140,6 +149,7 @@ std::string Fsdp1(const Workload& w) {
                      StrategyName(c.strategy), AutoWrapPolicy(w), Python(c.cpu_offload), prefetch, Python(c.forward_prefetch),
                      Python(c.limit_all_gathers), Python(c.use_orig_params));
   if (c.checkpointing == Checkpointing::kFull) out += CheckpointingCode(w, "model");
+  out += GradScalerCode(c);
   return out;
 }
 
@@ -164,6 +174,7 @@ std::string Fsdp2(const Workload& w) {
     out += "for module in model.modules():\n    if isinstance(module, torch.nn.Linear):\n        fully_shard(module, **fsdp_kwargs)\n";
   }
   out += "fully_shard(model, **fsdp_kwargs)  # the root: embeddings, final norm, lm_head\n";
+  out += GradScalerCode(c);
   return out;
 }
 
@@ -176,6 +187,7 @@ std::string Accelerate(const Workload& w) {
   const bool fsdp2 = c.framework == Framework::kFsdp2;
   std::string out = Header(w);
   out += "# accelerate launch --config_file fsdp.yaml train.py\n";
+  if (c.param_dtype == DType::kFp16) out += "# fp16: accelerator.backward(loss) scales the loss (Accelerator makes a ShardedGradScaler under FSDP)\n";
   if (c.reduce_dtype != c.param_dtype) {
     out += fmt::format("# the plan reduces gradients in {}: pass FullyShardedDataParallelPlugin(mixed_precision_policy=...) to Accelerator\n",
                        DTypeName(c.reduce_dtype));
@@ -234,6 +246,7 @@ std::string Lightning(const Workload& w) {
                      "    precision=\"{}\",\n    accumulate_grad_batches={},\n)\n",
                      c.gpus_per_node, nodes, c.param_dtype == DType::kFp32 ? "32-true" : c.param_dtype == DType::kBf16 ? "bf16-mixed" : "16-mixed",
                      c.grad_accum);
+  if (c.param_dtype == DType::kFp16) out += "# precision=\"16-mixed\" scales the loss with a ShardedGradScaler\n";
   out += fmt::format("# DataLoader batch_size={} (micro-batch per GPU), sequences of {} tokens\n", c.micro_batch, c.seq_len);
   return out;
 }

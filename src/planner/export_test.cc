@@ -141,6 +141,26 @@ TEST_CASE("full checkpointing turns the KV cache off") {
   CHECK(code.find("model.config.use_cache = False") < code.find("apply_activation_checkpointing("));
 }
 
+TEST_CASE("fp16 exports a ShardedGradScaler; bf16 and fp32 need none") {
+  FsdpConfig c;
+  c.param_dtype = DType::kFp16;
+  for (ExportFormat f : {ExportFormat::kFsdp1, ExportFormat::kFsdp2}) {
+    const std::string code = ExportConfig(Plan(c), f);
+    CHECK(code.find("from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n") != std::string::npos);
+    CHECK(code.find("\nscaler = ShardedGradScaler()\n") != std::string::npos);
+    CHECK(code.find("scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()") != std::string::npos);
+  }
+  CHECK(ExportConfig(Plan(c), ExportFormat::kAccelerate).find("mixed_precision: fp16\n") != std::string::npos);
+  CHECK(ExportConfig(Plan(c), ExportFormat::kLightning).find("precision=\"16-mixed\"") != std::string::npos);
+  for (DType d : {DType::kBf16, DType::kFp32}) {
+    c.param_dtype = d;
+    c.reduce_dtype = DType::kFp32;
+    for (ExportFormat f : {ExportFormat::kFsdp1, ExportFormat::kFsdp2, ExportFormat::kAccelerate, ExportFormat::kLightning}) {
+      CHECK(ExportConfig(Plan(c), f).find("ShardedGradScaler") == std::string::npos);
+    }
+  }
+}
+
 TEST_CASE("accelerate YAML uses the keys and values accelerate reads") {
   Json keys = Keys();
   for (Framework fw : {Framework::kFsdp1, Framework::kFsdp2}) {

@@ -200,6 +200,7 @@ class GpuRuntimePlayer {
     phase_ = "initialisation";
     Free(Alloc(kTemp, 3 * 64 * 64 * 4));  // the cuBLAS probe
     Alloc(kTemp, 4);                       // loss
+    Alloc(kTemp, 4);                       // the loss scaler's inf/NaN flag
     Alloc(kTemp, h_ * 4);                  // RMSNorm weight-gradient scratch
     Alloc(kTemp, w_.config.seq_len * w_.model.head_dim * 4);  // RoPE cos and sin table
     for (const auto& u : w_.units) {

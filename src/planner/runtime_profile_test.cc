@@ -51,10 +51,10 @@ TEST_CASE("GPU engine replay: 1 rank, the peak at the last reduce-scatter counte
   CHECK(m.at_peak[1] == root);
   CHECK(m.at_peak[2] == root + block + 5 * block_shard_fp32);
   CHECK(m.at_peak[5] == Round512(w.units[1].shard_numel * 2));
-  // the temporaries that live through the step: loss, RMSNorm weight-gradient scratch, RoPE table,
+  // the temporaries that live through the step: loss, the loss scaler's flag, RMSNorm weight-gradient scratch, RoPE table,
   // token ids, targets and the embedding backward's token groups (64 tokens)
   const int64_t T = 64;
-  CHECK(m.at_peak[6] == Round512(4) + Round512(w.model.hidden_size * 4) + Round512(32 * w.model.head_dim * 4) + 2 * Round512(T * 4) +
+  CHECK(m.at_peak[6] == 2 * Round512(4) + Round512(w.model.hidden_size * 4) + Round512(32 * w.model.head_dim * 4) + 2 * Round512(T * 4) +
                             Round512((3 * T + 1) * 4));
 }
 

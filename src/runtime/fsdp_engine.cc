@@ -1,8 +1,10 @@
 #include "runtime/fsdp_engine.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include <fmt/format.h>
@@ -10,18 +12,20 @@
 namespace fsdp::runtime {
 
 float RoundTo(float value, DType dtype) {
-  if (dtype == DType::kFp32) return value;
-  uint32_t bits;
-  std::memcpy(&bits, &value, 4);
+  if (dtype == DType::kFp32 || !std::isfinite(value) || value == 0.0f) return value;
   if (dtype == DType::kBf16) {
-    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even on the upper 16 bits
+    uint32_t bits;
+    std::memcpy(&bits, &value, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even on the upper 16 bits (overflows to inf)
     bits &= 0xFFFF0000u;
     std::memcpy(&value, &bits, 4);
     return value;
   }
-  // fp16: 10 mantissa bits
-  const float scaled = std::ldexp(std::round(std::ldexp(value, 10 - std::ilogb(value == 0 ? 1.0f : value))), std::ilogb(value == 0 ? 1.0f : value) - 10);
-  return scaled;
+  // fp16 (IEEE binary16): 10 mantissa bits, exponents down to -14 (below that, subnormals in steps
+  // of 2^-24), largest finite 65504; round to nearest even, overflow to inf
+  const int exponent = std::max(std::ilogb(value), -14);
+  const float rounded = std::ldexp(std::nearbyint(std::ldexp(value, 10 - exponent)), exponent - 10);
+  return std::fabs(rounded) > 65504.0f ? std::copysign(std::numeric_limits<float>::infinity(), value) : rounded;
 }
 
 namespace {
@@ -69,6 +73,9 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   }
   mix(o.seed);
   mix(o.checkpoint ? o.checkpoint->Fingerprint() : 0);
+  mix(static_cast<uint64_t>(o.loss_scaling.mode));
+  mix(static_cast<uint64_t>(o.loss_scaling.init_scale));
+  mix(static_cast<uint64_t>(o.loss_scaling.growth_interval));
   return h;
 }
 
@@ -81,6 +88,7 @@ Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& 
   if (world.size() != w.config.gpus) {
     return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start as many ranks as --gpus)", w.config.gpus, world.size()));
   }
+  if (Status s = CheckLossScalerOptions(o.loss_scaling); !s.ok()) return s.error();
   if (Status s = world.CheckSame(ConfigFingerprint(w, o), "configurations"); !s.ok()) return s.error();
   std::unique_ptr<FsdpEngine> e(new FsdpEngine(w, world, o));
   e->dims_ = dims.value();
@@ -187,7 +195,8 @@ Status FsdpEngine::Reduce(int u) {
   if (replica_comm_->size() > 1) {
     if (Status s = replica_comm_->AllReduce(shard.data(), static_cast<int64_t>(shard.size())); !s.ok()) return s;
   }
-  const float scale = 1.0f / static_cast<float>(world_.size() * w_.config.grad_accum);
+  // the mean over the world's micro-batches, unscaled (S a power of two: exact)
+  const float scale = 1.0f / (static_cast<float>(world_.size() * w_.config.grad_accum) * scaler_.scale());
   if (grad_shard_[u].empty()) grad_shard_[u].assign(shard.size(), 0.0f);
   for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u][i] += shard[i] * scale;
   ledger_.Sub(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
@@ -268,6 +277,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   const Mat logits = LinearForward(normed, ConstMatMap(head, vocab, h));
   Mat d_logits;
   const float loss = CrossEntropy(logits, targets, d_logits);
+  if (scaler_.enabled()) d_logits *= scaler_.scale();  // GradScaler.scale(loss).backward()
   const int64_t head_bytes = (logits.size() + d_logits.size() + normed.size() + x.size()) * 4;
   ledger_.Add(Mem::kActivations, head_bytes);
   if (Status st = ledger_.Sample("loss"); !st.ok()) return st.error();
@@ -329,13 +339,31 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   return loss;
 }
 
-Status FsdpEngine::Optimizer(int64_t step) {
+Result<bool> FsdpEngine::FoundNonFinite() {
+  float found = 0.0f;
+  for (const std::vector<float>& g : grad_shard_) {
+    for (float v : g) {
+      if (!std::isfinite(v)) found = 1.0f;
+    }
+  }
+  if (Status s = world_.AllReduce(&found, 1); !s.ok()) return s.error();
+  return found > 0.0f;
+}
+
+Status FsdpEngine::Optimizer() {
   const auto start = std::chrono::steady_clock::now();
   if (Status st = ledger_.Sample("optimizer step"); !st.ok()) return st;
-  const float t = static_cast<float>(step + 1);
+  bool found_inf = false;
+  if (scaler_.enabled()) {
+    auto found = FoundNonFinite();
+    if (!found.ok()) return found.error();
+    found_inf = found.value();
+  }
+  const bool apply = scaler_.Update(found_inf);  // GradScaler.step skips, GradScaler.update rescales
+  const float t = static_cast<float>(optimizer_steps_ + 1);
   const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
   for (size_t u = 0; u < shard_.size(); ++u) {
-    for (size_t i = 0; i < shard_[u].size(); ++i) {
+    for (size_t i = 0; apply && i < shard_[u].size(); ++i) {
       const float g = grad_shard_[u].empty() ? 0.0f : grad_shard_[u][i];
       float& p = shard_[u][i];
       exp_avg_[u][i] = o_.beta1 * exp_avg_[u][i] + (1 - o_.beta1) * g;
@@ -346,6 +374,7 @@ Status FsdpEngine::Optimizer(int64_t step) {
     ledger_.Sub(Mem::kGradients, static_cast<int64_t>(grad_shard_[u].size()) * 4);
     std::vector<float>().swap(grad_shard_[u]);  // zero_grad(set_to_none=True)
   }
+  if (apply) ++optimizer_steps_;
   times_.optimizer_s += Seconds(start);
   return {};
 }
@@ -358,7 +387,7 @@ Result<float> FsdpEngine::Step(int64_t step) {
     if (!loss.ok()) return loss.error();
     loss_sum += loss.value();
   }
-  if (Status s = Optimizer(step); !s.ok()) return s.error();
+  if (Status s = Optimizer(); !s.ok()) return s.error();
   float mean = static_cast<float>(loss_sum / static_cast<double>(w_.config.grad_accum));
   if (Status s = world_.AllReduce(&mean, 1); !s.ok()) return s.error();
   return mean / static_cast<float>(world_.size());

@@ -2,7 +2,8 @@
 // to the shard group and sharded across ranks; unshard = all-gather into a buffer rounded to
 // param_dtype; reshard = free, following the strategy (the root stays unsharded until its
 // backward); gradients reduce-scattered (rounded to reduce_dtype) into fp32 shards, all-reduced
-// across HYBRID_SHARD replicas (NO_SHARD: all-reduced); sharded AdamW; activation checkpointing
+// across HYBRID_SHARD replicas (NO_SHARD: all-reduced); sharded AdamW, with dynamic loss scaling
+// when asked (ShardedGradScaler's: loss scaled, shards unscaled, inf/NaN steps skipped); activation checkpointing
 // (full: a block's forward rerun in its backward; selective: its attention probabilities
 // recomputed); gradient accumulation.
 #pragma once
@@ -15,6 +16,7 @@
 #include "core/workload.h"
 #include "runtime/comm.h"
 #include "runtime/llama_model.h"
+#include "runtime/loss_scaler.h"
 #include "runtime/memory_ledger.h"
 #include "runtime/safetensors.h"
 
@@ -26,6 +28,7 @@ struct TrainOptions {
   float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
   std::vector<int32_t> tokens;   ///< a token stream to train on (cycled); empty: seeded synthetic tokens
   std::shared_ptr<const Checkpoint> checkpoint;  ///< weights to start from (--init-from); null: seeded values
+  LossScalerOptions loss_scaling;  ///< dynamic loss scaling (fp16): a step with inf/NaN gradients is skipped
 };
 
 class FsdpEngine {
@@ -50,9 +53,14 @@ class FsdpEngine {
     double forward_s = 0, backward_s = 0, optimizer_s = 0;
   };
   const PhaseTimes& times() const { return times_; }
+  /// The loss scale and the steps skipped for inf/NaN gradients (every rank agrees).
+  const LossScaler& loss_scaler() const { return scaler_; }
 
  private:
-  FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o) {}
+  FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o), scaler_(o.loss_scaling) {}
+  /// Whether any rank's gradient shards hold an inf or NaN (ShardedGradScaler.unscale_'s check,
+  /// its flag summed over every rank).
+  Result<bool> FoundNonFinite();
   Status Init();
   Status Unshard(int u);
   /// Starts unit u's all-gather without waiting (prefetch); at most 2 in flight with
@@ -61,7 +69,7 @@ class FsdpEngine {
   void Reshard(int u);
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
-  Status Optimizer(int64_t step);
+  Status Optimizer();
   bool ReshardAfterForward(int u) const;
 
   const Workload& w_;
@@ -83,6 +91,8 @@ class FsdpEngine {
   Status WaitFor(size_t index);
   MemoryLedger ledger_;
   PhaseTimes times_;
+  LossScaler scaler_;
+  int64_t optimizer_steps_ = 0;  // AdamW's step count: skipped steps do not count (torch.optim's state["step"])
 };
 
 /// The tokens of one rank's micro-batch: micro_batch sequences of seq_len + 1 tokens (inputs and
@@ -102,7 +112,9 @@ Result<std::vector<float>> StartingUnit(const Workload& workload, int u, const T
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).
 uint64_t ConfigFingerprint(const Workload& workload, const TrainOptions& options);
 
-/// Rounds to the nearest value representable in `dtype` (bf16: round to nearest even).
+/// Rounds to the nearest value representable in `dtype`, ties to even, with the dtype's range:
+/// beyond it to inf (bf16 above 3.39e38, fp16 above 65504), fp16 subnormals in steps of 2^-24;
+/// inf and NaN pass through.
 float RoundTo(float value, DType dtype);
 
 }  // namespace fsdp::runtime

@@ -4,8 +4,9 @@
 // stream, gradients reduce-scattered in reduce_dtype on a reduce-scatter stream, both
 // synchronised with the compute stream through CUDA events; forward and backward prefetch; the
 // limit_all_gathers rate limiter (at most two resharded-but-unfinished units before the CPU
-// waits); fp32 sharded parameters, gradients and AdamW states; full (block) and selective
-// (attention probabilities) activation checkpointing.
+// waits); fp32 sharded parameters, gradients and AdamW states; dynamic loss scaling for fp16
+// (ShardedGradScaler's: loss gradient scaled, shards unscaled, a step with inf/NaN on any rank
+// skipped); full (block) and selective (attention probabilities) activation checkpointing.
 // Memory comes from a caching allocator with per-category accounting, plus the device's own view
 // (cudaMemGetInfo) of the CUDA context, cuBLAS and NCCL. Times come from CUDA events.
 //
@@ -23,6 +24,7 @@
 #include "core/workload.h"
 #include "runtime/comm.h"
 #include "runtime/fsdp_engine.h"
+#include "runtime/loss_scaler.h"
 #include "runtime/memory_ledger.h"
 
 namespace fsdp::runtime {
@@ -57,6 +59,8 @@ class GpuEngine {
   virtual const CommStats& replica_stats() const = 0;
   virtual int64_t shard_world() const = 0;
   virtual std::string device_name() const = 0;
+  /// The loss scale and the steps skipped for inf/NaN gradients (every rank agrees).
+  virtual const LossScaler& loss_scaler() const = 0;
 };
 
 /// True when fsdp-run was built with the CUDA backend.

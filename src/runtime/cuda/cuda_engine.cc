@@ -53,7 +53,7 @@ int64_t DeviceUsedBytes() {
 
 class CudaEngine : public GpuEngine {
  public:
-  CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o) {}
+  CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o), scaler_(o.loss_scaling) {}
   ~CudaEngine() override;
   /// Sets up the device, the communicators and the sharded model.
   Status Init(int virtual_world) { return Guarded(InitDevice(virtual_world)); }
@@ -66,6 +66,7 @@ class CudaEngine : public GpuEngine {
   const CommStats& replica_stats() const override { return replica_->stats(); }
   int64_t shard_world() const override { return w_.shard_world; }
   std::string device_name() const override { return device_name_; }
+  const LossScaler& loss_scaler() const override { return scaler_; }
 
  private:
   template <typename R>
@@ -85,7 +86,9 @@ class CudaEngine : public GpuEngine {
   Result<float> MicroBatch(int64_t step, int64_t micro);
   Status Forward(DeviceBuffer& x);
   Status Backward(DeviceBuffer dx);
-  Status Optimizer(int64_t step);
+  Status Optimizer();
+  /// Whether any rank's gradient shards hold an inf or NaN: a device flag, summed over the ranks.
+  Result<bool> FoundNonFinite();
   /// FSDP1's limit_all_gathers; FSDP2 has no such limiter (its all-gather buffers are freed in order).
   bool RateLimited() const { return w_.config.framework == Framework::kFsdp1 && w_.config.limit_all_gathers; }
   bool ReshardAfterForward(int u) const {
@@ -124,6 +127,9 @@ class CudaEngine : public GpuEngine {
   std::array<cudaEvent_t, 4> phase_events_{};
   GpuPhaseTimes times_;
   GpuMemoryReport device_view_;
+  LossScaler scaler_;
+  int64_t optimizer_steps_ = 0;  // AdamW's step count: skipped steps do not count
+  DeviceBuffer found_inf_;       // FoundNonFinite's flag
 };
 
 CudaEngine::~CudaEngine() {
@@ -228,6 +234,8 @@ Status CudaEngine::InitDevice(int virtual_world) {
   ctx_ = DeviceContext{dims.value(), dtype_, w_.config.micro_batch, w_.config.seq_len, blas_, compute_, &alloc_};
   FSDP_ALLOC(loss, alloc_.Allocate(4, Mem::kTemporaries, compute_));
   loss_sum_ = std::move(loss);
+  FSDP_ALLOC(found, alloc_.Allocate(4, Mem::kTemporaries, compute_));
+  found_inf_ = std::move(found);
   FSDP_TRY(MakeGroups());
   FSDP_ALLOC(dw, alloc_.Allocate(ctx_.dims.hidden * 4, Mem::kTemporaries, compute_));
   dw_scratch_ = std::move(dw);
@@ -358,7 +366,8 @@ Status CudaEngine::Reduce(int u) {
     FSDP_CUDA_TRY(cudaMemsetAsync(g.get(), 0, static_cast<size_t>(unit.shard_numel * 4), reduce_));
     grad_shard_[u] = std::move(g);
   }
-  const float scale = 1.0f / static_cast<float>(world() * w_.config.grad_accum);
+  // the mean over the world's micro-batches, unscaled (S a power of two: exact)
+  const float scale = 1.0f / (static_cast<float>(world() * w_.config.grad_accum) * scaler_.scale());
   AccumulateF32(out.get(), reduce_dtype_, scale, grad_shard_[u].as<float>(), unit.shard_numel, reduce_);
   out.Release();
   cast.Release();
@@ -412,7 +421,9 @@ Status CudaEngine::Forward(DeviceBuffer& x) {
   RmsNormForward(x.get(), norm_w, normed.get(), inv.as<float>(), T, h, d.rms_eps, dtype_, compute_);
   FSDP_ALLOC(logits, ctx_.Buffer(T * d.vocab, Mem::kActivations));
   FSDP_TRY(LinearForward(blas_, dtype_, normed.get(), head, logits.get(), T, h, d.vocab));
-  CrossEntropyInPlace(logits.get(), targets_.as<int32_t>(), loss_sum_.as<float>(), T, d.vocab, 1.0f / static_cast<float>(T), dtype_, compute_);
+  // the logits' gradient carries the loss scale (GradScaler.scale(loss).backward())
+  CrossEntropyInPlace(logits.get(), targets_.as<int32_t>(), loss_sum_.as<float>(), T, d.vocab, scaler_.scale() / static_cast<float>(T), dtype_,
+                      compute_);
   inv_final_ = std::move(inv);
   normed_ = std::move(normed);
   logits_ = std::move(logits);
@@ -514,17 +525,39 @@ Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
   return 0.0f;
 }
 
-Status CudaEngine::Optimizer(int64_t step) {
+Result<bool> CudaEngine::FoundNonFinite() {
+  FSDP_CUDA_TRY(cudaMemsetAsync(found_inf_.get(), 0, 4, compute_));
+  for (size_t u = 0; u < grad_shard_.size(); ++u) {
+    if (!grad_shard_[u].empty()) FlagNonFinite(grad_shard_[u].as<float>(), w_.units[u].shard_numel, found_inf_.as<float>(), compute_);
+  }
+  float found = 0.0f;
+  FSDP_CUDA_TRY(cudaMemcpyAsync(&found, found_inf_.get(), 4, cudaMemcpyDeviceToHost, compute_));
+  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // GradScaler.step's found_inf.item()
+  if (virtual_world_ == 0) FSDP_TRY(host_.AllReduce(&found, 1));
+  return found > 0.0f;
+}
+
+Status CudaEngine::Optimizer() {
   alloc_.set_phase("optimizer step");
   FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, reduced_, 0));
   FSDP_CUDA_TRY(cudaEventRecord(phase_events_[2], compute_));
-  const float t = static_cast<float>(step + 1);
+  bool found_inf = false;
+  if (scaler_.enabled()) {
+    auto found = FoundNonFinite();
+    if (!found.ok()) return found.error();
+    found_inf = found.value();
+  }
+  const bool apply = scaler_.Update(found_inf);  // GradScaler.step skips, GradScaler.update rescales
+  const float t = static_cast<float>(optimizer_steps_ + 1);
   const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
   for (size_t u = 0; u < shard_params_.size(); ++u) {
-    AdamW(shard_params_[u].as<float>(), grad_shard_[u].empty() ? nullptr : grad_shard_[u].as<float>(), exp_avg_[u].as<float>(),
-          exp_avg_sq_[u].as<float>(), w_.units[u].shard_numel, o_.lr, o_.beta1, o_.beta2, o_.eps, o_.weight_decay, c1, c2, compute_);
+    if (apply) {
+      AdamW(shard_params_[u].as<float>(), grad_shard_[u].empty() ? nullptr : grad_shard_[u].as<float>(), exp_avg_[u].as<float>(),
+            exp_avg_sq_[u].as<float>(), w_.units[u].shard_numel, o_.lr, o_.beta1, o_.beta2, o_.eps, o_.weight_decay, c1, c2, compute_);
+    }
     grad_shard_[u].Release({compute_});  // zero_grad(set_to_none=True)
   }
+  if (apply) ++optimizer_steps_;
   FSDP_CUDA_TRY(cudaEventRecord(params_ready_, compute_));
   FSDP_CUDA_TRY(cudaEventRecord(phase_events_[3], compute_));
   return CudaStatus(cudaGetLastError(), "optimizer kernels");
@@ -538,7 +571,7 @@ Result<float> CudaEngine::StepOnce(int64_t step) {
     auto r = MicroBatch(step, m);
     if (!r.ok()) return r.error();
   }
-  FSDP_TRY(Optimizer(step));
+  FSDP_TRY(Optimizer());
   float loss_sum = 0;
   FSDP_CUDA_TRY(cudaMemcpyAsync(&loss_sum, loss_sum_.get(), 4, cudaMemcpyDeviceToHost, compute_));
   FSDP_CUDA_TRY(cudaDeviceSynchronize());
@@ -584,6 +617,7 @@ Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& w, Comm& host
   } else if (host.size() != w.config.gpus) {
     return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start one rank per GPU, or use --virtual-world)", w.config.gpus, host.size()));
   }
+  if (Status s = CheckLossScalerOptions(o.loss_scaling); !s.ok()) return s.error();
   if (Status s = host.CheckSame(ConfigFingerprint(w, o), "configurations"); !s.ok()) return s.error();
   auto engine = std::make_unique<cuda::CudaEngine>(w, host, o);
   if (Status s = engine->Init(virtual_world); !s.ok()) return s.error();

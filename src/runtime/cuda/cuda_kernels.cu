@@ -334,6 +334,14 @@ void Cast(const void* in, DType from, void* out, DType to, int64_t n, cudaStream
   FSDP_DISPATCH(from, TIn, FSDP_DISPATCH(to, TOut, CastKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const TIn*>(in), static_cast<TOut*>(out), n)));
 }
 
+__global__ void FlagNonFiniteKernel(const float* x, int64_t n, float* found) {
+  GRID_STRIDE(i, n) {
+    if (!isfinite(x[i])) *found = 1.0f;  // every writer writes the same value
+  }
+}
+void FlagNonFinite(const float* x, int64_t n, float* found, cudaStream_t stream) {
+  FlagNonFiniteKernel<<<Blocks(n), kThreads, 0, stream>>>(x, n, found);
+}
 void AccumulateF32(const void* in, DType dtype, float scale, float* acc, int64_t n, cudaStream_t stream) {
   FSDP_DISPATCH(dtype, T, AccumulateKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(in), scale, acc, n))
 }

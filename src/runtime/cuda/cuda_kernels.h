@@ -27,6 +27,9 @@ void CastFromF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_
 void Cast(const void* in, DType from, void* out, DType to, int64_t n, cudaStream_t stream);
 /// acc (n, fp32) += scale * in (n, dtype).
 void AccumulateF32(const void* in, DType dtype, float scale, float* acc, int64_t n, cudaStream_t stream);
+/// *found = 1 when some x[i] (n, fp32) is inf or NaN; otherwise *found is left as it was
+/// (ShardedGradScaler.unscale_'s check, _amp_foreach_non_finite_check_and_unscale_).
+void FlagNonFinite(const float* x, int64_t n, float* found, cudaStream_t stream);
 /// out (n, dtype) += in (n, fp32).
 void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream);
 /// out (rows, cols) = bias (cols) in every row: a Linear's output preset to its bias, so that the

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -490,6 +491,50 @@ TEST_CASE("Gradient accumulation with and without no_sync matches the CPU; HYBRI
   REQUIRE(gpu.value()->Step(0).ok());
   CHECK(gpu.value()->replica_stats().all_reduce_count == static_cast<int64_t>(hybrid.units.size()));
   CHECK(gpu.value()->memory().peak_allocated_bytes == EstimateGpuRuntimeMemory(hybrid).peak_bytes);
+}
+
+TEST_CASE("The inf/NaN flag is set by an inf or a NaN anywhere, and only then") {
+  Gpu g;
+  Mat x = Random(1, 5000, 31);
+  DeviceBuffer data = g.Upload(x, DType::kFp32);
+  DeviceBuffer flag = g.alloc.Allocate(4, Mem::kTemporaries, g.stream).value();
+  auto flagged = [&]() {
+    cudaMemsetAsync(flag.get(), 0, 4, g.stream);
+    FlagNonFinite(data.as<float>(), x.size(), flag.as<float>(), g.stream);
+    return g.Download(flag.get(), 1, 1, DType::kFp32)(0, 0);
+  };
+  CHECK(flagged() == 0.0f);
+  for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    Mat y = x;
+    y(0, 4999) = bad;
+    data = g.Upload(y, DType::kFp32);
+    CHECK(flagged() == 1.0f);
+  }
+}
+
+TEST_CASE("Dynamic loss scaling: exact where nothing overflows; an fp16 overflow skips the step and halves the scale") {
+  std::unique_ptr<Comm> host = MakeSingleComm();
+  TrainOptions none, dynamic;
+  dynamic.loss_scaling.mode = LossScaling::kDynamic;
+  const Workload fp32 = TinyWorkload(Strategy::kFullShard, Checkpointing::kNone, DType::kFp32, 1);
+  auto a = CreateGpuEngine(fp32, *host, none, 0);
+  auto b = CreateGpuEngine(fp32, *host, dynamic, 0);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  for (int64_t step = 0; step < 3; ++step) CHECK(b.value()->Step(step).value() == doctest::Approx(a.value()->Step(step).value()).epsilon(1e-5));
+  CHECK(b.value()->loss_scaler().skipped_steps().empty());
+  CHECK(b.value()->loss_scaler().scale() == 65536.0f);
+  // 2^30 / 64 tokens makes the fp16 logits' gradient overflow at once
+  TrainOptions huge = dynamic;
+  huge.loss_scaling.init_scale = std::ldexp(1.0f, 30);
+  const Workload fp16 = TinyWorkload(Strategy::kFullShard, Checkpointing::kNone, DType::kFp16, 1);
+  auto c = CreateGpuEngine(fp16, *host, huge, 0);
+  REQUIRE(c.ok());
+  auto loss = c.value()->Step(0);
+  REQUIRE(loss.ok());
+  CHECK(std::isfinite(loss.value()));  // the loss itself is not scaled
+  CHECK(c.value()->loss_scaler().skipped_steps() == std::vector<int64_t>{0});
+  CHECK(c.value()->loss_scaler().scale() == std::ldexp(1.0f, 29));
 }
 
 TEST_CASE("calibrate --device cuda measures rates into the catalog entry's efficiencies") {
