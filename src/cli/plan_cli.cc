@@ -111,7 +111,14 @@ Result<Workload> BuildFromFlags(const PlanFlags& flags, const std::string& model
   auto hw = LoadHardware(gpu);
   if (!hw.ok()) return hw.error();
   if (cluster) ApplyCluster(*cluster, hw.value());
-  return BuildWorkload(std::move(model).value(), std::move(hw).value(), config.value());
+  const Strategy asked = config.value().strategy;
+  const bool switched = flags.fsdp1_world_of_one && ApplyFsdp1WorldOfOne(config.value());
+  auto w = BuildWorkload(std::move(model).value(), std::move(hw).value(), config.value());
+  if (w.ok() && switched) {
+    fmt::print(stderr, "note: FSDP1 on one GPU runs {} as NO_SHARD (FullyShardedDataParallel switches when the world size is 1); planned as NO_SHARD\n",
+               StrategyName(asked));
+  }
+  return w;
 }
 
 Result<std::pair<Workload, MemoryEstimate>> Evaluate(const PlanFlags& flags, const std::string& model_id, bool timeline) {

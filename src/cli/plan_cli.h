@@ -29,6 +29,9 @@ struct PlanFlags {
   bool json = false;
   bool timeline = false;
   std::string export_format;     ///< pytorch | fsdp2 | accelerate | lightning: print code instead of the report
+  /// Plan what PyTorch runs: FSDP1 on one GPU as NO_SHARD (ApplyFsdp1WorldOfOne), with a note on
+  /// stderr. fsdp-run turns it off: it executes the strategy it is given.
+  bool fsdp1_world_of_one = true;
 };
 
 /// Registers every fsdp-plan flag on `app`, bound to `flags`.

@@ -198,7 +198,7 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   if (!hw.ok()) return hw.error();
   auto w = BuildWorkload(model.value(), hw.value(), config.value());
   if (!w.ok()) return w.error();
-  const MemoryEstimate m = EstimateMemory(w.value());
+  const MemoryEstimate m = EstimateMemory(AsPyTorchRuns(w.value()));
   fmt::print(out, "{} on {} x {}: peak {} GiB of {} GiB ({})\n", model.value().id, config.value().gpus, hw.value().id, Gib(m.peak_bytes),
              Gib(m.capacity_bytes), m.fits ? "fits" : fmt::format("does not fit by {} GiB", Gib(-m.headroom_bytes)));
   std::vector<Advice> advice = AdviseFit(w.value());

@@ -168,6 +168,7 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   }
   if (!(f.timeout_s > 0 && f.timeout_s <= 1e7)) return Error::BadInput(fmt::format("--timeout must be positive seconds (at most 1e7), got {}", f.timeout_s));
   if (plan.config.gpus_per_node == 0) plan.config.gpus_per_node = plan.config.gpus;  // one "node" unless told
+  plan.fsdp1_world_of_one = false;  // the engine runs the strategy it is given, on one rank too
   auto w = WorkloadFromFlags(plan);
   if (!w.ok()) return w.error();
   const FsdpConfig& c = w.value().config;

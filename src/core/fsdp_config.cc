@@ -165,6 +165,13 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   return {};
 }
 
+bool ApplyFsdp1WorldOfOne(FsdpConfig& c) {
+  if (c.framework != Framework::kFsdp1 || c.gpus != 1 || c.strategy == Strategy::kNoShard) return false;
+  if (c.strategy == Strategy::kHybridShard) c.shard_group_size = 0;  // the shard group goes with the strategy
+  c.strategy = Strategy::kNoShard;
+  return true;
+}
+
 int64_t ShardWorldSize(const FsdpConfig& c) {
   switch (c.strategy) {
     case Strategy::kFullShard:

@@ -71,6 +71,11 @@ Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view text);
 /// rejects impossible or inconsistent settings with a one-line BadInput.
 Status ResolveAndValidate(FsdpConfig& config, const ModelSpec& model, const HardwareSpec& hw);
 
+/// FSDP1 on a world of one rank runs every strategy as NO_SHARD: FullyShardedDataParallel warns
+/// and switches (torch/distributed/fsdp/_init_utils.py, _init_core_state). FSDP2 keeps its
+/// strategy. Returns true when it changed `config`.
+bool ApplyFsdp1WorldOfOne(FsdpConfig& config);
+
 /// Ranks that share one parameter shard group (W): gpus for FULL/SHARD_GRAD_OP, the shard group
 /// for HYBRID_SHARD, 1 for NO_SHARD. Call after ResolveAndValidate.
 int64_t ShardWorldSize(const FsdpConfig& config);

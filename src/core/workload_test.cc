@@ -178,3 +178,34 @@ TEST_CASE("wrap flag parsing") {
 
 }  // namespace
 }  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+TEST_CASE("FSDP1 on one GPU runs every strategy as NO_SHARD; FSDP2 and larger worlds keep theirs") {
+  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kHybridShard}) {
+    FsdpConfig c;
+    c.gpus = 1;
+    c.strategy = s;
+    if (s == Strategy::kHybridShard) c.shard_group_size = 1;
+    CHECK(ApplyFsdp1WorldOfOne(c));
+    CHECK(c.strategy == Strategy::kNoShard);
+    CHECK(c.shard_group_size == 0);
+  }
+  FsdpConfig no_shard;
+  no_shard.gpus = 1;
+  no_shard.strategy = Strategy::kNoShard;
+  CHECK_FALSE(ApplyFsdp1WorldOfOne(no_shard));
+  FsdpConfig two;
+  two.gpus = 2;
+  CHECK_FALSE(ApplyFsdp1WorldOfOne(two));
+  CHECK(two.strategy == Strategy::kFullShard);
+  FsdpConfig fsdp2;
+  fsdp2.gpus = 1;
+  fsdp2.framework = Framework::kFsdp2;
+  CHECK_FALSE(ApplyFsdp1WorldOfOne(fsdp2));
+  CHECK(fsdp2.strategy == Strategy::kFullShard);
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -73,6 +73,9 @@ class Searcher {
     auto price = o_.price_per_gpu_hour.find(hw.id);
     cand.usd_per_hour = (price != o_.price_per_gpu_hour.end() ? price->second : hw.price_per_gpu_hour_usd) * static_cast<double>(gpus);
     if (s == Strategy::kHybridShard && gpus <= c.gpus_per_node) return Reject(cand, Candidate::Reason::kInvalid, "HYBRID_SHARD needs more than one node");
+    if (FsdpConfig one = c; ApplyFsdp1WorldOfOne(one)) {
+      return Reject(cand, Candidate::Reason::kInvalid, "FSDP1 runs every strategy as NO_SHARD on one GPU (the NO_SHARD candidate covers it)");
+    }
     if (o_.global_batch_seqs % (gpus * mb) != 0) {
       return Reject(cand, Candidate::Reason::kBatch, fmt::format("global batch of {} sequences is not divisible by {} GPUs x micro-batch {}", o_.global_batch_seqs, gpus, mb));
     }
@@ -245,6 +248,18 @@ struct Change {
   FsdpConfig config;
 };
 
+}  // namespace
+
+Workload AsPyTorchRuns(const Workload& workload) {
+  FsdpConfig runs = workload.config;
+  if (!ApplyFsdp1WorldOfOne(runs)) return workload;
+  Workload w = workload;
+  if (!Reconfigure(w, workload.hardware, runs).ok()) return workload;  // NO_SHARD of a valid configuration is valid
+  return w;
+}
+
+namespace {
+
 // The seeds' OOM checklist as configuration changes of `c`.
 std::vector<Change> SingleChanges(const FsdpConfig& c) {
   std::vector<Change> out;
@@ -285,6 +300,7 @@ Advice Try(const Workload& base, const Change& change, double base_tokens_per_s)
   a.change = change.text;
   Workload w = base;
   if (!Reconfigure(w, base.hardware, change.config).ok()) return a;
+  w = AsPyTorchRuns(w);  // the command line keeps its strategy; on one GPU FSDP1 runs NO_SHARD
   const MemoryEstimate m = EstimateMemory(w);
   const TimeEstimate t = EstimateTime(w);
   a.fits = m.fits;
@@ -297,7 +313,7 @@ Advice Try(const Workload& base, const Change& change, double base_tokens_per_s)
 }  // namespace
 
 std::vector<Advice> AdviseFit(const Workload& workload) {
-  const double base_tps = EstimateTime(workload).step.tokens_per_s_per_gpu;
+  const double base_tps = EstimateTime(AsPyTorchRuns(workload)).step.tokens_per_s_per_gpu;
   std::vector<Change> changes = SingleChanges(workload.config);
   // Pairs: checkpointing first, then one more change, for configurations far from fitting.
   FsdpConfig with_ac = workload.config;

@@ -58,6 +58,10 @@ using ProgressFn = std::function<void(int64_t done, int64_t total)>;
 /// divisible, no GPU type fits, budget too low).
 Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& options, const ProgressFn& progress);
 
+/// The workload PyTorch runs for `workload`'s command line: FSDP1 on one GPU as NO_SHARD
+/// (ApplyFsdp1WorldOfOne); otherwise `workload` itself.
+Workload AsPyTorchRuns(const Workload& workload);
+
 /// Number of candidates Recommend would evaluate.
 int64_t CountCandidates(const ModelSpec& model, const SearchOptions& options);
 

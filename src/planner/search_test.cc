@@ -48,6 +48,21 @@ TEST_CASE("recommend: every listed configuration fits, reaches the global batch,
   for (const auto& c : s.best_rejected) CHECK_FALSE(c.rejection.empty());
 }
 
+TEST_CASE("on one GPU, FSDP1 candidates are NO_SHARD only (FSDP1 switches every strategy to it)") {
+  SearchOptions o = Options({"h100-sxm"}, 1, 8);
+  o.base.seq_len = 1024;
+  auto r = Recommend(Model("llama-100m"), o, nullptr);
+  REQUIRE(r.ok());
+  REQUIRE(!r.value().top.empty());
+  for (const Candidate& c : r.value().top) CHECK(c.config.strategy == Strategy::kNoShard);
+  o.base.framework = Framework::kFsdp2;  // FSDP2 keeps its strategy on one GPU
+  auto fsdp2 = Recommend(Model("llama-100m"), o, nullptr);
+  REQUIRE(fsdp2.ok());
+  bool sharded = false;
+  for (const Candidate& c : fsdp2.value().top) sharded |= c.config.strategy != Strategy::kNoShard;
+  CHECK(sharded);
+}
+
 TEST_CASE("a recommended configuration re-evaluates to the same figures") {
   SearchOptions o = Options({"h100-sxm"}, 8, 32);
   auto r = Recommend(Model("llama-2-7b"), o, nullptr);
