@@ -189,7 +189,10 @@ Status FsdpEngine::Reduce(int u) {
   for (float& v : g) v = RoundTo(v, w_.config.reduce_dtype);
   std::vector<float> shard(static_cast<size_t>(w_.units[u].shard_numel));
   ledger_.Add(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
-  if (grad_shard_[u].empty()) ledger_.Add(Mem::kGradients, w_.units[u].shard_numel * 4);
+  if (grad_shard_[u].empty()) {  // allocated before the sample, so that the heap holds what the ledger counts
+    grad_shard_[u].assign(shard.size(), 0.0f);
+    ledger_.Add(Mem::kGradients, w_.units[u].shard_numel * 4);
+  }
   if (Status st = ledger_.Sample(u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block"); !st.ok()) return st;
   if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), w_.units[u].shard_numel); !s.ok()) return s;
   if (replica_comm_->size() > 1) {
@@ -197,7 +200,6 @@ Status FsdpEngine::Reduce(int u) {
   }
   // the mean over the world's micro-batches, unscaled (S a power of two: exact)
   const float scale = 1.0f / (static_cast<float>(world_.size() * w_.config.grad_accum) * scaler_.scale());
-  if (grad_shard_[u].empty()) grad_shard_[u].assign(shard.size(), 0.0f);
   for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u][i] += shard[i] * scale;
   ledger_.Sub(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
   ledger_.Sub(Mem::kGradients, static_cast<int64_t>(g.size()) * 4);
