@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch FSDP2 reference run for fsdpkit.
 
-Trains one Llama configuration (a HuggingFace config.json from models/) for a
+Trains one Llama or GPT-2 configuration (a HuggingFace config.json from models/) for a
 few steps with real PyTorch FSDP2 (``fully_shard``) and writes a JSON of the
 measured memory and speed, so fsdpkit's predictions and its C++ GPU engine can
 be compared with PyTorch itself.
@@ -21,7 +21,9 @@ How fsdpkit's options map to PyTorch
 * Model: ``LlamaForCausalLM(LlamaConfig.from_dict(json, attn_implementation=
   --attention))`` built directly on the target device in fp32 after
   ``torch.manual_seed(--seed)`` (same seed on every rank, so every rank starts
-  from the same full weights before sharding). ``use_cache`` is off.
+  from the same full weights before sharding). ``use_cache`` is off. A GPT-2
+  config (model_type gpt2) builds ``GPT2LMHeadModel`` the same way, with its
+  config's dropout; its decoder blocks are ``transformer.h`` (GPT2Block).
 * Wrapping: ``fully_shard`` on every ``model.model.layers[i]`` (one FSDP
   parameter group per decoder layer), then on the root ``LlamaForCausalLM``
   (embedding, final norm and lm_head form the root group). The root is given
@@ -170,7 +172,7 @@ def positive_float(text):
 
 
 def build_parser():
-    p = OneLineParser(description="Measure one Llama config under PyTorch FSDP2.")
+    p = OneLineParser(description="Measure one Llama or GPT-2 config under PyTorch FSDP2.")
     p.add_argument("--model", required=True, help="HuggingFace config.json")
     p.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
     p.add_argument("--ac", default="none", choices=("none", "selective", "full"))
@@ -204,9 +206,11 @@ def load_model_json(parser, path):
             config = json.load(f)
     except (OSError, ValueError) as e:
         parser.error(f"--model: cannot read {path}: {e}")
-    if not isinstance(config, dict) or config.get("model_type", "llama") != "llama":
-        parser.error(f"--model: {path} is not a Llama config (model_type != llama)")
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+    if not isinstance(config, dict) or config.get("model_type", "llama") not in ("llama", "gpt2"):
+        parser.error(f"--model: {path} is not a Llama or GPT-2 config (model_type is neither llama nor gpt2)")
+    keys = ("vocab_size", "n_embd", "n_layer", "n_head") if config.get("model_type") == "gpt2" else \
+        ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    for key in keys:
         if not isinstance(config.get(key), int) or config[key] <= 0:
             parser.error(f"--model: {path}: missing or non-positive {key}")
     return config
@@ -289,14 +293,34 @@ def torch_dtype(name):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
+def is_gpt2(args):
+    return args.model_dict.get("model_type", "llama") == "gpt2"
+
+
+def decoder_layers(model):
+    """The decoder blocks FSDP wraps: LlamaForCausalLM's model.layers, GPT2LMHeadModel's transformer.h."""
+    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+
+def decoder_layer_class(args):
+    if is_gpt2(args):
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+        return GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    return LlamaDecoderLayer
+
+
 def build_model(args, device):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig.from_dict(dict(args.model_dict),
-                                   attn_implementation=attention_implementation(args))
+    config_class, model_class = (GPT2Config, GPT2LMHeadModel) if is_gpt2(args) else (LlamaConfig, LlamaForCausalLM)
+    config = config_class.from_dict(dict(args.model_dict),
+                                    attn_implementation=attention_implementation(args))
     config.use_cache = False
     torch.manual_seed(args.seed)
+    if args.init_from and is_gpt2(args):
+        raise SystemExit("torch_reference: error: --init-from takes Llama checkpoints only")
     if args.init_from:  # every weight from the checkpoint; a missing one is an error
         model, info = LlamaForCausalLM.from_pretrained(args.init_from, config=config, dtype=torch.float32,
                                                        output_loading_info=True)
@@ -306,7 +330,7 @@ def build_model(args, device):
         model.to(device)
     else:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = model_class(config)
     model.to(dtype=torch.float32)
     model.train()
     return model
@@ -360,7 +384,10 @@ def attention_implementation(args):
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import eager_mask, sdpa_mask
-    from transformers.models.llama.modeling_llama import eager_attention_forward
+    if is_gpt2(args):
+        from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
+    else:
+        from transformers.models.llama.modeling_llama import eager_attention_forward
 
     eager = args.attention == "eager"
     core = eager_attention_forward if eager else sdpa_attention_forward
@@ -378,7 +405,7 @@ def apply_activation_checkpointing(model):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
 
-    layers = model.model.layers
+    layers = decoder_layers(model)
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i],
                                        checkpoint_impl=CheckpointImpl.NO_REENTRANT,
@@ -394,26 +421,26 @@ def shard_model_fsdp1(model, args, device):
     import torch
     from torch.distributed.fsdp import BackwardPrefetch, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     param = torch_dtype(args.param_dtype)
+    layer = decoder_layer_class(args)
     return FullyShardedDataParallel(
-        model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer}),
+        model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer}),
         sharding_strategy=getattr(ShardingStrategy, args.strategy),
         mixed_precision=MixedPrecision(param_dtype=param, reduce_dtype=torch_dtype(args.reduce_dtype), buffer_dtype=param),
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True, use_orig_params=False,
         device_id=device)
 
 
-def apply_activation_checkpointing_fsdp1(model):
+def apply_activation_checkpointing_fsdp1(model, args):
     import functools
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    layer = decoder_layer_class(args)
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+        check_fn=lambda m: isinstance(m, layer))
 
 
 def shard_model(model, args, mesh):
@@ -421,7 +448,7 @@ def shard_model(model, args, mesh):
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(args.param_dtype),
                               reduce_dtype=torch_dtype(args.reduce_dtype))
     reshard = args.strategy == "FULL_SHARD"
-    for layer in model.model.layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
@@ -725,7 +752,7 @@ def main(argv=None):
         if args.framework == "fsdp1":
             model = shard_model_fsdp1(model, args, device)
             if args.ac == "full":  # inside each FSDP unit, as fsdp-plan --export pytorch writes it
-                apply_activation_checkpointing_fsdp1(model)
+                apply_activation_checkpointing_fsdp1(model, args)
                 notes.append("ac=full -> apply_activation_checkpointing(checkpoint_wrapper NO_REENTRANT) "
                              "on each decoder layer after FullyShardedDataParallel")
         else:

@@ -90,6 +90,21 @@ else
     fail "loss-decreases" "$log"
 fi
 
+# GPT-2 (GPT2LMHeadModel, transformer.h wrapped): selective and full checkpointing train.
+for ac in selective full; do
+    log="$TMP/gpt2-$ac.log"
+    if "$PY" "$TOOL" --device cpu --model tests/data/hf_configs/minimal-gpt2.json --seq-len 64 --micro-batch 2 \
+            --steps 1 --warmup 1 --ac "$ac" --attention eager --out "$TMP/gpt2-$ac.json" >"$log" 2>&1 &&
+        "$PY" - "$TMP/gpt2-$ac.json" >>"$log" 2>&1 <<'EOF'
+import json, math, sys
+r = json.load(open(sys.argv[1]))
+assert r["config"]["params"] == 2098176, r["config"]["params"]  # tests/data/hf_configs/EXPECTED.md
+assert all(math.isfinite(x) for x in r["measured"]["loss"]), r["measured"]["loss"]
+assert r["measured"]["memory"]["categories_at_peak"]["Total"] > 0
+EOF
+    then ok "gpt2-$ac"; else fail "gpt2-$ac" "$log"; fi
+done
+
 # Bad input: one line on stderr, exit status 2, before any training.
 bad_input() {  # NAME ARGS...
     local name=$1; shift
@@ -112,7 +127,7 @@ bad_input micro-batch "${base[@]}" --micro-batch -2
 bad_input steps "${base[@]}" --steps abc
 bad_input lr "${base[@]}" --lr 0
 bad_input missing-model --model models/does-not-exist.json --device cpu --out "$TMP/bad.json"
-bad_input not-llama --model models/gpt2.json --device cpu --out "$TMP/bad.json"
+bad_input not-llama-or-gpt2 --model models/mistral-7b.json --device cpu --out "$TMP/bad.json"
 bad_input out-dir --model "$MODEL" --device cpu --out "$TMP/no/such/dir/x.json"
 echo "1 2 999999" > "$TMP/bad-tokens.txt"
 bad_input tokens "${base[@]}" --tokens "$TMP/bad-tokens.txt"

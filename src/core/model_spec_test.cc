@@ -62,6 +62,8 @@ TEST_CASE("missing keys take transformers' defaults for each model type") {
   CHECK(CountOf(dir + "minimal-mixtral.json") == 9'364'736);  // 8 experts, router without bias
   CHECK(CountOf(dir + "minimal-gpt2.json") == 2'098'176);     // n_inner = 4*n_embd, n_positions 1024
   CHECK(CountOf(dir + "llama-100m-gqa.json") == 99'496'704);  // llama-100m with 4 kv heads
+  CHECK(CountOf(dir + "gpt2-no-dropout.json") == 124'439'808);  // gpt2 with every dropout 0
+  CHECK(CountOf(dir + "gpt2-2k-context-2k-vocab.json") == 88'201'728);  // 2048 positions and tokens
 
   auto m = FromText(R"({"model_type":"llama","hidden_size":256,"intermediate_size":688,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":1000})");
   REQUIRE(m.ok());

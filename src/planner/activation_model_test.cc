@@ -74,6 +74,28 @@ TEST_CASE("eager backward working memory: one fp32 scores-sized gradient") {
   CHECK(Profile("llama-2-7b", 128, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 128);
 }
 
+TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized gradients, after the MLP has freed its tensors") {
+  // gpt2 at 1024 tokens (micro-batch 1), dropout 0.1 and bf16: 2 x 2as + 3 x 2h per token for the
+  // attention core's backward, less what the forward saved after the core and the backward has
+  // freed by then: c_proj input 2h, its dropout mask h, ln_2 2h + 8, c_fc input 2h, NewGELU 4 x 2
+  // x inner, c_proj input 2 x inner, the MLP dropout mask h = 8h + 8 + 10 inner = 36,872 bytes.
+  const int64_t tokens = 1024, h = 768, inner = 3072, scores_per_token = 12 * 1024;
+  const int64_t attention = (2 * 2 * scores_per_token + 3 * 2 * h - (8 * h + 8 + 10 * inner)) * tokens;  // 16,609,280
+  const int64_t mlp = 4 * 2 * inner * tokens;                                                            // 25,165,824
+  REQUIRE(mlp > attention);  // at 1024 positions the MLP's transient is the larger
+  CHECK(Profile("gpt2", 1024, Attention::kEager).backward_working_bytes == 2 * 2 * h * tokens + mlp);
+  // a longer context (a config with 4096 positions): the attention core's term is the larger
+  auto m = LoadModel("gpt2");
+  REQUIRE(m.ok());
+  m.value().max_position_embeddings = 4096;
+  FsdpConfig c;
+  c.seq_len = 4096;
+  c.attention = Attention::kEager;
+  const int64_t t4 = 4096, s4 = 12 * 4096;
+  CHECK(BlockActivationProfile(m.value(), c).backward_working_bytes ==
+        2 * 2 * h * t4 + (2 * 2 * s4 + 3 * 2 * h - (8 * h + 8 + 10 * inner)) * t4);
+}
+
 TEST_CASE("Mixtral saves each routed token once per selected expert") {
   BlockActivations a = Profile("mixtral-8x7b", 1, Attention::kFlash);
   int64_t expert = 0;
