@@ -8,7 +8,7 @@
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
 # the three one-rank configurations of the first, third and fourth rows, the first FSDP1 row and
-# the first GPT-2 block-backward row only
+# one Llama and one GPT-2 block-backward row only
 # (the CTest check torch_memory_agreement does both).
 # Rows 7 and 8 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
@@ -16,8 +16,8 @@
 # 2 ranks: FSDP1 on one rank silently switches every strategy to NO_SHARD. The GPT-2 rows have
 # dropout off (tests/data/hf_configs/gpt2-no-dropout.json): on the CPU, ATen's unfused dropout
 # saves its noise in the input dtype where CUDA's fused kernel saves a bool mask, which fsdp-plan
-# models. The last two use 2048 positions and a 2048-token vocabulary, so that the peak falls in a
-# block's backward (its attention core's gradients) rather than at the loss.
+# models. The "2k vocab" rows use a 2048-token vocabulary (and GPT-2 2048 positions), so that the
+# peak falls in a block's backward (its softmax's gradients) rather than at the loss.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -57,11 +57,13 @@ PY
 }
 check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
 fsdp1_row() { check "2 ranks FSDP1 FULL_SHARD seq 1024 x 2"   2 FULL_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp1; }
+llama_block_row() { check "1 rank  llama 2k vocab AC seq 2048 x 1"     1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"; }
 gpt2_block_row() { check "1 rank  GPT-2 2k ctx 2k vocab seq 2048 x 1" 1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"; }
 if [ -n "${QUICK:-}" ]; then
   check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
   check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
   fsdp1_row
+  llama_block_row
   gpt2_block_row
   exit 0
 fi
@@ -75,6 +77,8 @@ check "1 rank  FULL_SHARD SAC seq 2048 x 2 GQA"  1 FULL_SHARD    selective 2 204
 fsdp1_row
 check "2 ranks FSDP1 SHARD_GRAD_OP seq 1024 x 2" 2 SHARD_GRAD_OP none 2 1024 "$root/models/llama-100m.json" fsdp1
 check "2 ranks FSDP1 FULL_SHARD AC seq 1024 x 2" 2 FULL_SHARD full 2 1024 "$root/models/llama-100m.json" fsdp1
+check "1 rank  llama 2k vocab    seq 2048 x 1"     1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"
+llama_block_row
 check "1 rank  GPT-2 FULL_SHARD   seq 1024 x 2"    1 FULL_SHARD    none 2 1024 "$root/tests/data/hf_configs/gpt2-no-dropout.json"
 gpt2_block_row
 check "1 rank  GPT-2 2k ctx 2k vocab AC 2048 x 1" 1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"

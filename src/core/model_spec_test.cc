@@ -64,6 +64,7 @@ TEST_CASE("missing keys take transformers' defaults for each model type") {
   CHECK(CountOf(dir + "llama-100m-gqa.json") == 99'496'704);  // llama-100m with 4 kv heads
   CHECK(CountOf(dir + "gpt2-no-dropout.json") == 124'439'808);  // gpt2 with every dropout 0
   CHECK(CountOf(dir + "gpt2-2k-context-2k-vocab.json") == 88'201'728);  // 2048 positions and tokens
+  CHECK(CountOf(dir + "llama-100m-2k-vocab.json") == 59'781'888);  // llama-100m with 2048 tokens
 
   auto m = FromText(R"({"model_type":"llama","hidden_size":256,"intermediate_size":688,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":1000})");
   REQUIRE(m.ok());

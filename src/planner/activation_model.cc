@@ -139,20 +139,23 @@ std::vector<SavedTensor> Gpt2Block(const ModelSpec& m, const FsdpConfig& cfg, co
   return out;
 }
 
-// What a block's backward has freed of its saved tensors when its attention core's backward
-// starts: everything the forward saved after the core (the output projection, ln_2, the MLP).
-int64_t SavedAfterAttentionCore(const std::vector<SavedTensor>& block) {
-  int64_t after = 0;
+// What a block's backward has freed of its saved tensors when its softmax's backward runs:
+// everything the forward saved after the attention core (the output projection, the second norm,
+// the MLP) and the core's tensors other than the softmax's own output (dropout's mask and output;
+// Llama's probabilities copy in c, the softmax having run in fp32).
+int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::string_view softmax_output) {
+  int64_t core = 0, after = 0;
   bool past_core = false;
   for (const SavedTensor& t : block) {
     if (t.attention_core) {
       past_core = true;
       after = 0;
+      if (t.name.starts_with("attn_core.") && t.name != softmax_output) core += t.bytes;
     } else if (past_core) {
       after += t.bytes;
     }
   }
-  return after;
+  return core + after;
 }
 
 // Largest set of gradients alive at once inside a block's backward, beyond its saved tensors:
@@ -162,19 +165,18 @@ int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Di
   const bool gpt2 = m.family == ModelFamily::kGpt2;
   int64_t attention = 0;
   if (cfg.attention == Attention::kEager && gpt2) {
-    // GPT-2's softmax runs in the compute dtype: the probabilities' gradient and the softmax's
-    // input gradient (2 c a s per token) while the probabilities are still saved, and 3 c h of
-    // q/k/v gradients, after the output projection, ln_2 and the MLP have freed their saved
-    // tensors. MemTracker on one GPT2Block (transformers 5.24, bf16, 2048 tokens, no dropout):
-    // 138.4 MB beyond the saved tensors, the incoming gradient and the weight gradients, as this
-    // term gives (docs/memory-model.md).
-    attention = 2 * d.c * scores + 3 * d.c * hT - SavedAfterAttentionCore(Gpt2Block(m, cfg, d));
+    // GPT-2's softmax runs in c: the probabilities' gradient and the softmax input's (2 c a s per
+    // token) and 3 c h of q/k/v gradients, while the probabilities are still saved. MemTracker on
+    // one GPT2Block (transformers 5.24, bf16, 2048 tokens, no dropout): 138.4 MB beyond the saved
+    // tensors, the incoming gradient and the weight gradients, as this term gives (docs/memory-model.md).
+    attention = 2 * d.c * scores + 3 * d.c * hT - FreedBeforeSoftmaxBackward(Gpt2Block(m, cfg, d), "attn_core.probs");
   } else if (cfg.attention == Attention::kEager) {
-    // Llama: one fp32 scores-sized gradient beyond the saved tensors it replaces (autograd frees
-    // the probabilities and the fp32 softmax output as their nodes run): MemTracker on CPU,
-    // transformers 5.24, gave 4.0-4.3 a*s bytes per token in bf16, fp16 and fp32
-    // (docs/memory-model.md).
-    attention = 4 * scores;
+    // Llama's softmax runs in fp32: two fp32 scores-sized gradients (the probabilities' gradient
+    // cast up, the softmax input's) while the fp32 softmax output is still saved. MemTracker on a
+    // one-layer LlamaModel (transformers 5.24, bf16): 95.4 MB beyond the saved tensors and weight
+    // gradients at 2 x 1024 tokens and 246.4 MB at 1 x 2048, as this term (with 2 c h) gives; the
+    // earlier constant 4 a s matched the first shape only (docs/memory-model.md).
+    attention = 8 * scores - FreedBeforeSoftmaxBackward(LlamaBlock(m, cfg, d), "attn_core.softmax_fp32");
   } else {
     attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }

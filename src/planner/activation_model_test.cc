@@ -66,34 +66,39 @@ TEST_CASE("selective checkpointing with GQA keeps k and v at kv-head width") {
             Profile("llama-2-7b", seq, Attention::kEager, Checkpointing::kSelective).KeptBytes() == 6LL * 32 * seq * seq);
 }
 
-TEST_CASE("eager backward working memory: one fp32 scores-sized gradient") {
+TEST_CASE("Llama eager backward working memory: two fp32 scores-sized gradients, after the block has freed the rest") {
   // llama-2-7b at seq 4096, bf16: incoming and outgoing hidden-state gradients 2 * 2h plus the
-  // largest transient, the softmax backward's fp32 gradient 4as (> the MLP's 3 * 2I = 66,048).
-  CHECK(Profile("llama-2-7b", 4096, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 4LL * 32 * 4096) * 4096);
-  // at seq 128 the MLP's transient is the larger: 3 * 2I > 4as = 16,384
+  // largest transient, the fp32 softmax's backward (> the MLP's 3 * 2I = 66,048).
+  // 8as: two fp32 scores-sized gradients; less the bf16 probabilities 2as and what the forward saved
+  // after the core, freed by then: o_proj's input 2h, post_attention_layernorm 4h + 4 + 2 x 2h,
+  // SwiGLU 4 x 2I
+  const int64_t after_core = 2 * 4096 + (4 * 4096 + 4 + 4 * 4096) + 8 * 11008;
+  CHECK(Profile("llama-2-7b", 4096, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 6LL * 32 * 4096 - after_core) * 4096);
+  // at seq 128 the MLP's transient is the larger: 3 * 2I = 66,048 > 6as - after_core = 24,576 - 129,028 < 0
   CHECK(Profile("llama-2-7b", 128, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 128);
 }
 
-TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized gradients, after the MLP has freed its tensors") {
-  // gpt2 at 1024 tokens (micro-batch 1), dropout 0.1 and bf16: 2 x 2as + 3 x 2h per token for the
-  // attention core's backward, less what the forward saved after the core and the backward has
-  // freed by then: c_proj input 2h, its dropout mask h, ln_2 2h + 8, c_fc input 2h, NewGELU 4 x 2
-  // x inner, c_proj input 2 x inner, the MLP dropout mask h = 8h + 8 + 10 inner = 36,872 bytes.
-  const int64_t tokens = 1024, h = 768, inner = 3072, scores_per_token = 12 * 1024;
-  const int64_t attention = (2 * 2 * scores_per_token + 3 * 2 * h - (8 * h + 8 + 10 * inner)) * tokens;  // 16,609,280
-  const int64_t mlp = 4 * 2 * inner * tokens;                                                            // 25,165,824
+TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized gradients, after the block has freed the rest") {
+  // gpt2 at 1024 tokens (micro-batch 1), dropout 0.1, bf16: 2 x 2as + 3 x 2h per token for the
+  // softmax's backward, less what the backward has freed by then: dropout's mask as and output 2as,
+  // c_proj's input 2h and its dropout mask h, ln_2 2h + 8, c_fc's input 2h, NewGELU 4 x 2 x inner,
+  // c_proj's input 2 x inner, the MLP's dropout mask h.
+  const int64_t h = 768, inner = 3072, as1k = 12 * 1024;
+  const int64_t after_core = 8 * h + 8 + 10 * inner;
+  const int64_t attention = (2 * 2 * as1k + 3 * 2 * h - 3 * as1k - after_core) * 1024;
+  const int64_t mlp = 4 * 2 * inner * 1024;
   REQUIRE(mlp > attention);  // at 1024 positions the MLP's transient is the larger
-  CHECK(Profile("gpt2", 1024, Attention::kEager).backward_working_bytes == 2 * 2 * h * tokens + mlp);
-  // a longer context (a config with 4096 positions): the attention core's term is the larger
+  CHECK(Profile("gpt2", 1024, Attention::kEager).backward_working_bytes == 2 * 2 * h * 1024 + mlp);
+  // 4096 positions, no dropout: the softmax's term is the larger
   auto m = LoadModel("gpt2");
   REQUIRE(m.ok());
   m.value().max_position_embeddings = 4096;
+  m.value().attention_dropout = m.value().residual_dropout = m.value().embedding_dropout = 0;
   FsdpConfig c;
   c.seq_len = 4096;
   c.attention = Attention::kEager;
-  const int64_t t4 = 4096, s4 = 12 * 4096;
-  CHECK(BlockActivationProfile(m.value(), c).backward_working_bytes ==
-        2 * 2 * h * t4 + (2 * 2 * s4 + 3 * 2 * h - (8 * h + 8 + 10 * inner)) * t4);
+  const int64_t as4k = 12 * 4096;
+  CHECK(BlockActivationProfile(m.value(), c).backward_working_bytes == (2 * 2 * h + 2 * 2 * as4k + 3 * 2 * h - (6 * h + 8 + 10 * inner)) * 4096);
 }
 
 TEST_CASE("Mixtral saves each routed token once per selected expert") {

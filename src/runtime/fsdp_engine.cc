@@ -63,6 +63,11 @@ Result<std::vector<float>> StartingUnit(const Workload& w, int u, const TrainOpt
   return flat;
 }
 
+AdamCorrections AdamBiasCorrections(const TrainOptions& o, int64_t steps_taken) {
+  const float t = static_cast<float>(steps_taken + 1);
+  return {1.0f - std::pow(o.beta1, t), 1.0f - std::pow(o.beta2, t)};
+}
+
 uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   const FsdpConfig& c = w.config;
   uint64_t h = 1469598103934665603ULL;
@@ -355,15 +360,10 @@ Result<bool> FsdpEngine::FoundNonFinite() {
 Status FsdpEngine::Optimizer() {
   const auto start = std::chrono::steady_clock::now();
   if (Status st = ledger_.Sample("optimizer step"); !st.ok()) return st;
-  bool found_inf = false;
-  if (scaler_.enabled()) {
-    auto found = FoundNonFinite();
-    if (!found.ok()) return found.error();
-    found_inf = found.value();
-  }
-  const bool apply = scaler_.Update(found_inf);  // GradScaler.step skips, GradScaler.update rescales
-  const float t = static_cast<float>(optimizer_steps_ + 1);
-  const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
+  auto allowed = scaler_.CheckAndUpdate([this] { return FoundNonFinite(); });
+  if (!allowed.ok()) return allowed.error();
+  const bool apply = allowed.value();
+  const auto [c1, c2] = AdamBiasCorrections(o_, optimizer_steps_);
   for (size_t u = 0; u < shard_.size(); ++u) {
     for (size_t i = 0; apply && i < shard_[u].size(); ++i) {
       const float g = grad_shard_[u].empty() ? 0.0f : grad_shard_[u][i];

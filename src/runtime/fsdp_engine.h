@@ -109,6 +109,12 @@ std::vector<float> InitialUnit(const Workload& workload, int u, uint64_t seed);
 /// InitialUnit's seeded values.
 Result<std::vector<float>> StartingUnit(const Workload& workload, int u, const TrainOptions& options);
 
+/// AdamW's bias corrections 1 - beta^t for the step after `steps_taken` applied steps.
+struct AdamCorrections {
+  float c1, c2;
+};
+AdamCorrections AdamBiasCorrections(const TrainOptions& options, int64_t steps_taken);
+
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).
 uint64_t ConfigFingerprint(const Workload& workload, const TrainOptions& options);
 

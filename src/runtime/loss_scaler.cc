@@ -48,4 +48,14 @@ bool LossScaler::Update(bool found_inf) {
   return true;
 }
 
+Result<bool> LossScaler::CheckAndUpdate(const std::function<Result<bool>()>& found_non_finite) {
+  bool found_inf = false;
+  if (enabled()) {
+    auto found = found_non_finite();
+    if (!found.ok()) return found.error();
+    found_inf = found.value();
+  }
+  return Update(found_inf);  // GradScaler.step skips, GradScaler.update rescales
+}
+
 }  // namespace fsdp::runtime

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string_view>
 #include <vector>
 
@@ -47,6 +48,9 @@ class LossScaler {
   /// Records the step's outcome (found_inf: some rank's unscaled gradients hold an inf or NaN) and
   /// returns whether the optimizer may step. Disabled: always true and nothing changes.
   bool Update(bool found_inf);
+  /// The optimizer step's decision: when enabled, asks `found_non_finite` (every rank's inf/NaN
+  /// check, a collective) and updates; returns whether the optimizer may step, or its error.
+  Result<bool> CheckAndUpdate(const std::function<Result<bool>()>& found_non_finite);
   /// Steps skipped so far, 0-based step indices in the order they happened.
   const std::vector<int64_t>& skipped_steps() const { return skipped_; }
 

@@ -72,6 +72,23 @@ TEST_CASE("dynamic scaling halves on inf, doubles after growth_interval clean st
   CHECK(s.skipped_steps() == std::vector<int64_t>{0, 1, 6});
 }
 
+TEST_CASE("CheckAndUpdate asks the ranks only when enabled, and passes their error on") {
+  int asked = 0;
+  auto clean = [&]() -> Result<bool> { ++asked; return false; };
+  LossScaler off{LossScalerOptions{}};
+  CHECK(off.CheckAndUpdate(clean).value());
+  CHECK(asked == 0);  // a disabled scaler runs no collective
+  LossScaler on(Dynamic(1024.0f, 2000));
+  CHECK(on.CheckAndUpdate(clean).value());
+  CHECK_FALSE(on.CheckAndUpdate([&]() -> Result<bool> { ++asked; return true; }).value());
+  CHECK(asked == 2);
+  CHECK(on.scale() == 512.0f);
+  auto failed = on.CheckAndUpdate([]() -> Result<bool> { return Error::RunFailed("a peer died"); });
+  REQUIRE_FALSE(failed.ok());
+  CHECK(failed.error().message == "a peer died");
+  CHECK(on.scale() == 512.0f);  // nothing recorded
+}
+
 TEST_CASE("the scale does not grow past float's range") {
   LossScaler s(Dynamic(std::ldexp(1.0f, 127), 1));
   CHECK(s.Update(false));

@@ -541,15 +541,10 @@ Status CudaEngine::Optimizer() {
   alloc_.set_phase("optimizer step");
   FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, reduced_, 0));
   FSDP_CUDA_TRY(cudaEventRecord(phase_events_[2], compute_));
-  bool found_inf = false;
-  if (scaler_.enabled()) {
-    auto found = FoundNonFinite();
-    if (!found.ok()) return found.error();
-    found_inf = found.value();
-  }
-  const bool apply = scaler_.Update(found_inf);  // GradScaler.step skips, GradScaler.update rescales
-  const float t = static_cast<float>(optimizer_steps_ + 1);
-  const float c1 = 1.0f - std::pow(o_.beta1, t), c2 = 1.0f - std::pow(o_.beta2, t);
+  auto allowed = scaler_.CheckAndUpdate([this] { return FoundNonFinite(); });
+  if (!allowed.ok()) return allowed.error();
+  const bool apply = allowed.value();
+  const auto [c1, c2] = AdamBiasCorrections(o_, optimizer_steps_);
   for (size_t u = 0; u < shard_params_.size(); ++u) {
     if (apply) {
       AdamW(shard_params_[u].as<float>(), grad_shard_[u].empty() ? nullptr : grad_shard_[u].as<float>(), exp_avg_[u].as<float>(),
