@@ -121,11 +121,11 @@ Json RunInputsJson(const RunFlags& f) {
   return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", lr}};
 }
 
-void PrintLossScaling(const runtime::LossScaler& scaler, int64_t steps, std::ostream& out) {
+void PrintLossScaling(const runtime::LossScaler& scaler, std::ostream& out) {
   if (!scaler.enabled()) return;
   std::string skipped;
   for (int64_t s : scaler.skipped_steps()) skipped += fmt::format("{}{}", skipped.empty() ? "" : ", ", s + 1);
-  fmt::print(out, "  loss scaling: dynamic, scale {:g} after {} steps, {}\n", scaler.scale(), steps,
+  fmt::print(out, "  loss scaling: dynamic, scale {:g} after {} steps, {}\n", scaler.scale(), scaler.steps(),
              skipped.empty() ? "no step skipped" : fmt::format("skipped steps {} (inf/NaN gradients)", skipped));
 }
 
@@ -179,9 +179,9 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   run.options.lr = f.lr;
   auto scaling = runtime::ParseLossScaling(f.loss_scale, c.param_dtype);
   if (!scaling.ok()) return scaling.error();
-  run.options.loss_scaling = {scaling.value(), f.loss_scale_init};
-  run.options.loss_scaling.growth_interval = f.loss_scale_interval;
-  if (Status s = runtime::CheckLossScalerOptions(run.options.loss_scaling); !s.ok()) return s.error();
+  run.options.loss_scaling.mode = scaling.value();
+  run.options.loss_scaling.init_scale = f.loss_scale_init;
+  run.options.loss_scaling.growth_interval = f.loss_scale_interval;  // checked where the engines are made
   if (!f.init_from.empty()) {
     auto checkpoint = runtime::Checkpoint::Open(f.init_from);
     if (!checkpoint.ok()) return checkpoint.error();
@@ -253,7 +253,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   fmt::print(out, "{} on {} rank(s), {}: losses", workload.model.id, comm.size(), StrategyName(workload.config.strategy));
   for (const auto& l : losses) fmt::print(out, " {:.6f}", l.get<double>());
   fmt::print(out, "; mean step {:.3f} s\n", step_s);
-  PrintLossScaling(engine.value()->loss_scaler(), f.steps, out);
+  PrintLossScaling(engine.value()->loss_scaler(), out);
   fmt::print(out, "  rank 0 peak heap {:.2f} MiB at {}:", mem.peak_bytes() / 1048576.0, mem.peak_phase());
   Json categories = Json::object();
   for (int c = 0; c < runtime::kMemKinds; ++c) {

@@ -52,7 +52,7 @@ Json RunInputsJson(const RunFlags& flags);
 /// The loss scaling of a run, when it has one: a report line ("  loss scaling: dynamic, scale
 /// 32768 after 3 steps, skipped steps 1 (inf/NaN gradients)") and {"mode", "final_scale",
 /// "skipped_steps" (1-based)} for --out.
-void PrintLossScaling(const runtime::LossScaler& scaler, int64_t steps, std::ostream& out);
+void PrintLossScaling(const runtime::LossScaler& scaler, std::ostream& out);
 Json LossScalingJson(const runtime::LossScaler& scaler);
 
 /// 100 * (predicted - measured) / measured; 0 when nothing was measured.

@@ -136,7 +136,7 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
              world, StrategyName(w.config.strategy), DTypeName(w.config.param_dtype), DTypeName(w.config.reduce_dtype));
   for (const auto& l : log.losses) fmt::print(out, " {:.4f}", l.get<double>());
   fmt::print(out, "\n");
-  PrintLossScaling(engine.loss_scaler(), f.steps, out);
+  PrintLossScaling(engine.loss_scaler(), out);
   fmt::print(out, "  step {:.4f} s ({}), {:.0f} tokens/s per GPU\n", step_s, steps.size() > 1 ? fmt::format("median of steps 2..{}", steps.size()) : "step 1 only",
              tokens_per_gpu);
   const runtime::GpuMemoryReport mem = engine.memory();

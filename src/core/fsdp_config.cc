@@ -165,8 +165,12 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   return {};
 }
 
+bool Fsdp1SwitchesToNoShard(const FsdpConfig& c) {
+  return c.framework == Framework::kFsdp1 && c.gpus == 1 && c.strategy != Strategy::kNoShard;
+}
+
 bool ApplyFsdp1WorldOfOne(FsdpConfig& c) {
-  if (c.framework != Framework::kFsdp1 || c.gpus != 1 || c.strategy == Strategy::kNoShard) return false;
+  if (!Fsdp1SwitchesToNoShard(c)) return false;
   if (c.strategy == Strategy::kHybridShard) c.shard_group_size = 0;  // the shard group goes with the strategy
   c.strategy = Strategy::kNoShard;
   return true;

@@ -73,7 +73,9 @@ Status ResolveAndValidate(FsdpConfig& config, const ModelSpec& model, const Hard
 
 /// FSDP1 on a world of one rank runs every strategy as NO_SHARD: FullyShardedDataParallel warns
 /// and switches (torch/distributed/fsdp/_init_utils.py, _init_core_state). FSDP2 keeps its
-/// strategy. Returns true when it changed `config`.
+/// strategy. True when `config` is one PyTorch runs as another strategy.
+bool Fsdp1SwitchesToNoShard(const FsdpConfig& config);
+/// Applies that switch; returns true when it changed `config`.
 bool ApplyFsdp1WorldOfOne(FsdpConfig& config);
 
 /// Ranks that share one parameter shard group (W): gpus for FULL/SHARD_GRAD_OP, the shard group

@@ -159,8 +159,9 @@ int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::s
 }
 
 // Largest set of gradients alive at once inside a block's backward, beyond its saved tensors:
-// the incoming and outgoing hidden-state gradients plus the largest op-level transient.
-int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+// the incoming and outgoing hidden-state gradients plus the largest op-level transient. `block`
+// is what the block's forward saves (LlamaBlock / Gpt2Block).
+int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block) {
   const int64_t hT = d.h * d.tokens, scores = d.heads * d.seq * d.tokens;
   const bool gpt2 = m.family == ModelFamily::kGpt2;
   int64_t attention = 0;
@@ -169,14 +170,14 @@ int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Di
     // token) and 3 c h of q/k/v gradients, while the probabilities are still saved. MemTracker on
     // one GPT2Block (transformers 5.24, bf16, 2048 tokens, no dropout): 138.4 MB beyond the saved
     // tensors, the incoming gradient and the weight gradients, as this term gives (docs/memory-model.md).
-    attention = 2 * d.c * scores + 3 * d.c * hT - FreedBeforeSoftmaxBackward(Gpt2Block(m, cfg, d), "attn_core.probs");
+    attention = 2 * d.c * scores + 3 * d.c * hT - FreedBeforeSoftmaxBackward(block, "attn_core.probs");
   } else if (cfg.attention == Attention::kEager) {
     // Llama's softmax runs in fp32: two fp32 scores-sized gradients (the probabilities' gradient
     // cast up, the softmax input's) while the fp32 softmax output is still saved. MemTracker on a
     // one-layer LlamaModel (transformers 5.24, bf16): 95.4 MB beyond the saved tensors and weight
     // gradients at 2 x 1024 tokens and 246.4 MB at 1 x 2048, as this term (with 2 c h) gives; the
     // earlier constant 4 a s matched the first shape only (docs/memory-model.md).
-    attention = 8 * scores - FreedBeforeSoftmaxBackward(LlamaBlock(m, cfg, d), "attn_core.softmax_fp32");
+    attention = 8 * scores - FreedBeforeSoftmaxBackward(block, "attn_core.softmax_fp32");
   } else {
     attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }
@@ -220,7 +221,7 @@ BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cf
       a.kept = {{"checkpoint.block_input", d.c * d.h * d.tokens}};
       break;
   }
-  a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d);
+  a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d, a.full);
   return a;
 }
 

@@ -73,7 +73,7 @@ class Searcher {
     auto price = o_.price_per_gpu_hour.find(hw.id);
     cand.usd_per_hour = (price != o_.price_per_gpu_hour.end() ? price->second : hw.price_per_gpu_hour_usd) * static_cast<double>(gpus);
     if (s == Strategy::kHybridShard && gpus <= c.gpus_per_node) return Reject(cand, Candidate::Reason::kInvalid, "HYBRID_SHARD needs more than one node");
-    if (FsdpConfig one = c; ApplyFsdp1WorldOfOne(one)) {
+    if (Fsdp1SwitchesToNoShard(c)) {
       return Reject(cand, Candidate::Reason::kInvalid, "FSDP1 runs every strategy as NO_SHARD on one GPU (the NO_SHARD candidate covers it)");
     }
     if (o_.global_batch_seqs % (gpus * mb) != 0) {
@@ -299,8 +299,9 @@ Advice Try(const Workload& base, const Change& change, double base_tokens_per_s)
   Advice a;
   a.change = change.text;
   Workload w = base;
-  if (!Reconfigure(w, base.hardware, change.config).ok()) return a;
-  w = AsPyTorchRuns(w);  // the command line keeps its strategy; on one GPU FSDP1 runs NO_SHARD
+  FsdpConfig runs = change.config;  // the command line keeps its strategy; on one GPU FSDP1 runs NO_SHARD
+  ApplyFsdp1WorldOfOne(runs);
+  if (!Reconfigure(w, base.hardware, runs).ok()) return a;
   const MemoryEstimate m = EstimateMemory(w);
   const TimeEstimate t = EstimateTime(w);
   a.fits = m.fits;

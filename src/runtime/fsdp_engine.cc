@@ -347,12 +347,10 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
 }
 
 Result<bool> FsdpEngine::FoundNonFinite() {
-  float found = 0.0f;
-  for (const std::vector<float>& g : grad_shard_) {
-    for (float v : g) {
-      if (!std::isfinite(v)) found = 1.0f;
-    }
-  }
+  const bool here = std::any_of(grad_shard_.begin(), grad_shard_.end(), [](const std::vector<float>& g) {
+    return std::any_of(g.begin(), g.end(), [](float v) { return !std::isfinite(v); });
+  });
+  float found = here ? 1.0f : 0.0f;
   if (Status s = world_.AllReduce(&found, 1); !s.ok()) return s.error();
   return found > 0.0f;
 }

@@ -51,7 +51,8 @@ class LossScaler {
   /// The optimizer step's decision: when enabled, asks `found_non_finite` (every rank's inf/NaN
   /// check, a collective) and updates; returns whether the optimizer may step, or its error.
   Result<bool> CheckAndUpdate(const std::function<Result<bool>()>& found_non_finite);
-  /// Steps skipped so far, 0-based step indices in the order they happened.
+  /// Steps recorded so far (Update calls), and those skipped, 0-based, in the order they happened.
+  int64_t steps() const { return steps_; }
   const std::vector<int64_t>& skipped_steps() const { return skipped_; }
 
  private:
