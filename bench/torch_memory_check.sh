@@ -17,7 +17,8 @@
 # dropout off (tests/data/hf_configs/gpt2-no-dropout.json): on the CPU, ATen's unfused dropout
 # saves its noise in the input dtype where CUDA's fused kernel saves a bool mask, which fsdp-plan
 # models. The "2k vocab" rows use a 2048-token vocabulary (and GPT-2 2048 positions), so that the
-# peak falls in a block's backward (its softmax's gradients) rather than at the loss.
+# peak falls in a block's backward (its softmax's gradients) rather than at the loss. The "holds
+# outputs" row keeps each step's logits until the next step's loss exists, on both sides.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -27,10 +28,11 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
-check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2]
+check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take]
   local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}
+  local both=(${9:-})
   local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
-              --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$out/$name.json")
+              --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$out/$name.json" ${both[@]+"${both[@]}"})
   if [ "$ranks" -gt 1 ]; then
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   else
@@ -38,7 +40,7 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
   fi
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
     --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention eager --param-dtype bf16 --reduce-dtype fp32 --cublas-workspace-bytes 0 \
-    --json > "$out/$name.plan.json"
+    ${both[@]+"${both[@]}"} --json > "$out/$name.plan.json"
   python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
 import json, sys
 name, torch_path, plan_path = sys.argv[1:]
@@ -69,6 +71,7 @@ if [ -n "${QUICK:-}" ]; then
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
 check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
+check "1 rank  FULL_SHARD holds outputs 1024 x 2"  1 FULL_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp2 --loop-holds-outputs
 check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
 check "2 ranks FULL_SHARD     seq 1024 x 2"      2 FULL_SHARD    none 2 1024
 check "2 ranks FULL_SHARD AC  seq 1024 x 2"      2 FULL_SHARD    full 2 1024

@@ -192,6 +192,9 @@ def build_parser():
                    help="safetensors checkpoint directory to start from (as fsdp-run --init-from)")
     p.add_argument("--tokens", default="",
                    help="file of whitespace-separated token ids, windowed as fsdp-run --tokens")
+    p.add_argument("--loop-holds-outputs", action="store_true",
+                   help="keep each step's logits until the next step's loss exists "
+                        "(a loop holding outputs = model(...)), as fsdp-plan --loop-holds-outputs")
     p.add_argument("--no-tracker", action="store_true",
                    help="skip the extra FSDPMemTracker step")
     p.add_argument("--out", required=True, help="output JSON path")
@@ -492,13 +495,19 @@ def make_optimizer(model, lr):
                              eps=1e-8, weight_decay=0.01, foreach=True)
 
 
-def train_step(model, optimizer, inputs, targets):
+def train_step(model, optimizer, inputs, targets, held=None):
+    """One step. ``held`` (a list, --loop-holds-outputs) plays a loop that keeps
+    ``outputs = model(...)``: the previous step's logits are dropped only once this
+    step's loss exists, and this step's stay referenced through its backward and
+    optimizer step."""
     import torch.nn.functional as F
 
     optimizer.zero_grad(set_to_none=True)
     logits = model(input_ids=inputs, use_cache=False).logits
     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
                            targets.view(-1))
+    if held is not None:
+        held[:] = [logits]
     del logits
     loss.backward()
     optimizer.step()
@@ -509,7 +518,7 @@ def to_device(batch, device):
     return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
-def timed_step(model, optimizer, batch, device):
+def timed_step(model, optimizer, batch, device, held=None):
     """Runs one step; returns (loss, event_seconds or None, wall_seconds)."""
     import torch
 
@@ -520,7 +529,7 @@ def timed_step(model, optimizer, batch, device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    loss = train_step(model, optimizer, inputs, targets)
+    loss = train_step(model, optimizer, inputs, targets, held)
     if cuda:
         end.record()
         torch.cuda.synchronize(device)
@@ -572,7 +581,7 @@ def category_name(key):
     return str(getattr(key, "value", key))
 
 
-def tracked_categories(model, optimizer, batch, device):
+def tracked_categories(model, optimizer, batch, device, held=None):
     """One extra step under FSDPMemTracker (FSDP2) or MemTracker (FSDP1); returns (categories,
     loss, error)."""
     try:
@@ -587,8 +596,10 @@ def tracked_categories(model, optimizer, batch, device):
         else:
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((inputs, targets))
+        if held:
+            tracker.track_external(*held)  # the previous step's logits, still referenced
         with tracker:
-            loss = train_step(model, optimizer, inputs, targets)
+            loss = train_step(model, optimizer, inputs, targets, held)
         snapshot = tracker.get_tracker_snapshot("peak")
         per_device = next((v for k, v in snapshot.items()
                            if str(k) == str(device)), None)
@@ -638,6 +649,7 @@ def build_report(args, env, params, notes, run):
             "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
             "attention": args.attention, "framework": args.framework,
             "steps": args.steps, "warmup": args.warmup,
+            "loop_holds_outputs": args.loop_holds_outputs,
             "lr": args.lr, "seed": args.seed, "device": args.device,
             "init_from": args.init_from or None, "tokens": args.tokens or None,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -698,14 +710,15 @@ def run_training(args, model, device, rank, world):
         torch.cuda.synchronize(device)
     run = {"after_init_allocated": torch.cuda.memory_allocated(device)
            if device.type == "cuda" else None, "loss": []}
+    held = [] if args.loop_holds_outputs else None
     reset_peaks(device)
     for i in range(args.warmup):
-        run["loss"].append(timed_step(model, optimizer, batches[i], device)[0])
+        run["loss"].append(timed_step(model, optimizer, batches[i], device, held)[0])
     run["warm_peaks"] = peak_stats(device) if args.warmup else None
     reset_peaks(device)
     run["steps_s"], run["wall_steps_s"] = [], []
     for i in range(args.warmup, args.warmup + args.steps):
-        loss, event, wall = timed_step(model, optimizer, batches[i], device)
+        loss, event, wall = timed_step(model, optimizer, batches[i], device, held)
         run["loss"].append(loss)
         run["steps_s"].append(event if event is not None else wall)
         run["wall_steps_s"].append(wall)
@@ -715,7 +728,7 @@ def run_training(args, model, device, rank, world):
     run["device_memory"] = device_memory(device)
     run["categories"], run["tracker_loss"], run["categories_error"] = (
         (None, None, "skipped (--no-tracker)") if args.no_tracker else
-        tracked_categories(model, optimizer, batches[-1], device))
+        tracked_categories(model, optimizer, batches[-1], device, held))
     return run
 
 

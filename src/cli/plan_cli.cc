@@ -57,6 +57,7 @@ void PrintHeader(const Workload& w, std::ostream& out) {
              FrameworkName(c.framework), StrategyName(c.strategy), WrapPolicyName(c.wrap), w.units.size(), c.seq_len, c.micro_batch,
              c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),
              CheckpointingName(c.checkpointing), AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
+  if (c.loop_holds_outputs) fmt::print(out, "the training loop keeps `outputs`: the logits stay alive through the step\n");
 }
 
 void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
@@ -206,6 +207,8 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--backward-prefetch", f.backward_prefetch, "pre | post | none")->capture_default_str();
   app.add_flag("--no-limit-all-gathers", f.no_limit_all_gathers, "FSDP1 limit_all_gathers=False");
   app.add_flag("--use-orig-params", f.config.use_orig_params, "FSDP1 use_orig_params=True (16-byte aligned flat parameters)");
+  app.add_flag("--loop-holds-outputs", f.config.loop_holds_outputs,
+               "the training loop keeps `outputs` (outputs = model(...); outputs.loss.backward()): its logits live until the next forward");
   app.add_option("--cuda-context-bytes", f.cuda_context_bytes, "override the CUDA context size");
   app.add_option("--nccl-bytes", f.nccl_bytes, "override NCCL buffer bytes per communicator");
   app.add_option("--cublas-workspace-bytes", f.cublas_workspace_bytes, "override the cuBLAS workspace");

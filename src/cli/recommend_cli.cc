@@ -73,6 +73,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   auto att = ParseAttention(f.attention);
   if (!att.ok()) return att.error();
   o.base.attention = att.value();
+  o.base.loop_holds_outputs = f.loop_holds_outputs;
   o.top = f.top;
   return o;
 }
@@ -139,6 +140,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--price", f.prices, "override a price: GPU_ID=USD_PER_GPU_HOUR (repeatable)");
   app.add_option("--framework", f.framework, "fsdp1 | fsdp2")->capture_default_str();
   app.add_option("--attention", f.attention, "eager | flash")->capture_default_str();
+  app.add_flag("--loop-holds-outputs", f.loop_holds_outputs, "the training loop keeps `outputs`: its logits live through the step");
   app.add_option("--top", f.top, "how many configurations to list")->capture_default_str();
   app.add_option("--export", f.export_format, "print the best configuration as pytorch | fsdp2 | accelerate | lightning");
   app.add_flag("--json", f.json, "print one JSON object");

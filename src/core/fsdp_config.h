@@ -48,6 +48,11 @@ struct FsdpConfig {
   BackwardPrefetch backward_prefetch = BackwardPrefetch::kPre;
   bool limit_all_gathers = true;
   bool use_orig_params = false;    ///< FSDP1 flat-parameter layout: 16-byte alignment per original parameter
+  /// The training loop keeps the model's output object (`outputs = model(**batch); loss =
+  /// outputs.loss; loss.backward()`, as accelerate's examples do): its logits stay alive through the
+  /// backward, the optimizer step and the next forward, until `outputs` is rebound. false: the loop
+  /// keeps only the loss (HF Trainer, Lightning, torchtitan).
+  bool loop_holds_outputs = false;
 };
 
 std::string_view StrategyName(Strategy s);        ///< "FULL_SHARD", ...

@@ -80,6 +80,8 @@ class StepPlayer {
       for (const auto& u : w_.units) mem_.Alloc(Cat::kShardedParams, u.shard_numel * mb_);
       mem_.Alloc(Cat::kOptimizerStates, state_bytes);
     }
+    // A loop that keeps `outputs` enters the step holding the previous micro-batch's logits.
+    if (c_.loop_holds_outputs) held_logits_ = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
     for (micro_ = 0; micro_ < c_.grad_accum; ++micro_) {
       Forward(0);
       Backward(0);
@@ -189,7 +191,14 @@ class StepPlayer {
         BlockId upcast = mem_.Alloc(Cat::kActivations, head_.loss_forward_transient_bytes);
         node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, head_.loss_saved_bytes));
         mem_.Free(upcast);
-        mem_.Free(logits);  // Trainer / torchtitan drop the logits before backward
+        if (c_.loop_holds_outputs) {
+          // `outputs = model(...)` rebinds once the forward (and HF's loss inside it) has returned:
+          // the previous output's logits die then, these live until the next rebinding.
+          mem_.Free(held_logits_);
+          held_logits_ = logits;
+        } else {
+          mem_.Free(logits);  // Trainer, Lightning and torchtitan keep only the loss
+        }
         break;
       }
       case ModuleNode::Role::kOther: break;
@@ -386,6 +395,7 @@ class StepPlayer {
   std::vector<std::vector<BlockId>> node_saved_;
   BlockId causal_mask_ = kNoBlock;
   BlockId fsdp2_deferred_ = kNoBlock;
+  BlockId held_logits_ = kNoBlock;  ///< logits the loop still references (loop_holds_outputs)
   BlockId fsdp2_rs_deferred_ = kNoBlock;
 };
 

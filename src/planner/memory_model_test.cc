@@ -240,6 +240,32 @@ TEST_CASE("FSDP2 holds the previous all-gather output until the next copy-out") 
   CHECK(PhaseMax(EstimateMemory(Build(c), o), "forward: model.layers.0") == 6488);
 }
 
+TEST_CASE("a loop that keeps `outputs` holds the logits through the step and into the next forward") {
+  FsdpConfig c = HandConfig();
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  const MemoryEstimate drops = EstimateMemory(Build(c), o);
+  c.loop_holds_outputs = true;
+  const MemoryEstimate holds = EstimateMemory(Build(c), o);
+  // The hand llama's logits: 2 tokens x 16 vocab x 4 bytes = 128, alive at the backward peak.
+  CHECK(holds.allocated_peak_bytes == 14144 + 128);
+  CHECK(holds.peak_bytes == 17824 + 128);
+  CHECK(Cat(holds, MemCategory::kActivations) == 512 + 1120 + 128);
+  // In the loss's forward the previous output's logits are still referenced next to the new ones;
+  // at the optimizer step the new ones are.
+  CHECK(PhaseMax(holds, "forward: lm_head + loss") == PhaseMax(drops, "forward: lm_head + loss") + 128);
+  FsdpConfig adam = HandConfig();
+  adam.optimizer = Optimizer::kAdamW;  // SGD allocates nothing at the step, so records no point there
+  const int64_t adam_drops = PhaseMax(EstimateMemory(Build(adam), o), "optimizer step");
+  adam.loop_holds_outputs = true;
+  CHECK(PhaseMax(EstimateMemory(Build(adam), o), "optimizer step") == adam_drops + 128);
+  // With two micro-batches the second forward replaces the first's logits: still one copy held.
+  c.grad_accum = 2;
+  const int64_t holds_accum = EstimateMemory(Build(c), o).allocated_peak_bytes;
+  c.loop_holds_outputs = false;
+  CHECK(holds_accum == EstimateMemory(Build(c), o).allocated_peak_bytes + 128);
+}
+
 TEST_CASE("full state dict checkpoint memory") {
   FsdpConfig c = HandConfig();
   c.optimizer = Optimizer::kAdamW;

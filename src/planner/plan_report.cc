@@ -111,7 +111,8 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"forward_prefetch", c.forward_prefetch},
           {"backward_prefetch", BackwardPrefetchName(c.backward_prefetch)},
           {"limit_all_gathers", c.limit_all_gathers},
-          {"use_orig_params", c.use_orig_params}};
+          {"use_orig_params", c.use_orig_params},
+          {"loop_holds_outputs", c.loop_holds_outputs}};
 }
 
 Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
