@@ -61,7 +61,10 @@ How fsdpkit's options map to PyTorch
 * Loss: mean token cross-entropy computed here, not by HF:
   ``F.cross_entropy(logits.float().view(-1, V), targets.view(-1))`` (the fp32
   copy of the logits is what HF's loss does too). The reported loss is the
-  mean over ranks.
+  mean over ranks. The logits are dropped before backward, unless
+  --loop-holds-outputs keeps them as a loop holding ``outputs = model(...)``
+  does: until the next step's loss exists (the tracker step counts the
+  previous step's with ``track_external``).
 * Data: synthetic and deterministic. Sequence i (global index over steps and
   ranks) starts at a token drawn from ``torch.Generator().manual_seed(seed)``;
   then t' = (5 t + 3) mod vocab for seq_len + 1 tokens; inputs are the first

@@ -74,6 +74,20 @@ run_case FULL_SHARD-selective FULL_SHARD selective
 run_case fsdp1-FULL_SHARD-full FULL_SHARD full --framework fsdp1
 run_case sdpa-fp32 FULL_SHARD none --attention sdpa --param-dtype fp32 --reduce-dtype fp32
 
+# --loop-holds-outputs: the step's whole memory timeline carries one more set of bf16 logits
+# (the previous step's until this step's loss exists, then this step's), so the tracked peak is
+# exactly 2 bytes x 512 vocab x 128 tokens above FULL_SHARD-none's.
+run_case FULL_SHARD-holds-outputs FULL_SHARD none --loop-holds-outputs
+log="$TMP/holds.log"
+if "$PY" - "$TMP/FULL_SHARD-none.json" "$TMP/FULL_SHARD-holds-outputs.json" >"$log" 2>&1 <<'EOF'
+import json, sys
+drops, holds = (json.load(open(p)) for p in sys.argv[1:])
+assert holds["config"]["loop_holds_outputs"] and not drops["config"]["loop_holds_outputs"]
+total = lambda r: r["measured"]["memory"]["categories_at_peak"]["Total"]
+assert total(holds) - total(drops) == 2 * 512 * 128, (total(holds), total(drops))
+EOF
+then ok "holds-outputs-peak"; else fail "holds-outputs-peak" "$log"; fi
+
 # Loss goes down on the synthetic (5t+3 mod V) sequences.
 log="$TMP/loss.log"
 if "$PY" "$TOOL" --device cpu --model "$MODEL" --seq-len 64 --micro-batch 8 --steps 12 \
