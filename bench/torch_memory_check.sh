@@ -78,6 +78,7 @@ check "2 ranks FULL_SHARD AC  seq 1024 x 2"      2 FULL_SHARD    full 2 1024
 check "1 rank  FULL_SHARD SAC seq 1024 x 4"      1 FULL_SHARD    selective 4 1024
 check "1 rank  FULL_SHARD SAC seq 2048 x 2 GQA"  1 FULL_SHARD    selective 2 2048 "$root/tests/data/hf_configs/llama-100m-gqa.json"
 fsdp1_row
+check "1 rank  FSDP1 NO_SHARD   seq 1024 x 2"    1 NO_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp1
 check "2 ranks FSDP1 SHARD_GRAD_OP seq 1024 x 2" 2 SHARD_GRAD_OP none 2 1024 "$root/models/llama-100m.json" fsdp1
 check "2 ranks FSDP1 FULL_SHARD AC seq 1024 x 2" 2 FULL_SHARD full 2 1024 "$root/models/llama-100m.json" fsdp1
 check "1 rank  llama 2k vocab    seq 2048 x 1"     1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"

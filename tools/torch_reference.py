@@ -58,9 +58,12 @@ How fsdpkit's options map to PyTorch
 * --param-dtype / --reduce-dtype: ``MixedPrecisionPolicy(param_dtype,
   reduce_dtype)`` on every ``fully_shard`` call. The sharded parameters, the
   gradients FSDP hands to the optimizer and the AdamW states stay fp32.
-* Loss: mean token cross-entropy computed here, not by HF:
-  ``F.cross_entropy(logits.float().view(-1, V), targets.view(-1))`` (the fp32
-  copy of the logits is what HF's loss does too). The reported loss is the
+* Loss: HF's, inside the model's forward as the Trainer runs it
+  (``model(input_ids, labels=targets, shift_labels=targets)``: ForCausalLMLoss,
+  ``cross_entropy(logits.float().view(-1, V), targets.view(-1))``, the mean
+  over every position). Inside matters for FSDP1 NO_SHARD, whose root frees
+  its low-precision parameters after the forward: the root's pre-backward hook
+  then runs before the loss's backward, not after. The reported loss is the
   mean over ranks. The logits are dropped before backward, unless
   --loop-holds-outputs keeps them as a loop holding ``outputs = model(...)``
   does: until the next step's loss exists (the tracker step counts the
@@ -503,15 +506,14 @@ def train_step(model, optimizer, inputs, targets, held=None):
     ``outputs = model(...)``: the previous step's logits are dropped only once this
     step's loss exists, and this step's stay referenced through its backward and
     optimizer step."""
-    import torch.nn.functional as F
-
     optimizer.zero_grad(set_to_none=True)
-    logits = model(input_ids=inputs, use_cache=False).logits
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
-                           targets.view(-1))
+    # HF's loss inside the model's forward, as the Trainer runs it (ForCausalLMLoss: logits.float(),
+    # mean cross-entropy); shift_labels = the already shifted targets, so no position is dropped.
+    outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False)
+    loss = outputs.loss
     if held is not None:
-        held[:] = [logits]
-    del logits
+        held[:] = [outputs.logits]
+    del outputs
     loss.backward()
     optimizer.step()
     return loss.detach()
@@ -756,8 +758,8 @@ def main(argv=None):
             apply_activation_checkpointing(model)
             notes.append("ac=full -> checkpoint_wrapper(NO_REENTRANT, "
                          "preserve_rng_state=False) on each decoder layer before fully_shard")
-        notes.append("loss = F.cross_entropy(logits.float(), targets) computed by the "
-                     "script (not HF's labels= loss), averaged over ranks; "
+        notes.append("loss = HF's ForCausalLMLoss inside the forward (labels=targets, "
+                     "shift_labels=targets), averaged over ranks; "
                      "measured.loss lists warmup steps first")
         notes.append("memory numbers are rank 0's; categories_at_peak from one extra "
                      "step under FSDPMemTracker (FSDP1: MemTracker) after the timed steps")
