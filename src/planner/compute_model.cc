@@ -9,9 +9,6 @@ namespace {
 // exp_avg_sq r+w (16), the sqrt temporary w+r (8).
 constexpr double kAdamBytesPerElement = 36.0;
 constexpr double kSgdBytesPerElement = 12.0;   // param r+w, grad r
-// Memory-bound traffic: each saved activation is written once and read once in forward, and its
-// gradient written and read in backward (twice the forward traffic).
-constexpr double kForwardTrafficPerSavedByte = 5.0;
 constexpr double kBackwardTrafficFactor = 2.0;
 // Backward GEMMs compute the input and the weight gradients: 2x the forward FLOPs. FlashAttention-2
 // backward runs 5 matmuls for the forward's 2 (it recomputes the scores): 2.5x.
@@ -25,7 +22,8 @@ struct NodeWork {
 };
 
 // Forward work of a module-tree node (its own tensors and role), not of its children.
-NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations& block, const HeadActivations& head) {
+NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations& block, const HeadActivations& head,
+                 double traffic_per_saved_byte) {
   const ModelSpec& m = w.model;
   const double tokens = static_cast<double>(w.TokensPerMicroBatch());
   NodeWork work;
@@ -43,13 +41,13 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
   const double keys = flash ? (seq + 1) / 2 : seq;  // causal flash skips the masked half
   if (n.role == ModuleNode::Role::kBlock) {
     work.attention_flops = 4.0 * keys * static_cast<double>(m.num_heads * m.head_dim) * tokens;
-    work.traffic_bytes = kForwardTrafficPerSavedByte * static_cast<double>(block.FullBytes());
+    work.traffic_bytes = traffic_per_saved_byte * static_cast<double>(block.FullBytes());
   } else if (n.role == ModuleNode::Role::kLmHead) {
     if (n.tensors.empty()) work.gemm_flops += 2.0 * static_cast<double>(m.vocab_size * m.hidden_size) * tokens;  // tied
-    work.traffic_bytes = kForwardTrafficPerSavedByte *
+    work.traffic_bytes = traffic_per_saved_byte *
                          static_cast<double>(head.logits_bytes + head.loss_saved_bytes + head.loss_forward_transient_bytes);
   } else if (n.role == ModuleNode::Role::kFinalNorm) {
-    work.traffic_bytes = kForwardTrafficPerSavedByte * static_cast<double>(SumBytes(head.final_norm));
+    work.traffic_bytes = traffic_per_saved_byte * static_cast<double>(SumBytes(head.final_norm));
   }
   return work;
 }
@@ -88,7 +86,7 @@ double OptimizerSeconds(const Workload& w) {
   return bytes / (w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency);
 }
 
-ComputeModel EstimateUnitCompute(const Workload& w) {
+ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byte) {
   ComputeModel cm;
   cm.units.assign(w.units.size(), UnitCompute{});
   const BlockActivations block = BlockActivationProfile(w.model, w.config);
@@ -102,7 +100,7 @@ ComputeModel EstimateUnitCompute(const Workload& w) {
   const Checkpointing ac = w.config.checkpointing;
   for (int id = 0; id < static_cast<int>(w.nodes.size()); ++id) {
     const ModuleNode& n = w.nodes[id];
-    const NodeWork work = OwnWork(w, n, block, head);
+    const NodeWork work = OwnWork(w, n, block, head, traffic_per_saved_byte);
     UnitCompute& u = cm.units[OwningUnit(w, id)];
     const double fwd_flops = work.gemm_flops + work.attention_flops;
     const double bwd_flops = kBackwardGemmFactor * work.gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
@@ -120,7 +118,7 @@ ComputeModel EstimateUnitCompute(const Workload& w) {
       // the checkpointed attention function runs again (eager or SDPA), rewriting its core tensors
       const double core_bytes = static_cast<double>(block.CoreBytes());
       u.recompute_flops += work.attention_flops;
-      u.recompute_s += work.attention_flops / attention_rate + kForwardTrafficPerSavedByte * core_bytes / mem_rate;
+      u.recompute_s += work.attention_flops / attention_rate + traffic_per_saved_byte * core_bytes / mem_rate;
     }
   }
   const ModelSpec& m = w.model;
@@ -141,8 +139,8 @@ void FinishCompute(const Workload& w, ComputeModel& cm) {
   cm.compute_s_per_step += cm.optimizer_s;
 }
 
-ComputeModel EstimateCompute(const Workload& w) {
-  ComputeModel cm = EstimateUnitCompute(w);
+ComputeModel EstimateCompute(const Workload& w, double traffic_per_saved_byte) {
+  ComputeModel cm = EstimateUnitCompute(w, traffic_per_saved_byte);
   FinishCompute(w, cm);
   return cm;
 }

@@ -138,6 +138,17 @@ TEST_CASE("invariants: compute <= step <= compute + all communication; infinite 
   CHECK(EstimateStep(w, cm, comm).step_s == doctest::Approx(cm.compute_s_per_step));
 }
 
+TEST_CASE("activation traffic: the given bytes per saved byte in forward, twice that in backward") {
+  Workload w = Build(ThreeRanks());
+  const double mem_rate = w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency;
+  const ComputeModel none = EstimateCompute(w, 0.0), eager = EstimateCompute(w), fused = EstimateCompute(w, 5.0);
+  // Unit 1 is model.layers.0: its block saves 1120 bytes for 2 fp32 tokens (memory_model_test.cc).
+  CHECK(eager.units[1].forward_s - none.units[1].forward_s == doctest::Approx(kEagerTrafficPerSavedByte * 1120 / mem_rate));
+  CHECK(eager.units[1].backward_s - none.units[1].backward_s == doctest::Approx(2 * kEagerTrafficPerSavedByte * 1120 / mem_rate));
+  CHECK(fused.units[1].forward_s - none.units[1].forward_s == doctest::Approx(5.0 * 1120 / mem_rate));
+  CHECK(kEagerTrafficPerSavedByte == 10.0);
+}
+
 TEST_CASE("zero compute gives the communication time") {
   Workload w = Build(ThreeRanks());
   ComputeModel cm = EstimateCompute(w);
