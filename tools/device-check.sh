@@ -41,7 +41,8 @@ merge() {
 python3 - "$RUNS" "$OUT/device-check.json" <<'PY'
 # Merges the runs and compares, per configuration: fsdp-run's peak with its own prediction,
 # fsdp-plan's PyTorch FSDP2 profile with PyTorch's max_memory_allocated, fsdp-run's step time with
-# fsdp-plan's, and fsdp-run's tokens/s with PyTorch's.
+# fsdp-plan's model of its fused kernels, PyTorch's step time with fsdp-plan's PyTorch eager model,
+# and fsdp-run's tokens/s with PyTorch's.
 import json, os, sys, datetime
 runs, out = sys.argv[1], sys.argv[2]
 doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "runs": {}, "comparison": {}}
@@ -51,7 +52,7 @@ for name in sorted(os.listdir(runs)):
 def err(measured, predicted):
     return None if not measured or predicted is None else 100.0 * (predicted - measured) / measured
 print(f"{'configuration':20s} {'peak GiB':>9s} {'pred':>7s} {'err%':>6s} {'torch GiB':>9s} {'plan':>7s} {'err%':>6s} "
-      f"{'step s':>7s} {'pred':>7s} {'err%':>6s} {'tok/s':>8s} {'torch':>8s} {'ratio':>6s}")
+      f"{'step s':>7s} {'pred':>7s} {'err%':>6s} {'tok/s':>8s} {'torch':>8s} {'ratio':>6s} {'pt-step%':>8s}")
 for name, r in doc["runs"].items():
     if not name.startswith("fsdp_"):
         continue
@@ -65,10 +66,12 @@ for name, r in doc["runs"].items():
         "torch_max_allocated_bytes": t.get("memory", {}).get("max_allocated_bytes"),
         "fsdp_run_step_s": m["time"]["step_s"], "plan_step_s": p["time"]["step_s"],
         "fsdp_run_tokens_per_s": m["tokens_per_s_per_gpu"], "torch_tokens_per_s": t.get("tokens_per_s_per_gpu", t.get("tokens_per_s")),
+        "torch_step_s": t.get("time", {}).get("step_s"), "plan_pytorch_step_s": p["pytorch_profile"].get("step_s"),
     }
     row["peak_error_pct"] = err(row["fsdp_run_peak_bytes"], row["fsdp_run_predicted_peak_bytes"])
     row["plan_vs_torch_error_pct"] = err(row["torch_max_allocated_bytes"], row["plan_pytorch_peak_bytes"])
     row["step_error_pct"] = err(row["fsdp_run_step_s"], row["plan_step_s"])
+    row["plan_vs_torch_step_error_pct"] = err(row["torch_step_s"], row["plan_pytorch_step_s"])
     row["tokens_ratio_vs_torch"] = row["fsdp_run_tokens_per_s"] / row["torch_tokens_per_s"] if row["torch_tokens_per_s"] else None
     # same checkpoint and tokens (torch's --init-from): the losses of the steps both ran, warm-up first
     same = doc["runs"].get("torch_" + key, {}).get("config", {}).get("init_from") and r.get("inputs", {}).get("init_from")
@@ -80,7 +83,8 @@ for name, r in doc["runs"].items():
     print(f"{key:20s} {g(row['fsdp_run_peak_bytes']):9.3f} {g(row['fsdp_run_predicted_peak_bytes']):7.3f} {f(row['peak_error_pct']):6.1f} "
           f"{g(row['torch_max_allocated_bytes']):9.3f} {g(row['plan_pytorch_peak_bytes']):7.3f} {f(row['plan_vs_torch_error_pct']):6.1f} "
           f"{row['fsdp_run_step_s']:7.4f} {row['plan_step_s']:7.4f} {f(row['step_error_pct']):6.1f} "
-          f"{row['fsdp_run_tokens_per_s']:8.0f} {f(row['torch_tokens_per_s']):8.0f} {f(row['tokens_ratio_vs_torch']):6.2f}"
+          f"{row['fsdp_run_tokens_per_s']:8.0f} {f(row['torch_tokens_per_s']):8.0f} {f(row['tokens_ratio_vs_torch']):6.2f} "
+          f"{f(row['plan_vs_torch_step_error_pct']):8.1f}"
           + (f"  losses vs torch: max rel {row['loss_max_rel_diff_vs_torch']:.1e}" if pairs else ""))
 with open(out, "w") as f:
     json.dump(doc, f, indent=1)

@@ -289,6 +289,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     sim::SimOptions sim_options;
     sim_options.blocking_collectives = true;
     sim_options.launch_overhead_s = 0;
+    sim_options.compute_override = EstimateCompute(engine_view, kFusedEngineTrafficPerSavedByte);
     auto simulated = sim::Simulate(engine_view, sim_options);
     if (simulated.ok()) {
       predicted_time["sim_step_s"] = simulated.value().step_s;

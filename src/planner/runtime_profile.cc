@@ -154,9 +154,6 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
   Workload w = workload;
   w.config.attention = Attention::kEager;
   w.config.param_dtype = w.config.reduce_dtype = DType::kFp32;
-  // fsdp-run's kernels fuse what eager PyTorch runs op by op (one pass for RMSNorm, SwiGLU, the
-  // softmax): the counted 5 bytes per saved byte bound their traffic from above.
-  constexpr double kFusedEngineTrafficPerSavedByte = 5.0;
   const ComputeModel cm = EstimateCompute(w, kFusedEngineTrafficPerSavedByte);
   // The engine's own passes over its flat buffers, memory-bound: per all-gather the rounded input
   // copy (read + write the shard) and the zero-filled output (write the padded unit); per

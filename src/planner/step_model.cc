@@ -174,9 +174,9 @@ StepEstimate EstimateStep(const Workload& w, const ComputeModel& cm, const CommM
   return StepTimer(w, cm, comm, fast_forward).Run();
 }
 
-TimeEstimate EstimateTime(const Workload& w) {
+TimeEstimate EstimateTime(const Workload& w, double traffic_per_saved_byte) {
   TimeEstimate t;
-  t.compute = EstimateCompute(w);
+  t.compute = EstimateCompute(w, traffic_per_saved_byte);
   t.comm = EstimateComm(w);
   t.step = EstimateStep(w, t.compute, t.comm);
   return t;

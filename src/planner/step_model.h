@@ -32,12 +32,13 @@ struct StepEstimate {
 /// replayed one by one but added as a shift of every clock; the result is the same.
 StepEstimate EstimateStep(const Workload& workload, const ComputeModel& compute, const CommModel& comm, bool fast_forward = true);
 
-/// Compute, communication and step estimates for one workload.
+/// Compute, communication and step estimates for one workload; the activation traffic is eager
+/// PyTorch's by default (fsdp-run's engines pass kFusedEngineTrafficPerSavedByte).
 struct TimeEstimate {
   ComputeModel compute;
   CommModel comm;
   StepEstimate step;
 };
-TimeEstimate EstimateTime(const Workload& workload);
+TimeEstimate EstimateTime(const Workload& workload, double traffic_per_saved_byte = kEagerTrafficPerSavedByte);
 
 }  // namespace fsdp
