@@ -7,18 +7,21 @@
 # $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them.
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
-# the three one-rank configurations of the first, third and fourth rows, the first FSDP1 row and
-# one Llama and one GPT-2 block-backward row only
+# the one-rank configurations of the first, third and fifth rows, the first FSDP1 row and one
+# Llama and one GPT-2 block-backward row only
 # (the CTest check torch_memory_agreement does both).
-# Rows 7 and 8 use selective checkpointing (torch_reference.py --ac selective: HF's attention
+# Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
 # The FSDP1 rows (torch_reference.py --framework fsdp1: FullyShardedDataParallel, MemTracker) use
-# 2 ranks: FSDP1 on one rank silently switches every strategy to NO_SHARD. The GPT-2 rows have
+# 2 ranks, but one: FSDP1 on one rank silently switches every strategy to NO_SHARD, which that row
+# runs. The GPT-2 rows have
 # dropout off (tests/data/hf_configs/gpt2-no-dropout.json): on the CPU, ATen's unfused dropout
 # saves its noise in the input dtype where CUDA's fused kernel saves a bool mask, which fsdp-plan
 # models. The "2k vocab" rows use a 2048-token vocabulary (and GPT-2 2048 positions), so that the
 # peak falls in a block's backward (its softmax's gradients) rather than at the loss. The "holds
-# outputs" row keeps each step's logits until the next step's loss exists, on both sides.
+# outputs" row keeps each step's logits until the next step's loss exists, on both sides. The
+# "flash" rows run SDPA (PyTorch's CPU flash kernel: output + logsumexp saved) against fsdp-plan's
+# --attention flash; every other row is eager attention.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -28,18 +31,19 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
-check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take]
+check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash]
   local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}
-  local both=(${9:-})
+  local both=(${9:-}) attention=${10:-eager}
+  local torch_attention=$attention; [ "$attention" = flash ] && torch_attention=sdpa  # SDPA: its flash kernel (CPU and CUDA)
   local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
-              --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$out/$name.json" ${both[@]+"${both[@]}"})
+              --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
   if [ "$ranks" -gt 1 ]; then
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   else
     "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   fi
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
-    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention eager --param-dtype bf16 --reduce-dtype fp32 --cublas-workspace-bytes 0 \
+    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype bf16 --reduce-dtype fp32 --cublas-workspace-bytes 0 \
     ${both[@]+"${both[@]}"} --json > "$out/$name.plan.json"
   python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
 import json, sys
@@ -86,3 +90,5 @@ llama_block_row
 check "1 rank  GPT-2 FULL_SHARD   seq 1024 x 2"    1 FULL_SHARD    none 2 1024 "$root/tests/data/hf_configs/gpt2-no-dropout.json"
 gpt2_block_row
 check "1 rank  GPT-2 2k ctx 2k vocab AC 2048 x 1" 1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"
+check "1 rank  FULL_SHARD flash seq 1024 x 2"    1 FULL_SHARD    none 2 1024 "$root/models/llama-100m.json" fsdp2 "" flash
+check "1 rank  2k vocab flash SAC seq 2048 x 1"  1 FULL_SHARD selective 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json" fsdp2 "" flash
