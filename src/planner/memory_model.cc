@@ -102,10 +102,15 @@ class StepPlayer {
   bool Sharded() const { return c_.strategy != Strategy::kNoShard; }
 
   // ---- unshard / reshard -------------------------------------------------------------------
-  void Unshard(int u) {
+  // `prefetch`: issued ahead of the unit's own pre-forward / pre-backward.
+  void Unshard(int u, bool prefetch = false) {
     if (u < 0 || unsharded_[u] != kNoBlock) return;
     const WrapUnit& unit = w_.units[u];
     if (unit.numel == 0) return;
+    if (Fsdp2() && w_.shard_world == 1) {
+      UnshardFsdp2WorldOfOne(u, prefetch);
+      return;
+    }
     if (!Sharded()) {
       // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard).
       if (mixed_ || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_);
@@ -132,6 +137,19 @@ class StepPlayer {
     mem_.Free(input);
   }
 
+  // FSDP2 on a shard group of one (_fsdp_param_group.py unshard / wait_for_unshard): no all-gather
+  // and no flat output; the copy-out, when the unit itself runs, casts each sharded parameter into
+  // its unsharded storage. A prefetch therefore holds nothing, and nothing is kept for the next
+  // copy-out.
+  void UnshardFsdp2WorldOfOne(int u, bool prefetch) {
+    if (prefetch) return;
+    int64_t largest_numel = 0;  // the casts are made one parameter at a time
+    for (int t : w_.units[u].tensors) largest_numel = std::max(largest_numel, w_.model.tensors[t].numel());
+    BlockId cast = mixed_ ? mem_.Alloc(Cat::kCommBuffers, largest_numel * pb_) : kNoBlock;
+    unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * pb_);
+    mem_.Free(cast);
+  }
+
   void Reshard(int u) {
     if (Fsdp2() || !Sharded()) mem_.Free(unsharded_[u]);
     else mem_.FreeToPending(unsharded_[u], Pool::kAllGather);
@@ -150,7 +168,7 @@ class StepPlayer {
     if (node.unit >= 0) {
       mem_.SetPhase(At(PhaseKind::kForwardUnshard, node_id));
       Unshard(node.unit);
-      if (c_.forward_prefetch && node.unit + 1 < static_cast<int>(w_.units.size())) Unshard(node.unit + 1);
+      if (c_.forward_prefetch && node.unit + 1 < static_cast<int>(w_.units.size())) Unshard(node.unit + 1, true);
     }
     for (int child : node.children) Forward(child);
     if (Named(node_id)) mem_.SetPhase(At(PhaseKind::kForward, node_id));
@@ -234,7 +252,7 @@ class StepPlayer {
     const int u = w_.nodes[node_id].unit;
     mem_.SetPhase(At(PhaseKind::kBackwardUnshard, node_id));
     Unshard(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPre) Unshard(w_.BackwardPrefetchTarget(u));
+    if (c_.backward_prefetch == BackwardPrefetch::kPre) Unshard(w_.BackwardPrefetchTarget(u), true);
   }
 
   // Recomputation, gradient working memory and loss-backward buffers of a node's own ops.
@@ -274,12 +292,12 @@ class StepPlayer {
     if (c_.no_sync && !LastMicro()) {
       KeepUnsyncedGrad(u, grad);
       if (w_.FreesInBackward(false)) Reshard(u);
-      if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u));
+      if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u), true);
       return;
     }
     if (kept_grad_[u] != kNoBlock) mem_.Free(kept_grad_[u]);  // accumulated in place, then reduced
     Reshard(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u));
+    if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u), true);
     if (unit.numel == 0) return;
     // FSDP1 keeps autograd's gradient (autograd_computed_grad) until the hook returns, then
     // record_stream()s it to the post-backward stream.

@@ -266,6 +266,27 @@ TEST_CASE("a loop that keeps `outputs` holds the logits through the step and int
   CHECK(holds_accum == EstimateMemory(Build(c), o).allocated_peak_bytes + 128);
 }
 
+TEST_CASE("FSDP2 on one rank has no all-gather: no flat output, and a prefetch holds nothing") {
+  FsdpConfig c = HandConfig();
+  c.gpus = 1;
+  c.framework = Framework::kFsdp2;
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  const MemoryEstimate m = EstimateMemory(Build(c), o);
+  // Unpadded on one rank: sharded (264 + 592 + 592) * 4 = 5792, the root's unsharded copy 1056 and
+  // layers.0's 2368 (cast into place, fp32: no temporary), its activations 1120; no flat output.
+  CHECK(PhaseMax(m, "forward: model.layers.0") == 5792 + 1056 + 2368 + 1120);
+  // The root's pre-backward prefetches layers.1 (FSDP2 always one ahead): nothing is gathered until
+  // layers.1's own pre-backward, so the loss's backward sees the root's unsharded copy alone.
+  int64_t unsharded_at_loss = -1;
+  for (const auto& p : m.timeline) {
+    if (p.phase == "backward: lm_head + loss") {
+      unsharded_at_loss = std::max(unsharded_at_loss, p.device[static_cast<int>(MemCategory::kUnshardedParams)]);
+    }
+  }
+  CHECK(unsharded_at_loss == 1056);
+}
+
 TEST_CASE("full state dict checkpoint memory") {
   FsdpConfig c = HandConfig();
   c.optimizer = Optimizer::kAdamW;
