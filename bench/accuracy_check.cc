@@ -79,6 +79,12 @@ double JointLeaveOneOutError(const std::map<std::string, Rows>& per_gpu, size_t 
   return held_out / static_cast<double>(count);
 }
 
+// "full/2": full checkpointing of one block in two (--ac-every 2).
+std::string AcLabel(const fsdp::FsdpConfig& c) {
+  std::string label(fsdp::CheckpointingName(c.checkpointing));
+  return c.ac_every > 1 ? label + "/" + std::to_string(c.ac_every) : label;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -94,7 +100,7 @@ int main(int argc, char** argv) {
     const std::string pub_mem = r.published_memory_gib < 0 ? "-" : std::to_string(r.published_memory_gib).substr(0, 5);
     std::printf("%-32s %-14s %5lld %5lld %3lld %-13s %-9s %9.0f %7.0f %+7.1f %7s %8.1f\n", r.id.c_str(), r.workload.model.id.c_str(),
                 static_cast<long long>(c.gpus), static_cast<long long>(c.seq_len), static_cast<long long>(c.micro_batch),
-                std::string(fsdp::StrategyName(c.strategy)).c_str(), std::string(fsdp::CheckpointingName(c.checkpointing)).c_str(),
+                std::string(fsdp::StrategyName(c.strategy)).c_str(), AcLabel(c).c_str(),
                 r.published_tokens_per_s_per_gpu, r.predicted_tokens_per_s_per_gpu,
                 100.0 * (r.predicted_tokens_per_s_per_gpu / r.published_tokens_per_s_per_gpu - 1.0), pub_mem.c_str(), r.predicted_memory_gib);
     per_gpu[r.workload.hardware.id].push_back(&r);

@@ -56,7 +56,8 @@ void PrintHeader(const Workload& w, std::ostream& out) {
   fmt::print(out, "{} {}, {} wrap ({} units), seq {} x micro-batch {}, grad-accum {}{}, params {}, reduce {}, {}, AC {}, {} attention{}\n",
              FrameworkName(c.framework), StrategyName(c.strategy), WrapPolicyName(c.wrap), w.units.size(), c.seq_len, c.micro_batch,
              c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),
-             CheckpointingName(c.checkpointing), AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
+             c.ac_every > 1 ? fmt::format("full on 1 block in {}", c.ac_every) : std::string(CheckpointingName(c.checkpointing)),
+             AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
   if (c.loop_holds_outputs) fmt::print(out, "the training loop keeps `outputs`: the logits stay alive through the step\n");
 }
 
@@ -195,6 +196,8 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--grad-accum", f.config.grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_flag("--no-sync", f.config.no_sync, "accumulate unsharded gradients under no_sync()");
   app.add_option("--ac", f.ac, "activation checkpointing: none | selective | full")->capture_default_str();
+  app.add_option("--ac-every", f.config.ac_every, "with --ac full, checkpoint only every N-th block (torchtitan's layer-level selective AC)")
+      ->capture_default_str();
   app.add_option("--attention", f.attention, "eager (materialised scores) | flash (SDPA)")->capture_default_str();
   app.add_option("--param-dtype", f.param_dtype, "MixedPrecision param_dtype: bf16 | fp16 | fp32")->capture_default_str();
   app.add_option("--reduce-dtype", f.reduce_dtype, "MixedPrecision reduce_dtype")->capture_default_str();

@@ -146,6 +146,11 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   }
   if (Status s = CheckRange("--micro-batch", c.micro_batch, kMaxMicroBatch); !s.ok()) return s;
   if (Status s = CheckRange("--grad-accum", c.grad_accum, kMaxGradAccum); !s.ok()) return s;
+  if (Status s = CheckRange("--ac-every", c.ac_every, int64_t{1'000'000}); !s.ok()) return s;
+  if (c.ac_every > 1 && c.checkpointing != Checkpointing::kFull) {
+    return Error::BadInput(fmt::format("--ac-every {} needs --ac full (it checkpoints every N-th block whole), not --ac {}", c.ac_every,
+                                       CheckpointingName(c.checkpointing)));
+  }
   if (c.no_sync && c.grad_accum == 1) return Error::BadInput("--no-sync needs --grad-accum > 1 (it only changes how micro-batches accumulate)");
   if (c.strategy == Strategy::kHybridShard) {
     if (c.shard_group_size == 0) c.shard_group_size = std::min(c.gpus_per_node, c.gpus);
@@ -163,6 +168,12 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
     return Error::BadInput("--reduce-dtype fp16 with --param-dtype bf16 loses range; use fp32 or bf16");
   }
   return {};
+}
+
+bool BlockCheckpointed(const FsdpConfig& c, int block) {
+  if (c.checkpointing == Checkpointing::kNone) return false;
+  if (c.checkpointing == Checkpointing::kSelective || c.ac_every <= 1) return true;
+  return (block + 1) % c.ac_every == 0;
 }
 
 bool Fsdp1SwitchesToNoShard(const FsdpConfig& c) {

@@ -36,6 +36,10 @@ struct FsdpConfig {
   int64_t grad_accum = 1;
   bool no_sync = false;            ///< accumulate unsharded gradients under no_sync()
   Checkpointing checkpointing = Checkpointing::kNone;
+  /// With full checkpointing, only every N-th decoder block is checkpointed (blocks N-1, 2N-1, ...
+  /// counting from 0): torchtitan's layer-level selective AC (`selective_ac_option = "N"`);
+  /// fms-fsdp's `selective_checkpointing = 1/N` picks every N-th block too. 1: every block.
+  int64_t ac_every = 1;
   Attention attention = Attention::kFlash;
   DType param_dtype = DType::kBf16;
   DType reduce_dtype = DType::kFp32;
@@ -80,6 +84,10 @@ Status ResolveAndValidate(FsdpConfig& config, const ModelSpec& model, const Hard
 /// and switches (torch/distributed/fsdp/_init_utils.py, _init_core_state). FSDP2 keeps its
 /// strategy. True when `config` is one PyTorch runs as another strategy.
 bool Fsdp1SwitchesToNoShard(const FsdpConfig& config);
+
+/// Whether decoder block `block` (0-based) runs under activation checkpointing: every block for
+/// selective, every `ac_every`-th for full, none without.
+bool BlockCheckpointed(const FsdpConfig& config, int block);
 /// Applies that switch; returns true when it changed `config`.
 bool ApplyFsdp1WorldOfOne(FsdpConfig& config);
 

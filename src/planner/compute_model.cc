@@ -52,11 +52,12 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
   return work;
 }
 
-bool InsideBlock(const Workload& w, int node) {
+// The decoder block (0-based) a node belongs to, or -1 outside the blocks.
+int EnclosingBlock(const Workload& w, int node) {
   for (; node >= 0; node = w.nodes[node].parent) {
-    if (w.nodes[node].role == ModuleNode::Role::kBlock) return true;
+    if (w.nodes[node].role == ModuleNode::Role::kBlock) return w.nodes[node].block;
   }
-  return false;
+  return -1;
 }
 
 int OwningUnit(const Workload& w, int node) {
@@ -110,7 +111,8 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
     u.forward_s += fwd_s;
     u.backward_flops += bwd_flops;
     u.backward_s += kBackwardGemmFactor * work.gemm_flops / gemm_rate + attn_bwd / attention_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
-    if (ac == Checkpointing::kFull && InsideBlock(w, id)) {
+    const int block_index = EnclosingBlock(w, id);
+    if (ac == Checkpointing::kFull && block_index >= 0 && BlockCheckpointed(w.config, block_index)) {
       // checkpoint_wrapper reruns the whole block forward (its linears included) in backward
       u.recompute_flops += fwd_flops;
       u.recompute_s += fwd_s;

@@ -91,6 +91,16 @@ std::string SelectiveCheckpointingCode(const Workload& w, std::string_view model
 std::string CheckpointingCode(const Workload& w, std::string_view model_var) {
   if (w.config.checkpointing == Checkpointing::kNone) return "";
   if (w.config.checkpointing == Checkpointing::kSelective) return SelectiveCheckpointingCode(w, model_var);
+  if (w.config.ac_every > 1) {
+    // layer-level selective: blocks N-1, 2N-1, ... (torchtitan's selective_ac_option = "N")
+    return fmt::format("{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n"
+                       "# decoder blocks {2}, 2 x {2}, ... (counting from 1) are checkpointed whole, the others keep their activations\n"
+                       "checkpointed_blocks = {{\n    id(m) for i, m in enumerate(x for x in {0}.modules() if isinstance(x, {1})) if (i + 1) % {2} == 0\n}}\n"
+                       "apply_activation_checkpointing(\n    {0},\n"
+                       "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),\n"
+                       "    check_fn=lambda m: id(m) in checkpointed_blocks,\n)\n",
+                       model_var, DecoderLayerClass(w.model), w.config.ac_every);
+  }
   return fmt::format("{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n"
                      "apply_activation_checkpointing(\n    {0},\n"
                      "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),\n"
@@ -192,12 +202,14 @@ std::string Accelerate(const Workload& w) {
     out += fmt::format("# the plan reduces gradients in {}: pass FullyShardedDataParallelPlugin(mixed_precision_policy=...) to Accelerator\n",
                        DTypeName(c.reduce_dtype));
   }
-  if (c.checkpointing == Checkpointing::kSelective) {
-    out += "# selective checkpointing is not an accelerate option: run this in train.py before accelerator.prepare(model)\n";
+  const bool ac_in_code = c.checkpointing == Checkpointing::kSelective || c.ac_every > 1;
+  if (ac_in_code) {
+    out += fmt::format("# {} is not an accelerate option: run this in train.py before accelerator.prepare(model)\n",
+                       c.ac_every > 1 ? "checkpointing every N-th block" : "selective checkpointing");
     out += Commented(CheckpointingCode(w, "model"));
   }
   out += "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
-  out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing == Checkpointing::kFull ? "true" : "false");
+  out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing == Checkpointing::kFull && !ac_in_code ? "true" : "false");
   out += fmt::format("  fsdp_auto_wrap_policy: {}\n", wrap);
   if (!fsdp2) out += fmt::format("  fsdp_backward_prefetch: {}\n", prefetch);
   out += "  fsdp_cpu_ram_efficient_loading: true\n";
@@ -229,9 +241,11 @@ std::string Lightning(const Workload& w) {
          "from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision\n";
   out += LayerImport(w.model) + "\n";
   std::string wrap = c.wrap == WrapPolicy::kBlock ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
-  std::string ac = c.checkpointing == Checkpointing::kFull ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
-  if (c.checkpointing == Checkpointing::kSelective) {
-    out += "# selective checkpointing is not a FSDPStrategy option: run this on the model before the Trainer wraps it\n";
+  const bool ac_in_code = c.checkpointing == Checkpointing::kSelective || c.ac_every > 1;
+  std::string ac = c.checkpointing == Checkpointing::kFull && !ac_in_code ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
+  if (ac_in_code) {
+    out += fmt::format("# {} is not a FSDPStrategy option: run this on the model before the Trainer wraps it\n",
+                       c.ac_every > 1 ? "checkpointing every N-th block" : "selective checkpointing");
     out += Commented(CheckpointingCode(w, "model"));
   }
   const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);

@@ -55,7 +55,7 @@ class StepPlayer {
  public:
   StepPlayer(const Workload& w, MemoryTracker& mem)
       : w_(w), c_(w.config), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
-        head_(HeadActivationProfile(w.model, w.config)) {
+        plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))), head_(HeadActivationProfile(w.model, w.config)) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
     unit_grad_pieces_.assign(n, {});
@@ -199,7 +199,7 @@ class StepPlayer {
           }
         }
         break;
-      case ModuleNode::Role::kBlock: AllocSaved(node_id, block_.kept); break;
+      case ModuleNode::Role::kBlock: AllocSaved(node_id, BlockProfile(node_id).kept); break;
       case ModuleNode::Role::kFinalNorm:
         AllocSaved(node_id, head_.final_norm);
         mem_.Free(causal_mask_);
@@ -243,6 +243,17 @@ class StepPlayer {
     if (node.unit >= 0) PostBackward(node_id);
   }
 
+  // The saved tensors of a block: the configured checkpointing's, or none's for a block that
+  // --ac-every leaves un-checkpointed.
+  const BlockActivations& BlockProfile(int node_id) const {
+    return BlockCheckpointed(c_, w_.nodes[node_id].block) ? block_ : plain_block_;
+  }
+  static FsdpConfig WithoutCheckpointing(FsdpConfig c) {
+    c.checkpointing = Checkpointing::kNone;
+    c.ac_every = 1;
+    return c;
+  }
+
   int OwningUnit(int node_id) const {
     while (w_.nodes[node_id].unit < 0) node_id = w_.nodes[node_id].parent;
     return w_.nodes[node_id].unit;
@@ -260,13 +271,13 @@ class StepPlayer {
     std::vector<BlockId> transient;
     switch (w_.nodes[node_id].role) {
       case ModuleNode::Role::kBlock:
-        if (c_.checkpointing != Checkpointing::kNone) {
+        if (BlockCheckpointed(c_, w_.nodes[node_id].block)) {
           // full: the whole block runs again; selective: only the attention core
           for (const auto& t : block_.full) {
             if (c_.checkpointing == Checkpointing::kFull || t.attention_core) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
           }
         }
-        transient.push_back(mem_.Alloc(Cat::kActivations, block_.backward_working_bytes));
+        transient.push_back(mem_.Alloc(Cat::kActivations, BlockProfile(node_id).backward_working_bytes));
         break;
       case ModuleNode::Role::kLmHead: {
         BlockId grads = mem_.Alloc(Cat::kActivations, head_.loss_backward_transient_bytes);
@@ -402,7 +413,7 @@ class StepPlayer {
   const Workload& w_;
   const FsdpConfig& c_;
   MemoryTracker& mem_;
-  BlockActivations block_;
+  BlockActivations block_, plain_block_;
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   bool mixed_ = true;

@@ -287,6 +287,31 @@ TEST_CASE("FSDP2 on one rank has no all-gather: no flat output, and a prefetch h
   CHECK(unsharded_at_loss == 1056);
 }
 
+// Highest bytes of one category recorded in a phase of the timeline.
+int64_t PhaseCategoryMax(const MemoryEstimate& m, const std::string& phase, MemCategory category) {
+  int64_t high = -1;
+  for (const auto& p : m.timeline) if (p.phase == phase) high = std::max(high, p.device[static_cast<int>(category)]);
+  return high;
+}
+
+TEST_CASE("--ac-every 2 checkpoints every second block: the saved bytes fall by one block's, not two") {
+  FsdpConfig c = HandConfig();
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  const Workload plain = Build(c);
+  const int64_t none = PhaseCategoryMax(EstimateMemory(plain, o), "forward: lm_head + loss", MemCategory::kActivations);
+  c.checkpointing = Checkpointing::kFull;
+  const int64_t kept = BlockActivationProfile(plain.model, c).KeptBytes();  // a checkpointed block keeps its input
+  const int64_t full = PhaseCategoryMax(EstimateMemory(Build(c), o), "forward: lm_head + loss", MemCategory::kActivations);
+  c.ac_every = 2;
+  const MemoryEstimate every2 = EstimateMemory(Build(c), o);
+  CHECK(kept < 1120);
+  CHECK(full == none - 2 * (1120 - kept));
+  CHECK(PhaseCategoryMax(every2, "forward: lm_head + loss", MemCategory::kActivations) == none - (1120 - kept));
+  CHECK_FALSE(BlockCheckpointed(c, 0));
+  CHECK(BlockCheckpointed(c, 1));
+}
+
 TEST_CASE("full state dict checkpoint memory") {
   FsdpConfig c = HandConfig();
   c.optimizer = Optimizer::kAdamW;

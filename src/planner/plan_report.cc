@@ -101,6 +101,7 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"grad_accum", c.grad_accum},
           {"no_sync", c.no_sync},
           {"activation_checkpointing", CheckpointingName(c.checkpointing)},
+          {"ac_every", c.ac_every},
           {"attention", AttentionName(c.attention)},
           {"param_dtype", DTypeName(c.param_dtype)},
           {"reduce_dtype", DTypeName(c.reduce_dtype)},

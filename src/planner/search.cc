@@ -276,6 +276,7 @@ std::vector<Change> SingleChanges(const FsdpConfig& c) {
   }
   for (int64_t s = c.seq_len / 2; s >= 512 && s >= c.seq_len / 4; s /= 2) add(fmt::format("--seq-len {}", s), [&](FsdpConfig& n) { n.seq_len = s; });
   if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
+  if (c.checkpointing == Checkpointing::kFull && c.ac_every > 1) add("--ac-every 1", [](FsdpConfig& n) { n.ac_every = 1; });
   if (c.checkpointing == Checkpointing::kNone && c.attention == Attention::kEager) add("--ac selective", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kSelective; });
   if (c.attention == Attention::kEager) add("--attention flash", [](FsdpConfig& n) { n.attention = Attention::kFlash; });
   if (c.strategy != Strategy::kFullShard) add("--strategy full_shard", [](FsdpConfig& n) { n.strategy = Strategy::kFullShard; n.shard_group_size = 0; });

@@ -149,6 +149,19 @@ TEST_CASE("activation traffic: the given bytes per saved byte in forward, twice 
   CHECK(kEagerTrafficPerSavedByte == 10.0);
 }
 
+TEST_CASE("--ac-every 2 recomputes every second block only") {
+  FsdpConfig c = ThreeRanks();
+  c.checkpointing = Checkpointing::kFull;
+  const ComputeModel all = EstimateCompute(Build(c));
+  c.ac_every = 2;
+  const ComputeModel every2 = EstimateCompute(Build(c));
+  // units: 0 root, 1 model.layers.0, 2 model.layers.1; blocks 2, 4, ... counting from 1 rerun
+  CHECK(all.units[1].recompute_flops > 0);
+  CHECK(every2.units[1].recompute_flops == 0);
+  CHECK(every2.units[2].recompute_flops == all.units[2].recompute_flops);
+  CHECK(every2.units[2].recompute_flops == all.units[2].forward_flops);
+}
+
 TEST_CASE("zero compute gives the communication time") {
   Workload w = Build(ThreeRanks());
   ComputeModel cm = EstimateCompute(w);

@@ -52,7 +52,11 @@ Result<Workload> WorkloadOf(const Json& r) {
   auto strategy = ParseStrategy(r["strategy"].get<std::string>());
   if (!strategy.ok()) return strategy.error();
   c.strategy = strategy.value();
-  c.checkpointing = ParseAc(r["activation_checkpointing"].get<std::string>());
+  // "modelled_as" holds a reading of the source's checkpointing that its own figures support (e.g.
+  // IBM's "selective": full checkpointing of every other block, from its HFU / MFU ratio)
+  const Json& ac = r.contains("modelled_as") ? r["modelled_as"] : r;
+  c.checkpointing = ParseAc(ac["activation_checkpointing"].get<std::string>());
+  if (ac.contains("ac_every")) c.ac_every = ac["ac_every"].get<int64_t>();
   c.framework = r["framework"] == "fsdp2" ? Framework::kFsdp2 : Framework::kFsdp1;
   return BuildWorkload(model.value(), hw.value(), c);
 }
