@@ -182,6 +182,8 @@ def build_parser():
     p.add_argument("--model", required=True, help="HuggingFace config.json")
     p.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
     p.add_argument("--ac", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--ac-every", type=positive_int, default=1,
+                   help="with --ac full (fsdp2), checkpoint only layers N, 2N, ... (fsdp-plan --ac-every)")
     p.add_argument("--micro-batch", type=positive_int, default=1)
     p.add_argument("--seq-len", type=positive_int, default=2048)
     p.add_argument("--steps", type=positive_int, default=6, help="timed steps")
@@ -248,6 +250,8 @@ def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     args.model_dict = load_model_json(parser, args.model)
+    if args.ac_every > 1 and (args.ac != "full" or args.framework != "fsdp2"):
+        parser.error("--ac-every needs --ac full and --framework fsdp2")
     if args.init_from and not os.path.isdir(args.init_from):
         parser.error(f"--init-from: not a directory: {args.init_from}")
     args.token_ids = load_tokens(parser, args.tokens, args.model_dict["vocab_size"]) if args.tokens else None
@@ -410,12 +414,15 @@ def attention_implementation(args):
     return "fsdpkit_selective"
 
 
-def apply_activation_checkpointing(model):
+def apply_activation_checkpointing(model, every=1):
+    """checkpoint_wrapper on decoder layers every, 2 x every, ... (counting from 1)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
 
     layers = decoder_layers(model)
     for i in range(len(layers)):
+        if (i + 1) % every != 0:
+            continue
         layers[i] = checkpoint_wrapper(layers[i],
                                        checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                        preserve_rng_state=False)
@@ -653,7 +660,7 @@ def build_report(args, env, params, notes, run):
             "micro_batch": args.micro_batch, "seq_len": args.seq_len,
             "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
             "attention": args.attention, "framework": args.framework,
-            "steps": args.steps, "warmup": args.warmup,
+            "steps": args.steps, "warmup": args.warmup, "ac_every": args.ac_every,
             "loop_holds_outputs": args.loop_holds_outputs,
             "lr": args.lr, "seed": args.seed, "device": args.device,
             "init_from": args.init_from or None, "tokens": args.tokens or None,
@@ -755,7 +762,7 @@ def main(argv=None):
                          "function as attn_implementation 'fsdpkit_selective' (the attention core "
                          "is recomputed)")
         if args.ac == "full" and args.framework == "fsdp2":
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, args.ac_every)
             notes.append("ac=full -> checkpoint_wrapper(NO_REENTRANT, "
                          "preserve_rng_state=False) on each decoder layer before fully_shard")
         notes.append("loss = HF's ForCausalLMLoss inside the forward (labels=targets, "

@@ -134,6 +134,7 @@ bad_input() {  # NAME ARGS...
 base=(--model "$MODEL" --device cpu --out "$TMP/bad.json")
 bad_input strategy "${base[@]}" --strategy HYBRID_SHARD
 bad_input ac "${base[@]}" --ac partial
+bad_input ac-every-without-full "${base[@]}" --ac none --ac-every 2
 bad_input dtype "${base[@]}" --param-dtype int8
 bad_input framework "${base[@]}" --framework fsdp3
 bad_input seq-len "${base[@]}" --seq-len 0
