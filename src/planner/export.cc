@@ -137,6 +137,13 @@ std::string MeshCode(const Workload& w) {
   return fmt::format("mesh = init_device_mesh(\"cuda\", ({},))\n", w.config.gpus);
 }
 
+// The checkpointing code for formats that carry it as a comment, with the imports it needs (the
+// selective code brings its own).
+std::string CommentedCheckpointingCode(const Workload& w) {
+  if (w.config.checkpointing == Checkpointing::kSelective) return CheckpointingCode(w, "model");
+  return "import functools\n" + std::string(kCheckpointImports) + LayerImport(w.model) + CheckpointingCode(w, "model");
+}
+
 std::string Fsdp1(const Workload& w) {
   const FsdpConfig& c = w.config;
   std::string out = Header(w);
@@ -206,7 +213,7 @@ std::string Accelerate(const Workload& w) {
   if (ac_in_code) {
     out += fmt::format("# {} is not an accelerate option: run this in train.py before accelerator.prepare(model)\n",
                        c.ac_every > 1 ? "checkpointing every N-th block" : "selective checkpointing");
-    out += Commented(CheckpointingCode(w, "model"));
+    out += Commented(CommentedCheckpointingCode(w));
   }
   out += "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
   out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing == Checkpointing::kFull && !ac_in_code ? "true" : "false");
@@ -246,7 +253,7 @@ std::string Lightning(const Workload& w) {
   if (ac_in_code) {
     out += fmt::format("# {} is not a FSDPStrategy option: run this on the model before the Trainer wraps it\n",
                        c.ac_every > 1 ? "checkpointing every N-th block" : "selective checkpointing");
-    out += Commented(CheckpointingCode(w, "model"));
+    out += Commented(CommentedCheckpointingCode(w));
   }
   const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);
   out += fmt::format("strategy = FSDPStrategy(\n    sharding_strategy=\"{}\",\n    auto_wrap_policy={},\n"

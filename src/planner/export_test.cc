@@ -141,6 +141,22 @@ TEST_CASE("full checkpointing turns the KV cache off") {
   CHECK(code.find("model.config.use_cache = False") < code.find("apply_activation_checkpointing("));
 }
 
+TEST_CASE("--ac-every 2 exports a check_fn on every second block; accelerate and Lightning carry it as a comment") {
+  FsdpConfig c;
+  c.checkpointing = Checkpointing::kFull;
+  c.ac_every = 2;
+  const std::string code = ExportConfig(Plan(c), ExportFormat::kFsdp2);
+  CHECK(code.find("if (i + 1) % 2 == 0") != std::string::npos);
+  CHECK(code.find("check_fn=lambda m: id(m) in checkpointed_blocks") != std::string::npos);
+  const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
+  CHECK(yaml.find("fsdp_activation_checkpointing: false") != std::string::npos);
+  CHECK(yaml.find("#       check_fn=lambda m: id(m) in checkpointed_blocks") != std::string::npos);
+  CHECK(yaml.find("#   import functools") != std::string::npos);
+  const std::string lightning = ExportConfig(Plan(c), ExportFormat::kLightning);
+  CHECK(lightning.find("activation_checkpointing_policy=None") != std::string::npos);
+  CHECK(lightning.find("#   apply_activation_checkpointing(") != std::string::npos);
+}
+
 TEST_CASE("fp16 exports a ShardedGradScaler; bf16 and fp32 need none") {
   FsdpConfig c;
   c.param_dtype = DType::kFp16;
