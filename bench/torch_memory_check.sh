@@ -21,7 +21,8 @@
 # peak falls in a block's backward (its softmax's gradients) rather than at the loss. The "holds
 # outputs" row keeps each step's logits until the next step's loss exists, on both sides. The
 # "flash" rows run SDPA (PyTorch's CPU flash kernel: output + logsumexp saved) against fsdp-plan's
-# --attention flash; every other row is eager attention.
+# --attention flash; every other row is eager attention. The last row checkpoints every second
+# block (--ac-every 2 on both sides).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -92,3 +93,4 @@ gpt2_block_row
 check "1 rank  GPT-2 2k ctx 2k vocab AC 2048 x 1" 1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"
 check "1 rank  FULL_SHARD flash seq 1024 x 2"    1 FULL_SHARD    none 2 1024 "$root/models/llama-100m.json" fsdp2 "" flash
 check "1 rank  2k vocab flash SAC seq 2048 x 1"  1 FULL_SHARD selective 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json" fsdp2 "" flash
+check "1 rank  FULL_SHARD AC every 2nd 1024 x 2"  1 FULL_SHARD full 2 1024 "$root/models/llama-100m.json" fsdp2 "--ac-every 2"
