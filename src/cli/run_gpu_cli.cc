@@ -150,7 +150,7 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
   // fsdp-plan's step model and fsdp-sim on this GPU's hardware file, charging the engine's fused
   // kernels' activation traffic; and, for reference, the same model of PyTorch eager
   const TimeEstimate time = EstimateTime(w, kFusedEngineTrafficPerSavedByte);
-  const TimeEstimate torch_time = EstimateTime(w);
+  const StepEstimate torch_step = EstimateStep(w, EstimateCompute(w), time.comm);
   sim::SimOptions sim_options;
   sim_options.compute_override = time.compute;
   auto simulated = sim::Simulate(w, sim_options);
@@ -159,7 +159,7 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
              PercentError(step_s, time.step.step_s), w.hardware.id);
   if (simulated.ok()) fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-sim)\n", "step time s", step_s, sim_s, PercentError(step_s, sim_s));
   fmt::print(out, "  {:<22}{:>14}{:>14.4f}           (fsdp-plan's PyTorch eager step, for tools/torch_reference.py)\n", "step time s", "-",
-             torch_time.step.step_s);
+             torch_step.step_s);
   const runtime::GpuPhaseTimes t = engine.times();
   const double forward_s = Median(SteadySteps(t.forward_s)), backward_s = Median(SteadySteps(t.backward_s)),
                optimizer_s = Median(SteadySteps(t.optimizer_s));
@@ -180,8 +180,8 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
                 {"pytorch_profile",
                  {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes},
                   {"peak_bytes", torch_profile.peak_bytes},
-                  {"step_s", torch_time.step.step_s},
-                  {"tokens_per_s_per_gpu", torch_time.step.tokens_per_s_per_gpu}}},
+                  {"step_s", torch_step.step_s},
+                  {"tokens_per_s_per_gpu", torch_step.tokens_per_s_per_gpu}}},
                 {"time", {{"step_s", time.step.step_s}, {"sim_step_s", sim_s}, {"tokens_per_s_per_gpu", time.step.tokens_per_s_per_gpu}}}}},
               {"measured",
                {{"loss", log.losses},

@@ -91,21 +91,19 @@ std::string SelectiveCheckpointingCode(const Workload& w, std::string_view model
 std::string CheckpointingCode(const Workload& w, std::string_view model_var) {
   if (w.config.checkpointing == Checkpointing::kNone) return "";
   if (w.config.checkpointing == Checkpointing::kSelective) return SelectiveCheckpointingCode(w, model_var);
-  if (w.config.ac_every > 1) {
-    // layer-level selective: blocks N-1, 2N-1, ... (torchtitan's selective_ac_option = "N")
-    return fmt::format("{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n"
-                       "# decoder blocks {2}, 2 x {2}, ... (counting from 1) are checkpointed whole, the others keep their activations\n"
-                       "checkpointed_blocks = {{\n    id(m) for i, m in enumerate(x for x in {0}.modules() if isinstance(x, {1})) if (i + 1) % {2} == 0\n}}\n"
-                       "apply_activation_checkpointing(\n    {0},\n"
-                       "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),\n"
-                       "    check_fn=lambda m: id(m) in checkpointed_blocks,\n)\n",
-                       model_var, DecoderLayerClass(w.model), w.config.ac_every);
+  const std::string layer(DecoderLayerClass(w.model));
+  std::string blocks, check_fn = fmt::format("isinstance(m, {})", layer);
+  if (w.config.ac_every > 1) {  // layer-level selective (torchtitan's selective_ac_option = "N")
+    blocks = fmt::format("# decoder blocks {2}, 2 x {2}, ... (counting from 1) are checkpointed whole, the others keep their activations\n"
+                         "checkpointed_blocks = {{\n    id(m) for i, m in enumerate(x for x in {0}.modules() if isinstance(x, {1})) if (i + 1) % {2} == 0\n}}\n",
+                         model_var, layer, w.config.ac_every);
+    check_fn = "id(m) in checkpointed_blocks";
   }
-  return fmt::format("{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n"
+  return fmt::format("{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n{1}"
                      "apply_activation_checkpointing(\n    {0},\n"
                      "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),\n"
-                     "    check_fn=lambda m: isinstance(m, {1}),\n)\n",
-                     model_var, DecoderLayerClass(w.model));
+                     "    check_fn=lambda m: {2},\n)\n",
+                     model_var, blocks, check_fn);
 }
 
 // A block of Python as comment lines, for formats that cannot hold code (YAML, Trainer arguments).
@@ -137,11 +135,19 @@ std::string MeshCode(const Workload& w) {
   return fmt::format("mesh = init_device_mesh(\"cuda\", ({},))\n", w.config.gpus);
 }
 
-// The checkpointing code for formats that carry it as a comment, with the imports it needs (the
-// selective code brings its own).
-std::string CommentedCheckpointingCode(const Workload& w) {
-  if (w.config.checkpointing == Checkpointing::kSelective) return CheckpointingCode(w, "model");
-  return "import functools\n" + std::string(kCheckpointImports) + LayerImport(w.model) + CheckpointingCode(w, "model");
+// Selective and every-N-th-block checkpointing are not options of accelerate's or Lightning's FSDP
+// configuration: those exports carry the code as a comment.
+bool CheckpointingNeedsCode(const FsdpConfig& c) { return c.checkpointing == Checkpointing::kSelective || c.ac_every > 1; }
+
+// That comment: "<what> is not <an option of the format>: run this <where>", then the code with
+// the imports it needs (the selective code brings its own); "" when the format expresses it.
+std::string CheckpointingComment(const Workload& w, std::string_view not_an_option_where) {
+  if (!CheckpointingNeedsCode(w.config)) return "";
+  const bool selective = w.config.checkpointing == Checkpointing::kSelective;
+  const std::string code = selective ? CheckpointingCode(w, "model")
+                                     : "import functools\n" + std::string(kCheckpointImports) + LayerImport(w.model) + CheckpointingCode(w, "model");
+  return fmt::format("# {} is not {}\n", selective ? "selective checkpointing" : "checkpointing every N-th block", not_an_option_where) +
+         Commented(code);
 }
 
 std::string Fsdp1(const Workload& w) {
@@ -209,14 +215,9 @@ std::string Accelerate(const Workload& w) {
     out += fmt::format("# the plan reduces gradients in {}: pass FullyShardedDataParallelPlugin(mixed_precision_policy=...) to Accelerator\n",
                        DTypeName(c.reduce_dtype));
   }
-  const bool ac_in_code = c.checkpointing == Checkpointing::kSelective || c.ac_every > 1;
-  if (ac_in_code) {
-    out += fmt::format("# {} is not an accelerate option: run this in train.py before accelerator.prepare(model)\n",
-                       c.ac_every > 1 ? "checkpointing every N-th block" : "selective checkpointing");
-    out += Commented(CommentedCheckpointingCode(w));
-  }
+  out += CheckpointingComment(w, "an accelerate option: run this in train.py before accelerator.prepare(model)");
   out += "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
-  out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing == Checkpointing::kFull && !ac_in_code ? "true" : "false");
+  out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing == Checkpointing::kFull && !CheckpointingNeedsCode(c) ? "true" : "false");
   out += fmt::format("  fsdp_auto_wrap_policy: {}\n", wrap);
   if (!fsdp2) out += fmt::format("  fsdp_backward_prefetch: {}\n", prefetch);
   out += "  fsdp_cpu_ram_efficient_loading: true\n";
@@ -248,13 +249,8 @@ std::string Lightning(const Workload& w) {
          "from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision\n";
   out += LayerImport(w.model) + "\n";
   std::string wrap = c.wrap == WrapPolicy::kBlock ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
-  const bool ac_in_code = c.checkpointing == Checkpointing::kSelective || c.ac_every > 1;
-  std::string ac = c.checkpointing == Checkpointing::kFull && !ac_in_code ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
-  if (ac_in_code) {
-    out += fmt::format("# {} is not a FSDPStrategy option: run this on the model before the Trainer wraps it\n",
-                       c.ac_every > 1 ? "checkpointing every N-th block" : "selective checkpointing");
-    out += Commented(CommentedCheckpointingCode(w));
-  }
+  std::string ac = c.checkpointing == Checkpointing::kFull && !CheckpointingNeedsCode(c) ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
+  out += CheckpointingComment(w, "a FSDPStrategy option: run this on the model before the Trainer wraps it");
   const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);
   out += fmt::format("strategy = FSDPStrategy(\n    sharding_strategy=\"{}\",\n    auto_wrap_policy={},\n"
                      "    activation_checkpointing_policy={},\n    cpu_offload={},\n"
