@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include "runtime/cuda/cuda_check.h"
+#include "runtime/cuda/cuda_launch.h"
 
 namespace fsdp::runtime::cuda {
 namespace {
@@ -321,17 +322,17 @@ __global__ void AdamWKernel(float* param, const float* grad, float* m, float* v,
 }  // namespace
 
 void FillNormal(float* out, int64_t n, uint64_t seed, int64_t first_index, float std, cudaStream_t stream) {
-  FillNormalKernel<<<Blocks(n), kThreads, 0, stream>>>(out, n, seed, first_index, std);
+  FSDP_LAUNCH(FillNormalKernel, Blocks(n), kThreads, stream)(out, n, seed, first_index, std);
 }
 
-void Fill(float* out, int64_t n, float value, cudaStream_t stream) { FillKernel<<<Blocks(n), kThreads, 0, stream>>>(out, n, value); }
+void Fill(float* out, int64_t n, float value, cudaStream_t stream) { FSDP_LAUNCH(FillKernel, Blocks(n), kThreads, stream)(out, n, value); }
 
 void CastFromF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream) {
   Cast(in, DType::kFp32, out, dtype, n, stream);
 }
 
 void Cast(const void* in, DType from, void* out, DType to, int64_t n, cudaStream_t stream) {
-  FSDP_DISPATCH(from, TIn, FSDP_DISPATCH(to, TOut, CastKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const TIn*>(in), static_cast<TOut*>(out), n)));
+  FSDP_DISPATCH(from, TIn, FSDP_DISPATCH(to, TOut, FSDP_LAUNCH(CastKernel, Blocks(n), kThreads, stream)(static_cast<const TIn*>(in), static_cast<TOut*>(out), n)));
 }
 
 __global__ void FlagNonFiniteKernel(const float* x, int64_t n, float* found) {
@@ -340,14 +341,14 @@ __global__ void FlagNonFiniteKernel(const float* x, int64_t n, float* found) {
   }
 }
 void FlagNonFinite(const float* x, int64_t n, float* found, cudaStream_t stream) {
-  FlagNonFiniteKernel<<<Blocks(n), kThreads, 0, stream>>>(x, n, found);
+  FSDP_LAUNCH(FlagNonFiniteKernel, Blocks(n), kThreads, stream)(x, n, found);
 }
 void AccumulateF32(const void* in, DType dtype, float scale, float* acc, int64_t n, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, AccumulateKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(in), scale, acc, n))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(AccumulateKernel, Blocks(n), kThreads, stream)(static_cast<const T*>(in), scale, acc, n))
 }
 
 void AddF32(const float* in, void* out, DType dtype, int64_t n, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, AddF32Kernel<<<Blocks(n), kThreads, 0, stream>>>(in, static_cast<T*>(out), n))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(AddF32Kernel, Blocks(n), kThreads, stream)(in, static_cast<T*>(out), n))
 }
 
 // out (cols, fp32) = sum over rows of term: zeroed, then one (32, 8) block per 32 columns and chunk of rows.
@@ -357,11 +358,11 @@ void ColumnReduce(Term term, float* out, int64_t rows, int64_t cols, cudaStream_
   const int64_t chunks = rows < 256 ? 1 : 64;
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(chunks));
-  ColumnReduceKernel<<<grid, dim3(32, 8), 0, stream>>>(term, out, rows, cols, rows_per_chunk);
+  FSDP_LAUNCH(ColumnReduceKernel, grid, dim3(32, 8), stream)(term, out, rows, cols, rows_per_chunk);
 }
 
 void BroadcastRows(const void* bias, void* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, BroadcastRowsKernel<<<Blocks(rows * cols), kThreads, 0, stream>>>(static_cast<const T*>(bias), static_cast<T*>(out), rows, cols))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(BroadcastRowsKernel, Blocks(rows * cols), kThreads, stream)(static_cast<const T*>(bias), static_cast<T*>(out), rows, cols))
 }
 
 void ColumnSums(const void* x, float* out, int64_t rows, int64_t cols, DType dtype, cudaStream_t stream) {
@@ -369,11 +370,11 @@ void ColumnSums(const void* x, float* out, int64_t rows, int64_t cols, DType dty
 }
 
 void Scale(void* x, DType dtype, float scale, int64_t n, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, ScaleKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<T*>(x), scale, n))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(ScaleKernel, Blocks(n), kThreads, stream)(static_cast<T*>(x), scale, n))
 }
 
 void EmbeddingForward(const void* table, const int32_t* ids, void* out, int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, EmbeddingForwardKernel<<<Blocks(rows * h), kThreads, 0, stream>>>(static_cast<const T*>(table), ids, static_cast<T*>(out), rows, h))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(EmbeddingForwardKernel, Blocks(rows * h), kThreads, stream)(static_cast<const T*>(table), ids, static_cast<T*>(out), rows, h))
 }
 
 std::vector<int32_t> TokenGroups::Packed() const {
@@ -401,18 +402,18 @@ TokenGroups GroupTokens(const std::vector<int32_t>& token_ids) {
 void EmbeddingBackward(const void* d_out, const int32_t* packed, int64_t tokens, void* d_table, int64_t h, DType dtype, cudaStream_t stream) {
   if (tokens == 0) return;
   const int32_t *ids = packed, *offsets = packed + tokens, *rows = offsets + tokens + 1;
-  FSDP_DISPATCH(dtype, T, EmbeddingBackwardKernel<<<static_cast<unsigned>(tokens), kThreads, 0, stream>>>(static_cast<const T*>(d_out), ids, offsets, rows,
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(EmbeddingBackwardKernel, static_cast<unsigned>(tokens), kThreads, stream)(static_cast<const T*>(d_out), ids, offsets, rows,
                                                                                                        static_cast<T*>(d_table), h))
 }
 
 void RmsNormForward(const void* x, const void* w, void* y, float* inv_rms, int64_t rows, int64_t h, float eps, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, RmsNormForwardKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(static_cast<const T*>(x), static_cast<const T*>(w),
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(RmsNormForwardKernel, static_cast<unsigned>(rows), kThreads, stream)(static_cast<const T*>(x), static_cast<const T*>(w),
                                                                               static_cast<T*>(y), inv_rms, h, eps))
 }
 
 void RmsNormBackward(const void* dy, const void* x, const void* w, const float* inv_rms, const void* residual, void* dx, float* dw_f32,
                      int64_t rows, int64_t h, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, RmsNormBackwardKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(RmsNormBackwardKernel, static_cast<unsigned>(rows), kThreads, stream)(static_cast<const T*>(dy), static_cast<const T*>(x),
                                                                                static_cast<const T*>(w), inv_rms,
                                                                                static_cast<const T*>(residual), static_cast<T*>(dx), h);
     ColumnReduce(NormWeightTerm<T>{static_cast<const T*>(dy), static_cast<const T*>(x), inv_rms}, dw_f32, rows, h, stream))
@@ -436,41 +437,41 @@ Status RopeTable(float* table, int64_t seq, const std::vector<double>& inv_freq,
 void Rope(void* x, const float* table, int64_t rows, int64_t heads, int64_t head_dim, int64_t seq, bool inverse, DType dtype,
           cudaStream_t stream) {
   FSDP_DISPATCH(dtype, T,
-                RopeKernel<<<Blocks(rows * heads * head_dim / 2), kThreads, 0, stream>>>(static_cast<T*>(x), table, rows, heads, head_dim, seq,
+                FSDP_LAUNCH(RopeKernel, Blocks(rows * heads * head_dim / 2), kThreads, stream)(static_cast<T*>(x), table, rows, heads, head_dim, seq,
                                                                                          inverse ? -1.0f : 1.0f))
 }
 
 void CausalSoftmaxForward(void* scores, int64_t matrices, int64_t seq, float scale, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, CausalSoftmaxForwardKernel<<<static_cast<unsigned>(matrices * seq), kThreads, 0, stream>>>(static_cast<T*>(scores), seq, scale))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(CausalSoftmaxForwardKernel, static_cast<unsigned>(matrices * seq), kThreads, stream)(static_cast<T*>(scores), seq, scale))
 }
 
 void CausalSoftmaxBackward(const void* probs, void* d_probs, int64_t matrices, int64_t seq, float scale, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, CausalSoftmaxBackwardKernel<<<static_cast<unsigned>(matrices * seq), kThreads, 0, stream>>>(static_cast<const T*>(probs),
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(CausalSoftmaxBackwardKernel, static_cast<unsigned>(matrices * seq), kThreads, stream)(static_cast<const T*>(probs),
                                                                                                static_cast<T*>(d_probs), seq, scale))
 }
 
 void SumHeadGroups(const void* in, void* out, int64_t rows, int64_t kv_heads, int64_t rep, int64_t head_dim, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, SumHeadGroupsKernel<<<Blocks(rows * kv_heads * head_dim), kThreads, 0, stream>>>(static_cast<const T*>(in), static_cast<T*>(out), rows,
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(SumHeadGroupsKernel, Blocks(rows * kv_heads * head_dim), kThreads, stream)(static_cast<const T*>(in), static_cast<T*>(out), rows,
                                                                                      kv_heads, rep, head_dim))
 }
 
 void SwiGluForward(const void* gate, const void* up, void* mid, int64_t n, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, SwiGluForwardKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(mid), n))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(SwiGluForwardKernel, Blocks(n), kThreads, stream)(static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(mid), n))
 }
 
 void SwiGluBackward(const void* d_mid, const void* gate, const void* up, void* d_gate, void* d_up, int64_t n, DType dtype, cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, SwiGluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const T*>(d_mid), static_cast<const T*>(gate),
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(SwiGluBackwardKernel, Blocks(n), kThreads, stream)(static_cast<const T*>(d_mid), static_cast<const T*>(gate),
                                                              static_cast<const T*>(up), static_cast<T*>(d_gate), static_cast<T*>(d_up), n))
 }
 
 void CrossEntropyInPlace(void* logits, const int32_t* targets, float* loss_sum, int64_t rows, int64_t vocab, float grad_scale, DType dtype,
                          cudaStream_t stream) {
-  FSDP_DISPATCH(dtype, T, CrossEntropyKernel<<<static_cast<unsigned>(rows), 1024, 0, stream>>>(static_cast<T*>(logits), targets, loss_sum, vocab, grad_scale))
+  FSDP_DISPATCH(dtype, T, FSDP_LAUNCH(CrossEntropyKernel, static_cast<unsigned>(rows), 1024, stream)(static_cast<T*>(logits), targets, loss_sum, vocab, grad_scale))
 }
 
 void AdamW(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, float lr, float beta1, float beta2, float eps,
            float weight_decay, float bias_correction1, float bias_correction2, cudaStream_t stream) {
-  AdamWKernel<<<Blocks(n), kThreads, 0, stream>>>(param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps, weight_decay, bias_correction1,
+  FSDP_LAUNCH(AdamWKernel, Blocks(n), kThreads, stream)(param, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps, weight_decay, bias_correction1,
                                                   bias_correction2);
 }
 
