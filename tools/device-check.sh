@@ -1,30 +1,60 @@
 #!/usr/bin/env bash
 # fsdp-run's GPU checks in one go, for a machine with one NVIDIA GPU and the CUDA toolkit but no
-# Debian packages (carry .device-deps, made by tools/prepare-device-deps.sh). It
+# Debian packages (carry .device-deps, made by tools/prepare-device-deps.sh). Steps, most important
+# first, so that a session cut short still brings back what matters:
 #   1. builds fsdp-run and cuda_test for this GPU's architecture (Ninja, all cores);
 #   2. runs cuda_test: every CUDA kernel, the attention, a whole block and training steps against
-#      the CPU implementation, and the allocated peak against the planner's replay; then the kernel
-#      checks again under compute-sanitizer's memcheck where it works;
-#   2b. runs tools/hf_parity.py --device cuda: fsdp-run's fp32 losses against transformers' training
-#      of the same safetensors checkpoint on the same tokens;
+#      the CPU implementation, and the allocated peak against the planner's replay;
 #   3. runs fsdp-run --device cuda and tools/torch_reference.py (PyTorch FSDP2) pair by pair on
-#      TinyLlama 1.1B at sequence length 2048 (FULL_SHARD, AC off and on, SHARD_GRAD_OP, NO_SHARD),
-#      each writing predicted vs measured JSON; the FULL_SHARD pair starts both from one seeded bf16
-#      checkpoint on one token file (--init-from, --tokens), so their losses are compared too;
-#   4. runs fsdp-run alone with virtual world 8, then fsdp-run calibrate --device cuda and one more
-#      FULL_SHARD run with the calibrated hardware file ($OUT/calibrated-gpu.json);
-#   5. merges everything into $OUT/device-check.json after every run (so a session cut short still
-#      brings back what ran) and keeps the log in $OUT/device-check.log.
-# Must finish in under 8 minutes including the build; every step has a `timeout` so that one hang
-# (an NCCL bootstrap, a kernel) costs its limit, not the device session. Environment: OUT (default ./device-out), RUNS,
+#      TinyLlama 1.1B at sequence length 2048 (FULL_SHARD, AC off and on, SHARD_GRAD_OP, NO_SHARD,
+#      selective AC), each writing predicted vs measured JSON; the FULL_SHARD pair starts both from
+#      one seeded bf16 checkpoint on one token file (--init-from, --tokens), so their losses are
+#      compared too;
+#   4. runs fsdp-run alone with virtual world 8 (FULL_SHARD with and without AC, SHARD_GRAD_OP);
+#   5. runs tools/hf_parity.py --device cuda: fsdp-run's fp32 losses against transformers' training
+#      of the same safetensors checkpoint on the same tokens;
+#   6. runs fsdp-run calibrate --device cuda and one more FULL_SHARD run with the calibrated
+#      hardware file ($OUT/calibrated-gpu.json);
+#   7. runs the kernel checks again under compute-sanitizer's memcheck where it works;
+#   and merges everything into $OUT/device-check.json after every run, keeping the log in
+#   $OUT/device-check.log.
+# Must finish in under 8 minutes including the build: every step has a `timeout`, so one hang (an
+# NCCL bootstrap, a kernel) costs its limit, not the device session, and steps 3-7 start only while
+# the elapsed time is under BUDGET_S (default 420 s). Environment: OUT (default ./device-out), RUNS,
 # MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead; MERGE_ONLY=1
 # only merges the JSON files already in $RUNS.
+#
+# REHEARSE=1 runs the whole script on a machine without a GPU, to find what would break before a GPU
+# session: fsdp-run-emu and cuda_emu_test from $BUILD (default build; the GPU engine on cuda-emu,
+# src/runtime/cuda/emu) stand for the device build, PyTorch runs on the CPU (FSDPKIT_PYTHON, gloo),
+# MODEL defaults to tiny-llama at SEQ 32 for 3 STEPS, and the build, nvidia-smi and memcheck are
+# skipped. Nothing it writes is a measurement; it checks that every step runs and that the merge
+# reads what the steps write.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
-MODEL=${MODEL:-tinyllama-1.1b}
-SEQ=${SEQ:-2048}
-STEPS=${STEPS:-6}
+REHEARSE=${REHEARSE:-}
+if [ -n "$REHEARSE" ]; then
+  BUILD=${BUILD:-build}
+  FSDP_RUN=${FSDP_RUN:-$BUILD/fsdp-run-emu}
+  CUDA_TEST=${CUDA_TEST:-$BUILD/src/runtime/cuda_emu_test}
+  CUDA_TEST_ARGS=${CUDA_TEST_ARGS:---test-case=RoPE*,Cross-entropy*}  # the whole suite is CTest's cuda_emu_test
+  PYTHON=${PYTHON:-${FSDPKIT_PYTHON:-python3}}
+  TORCH_DEVICE=cpu
+  MODEL=${MODEL:-tiny-llama}
+  SEQ=${SEQ:-32}
+  STEPS=${STEPS:-3}
+else
+  FSDP_RUN=${FSDP_RUN:-build-device/fsdp-run}
+  CUDA_TEST=${CUDA_TEST:-build-device/src/runtime/cuda_test}
+  CUDA_TEST_ARGS=${CUDA_TEST_ARGS:-}
+  PYTHON=${PYTHON:-python3}
+  TORCH_DEVICE=cuda
+  MODEL=${MODEL:-tinyllama-1.1b}
+  SEQ=${SEQ:-2048}
+  STEPS=${STEPS:-6}
+fi
+BUDGET_S=${BUDGET_S:-420}
 RUNS=${RUNS:-${TMPDIR:-/tmp}/fsdpkit-device-runs}  # one JSON per run; only the merge goes to $OUT (8 files come back)
 [ -n "${MERGE_ONLY:-}" ] || rm -rf "$RUNS"
 mkdir -p "$RUNS" "$OUT"
@@ -92,52 +122,56 @@ PY
 }
 [ -n "${MERGE_ONLY:-}" ] && { merge; exit; }  # only re-merge the runs already in $RUNS
 start=$(date +%s)
+elapsed() { echo $(( $(date +%s) - start )); }
+in_budget() {  # step name: true while there is time left for it
+  [ "$(elapsed)" -lt "$BUDGET_S" ] && return 0
+  say "skipped $1: $(elapsed) s elapsed, over the budget of $BUDGET_S s"
+  return 1
+}
+export FSDPKIT_DATA_DIR=$PWD
 
-say "machine"
-run nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-run nvcc --version
+if [ -n "$REHEARSE" ]; then
+  say "rehearsal without a GPU: $FSDP_RUN, $CUDA_TEST, PyTorch on the CPU ($PYTHON); nothing here is a measurement"
+  for f in "$FSDP_RUN" "$CUDA_TEST"; do
+    [ -x "$f" ] || { echo "device-check: $f missing: build the cuda-emu targets (cmake --build $BUILD)" | tee -a "$LOG"; exit 2; }
+  done
+else
+  say "machine"
+  run nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  run nvcc --version
 
-say "build"
-deps=$PWD/.device-deps/usr
-[ -d "$deps" ] || { echo "device-check: .device-deps missing: run tools/prepare-device-deps.sh here and carry .device-deps" | tee -a "$LOG"; exit 2; }
-export LD_LIBRARY_PATH="$deps/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
-nccl_root=""
-if [ ! -e /usr/local/cuda/include/nccl.h ] && [ ! -e /usr/include/nccl.h ]; then  # the pip wheel that PyTorch uses
-  nccl_root=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
-  [ -n "$nccl_root" ] && export LD_LIBRARY_PATH="$nccl_root/lib:$LD_LIBRARY_PATH"
+  say "build"
+  deps=$PWD/.device-deps/usr
+  [ -d "$deps" ] || { echo "device-check: .device-deps missing: run tools/prepare-device-deps.sh here and carry .device-deps" | tee -a "$LOG"; exit 2; }
+  export LD_LIBRARY_PATH="$deps/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  nccl_root=""
+  if [ ! -e /usr/local/cuda/include/nccl.h ] && [ ! -e /usr/include/nccl.h ]; then  # the pip wheel that PyTorch uses
+    nccl_root=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
+    [ -n "$nccl_root" ] && export LD_LIBRARY_PATH="$nccl_root/lib:$LD_LIBRARY_PATH"
+  fi
+  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
+  generator=$(command -v ninja > /dev/null && echo Ninja || echo "Unix Makefiles")
+  run cmake -S . -B build-device -G "$generator" -DCMAKE_BUILD_TYPE=Release -DFSDP_WITH_CUDA=ON -DCMAKE_PREFIX_PATH="$deps" \
+    -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" ${nccl_root:+-DNCCL_ROOT=$nccl_root} || exit 1
+  run cmake --build build-device -j"$(nproc)" --target fsdp-run cuda_test || exit 1
+  say "build done after $(elapsed) s"
 fi
-arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
-generator=$(command -v ninja > /dev/null && echo Ninja || echo "Unix Makefiles")
-run cmake -S . -B build-device -G "$generator" -DCMAKE_BUILD_TYPE=Release -DFSDP_WITH_CUDA=ON -DCMAKE_PREFIX_PATH="$deps" \
-  -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" ${nccl_root:+-DNCCL_ROOT=$nccl_root} || exit 1
-run cmake --build build-device -j"$(nproc)" --target fsdp-run cuda_test || exit 1
-say "build done after $(( $(date +%s) - start )) s"
 
-say "kernel and engine checks (cuda_test)"
-FSDPKIT_DATA_DIR=$PWD run timeout 180 build-device/src/runtime/cuda_test
+say "kernel and engine checks ($CUDA_TEST)"
+run timeout 180 "$CUDA_TEST" $CUDA_TEST_ARGS
 echo "cuda_test exit $?" | tee -a "$LOG"
-if command -v compute-sanitizer > /dev/null; then  # out-of-bounds and misaligned accesses in the kernels (not on gVisor machines)
-  say "compute-sanitizer memcheck on the kernel checks"
-  FSDPKIT_DATA_DIR=$PWD run timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 build-device/src/runtime/cuda_test \
-    --test-case-exclude="Training steps*,Gradient accumulation*,calibrate*"
-  echo "memcheck exit $?" | tee -a "$LOG"
-fi
-
-say "fsdp-run --device cuda against transformers on the same checkpoint and tokens (tools/hf_parity.py, fp32)"
-run timeout 120 python3 tools/hf_parity.py --fsdp-run build-device/fsdp-run --device cuda
-echo "hf_parity exit $?" | tee -a "$LOG"
 
 # One checkpoint and token file for the FULL_SHARD pair, so that fsdp-run and PyTorch FSDP2 train the
 # same weights on the same tokens and their bf16 losses can be compared step by step.
 CKPT=${TMPDIR:-/tmp}/fsdpkit-device-ckpt
 say "checkpoint of $MODEL for the FULL_SHARD pair (seeded, bf16 safetensors)"
-run timeout 90 python3 - "$CKPT" "models/$MODEL.json" <<'PY' || CKPT=""
+run timeout 90 "$PYTHON" - "$CKPT" "models/$MODEL.json" "$TORCH_DEVICE" <<'PY' || CKPT=""
 import json, random, sys
 import torch, transformers
-out, model_json = sys.argv[1], sys.argv[2]
+out, model_json, device = sys.argv[1], sys.argv[2], sys.argv[3]
 config = transformers.LlamaConfig.from_dict(json.load(open(model_json)))
 torch.manual_seed(7)
-with torch.device("cuda"):
+with torch.device(device):
     model = transformers.LlamaForCausalLM(config)
 model.to(torch.bfloat16).save_pretrained(out)
 rng = random.Random(7)
@@ -151,13 +185,15 @@ say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
 fsdp() {  # name, then extra flags; the merge is refreshed after every run, so a cut-short session still brings results back
   local name=$1; shift
-  FSDPKIT_DATA_DIR=$PWD run timeout 90 build-device/fsdp-run "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
+  in_budget "fsdp-run $name" || return 0
+  run timeout 90 "$FSDP_RUN" "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
 torch_run() {  # name, strategy, ac, extra flags
   local name=$1 strategy=$2 ac=$3; shift 3
-  run timeout 90 python3 tools/torch_reference.py --device cuda --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" --micro-batch 1 \
-    --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
+  in_budget "PyTorch $name" || return 0
+  run timeout 90 "$PYTHON" tools/torch_reference.py --device "$TORCH_DEVICE" --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" \
+    --micro-batch 1 --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
 # The pairs with PyTorch first (fsdp2 profiles against fully_shard; FSDP2 has no NO_SHARD, so that
@@ -172,15 +208,31 @@ fsdp no_shard --framework fsdp1 --strategy NO_SHARD
 torch_run no_shard NO_SHARD none --framework fsdp1
 fsdp full_shard_sac --framework fsdp2 --strategy FULL_SHARD --ac selective
 torch_run full_shard_sac FULL_SHARD selective
-say "pairs with PyTorch done after $(( $(date +%s) - start )) s"
+say "pairs with PyTorch done after $(elapsed) s"
 fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
 fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
 fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
-say "fsdp-run calibrate --device cuda"
-FSDPKIT_DATA_DIR=$PWD run timeout 120 build-device/fsdp-run calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
-[ -e "$OUT/calibrated-gpu.json" ] && fsdp full_shard_calibrated --framework fsdp2 --strategy FULL_SHARD --gpu "$OUT/calibrated-gpu.json"
-say "fsdp-run done after $(( $(date +%s) - start )) s"
+
+if in_budget "hf_parity"; then
+  say "fsdp-run --device cuda against transformers on the same checkpoint and tokens (tools/hf_parity.py, fp32)"
+  run timeout 120 "$PYTHON" tools/hf_parity.py --fsdp-run "$FSDP_RUN" --device cuda
+  echo "hf_parity exit $?" | tee -a "$LOG"
+fi
+if in_budget "calibrate"; then
+  say "fsdp-run calibrate --device cuda"
+  run timeout 120 "$FSDP_RUN" calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
+  [ -e "$OUT/calibrated-gpu.json" ] && fsdp full_shard_calibrated --framework fsdp2 --strategy FULL_SHARD --gpu "$OUT/calibrated-gpu.json"
+fi
+# out-of-bounds and misaligned accesses in the kernels (not on gVisor machines); cuda-emu checks
+# bounds only per allocation, so this still has something to find
+if [ -z "$REHEARSE" ] && command -v compute-sanitizer > /dev/null && in_budget "compute-sanitizer"; then
+  say "compute-sanitizer memcheck on the kernel checks"
+  run timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$CUDA_TEST" \
+    --test-case-exclude="Training steps*,Gradient accumulation*,calibrate*,Dynamic loss scaling*"
+  echo "memcheck exit $?" | tee -a "$LOG"
+fi
+say "fsdp-run done after $(elapsed) s"
 
 [ -n "${DRY_RUN:-}" ] && exit 0
 merge
-say "total $(( $(date +%s) - start )) s"
+say "total $(elapsed) s"
