@@ -31,12 +31,15 @@ struct KernelThread {
   uint3 thread_idx, block_idx;
   dim3 block_dim, grid_dim;
 };
-const KernelThread& CurrentThread();
+/// The thread now running (a host-side placeholder outside kernels); what threadIdx and the other
+/// built-ins read.
+extern const KernelThread* g_thread;
 /// __syncthreads(): waits until every thread of the block has reached it.
 void BlockBarrier();
 /// __shfl_xor_sync on 4-byte values: the value of lane (lane ^ lane_mask) of the warp.
 uint32_t WarpShuffleXor(unsigned mask, uint32_t bits, int lane_mask);
-/// Runs body(ctx) as every thread of every block of the grid, block after block.
+/// Runs body(ctx) as every thread of every block of the grid, block after block: each thread a
+/// fiber, or, for a kernel whose first block ran without any barrier, one call after another.
 void RunGrid(dim3 grid, dim3 block, const char* kernel, void (*body)(void*), void* ctx);
 /// False, with the last error set as CUDA would, when the configuration cannot launch.
 bool ValidLaunch(dim3 grid, dim3 block, const char* kernel);
@@ -91,10 +94,10 @@ inline float Expf(float x) { return std::exp(x); }
 
 }  // namespace fsdp::emu
 
-#define threadIdx (::fsdp::emu::CurrentThread().thread_idx)
-#define blockIdx (::fsdp::emu::CurrentThread().block_idx)
-#define blockDim (::fsdp::emu::CurrentThread().block_dim)
-#define gridDim (::fsdp::emu::CurrentThread().grid_dim)
+#define threadIdx (::fsdp::emu::g_thread->thread_idx)
+#define blockIdx (::fsdp::emu::g_thread->block_idx)
+#define blockDim (::fsdp::emu::g_thread->block_dim)
+#define gridDim (::fsdp::emu::g_thread->grid_dim)
 #undef __expf
 #define __expf ::fsdp::emu::Expf
 

@@ -13,6 +13,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include "runtime/cuda/emu/emu.h"
 
 struct EmuOp;
@@ -202,6 +205,23 @@ OpPtr Append(cudaStream_t stream, std::function<void()> run, const char* what = 
   return op;
 }
 
+// Device memory ends (rounded to 256 bytes, CUDA's alignment) at a page that faults: a kernel
+// that reads or writes past an allocation crashes here instead of corrupting its neighbour.
+size_t PageBytes() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+size_t MappedBytes(size_t rounded) { return (rounded + PageBytes() - 1) / PageBytes() * PageBytes() + PageBytes(); }
+void* MapGuarded(size_t rounded) {
+  const size_t mapped = MappedBytes(rounded);
+  void* m = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  char* guard = static_cast<char*>(m) + mapped - PageBytes();
+  mprotect(guard, PageBytes(), PROT_NONE);
+  return guard - rounded;
+}
+void UnmapGuarded(void* p, size_t bytes) {
+  const size_t rounded = (bytes + 255) / 256 * 256, mapped = MappedBytes(rounded);
+  munmap(static_cast<char*>(p) + rounded + PageBytes() - mapped, mapped);
+}
+
 bool KnownStream(cudaStream_t stream) { return stream == nullptr || C().streams.count(stream) > 0; }
 bool KnownEvent(cudaEvent_t event) { return event != nullptr && C().events.count(event) > 0; }
 
@@ -368,7 +388,7 @@ cudaError_t cudaDeviceReset() {
       op->deps.clear();
     }
   }
-  for (const auto& [base, allocation] : c.allocations) std::free(reinterpret_cast<void*>(base));
+  for (const auto& [base, allocation] : c.allocations) fsdp::emu::UnmapGuarded(reinterpret_cast<void*>(base), allocation.bytes);
   c.allocations.clear();
   c.streams.clear();
   c.events.clear();
@@ -393,7 +413,7 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
   const size_t rounded = (bytes + 255) / 256 * 256;
   if (rounded > C().total_bytes - C().used_bytes) return fsdp::emu::Return(cudaErrorMemoryAllocation);
-  void* p = std::aligned_alloc(256, rounded);
+  void* p = fsdp::emu::MapGuarded(rounded);
   if (p == nullptr) return fsdp::emu::Return(cudaErrorMemoryAllocation);
   std::memset(p, 0xFF, rounded);  // NaN in fp32, bf16 and fp16: unwritten memory shows in the results
   C().allocations[reinterpret_cast<uintptr_t>(p)].bytes = bytes;
@@ -409,8 +429,8 @@ cudaError_t cudaFree(void* ptr) {
   auto it = C().allocations.find(reinterpret_cast<uintptr_t>(ptr));
   if (it == C().allocations.end()) return fsdp::emu::Return(cudaErrorInvalidValue);
   C().used_bytes -= (it->second.bytes + 255) / 256 * 256;
+  fsdp::emu::UnmapGuarded(ptr, it->second.bytes);
   C().allocations.erase(it);
-  std::free(ptr);
   return fsdp::emu::Return(cudaSuccess);
 }
 

@@ -2,7 +2,11 @@
 // unwritten memory, overruns, a barrier some threads skip, bad launch and GEMM arguments), that the
 // stream order, warp shuffles, GEMMs and one-rank collectives it runs compute what CUDA, cuBLAS and
 // NCCL would, and that its errors are sticky until cudaDeviceReset, as a GPU's are.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cmath>
+#include <csignal>
 #include <cstring>
 #include <vector>
 
@@ -42,6 +46,11 @@ __global__ void SkippedBarrierKernel(float* out) {
   if (threadIdx.x < 16) return;
   __syncthreads();
   out[threadIdx.x] = 1.0f;
+}
+
+// Writes one element past the end of out (n elements).
+__global__ void OverrunKernel(float* out, int64_t n) {
+  if (threadIdx.x == 0) out[n] = 1.0f;
 }
 
 struct Device {  // a fresh emulated context per test
@@ -172,6 +181,22 @@ TEST_CASE("Launches with an impossible configuration or a host pointer are refus
   std::vector<float> host(8);
   FSDP_LAUNCH(FillKernel, 1, 8, nullptr)(host.data(), 8, 1.0f);
   CHECK(cudaDeviceSynchronize() == cudaErrorIllegalAddress);
+}
+
+TEST_CASE("A kernel that writes past its allocation faults at once (a guard page ends every allocation)") {
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {  // the crash happens here, not in the test runner
+    void* p = nullptr;
+    cudaMalloc(&p, 256);  // 64 floats: a multiple of CUDA's 256-byte alignment, so no slack before the guard
+    FSDP_LAUNCH(OverrunKernel, 1, 32, nullptr)(static_cast<float*>(p), int64_t{64});
+    cudaDeviceSynchronize();
+    _exit(0);
+  }
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGSEGV);
 }
 
 TEST_CASE("Events: queries say not ready until waited for; elapsed time needs completed timing events") {

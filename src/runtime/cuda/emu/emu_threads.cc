@@ -1,10 +1,13 @@
 // cuda-emu's kernel execution (emu_device.h): the threads of a block as fibers on one host thread,
-// switched at __syncthreads and at warp shuffles, blocks one after another.
+// switched at __syncthreads and at warp shuffles, blocks one after another. A kernel whose first
+// block needed no barrier runs its threads as plain calls from then on (elementwise kernels are most
+// launches); should such a kernel reach a barrier later, the launch fails with a message.
 #include <sys/mman.h>
 
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "runtime/cuda/emu/emu_device.h"
@@ -50,7 +53,8 @@ struct Fiber {
   void* sp = nullptr;
   KernelThread thread{};
   State state = State::kReady;
-  uint32_t shuffle_value = 0;
+  uint32_t shuffle_value[2] = {0, 0};  // published by alternate shuffles
+  unsigned shuffles = 0;               // shuffles this thread has entered
   ~Fiber() {
     if (memory != nullptr) munmap(memory, kGuardBytes + kStackBytes);
   }
@@ -64,10 +68,13 @@ struct BlockRun {
   int threads = 0;  // of the block now running
   void (*body)(void*) = nullptr;
   void* ctx = nullptr;
-  std::string error;  // undefined behaviour seen in this launch
+  bool barrier_seen = false;  // some thread of this launch waited at a barrier
+  bool direct = false;        // threads run as plain calls: no barrier may be reached
+  std::string error;          // undefined behaviour seen in this launch
 };
 BlockRun g_run;
-KernelThread g_host_thread{};  // what the built-ins read outside a kernel
+const KernelThread g_host_thread{};  // what the built-ins read outside a kernel
+std::unordered_set<const char*> g_barrier_free;  // kernels (by name) whose first block needed no barrier
 
 [[noreturn]] void FiberEntry() {
   g_run.body(g_run.ctx);
@@ -95,15 +102,19 @@ void Reset(Fiber& f) {
   for (int i = 0; i < 6; ++i) top[i] = 0;
   f.sp = top;
   f.state = State::kReady;
+  f.shuffles = 0;
 }
 
 void SwitchToScheduler() { fsdp_emu_switch(&g_run.current->sp, g_run.scheduler_sp); }
 
 void WaitAt(State barrier) {
   if (g_run.current == nullptr) {
-    Fail(cudaErrorLaunchFailure, "cuda-emu: a barrier outside a kernel");
+    if (g_run.direct) g_run.error = "a barrier in a kernel whose first block reached none (not emulated)";
+    Fail(cudaErrorLaunchFailure, g_run.direct ? "cuda-emu: a barrier in a kernel whose first block reached none (not emulated)"
+                                              : "cuda-emu: a barrier outside a kernel");
     return;
   }
+  g_run.barrier_seen = true;
   g_run.current->state = barrier;
   SwitchToScheduler();
 }
@@ -156,8 +167,10 @@ bool RunBlock(dim3 grid, dim3 block, uint3 block_idx) {
       Fiber& f = *g_run.fibers[t];
       if (f.state == State::kReady) {
         g_run.current = &f;
+        g_thread = &f.thread;
         fsdp_emu_switch(&g_run.scheduler_sp, f.sp);
         g_run.current = nullptr;
+        g_thread = &g_host_thread;
       }
       all_done = all_done && f.state == State::kDone;
     }
@@ -166,9 +179,24 @@ bool RunBlock(dim3 grid, dim3 block, uint3 block_idx) {
   }
 }
 
+// Runs one block's threads one after another (a kernel known to need no barrier).
+void RunBlockDirect(dim3 grid, dim3 block, uint3 block_idx) {
+  KernelThread t{uint3{0, 0, 0}, block_idx, block, grid};
+  g_thread = &t;
+  for (unsigned z = 0; z < block.z; ++z) {
+    for (unsigned y = 0; y < block.y; ++y) {
+      for (unsigned x = 0; x < block.x; ++x) {
+        t.thread_idx = uint3{x, y, z};
+        g_run.body(g_run.ctx);
+      }
+    }
+  }
+  g_thread = &g_host_thread;
+}
+
 }  // namespace
 
-const KernelThread& CurrentThread() { return g_run.current != nullptr ? g_run.current->thread : g_host_thread; }
+const KernelThread* g_thread = &g_host_thread;
 
 void BlockBarrier() { WaitAt(State::kAtBlockBarrier); }
 
@@ -181,15 +209,16 @@ uint32_t WarpShuffleXor(unsigned mask, uint32_t bits, int lane_mask) {
   const KernelThread& t = self->thread;
   const int linear = static_cast<int>(t.thread_idx.x + t.block_dim.x * (t.thread_idx.y + t.block_dim.y * t.thread_idx.z));
   const int first = linear / 32 * 32, partner = first + ((linear % 32) ^ (lane_mask & 31));
-  self->shuffle_value = bits;
+  // Shuffle k publishes in slot k % 2: a lane writes that slot again only at shuffle k + 2, after
+  // every lane has reached shuffle k + 1's barrier and so has read shuffle k's values.
+  const unsigned slot = self->shuffles++ % 2;
+  self->shuffle_value[slot] = bits;
   WaitAt(State::kAtWarpBarrier);  // every lane has published its value
   if (partner >= g_run.threads) {  // a lane of a partial warp: undefined on the GPU
     Fail(cudaErrorLaunchFailure, "cuda-emu: __shfl_xor_sync with a full mask in a partial warp");
     return bits;
   }
-  const uint32_t result = g_run.fibers[partner]->shuffle_value;
-  WaitAt(State::kAtWarpBarrier);  // every lane has read before any publishes again
-  return result;
+  return g_run.fibers[partner]->shuffle_value[slot];
 }
 
 bool ValidLaunch(dim3 grid, dim3 block, const char* kernel) {
@@ -208,18 +237,30 @@ void RunGrid(dim3 grid, dim3 block, const char* kernel, void (*body)(void*), voi
   if (StickyError() != cudaSuccess) return;  // a failed context runs nothing more
   g_run.body = body;
   g_run.ctx = ctx;
+  g_run.barrier_seen = false;
+  g_run.direct = g_barrier_free.count(kernel) > 0;
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
-        if (!RunBlock(grid, block, uint3{x, y, z})) {
+        if (g_run.direct) {
+          RunBlockDirect(grid, block, uint3{x, y, z});
+        } else if (!RunBlock(grid, block, uint3{x, y, z})) {
           Fail(cudaErrorLaunchFailure, std::string("cuda-emu: kernel ") + kernel + ", block (" + std::to_string(x) + ", " + std::to_string(y) +
                                            ", " + std::to_string(z) + "): " + g_run.error);
           return;
         }
-        if (StickyError() != cudaSuccess) return;
+        if (StickyError() != cudaSuccess) {
+          g_run.direct = false;
+          return;
+        }
+        if (!g_run.direct && !g_run.barrier_seen && x + y + z == 0) {  // the first block needed no barrier
+          g_barrier_free.insert(kernel);
+          g_run.direct = true;
+        }
       }
     }
   }
+  g_run.direct = false;
 }
 
 }  // namespace fsdp::emu
