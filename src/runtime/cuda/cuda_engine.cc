@@ -1,7 +1,9 @@
 // The GPU FSDP engine (gpu_engine.h): streams, events, the rate limiter and the per-unit buffers.
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <deque>
+#include <thread>
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -89,6 +91,12 @@ class CudaEngine : public GpuEngine {
   Status Optimizer();
   /// Whether any rank's gradient shards hold an inf or NaN: a device flag, summed over the ranks.
   Result<bool> FoundNonFinite();
+  /// Waits until `event` has completed, polling the communicators for asynchronous NCCL errors
+  /// meanwhile (as PyTorch's NCCL watchdog does), so that a peer that died or a broken network ends
+  /// the wait with an error instead of a hang; every host wait behind a collective goes through here.
+  Status WaitEvent(cudaEvent_t event);
+  /// The same for the work enqueued on `stream` so far.
+  Status WaitStream(cudaStream_t stream);
   /// FSDP1's limit_all_gathers; FSDP2 has no such limiter (its all-gather buffers are freed in order).
   bool RateLimited() const { return w_.config.framework == Framework::kFsdp1 && w_.config.limit_all_gathers; }
   bool ReshardAfterForward(int u) const {
@@ -202,7 +210,7 @@ Status CudaEngine::MakeGroups() {
     nccl = {shard_.get(), replica_.get()};
   }
   for (DeviceComm* c : nccl) FSDP_TRY(c->AllReduce(loss_sum_.get(), 1, DType::kFp32, compute_));
-  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
+  FSDP_TRY(WaitStream(compute_));
   for (DeviceComm* c : nccl) FSDP_TRY(c->ClearStats());  // the warm-up is not the training's
   device_view_.nccl_bytes = DeviceUsedBytes() - before;
   device_view_.nccl_communicators = static_cast<int>(nccl.size());
@@ -304,11 +312,33 @@ Status CudaEngine::InitUnit(int u) {
   return {};
 }
 
+Status CudaEngine::WaitEvent(cudaEvent_t event) {
+  for (int polls = 0;; ++polls) {
+    const cudaError_t code = cudaEventQuery(event);
+    if (code == cudaSuccess) return {};
+    if (code != cudaErrorNotReady) return CudaStatus(code, "cudaEventQuery");
+    (void)cudaGetLastError();  // not ready is not an error, but the runtime records it as the last one
+    for (DeviceComm* c : {shard_.get(), replica_.get()}) {
+      if (c != nullptr) FSDP_TRY(c->AsyncError());
+    }
+    if (polls >= 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));  // spin first: most waits are short
+  }
+}
+
+Status CudaEngine::WaitStream(cudaStream_t stream) {
+  auto done = events_.Take();
+  if (!done.ok()) return done.error();
+  Status s = CudaStatus(cudaEventRecord(done.value(), stream), "cudaEventRecord");
+  if (s.ok()) s = WaitEvent(done.value());
+  events_.Give(done.value());
+  return s;
+}
+
 // Enqueues unit u's all-gather on the all-gather stream (no CPU wait, except the rate limiter's).
 Status CudaEngine::Unshard(int u) {
   if (u < 0 || !full_[u].empty()) return {};
   if (RateLimited() && reshard_events_.size() >= 2) {  // FSDP1 _free_event_queue
-    FSDP_CUDA_TRY(cudaEventSynchronize(reshard_events_.front()));
+    FSDP_TRY(WaitEvent(reshard_events_.front()));
     events_.Give(reshard_events_.front());
     reshard_events_.pop_front();
   }
@@ -521,7 +551,7 @@ Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
   FSDP_TRY(Forward(x));
   if (micro == 0) FSDP_CUDA_TRY(cudaEventRecord(phase_events_[1], compute_));
   FSDP_TRY(Backward(std::move(x)));
-  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // the host token vectors above must outlive their copies
+  FSDP_TRY(WaitStream(compute_));  // the host token vectors above must outlive their copies
   return 0.0f;
 }
 
@@ -531,8 +561,8 @@ Result<bool> CudaEngine::FoundNonFinite() {
     if (!grad_shard_[u].empty()) FlagNonFinite(grad_shard_[u].as<float>(), w_.units[u].shard_numel, found_inf_.as<float>(), compute_);
   }
   float found = 0.0f;
+  FSDP_TRY(WaitStream(compute_));  // GradScaler.step's found_inf.item(); the copy below then waits for nothing
   FSDP_CUDA_TRY(cudaMemcpyAsync(&found, found_inf_.get(), 4, cudaMemcpyDeviceToHost, compute_));
-  FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));  // GradScaler.step's found_inf.item()
   if (virtual_world_ == 0) FSDP_TRY(host_.AllReduce(&found, 1));
   return found > 0.0f;
 }
@@ -568,8 +598,8 @@ Result<float> CudaEngine::StepOnce(int64_t step) {
   }
   FSDP_TRY(Optimizer());
   float loss_sum = 0;
+  for (cudaStream_t s : {compute_, gather_, reduce_}) FSDP_TRY(WaitStream(s));  // the step's work, collectives included
   FSDP_CUDA_TRY(cudaMemcpyAsync(&loss_sum, loss_sum_.get(), 4, cudaMemcpyDeviceToHost, compute_));
-  FSDP_CUDA_TRY(cudaDeviceSynchronize());
   float ms[3] = {0, 0, 0};
   for (int i = 0; i < 3; ++i) FSDP_CUDA_TRY(cudaEventElapsedTime(&ms[i], phase_events_[i], phase_events_[i + 1]));
   times_.forward_s.push_back(ms[0] / 1e3);   // first micro-batch's forward

@@ -112,6 +112,14 @@ class NcclComm : public DeviceComm {
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
   }
+  Status AsyncError() override {
+    if (comm_ == nullptr) return Error::RunFailed("NCCL communicator already aborted");
+    ncclResult_t async = ncclSuccess;
+    if (Status s = NcclStatus(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError"); !s.ok()) return s;
+    if (async == ncclSuccess || async == ncclInProgress) return {};
+    return Error::RunFailed(fmt::format("NCCL reported {} ({}) while collectives were pending: a peer rank died or the network failed",
+                                        ncclGetErrorString(async), ncclGetLastError(comm_)));
+  }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Result<std::unique_ptr<DeviceComm>> Split(int color, int key) override {

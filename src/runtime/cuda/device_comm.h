@@ -40,6 +40,10 @@ class DeviceComm {
   /// After a failure: stops this rank's pending collectives (ncclCommAbort) so that freeing device
   /// memory and exiting cannot wait for peers that will never join; the communicator is unusable.
   virtual void Abort() {}
+  /// RunFailed naming an asynchronous failure of this communicator's collectives (NCCL's
+  /// ncclCommGetAsyncError: a peer that died, a broken network), which would otherwise leave them
+  /// waiting forever; ok while there is none.
+  virtual Status AsyncError() { return {}; }
   const CommStats& stats() const { return stats_; }
   /// Forgets the counts and times so far (after a warm-up); pending timings are dropped.
   Status ClearStats();

@@ -46,6 +46,11 @@ void Enqueue(cudaStream_t stream, const char* what, std::function<void()> run, s
 void RunAfter(cudaStream_t stream, const char* what, const std::function<void()>& run, std::vector<Access> accesses, bool host_waits);
 /// Runs every enqueued op (cudaDeviceSynchronize).
 void RunAll();
+/// Enqueues an op that never completes, as a collective whose peers are gone: work behind it waits,
+/// queries say not ready, a synchronize fails the context (it would hang on a GPU). Returns its id.
+int EnqueueStuck(cudaStream_t stream, const char* what);
+/// Lets a stuck op complete (ncclCommAbort ends the communicator's kernels).
+void ReleaseStuck(int id);
 
 /// True when [p, p + bytes) lies inside one live emulated device allocation.
 bool IsDeviceRange(const void* p, size_t bytes);

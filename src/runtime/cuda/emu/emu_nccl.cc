@@ -5,6 +5,7 @@
 // rank, as NCCL requires of the program. bf16 and fp16 sums round after every addition, as NCCL's
 // reduction kernels do; buffers are checked against their allocations.
 #include <climits>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -22,6 +23,9 @@
 
 struct ncclComm {  // ncclComm_t points at one
   int rank = 0, nranks = 1;
+  int issued = 0;                          // collectives issued on it
+  ncclResult_t async_error = ncclSuccess;  // what ncclCommGetAsyncError reports
+  std::vector<int> stuck;                  // its collectives that cannot finish (emu.h EnqueueStuck)
 #ifdef FSDP_HAVE_MPI
   MPI_Comm mpi = MPI_COMM_NULL;
 #endif
@@ -79,9 +83,27 @@ std::pair<MPI_Datatype, MPI_Op> SumOf(ncclDataType_t t) {
 
 enum class Kind { kAllGather, kReduceScatter, kAllReduce };
 
+// What a deferred collective needs of its communicator, by value: the op may run after the
+// communicator is destroyed or aborted.
+struct Group {
+  int nranks = 1;
+#ifdef FSDP_HAVE_MPI
+  MPI_Comm mpi = MPI_COMM_NULL;
+#endif
+};
+
+Group GroupOf(ncclComm_t comm) {
+  Group g;
+  g.nranks = comm->nranks;
+#ifdef FSDP_HAVE_MPI
+  g.mpi = comm->mpi;
+#endif
+  return g;
+}
+
 // Runs one collective on this rank's buffers (host memory here): `count` is NCCL's count argument.
-void Collective(Kind kind, const void* send, void* recv, size_t count, ncclDataType_t type, ncclComm_t comm) {
-  const size_t e = TypeBytes(type), n = static_cast<size_t>(comm->nranks);
+void Collective(Kind kind, const void* send, void* recv, size_t count, ncclDataType_t type, const Group& group) {
+  const size_t e = TypeBytes(type), n = static_cast<size_t>(group.nranks);
   const size_t in_bytes = kind == Kind::kReduceScatter ? count * n * e : count * e;
   const size_t out_bytes = kind == Kind::kAllGather ? count * n * e : count * e;
   std::vector<char> in(static_cast<const char*>(send), static_cast<const char*>(send) + in_bytes), out(out_bytes);
@@ -92,15 +114,21 @@ void Collective(Kind kind, const void* send, void* recv, size_t count, ncclDataT
     const auto [mpi_type, sum] = SumOf(type);
     const int elements = static_cast<int>(count);
     if (kind == Kind::kAllGather) {
-      MPI_Allgather(in.data(), static_cast<int>(in_bytes), MPI_BYTE, out.data(), static_cast<int>(in_bytes), MPI_BYTE, comm->mpi);
+      MPI_Allgather(in.data(), static_cast<int>(in_bytes), MPI_BYTE, out.data(), static_cast<int>(in_bytes), MPI_BYTE, group.mpi);
     } else if (kind == Kind::kReduceScatter) {
-      MPI_Reduce_scatter_block(in.data(), out.data(), elements, mpi_type, sum, comm->mpi);
+      MPI_Reduce_scatter_block(in.data(), out.data(), elements, mpi_type, sum, group.mpi);
     } else {
-      MPI_Allreduce(in.data(), out.data(), elements, mpi_type, sum, comm->mpi);
+      MPI_Allreduce(in.data(), out.data(), elements, mpi_type, sum, group.mpi);
     }
 #endif
   }
   std::memcpy(recv, out.data(), out_bytes);
+}
+
+// Whether the collective now issued on `comm` is the one FSDP_EMU_NCCL_FAIL_AFTER says fails.
+bool InjectedFailure(ncclComm_t comm) {
+  const char* after = std::getenv("FSDP_EMU_NCCL_FAIL_AFTER");
+  return ++comm->issued == (after != nullptr ? std::atoi(after) + 1 : 0);
 }
 
 ncclResult_t Issue(Kind kind, const void* send, void* recv, size_t count, ncclDataType_t type, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream,
@@ -111,7 +139,13 @@ ncclResult_t Issue(Kind kind, const void* send, void* recv, size_t count, ncclDa
   if (ncclResult_t r = CheckBuffers(send, in_bytes, recv, out_bytes, type, comm, what); r != ncclSuccess) return r;
   if (kind != Kind::kAllGather && op != ncclSum) return Failed(ncclInvalidArgument, std::string(what) + ": only ncclSum is emulated");
   if (count == 0) return ncclSuccess;
-  auto run = [=] { Collective(kind, send, recv, count, type, comm); };
+  if (InjectedFailure(comm) || comm->async_error != ncclSuccess) {
+    comm->async_error = ncclRemoteError;
+    g_last_error = "cuda-emu: injected by FSDP_EMU_NCCL_FAIL_AFTER";
+    comm->stuck.push_back(EnqueueStuck(stream, what));
+    return ncclSuccess;  // as NCCL: the failure shows asynchronously
+  }
+  auto run = [=, group = GroupOf(comm)] { Collective(kind, send, recv, count, type, group); };
   std::vector<Access> accesses = {{send, false}, {recv, true}};
   if (comm->nranks == 1) {
     Enqueue(stream, what, run, std::move(accesses));
@@ -150,7 +184,9 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* id) {
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId id, int rank) {
   *comm = nullptr;
   if (nranks < 1 || rank < 0 || rank >= nranks) return fsdp::emu::Failed(ncclInvalidArgument, "ncclCommInitRank: rank outside [0, nranks)");
-  auto* c = new ncclComm{rank, nranks};
+  auto* c = new ncclComm;
+  c->rank = rank;
+  c->nranks = nranks;
   if (nranks > 1) {
 #ifdef FSDP_HAVE_MPI
     int initialized = 0, world = 0;
@@ -184,7 +220,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   *newcomm = nullptr;
   if (comm == nullptr) return fsdp::emu::Failed(ncclInvalidArgument, "ncclCommSplit: null communicator");
   if (comm->nranks == 1) {
-    if (color != NCCL_SPLIT_NOCOLOR) *newcomm = new ncclComm{0, 1};
+    if (color != NCCL_SPLIT_NOCOLOR) *newcomm = new ncclComm;
     return ncclSuccess;
   }
 #ifdef FSDP_HAVE_MPI
@@ -210,13 +246,15 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  if (comm == nullptr) return ncclSuccess;
+  for (int id : comm->stuck) fsdp::emu::ReleaseStuck(id);  // its kernels end, as an abort ends them
   delete comm;  // peers may be gone: its MPI communicator is left to MPI_Finalize
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* error) {
   if (comm == nullptr) return ncclInvalidArgument;
-  *error = ncclSuccess;
+  *error = comm->async_error;
   return ncclSuccess;
 }
 

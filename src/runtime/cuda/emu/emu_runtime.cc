@@ -40,6 +40,8 @@ struct EmuOp {
   VectorClock clock;
   const char* what = "";
   int stream = 0;
+  bool stuck = false;    // a collective whose communicator failed: never completes until released
+  bool queried = false;  // an event query has found it not ready once
   bool done = false;
   double done_ms = 0;  // host time when it ran
 };
@@ -132,9 +134,10 @@ void CheckAccesses(const EmuOp& op) {
   }
 }
 
-// Runs `target` after everything it depends on, depth first without recursion.
-void Run(const OpPtr& target) {
-  if (target == nullptr) return;
+// Runs `target` after everything it depends on, depth first without recursion. False when it
+// cannot complete: something it waits for is stuck (a failed collective).
+bool Run(const OpPtr& target) {
+  if (target == nullptr) return true;
   std::vector<EmuOp*> stack{target.get()};
   while (!stack.empty()) {
     EmuOp* op = stack.back();
@@ -142,6 +145,7 @@ void Run(const OpPtr& target) {
       stack.pop_back();
       continue;
     }
+    if (op->stuck) return false;
     EmuOp* next = nullptr;
     for (const OpPtr& d : op->deps) {
       if (!d->done) {
@@ -162,14 +166,23 @@ void Run(const OpPtr& target) {
     op->accesses.clear();
     stack.pop_back();
   }
+  return true;
 }
 
-// Runs `target` and tells the host it has completed (a synchronize).
+// Runs `target` and tells the host it has completed (a synchronize). A wait behind a stuck
+// collective would hang on a GPU; here it fails the context with a message.
 void Wait(const OpPtr& target) {
   if (target == nullptr) return;
-  Run(target);
+  if (!Run(target)) {
+    Fail(cudaErrorLaunchFailure, "cuda-emu: the host waits for work behind a collective that cannot finish (its NCCL communicator failed): "
+                                 "on a GPU this wait hangs; poll with cudaEventQuery and ncclCommGetAsyncError instead");
+    return;
+  }
   Merge(C().host, target->clock);
 }
+
+std::map<int, std::weak_ptr<EmuOp>> g_stuck;  // by id, until released
+int g_next_stuck = 1;
 
 CUstream_st* Resolve(cudaStream_t stream) { return stream == nullptr ? &C().null_stream : stream; }
 
@@ -258,6 +271,22 @@ void RunAfter(cudaStream_t stream, const char* what, const std::function<void()>
   } else {
     Run(op);
   }
+}
+
+int EnqueueStuck(cudaStream_t stream, const char* what) {
+  std::lock_guard<std::recursive_mutex> lock(C().mutex);
+  OpPtr op = Append(stream, nullptr, what);
+  op->stuck = true;
+  g_stuck[g_next_stuck] = op;
+  return g_next_stuck++;
+}
+
+void ReleaseStuck(int id) {
+  std::lock_guard<std::recursive_mutex> lock(C().mutex);
+  auto it = g_stuck.find(id);
+  if (it == g_stuck.end()) return;
+  if (OpPtr op = it->second.lock()) op->stuck = false;  // completes, doing nothing, when next run
+  g_stuck.erase(it);
 }
 
 void RunAll() {
@@ -543,10 +572,15 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   EMU_LOCK;
   if (!fsdp::emu::KnownEvent(event)) return fsdp::emu::Return(cudaErrorInvalidResourceHandle);
-  // nothing runs until waited for: a recorded event stays not ready, as on a GPU still busy
-  if (event->marker == nullptr) return fsdp::emu::Return(cudaSuccess);
-  if (!event->marker->done) return fsdp::emu::Return(cudaErrorNotReady);
-  fsdp::emu::Merge(C().host, event->marker->clock);  // the host has seen it complete
+  // A recorded event is not ready the first time it is queried (the GPU is still busy), then the
+  // work it waits for runs: a polling loop ends, one query alone sees the work still pending.
+  fsdp::emu::OpPtr marker = event->marker;
+  if (marker == nullptr) return fsdp::emu::Return(cudaSuccess);
+  if (!marker->done && (!marker->queried || !fsdp::emu::Run(marker))) {
+    marker->queried = true;
+    return fsdp::emu::Return(cudaErrorNotReady);
+  }
+  fsdp::emu::Merge(C().host, marker->clock);  // the host has seen it complete
   return fsdp::emu::Return(cudaSuccess);
 }
 

@@ -187,6 +187,7 @@ TEST_CASE("A kernel that writes past its allocation faults at once (a guard page
   const pid_t child = fork();
   REQUIRE(child >= 0);
   if (child == 0) {  // the crash happens here, not in the test runner
+    std::signal(SIGSEGV, SIG_DFL);  // not doctest's handler: it would report a crashed test
     void* p = nullptr;
     cudaMalloc(&p, 256);  // 64 floats: a multiple of CUDA's 256-byte alignment, so no slack before the guard
     FSDP_LAUNCH(OverrunKernel, 1, 32, nullptr)(static_cast<float*>(p), int64_t{64});
@@ -321,6 +322,34 @@ TEST_CASE("One-rank NCCL: the collectives copy, are stream work, and refuse buff
   CHECK(ncclCommInitRank(&two, 2, id, 0) == ncclInvalidUsage);  // no MPI job of two ranks here
   ncclCommDestroy(half);
   ncclCommDestroy(comm);
+}
+
+TEST_CASE("A collective whose peer failed never completes: queries stay not ready, a blocking wait fails, ncclCommAbort drains the stream") {
+  Device d;
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  ncclComm_t comm = nullptr;
+  REQUIRE(ncclCommInitRank(&comm, 1, id, 0) == ncclSuccess);
+  cudaStream_t s = NonBlocking();
+  float *x = d.Alloc(8), *y = d.Alloc(8);
+  setenv("FSDP_EMU_NCCL_FAIL_AFTER", "1", 1);  // the communicator's second collective fails
+  REQUIRE(ncclAllReduce(x, y, 8, ncclFloat32, ncclSum, comm, s) == ncclSuccess);
+  REQUIRE(ncclAllReduce(x, y, 8, ncclFloat32, ncclSum, comm, s) == ncclSuccess);  // the failure shows asynchronously
+  unsetenv("FSDP_EMU_NCCL_FAIL_AFTER");
+  ncclResult_t async = ncclSuccess;
+  REQUIRE(ncclCommGetAsyncError(comm, &async) == ncclSuccess);
+  CHECK(async == ncclRemoteError);
+  cudaEvent_t after = nullptr;
+  REQUIRE(cudaEventCreate(&after) == cudaSuccess);
+  REQUIRE(cudaEventRecord(after, s) == cudaSuccess);
+  for (int i = 0; i < 3; ++i) CHECK(cudaEventQuery(after) == cudaErrorNotReady);
+  cudaGetLastError();
+  SUBCASE("a synchronize behind it is reported (it would hang on a GPU)") { CHECK(cudaStreamSynchronize(s) == cudaErrorLaunchFailure); }
+  SUBCASE("ncclCommAbort ends it: the stream drains") {
+    REQUIRE(ncclCommAbort(comm) == ncclSuccess);
+    CHECK(cudaEventQuery(after) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+  }
 }
 
 }  // namespace
