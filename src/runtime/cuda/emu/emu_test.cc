@@ -71,6 +71,14 @@ struct Device {  // a fresh emulated context per test
   }
 };
 
+ncclComm_t OneRankComm() {
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+  ncclComm_t comm = nullptr;
+  REQUIRE(ncclCommInitRank(&comm, 1, id, 0) == ncclSuccess);
+  return comm;
+}
+
 cudaStream_t NonBlocking() {
   cudaStream_t s = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
@@ -297,10 +305,7 @@ TEST_CASE("A strided batch of bf16 products accumulates in fp32 and rounds once,
 
 TEST_CASE("One-rank NCCL: the collectives copy, are stream work, and refuse buffers that do not hold their counts") {
   Device d;
-  ncclUniqueId id;
-  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-  ncclComm_t comm = nullptr;
-  REQUIRE(ncclCommInitRank(&comm, 1, id, 0) == ncclSuccess);
+  ncclComm_t comm = OneRankComm();
   int size = 0;
   REQUIRE(ncclCommCount(comm, &size) == ncclSuccess);
   CHECK(size == 1);
@@ -318,6 +323,8 @@ TEST_CASE("One-rank NCCL: the collectives copy, are stream work, and refuse buff
   ncclComm_t none = nullptr;
   REQUIRE(ncclCommSplit(comm, NCCL_SPLIT_NOCOLOR, 0, &none, nullptr) == ncclSuccess);
   CHECK(none == nullptr);
+  ncclUniqueId id;
+  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
   ncclComm_t two = nullptr;
   CHECK(ncclCommInitRank(&two, 2, id, 0) == ncclInvalidUsage);  // no MPI job of two ranks here
   ncclCommDestroy(half);
@@ -326,10 +333,7 @@ TEST_CASE("One-rank NCCL: the collectives copy, are stream work, and refuse buff
 
 TEST_CASE("A collective whose peer failed never completes: queries stay not ready, a blocking wait fails, ncclCommAbort drains the stream") {
   Device d;
-  ncclUniqueId id;
-  REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-  ncclComm_t comm = nullptr;
-  REQUIRE(ncclCommInitRank(&comm, 1, id, 0) == ncclSuccess);
+  ncclComm_t comm = OneRankComm();
   cudaStream_t s = NonBlocking();
   float *x = d.Alloc(8), *y = d.Alloc(8);
   setenv("FSDP_EMU_NCCL_FAIL_AFTER", "1", 1);  // the communicator's second collective fails
