@@ -18,7 +18,9 @@ grep -q "^cuda_test exit 0$" "$out/device-check.log" || { echo "cuda_test failed
 grep -q "^hf_parity exit 0$" "$out/device-check.log" || { echo "hf_parity failed"; exit 1; }
 python3 - "$out/device-check.json" <<'PY'
 import json, sys
-c = json.load(open(sys.argv[1]))["comparison"]
+doc = json.load(open(sys.argv[1]))
+assert doc["rehearsal"] is True, "the merge does not say it is a rehearsal"
+c = doc["comparison"]
 expected = {"full_shard", "full_shard_ac", "shard_grad_op", "no_shard", "full_shard_sac", "full_shard_v8", "full_shard_ac_v8",
             "shard_grad_op_v8", "full_shard_calibrated"}
 assert set(c) == expected, f"configurations: {sorted(c)}"

@@ -19,8 +19,9 @@
 #   and merges everything into $OUT/device-check.json after every run, keeping the log in
 #   $OUT/device-check.log.
 # Must finish in under 8 minutes including the build: every step has a `timeout`, so one hang (an
-# NCCL bootstrap, a kernel) costs its limit, not the device session, and steps 3-7 start only while
-# the elapsed time is under BUDGET_S (default 420 s). Environment: OUT (default ./device-out), RUNS,
+# NCCL bootstrap, a kernel) costs its limit, not the device session, and a step after the build
+# starts only if it ends within BUDGET_S (default 480 s) even when it runs to its timeout.
+# Environment: OUT (default ./device-out), RUNS,
 # MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead; MERGE_ONLY=1
 # only merges the JSON files already in $RUNS.
 #
@@ -28,12 +29,13 @@
 # session: fsdp-run-emu and cuda_emu_test from $BUILD (default build; the GPU engine on cuda-emu,
 # src/runtime/cuda/emu) stand for the device build, PyTorch runs on the CPU (FSDPKIT_PYTHON, gloo),
 # MODEL defaults to tiny-llama at SEQ 32 for 3 STEPS, and the build, nvidia-smi and memcheck are
-# skipped. Nothing it writes is a measurement; it checks that every step runs and that the merge
-# reads what the steps write.
+# skipped; OUT defaults to ./device-out-rehearsal and device-check.json says "rehearsal": true.
+# Nothing it writes is a measurement; it checks that every step runs and that the merge reads what
+# the steps write.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/device-out}
 REHEARSE=${REHEARSE:-}
+OUT=${OUT:-$PWD/device-out${REHEARSE:+-rehearsal}}
 if [ -n "$REHEARSE" ]; then
   BUILD=${BUILD:-build}
   FSDP_RUN=${FSDP_RUN:-$BUILD/fsdp-run-emu}
@@ -54,7 +56,8 @@ else
   SEQ=${SEQ:-2048}
   STEPS=${STEPS:-6}
 fi
-BUDGET_S=${BUDGET_S:-420}
+BUDGET_S=${BUDGET_S:-480}
+read -r -a cuda_test_args <<< "$CUDA_TEST_ARGS"  # words, not globbed
 RUNS=${RUNS:-${TMPDIR:-/tmp}/fsdpkit-device-runs}  # one JSON per run; only the merge goes to $OUT (8 files come back)
 [ -n "${MERGE_ONLY:-}" ] || rm -rf "$RUNS"
 mkdir -p "$RUNS" "$OUT"
@@ -75,7 +78,7 @@ python3 - "$RUNS" "$OUT/device-check.json" <<'PY'
 # and fsdp-run's tokens/s with PyTorch's.
 import json, os, sys, datetime
 runs, out = sys.argv[1], sys.argv[2]
-doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "runs": {}, "comparison": {}}
+doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "rehearsal": bool(os.environ.get("REHEARSE")), "runs": {}, "comparison": {}}
 for name in sorted(os.listdir(runs)):
     with open(os.path.join(runs, name)) as f:
         doc["runs"][name[:-5]] = json.load(f)
@@ -123,9 +126,9 @@ PY
 [ -n "${MERGE_ONLY:-}" ] && { merge; exit; }  # only re-merge the runs already in $RUNS
 start=$(date +%s)
 elapsed() { echo $(( $(date +%s) - start )); }
-in_budget() {  # step name: true while there is time left for it
-  [ "$(elapsed)" -lt "$BUDGET_S" ] && return 0
-  say "skipped $1: $(elapsed) s elapsed, over the budget of $BUDGET_S s"
+in_budget() {  # step name, its timeout: true if it ends within the budget even at its timeout
+  [ $(( $(elapsed) + $2 )) -le "$BUDGET_S" ] && return 0
+  say "skipped $1: $(elapsed) s elapsed + its $2 s limit would pass the budget of $BUDGET_S s"
   return 1
 }
 export FSDPKIT_DATA_DIR=$PWD
@@ -137,8 +140,8 @@ if [ -n "$REHEARSE" ]; then
   done
 else
   say "machine"
-  run nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  run nvcc --version
+  run timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  run timeout 30 nvcc --version
 
   say "build"
   deps=$PWD/.device-deps/usr
@@ -149,23 +152,24 @@ else
     nccl_root=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
     [ -n "$nccl_root" ] && export LD_LIBRARY_PATH="$nccl_root/lib:$LD_LIBRARY_PATH"
   fi
-  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
+  arch=$(timeout 30 nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
   generator=$(command -v ninja > /dev/null && echo Ninja || echo "Unix Makefiles")
-  run cmake -S . -B build-device -G "$generator" -DCMAKE_BUILD_TYPE=Release -DFSDP_WITH_CUDA=ON -DCMAKE_PREFIX_PATH="$deps" \
+  run timeout 120 cmake -S . -B build-device -G "$generator" -DCMAKE_BUILD_TYPE=Release -DFSDP_WITH_CUDA=ON -DCMAKE_PREFIX_PATH="$deps" \
     -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" ${nccl_root:+-DNCCL_ROOT=$nccl_root} || exit 1
-  run cmake --build build-device -j"$(nproc)" --target fsdp-run cuda_test || exit 1
+  run timeout 300 cmake --build build-device -j"$(nproc)" --target fsdp-run cuda_test || exit 1
   say "build done after $(elapsed) s"
 fi
 
 say "kernel and engine checks ($CUDA_TEST)"
-run timeout 180 "$CUDA_TEST" $CUDA_TEST_ARGS
+run timeout 180 "$CUDA_TEST" ${cuda_test_args[@]+"${cuda_test_args[@]}"}
 echo "cuda_test exit $?" | tee -a "$LOG"
 
 # One checkpoint and token file for the FULL_SHARD pair, so that fsdp-run and PyTorch FSDP2 train the
 # same weights on the same tokens and their bf16 losses can be compared step by step.
 CKPT=${TMPDIR:-/tmp}/fsdpkit-device-ckpt
 say "checkpoint of $MODEL for the FULL_SHARD pair (seeded, bf16 safetensors)"
-run timeout 90 "$PYTHON" - "$CKPT" "models/$MODEL.json" "$TORCH_DEVICE" <<'PY' || CKPT=""
+in_budget "checkpoint" 90 || CKPT=""
+[ -n "$CKPT" ] && run timeout 90 "$PYTHON" - "$CKPT" "models/$MODEL.json" "$TORCH_DEVICE" <<'PY' || CKPT=""
 import json, random, sys
 import torch, transformers
 out, model_json, device = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -185,13 +189,13 @@ say "fsdp-run --device cuda, $MODEL, seq $SEQ"
 common=(--device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --steps "$STEPS" --quiet --param-dtype bf16 --reduce-dtype fp32)
 fsdp() {  # name, then extra flags; the merge is refreshed after every run, so a cut-short session still brings results back
   local name=$1; shift
-  in_budget "fsdp-run $name" || return 0
+  in_budget "fsdp-run $name" 90 || return 0
   run timeout 90 "$FSDP_RUN" "${common[@]}" "$@" --out "$RUNS/fsdp_$name.json"
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
 torch_run() {  # name, strategy, ac, extra flags
   local name=$1 strategy=$2 ac=$3; shift 3
-  in_budget "PyTorch $name" || return 0
+  in_budget "PyTorch $name" 90 || return 0
   run timeout 90 "$PYTHON" tools/torch_reference.py --device "$TORCH_DEVICE" --model "models/$MODEL.json" --strategy "$strategy" --ac "$ac" \
     --micro-batch 1 --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
@@ -213,19 +217,19 @@ fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
 fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
 fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
 
-if in_budget "hf_parity"; then
+if in_budget "hf_parity" 120; then
   say "fsdp-run --device cuda against transformers on the same checkpoint and tokens (tools/hf_parity.py, fp32)"
   run timeout 120 "$PYTHON" tools/hf_parity.py --fsdp-run "$FSDP_RUN" --device cuda
   echo "hf_parity exit $?" | tee -a "$LOG"
 fi
-if in_budget "calibrate"; then
+if in_budget "calibrate" 120; then
   say "fsdp-run calibrate --device cuda"
   run timeout 120 "$FSDP_RUN" calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
   [ -e "$OUT/calibrated-gpu.json" ] && fsdp full_shard_calibrated --framework fsdp2 --strategy FULL_SHARD --gpu "$OUT/calibrated-gpu.json"
 fi
 # out-of-bounds and misaligned accesses in the kernels (not on gVisor machines); cuda-emu checks
 # bounds only per allocation, so this still has something to find
-if [ -z "$REHEARSE" ] && command -v compute-sanitizer > /dev/null && in_budget "compute-sanitizer"; then
+if [ -z "$REHEARSE" ] && command -v compute-sanitizer > /dev/null && in_budget "compute-sanitizer" 120; then
   say "compute-sanitizer memcheck on the kernel checks"
   run timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$CUDA_TEST" \
     --test-case-exclude="Training steps*,Gradient accumulation*,calibrate*,Dynamic loss scaling*"

@@ -1,5 +1,4 @@
 // The GPU FSDP engine (gpu_engine.h): streams, events, the rate limiter and the per-unit buffers.
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <deque>
@@ -92,8 +91,9 @@ class CudaEngine : public GpuEngine {
   /// Whether any rank's gradient shards hold an inf or NaN: a device flag, summed over the ranks.
   Result<bool> FoundNonFinite();
   /// Waits until `event` has completed, polling the communicators for asynchronous NCCL errors
-  /// meanwhile (as PyTorch's NCCL watchdog does), so that a peer that died or a broken network ends
-  /// the wait with an error instead of a hang; every host wait behind a collective goes through here.
+  /// meanwhile (as PyTorch's NCCL watchdog does), so that an error NCCL reports (a peer it saw
+  /// fail, a broken network) ends the wait instead of a hang; the engine's own waits (end of a
+  /// micro-batch and of a step, the rate limiter, the fp16 inf check) go through here.
   Status WaitEvent(cudaEvent_t event);
   /// The same for the work enqueued on `stream` so far.
   Status WaitStream(cudaStream_t stream);
@@ -313,15 +313,20 @@ Status CudaEngine::InitUnit(int u) {
 }
 
 Status CudaEngine::WaitEvent(cudaEvent_t event) {
-  for (int polls = 0;; ++polls) {
+  // a query that finds the work not ready records that as the last error: a launch error still
+  // unchecked would be lost, so it is taken first
+  FSDP_TRY(CudaStatus(cudaGetLastError(), "a kernel launch before a wait"));
+  for (int polls = 1;; ++polls) {
     const cudaError_t code = cudaEventQuery(event);
     if (code == cudaSuccess) return {};
     if (code != cudaErrorNotReady) return CudaStatus(code, "cudaEventQuery");
-    (void)cudaGetLastError();  // not ready is not an error, but the runtime records it as the last one
-    for (DeviceComm* c : {shard_.get(), replica_.get()}) {
-      if (c != nullptr) FSDP_TRY(c->AsyncError());
+    (void)cudaGetLastError();  // not ready is not an error
+    if (polls % 256 == 0) {  // NCCL's error state, every 256 polls
+      for (DeviceComm* c : {shard_.get(), replica_.get()}) {
+        if (c != nullptr) FSDP_TRY(c->AsyncError());
+      }
     }
-    if (polls >= 1000) std::this_thread::sleep_for(std::chrono::microseconds(20));  // spin first: most waits are short
+    std::this_thread::yield();  // spin, as cudaEventSynchronize does by default: a sleep would delay the all-gathers the rate limiter releases
   }
 }
 

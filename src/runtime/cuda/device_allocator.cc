@@ -35,6 +35,9 @@ DeviceAllocator::~DeviceAllocator() {
 // PyTorch's process_events, the queue is read from the front and the reading stops at the first
 // block still in use: a query or two per allocation, not one per pending block.
 void DeviceAllocator::ProcessPending(bool wait) {
+  // a query that finds an event not ready records that as the last error, which would replace a
+  // launch error the engine has not checked yet: leave the queue for the next allocation then
+  if (!wait && cudaPeekAtLastError() != cudaSuccess) return;
   auto done = [&](Block* b) {
     for (cudaEvent_t e : b->pending) {
       const cudaError_t code = wait ? cudaEventSynchronize(e) : cudaEventQuery(e);

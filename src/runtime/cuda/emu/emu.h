@@ -39,11 +39,14 @@ struct Access {
 };
 
 /// Enqueues `run` on `stream` (nullptr: the legacy default stream) after the stream's earlier work;
-/// it runs when something waits for it. `what` names it in reports (a string literal).
-void Enqueue(cudaStream_t stream, const char* what, std::function<void()> run, std::vector<Access> accesses);
+/// it runs when something waits for it. `what` names it in reports (a string literal). False, with
+/// the last error cudaErrorInvalidResourceHandle, when the stream does not exist.
+bool Enqueue(cudaStream_t stream, const char* what, std::function<void()> run, std::vector<Access> accesses);
 /// Runs `run` now as an op of `stream`, after everything enqueued there so far; with `host_waits`
-/// the host has seen it complete (a device-to-host copy), else it is only issued early (a collective).
-void RunAfter(cudaStream_t stream, const char* what, const std::function<void()>& run, std::vector<Access> accesses, bool host_waits);
+/// the host has seen it complete (a device-to-host copy), else it is only issued early (a
+/// collective). Returns 0 when it ran, -1 when the stream does not exist, and, when it sits behind a
+/// stuck op (EnqueueStuck), the id under which it is now stuck itself, its work dropped.
+int RunAfter(cudaStream_t stream, const char* what, const std::function<void()>& run, std::vector<Access> accesses, bool host_waits);
 /// Runs every enqueued op (cudaDeviceSynchronize).
 void RunAll();
 /// Enqueues an op that never completes, as a collective whose peers are gone: work behind it waits,

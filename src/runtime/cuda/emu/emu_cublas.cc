@@ -111,9 +111,9 @@ cublasStatus_t EnqueueGemm(cublasHandle_t handle, const Gemm& g, cublasComputeTy
       return CUBLAS_STATUS_EXECUTION_FAILED;
     }
   }
-  fsdp::emu::Enqueue(handle->stream, g.batch > 1 ? "cublasGemmStridedBatchedEx" : "cublasGemmEx", [g] { RunGemm(g); },
-                     {{g.a, false}, {g.b, false}, {g.c, true}});
-  return CUBLAS_STATUS_SUCCESS;
+  const bool queued = fsdp::emu::Enqueue(handle->stream, g.batch > 1 ? "cublasGemmStridedBatchedEx" : "cublasGemmEx", [g] { RunGemm(g); },
+                                         {{g.a, false}, {g.b, false}, {g.c, true}});
+  return queued ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;
 }
 
 }  // namespace

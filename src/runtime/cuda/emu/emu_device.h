@@ -39,8 +39,9 @@ void BlockBarrier();
 /// __shfl_xor_sync on 4-byte values: the value of lane (lane ^ lane_mask) of the warp.
 uint32_t WarpShuffleXor(unsigned mask, uint32_t bits, int lane_mask);
 /// Runs body(ctx) as every thread of every block of the grid, block after block: each thread a
-/// fiber, or, for a kernel whose first block ran without any barrier, one call after another.
-void RunGrid(dim3 grid, dim3 block, const char* kernel, void (*body)(void*), void* ctx);
+/// fiber, or, once a launch of `site` (one per launch site and argument types) has run a first
+/// block without any barrier, one call after another.
+void RunGrid(dim3 grid, dim3 block, const char* kernel, const void* site, void (*body)(void*), void* ctx);
 /// False, with the last error set as CUDA would, when the configuration cannot launch.
 bool ValidLaunch(dim3 grid, dim3 block, const char* kernel);
 
@@ -74,11 +75,12 @@ class Launch {
     int index = 0;
     std::vector<Access> accesses;
     if (!(DeviceArgument(args, kernel_, index++, accesses) && ...)) return;
+    static const char site = 0;  // this launch site's identity for RunGrid
     Enqueue(
         stream_, kernel_,
         [grid = grid_, block = block_, kernel = kernel_, body = body_, args...]() {
           auto call = [&] { body(args...); };
-          RunGrid(grid, block, kernel, [](void* c) { (*static_cast<decltype(call)*>(c))(); }, &call);
+          RunGrid(grid, block, kernel, &site, [](void* c) { (*static_cast<decltype(call)*>(c))(); }, &call);
         },
         std::move(accesses));
   }

@@ -147,11 +147,12 @@ ncclResult_t Issue(Kind kind, const void* send, void* recv, size_t count, ncclDa
   }
   auto run = [=, group = GroupOf(comm)] { Collective(kind, send, recv, count, type, group); };
   std::vector<Access> accesses = {{send, false}, {recv, true}};
-  if (comm->nranks == 1) {
-    Enqueue(stream, what, run, std::move(accesses));
-  } else {  // run at the call: every rank issues its collectives in the same order, so MPI matches them
-    RunAfter(stream, what, run, std::move(accesses), false);
-  }
+  if (comm->nranks == 1) return Enqueue(stream, what, run, std::move(accesses)) ? ncclSuccess : ncclUnhandledCudaError;
+  // run at the call: every rank issues its collectives in the same order, so MPI matches them; one
+  // behind a failed collective never runs, as it would never start on a GPU, and ncclCommAbort ends it
+  const int ran = RunAfter(stream, what, run, std::move(accesses), false);
+  if (ran < 0) return ncclUnhandledCudaError;
+  if (ran > 0) comm->stuck.push_back(ran);
   return ncclSuccess;
 }
 

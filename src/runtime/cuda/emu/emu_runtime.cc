@@ -258,24 +258,41 @@ bool IsDeviceRangeLocked(const void* p, size_t bytes) {
 
 }  // namespace
 
-void Enqueue(cudaStream_t stream, const char* what, std::function<void()> run, std::vector<Access> accesses) {
+bool Enqueue(cudaStream_t stream, const char* what, std::function<void()> run, std::vector<Access> accesses) {
   std::lock_guard<std::recursive_mutex> lock(C().mutex);
-  Append(stream, std::move(run), what, std::move(accesses));
-}
-
-void RunAfter(cudaStream_t stream, const char* what, const std::function<void()>& run, std::vector<Access> accesses, bool host_waits) {
-  std::lock_guard<std::recursive_mutex> lock(C().mutex);
-  OpPtr op = Append(stream, run, what, std::move(accesses));
-  if (host_waits) {
-    Wait(op);
-  } else {
-    Run(op);
+  if (!KnownStream(stream)) {
+    std::fprintf(stderr, "cuda-emu: %s on a stream that was destroyed or never created\n", what);
+    C().last = cudaErrorInvalidResourceHandle;
+    return false;
   }
+  Append(stream, std::move(run), what, std::move(accesses));
+  return true;
 }
 
 int EnqueueStuck(cudaStream_t stream, const char* what) {
   std::lock_guard<std::recursive_mutex> lock(C().mutex);
   OpPtr op = Append(stream, nullptr, what);
+  op->stuck = true;
+  g_stuck[g_next_stuck] = op;
+  return g_next_stuck++;
+}
+
+int RunAfter(cudaStream_t stream, const char* what, const std::function<void()>& run, std::vector<Access> accesses, bool host_waits) {
+  std::lock_guard<std::recursive_mutex> lock(C().mutex);
+  if (!KnownStream(stream)) {
+    std::fprintf(stderr, "cuda-emu: %s on a stream that was destroyed or never created\n", what);
+    C().last = cudaErrorInvalidResourceHandle;
+    return -1;
+  }
+  OpPtr op = Append(stream, run, what, std::move(accesses));
+  if (host_waits) {
+    Wait(op);
+    return 0;
+  }
+  if (Run(op)) return 0;
+  // behind a stuck collective: on a GPU it would wait there forever, so it never runs here either
+  op->run = nullptr;
+  op->accesses.clear();
   op->stuck = true;
   g_stuck[g_next_stuck] = op;
   return g_next_stuck++;

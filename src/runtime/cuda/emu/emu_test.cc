@@ -208,6 +208,17 @@ TEST_CASE("A kernel that writes past its allocation faults at once (a guard page
   CHECK(WTERMSIG(status) == SIGSEGV);
 }
 
+TEST_CASE("Work for a destroyed stream is refused, not run on freed memory") {
+  Device d;
+  cudaStream_t s = NonBlocking();
+  float* x = d.Alloc(8);
+  REQUIRE(cudaStreamDestroy(s) == cudaSuccess);
+  FSDP_LAUNCH(FillKernel, 1, 8, s)(x, 8, 1.0f);
+  CHECK(cudaGetLastError() == cudaErrorInvalidResourceHandle);
+  CHECK(cudaMemsetAsync(x, 0, 32, s) == cudaErrorInvalidResourceHandle);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+}
+
 TEST_CASE("Events: queries say not ready until waited for; elapsed time needs completed timing events") {
   Device d;
   cudaStream_t s = NonBlocking();

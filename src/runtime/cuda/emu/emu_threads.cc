@@ -1,7 +1,9 @@
 // cuda-emu's kernel execution (emu_device.h): the threads of a block as fibers on one host thread,
-// switched at __syncthreads and at warp shuffles, blocks one after another. A kernel whose first
-// block needed no barrier runs its threads as plain calls from then on (elementwise kernels are most
-// launches); should such a kernel reach a barrier later, the launch fails with a message.
+// switched at __syncthreads and at warp shuffles, blocks one after another. A launch site whose
+// first block needed no barrier runs its threads as plain calls from then on (elementwise kernels
+// are most launches); should such a kernel reach a barrier later, the launch fails with a message.
+// The context switch is x86-64 System V only (CMake builds cuda-emu on x86-64 hosts only); the
+// MXCSR and x87 control words are not switched (no kernel changes the rounding mode).
 #include <sys/mman.h>
 
 #include <cstdio>
@@ -74,7 +76,7 @@ struct BlockRun {
 };
 BlockRun g_run;
 const KernelThread g_host_thread{};  // what the built-ins read outside a kernel
-std::unordered_set<const char*> g_barrier_free;  // kernels (by name) whose first block needed no barrier
+std::unordered_set<const void*> g_barrier_free;  // launch sites whose first block needed no barrier
 
 [[noreturn]] void FiberEntry() {
   g_run.body(g_run.ctx);
@@ -233,12 +235,12 @@ bool ValidLaunch(dim3 grid, dim3 block, const char* kernel) {
   return ok;
 }
 
-void RunGrid(dim3 grid, dim3 block, const char* kernel, void (*body)(void*), void* ctx) {
+void RunGrid(dim3 grid, dim3 block, const char* kernel, const void* site, void (*body)(void*), void* ctx) {
   if (StickyError() != cudaSuccess) return;  // a failed context runs nothing more
   g_run.body = body;
   g_run.ctx = ctx;
   g_run.barrier_seen = false;
-  g_run.direct = g_barrier_free.count(kernel) > 0;
+  g_run.direct = g_barrier_free.count(site) > 0;
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
@@ -254,7 +256,7 @@ void RunGrid(dim3 grid, dim3 block, const char* kernel, void (*body)(void*), voi
           return;
         }
         if (!g_run.direct && !g_run.barrier_seen && x + y + z == 0) {  // the first block needed no barrier
-          g_barrier_free.insert(kernel);
+          g_barrier_free.insert(site);
           g_run.direct = true;
         }
       }
