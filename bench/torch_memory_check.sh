@@ -7,8 +7,8 @@
 # $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them.
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
-# the one-rank configurations of the first, third and fifth rows, the first FSDP1 row and one
-# Llama and one GPT-2 block-backward row only
+# the one-rank configurations of the first, third and fifth rows, the first FSDP1 row, one
+# Llama and one GPT-2 block-backward row and the first op-SAC row only
 # (the CTest check torch_memory_agreement does both).
 # Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
@@ -21,8 +21,10 @@
 # peak falls in a block's backward (its softmax's gradients) rather than at the loss. The "holds
 # outputs" row keeps each step's logits until the next step's loss exists, on both sides. The
 # "flash" rows run SDPA (PyTorch's CPU flash kernel: output + logsumexp saved) against fsdp-plan's
-# --attention flash; every other row is eager attention. The last row checkpoints every second
-# block (--ac-every 2 on both sides).
+# --attention flash; every other row is eager attention. The row after them checkpoints every
+# second block (--ac-every 2 on both sides). The "op-SAC" rows run torchtitan's op-level selective
+# AC (--ac selective-op on both sides: outputs of every second matmul and of SDPA kept), with eager
+# attention, SDPA, GQA, and a 2k vocabulary that puts the peak in a block's backward.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -66,12 +68,14 @@ check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
 fsdp1_row() { check "2 ranks FSDP1 FULL_SHARD seq 1024 x 2"   2 FULL_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp1; }
 llama_block_row() { check "1 rank  llama 2k vocab AC seq 2048 x 1"     1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"; }
 gpt2_block_row() { check "1 rank  GPT-2 2k ctx 2k vocab seq 2048 x 1" 1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"; }
+op_sac_row() { check "1 rank  FULL_SHARD op-SAC seq 1024 x 2"   1 FULL_SHARD selective-op 2 1024; }
 if [ -n "${QUICK:-}" ]; then
   check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
   check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
   fsdp1_row
   llama_block_row
   gpt2_block_row
+  op_sac_row
   exit 0
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
@@ -94,3 +98,7 @@ check "1 rank  GPT-2 2k ctx 2k vocab AC 2048 x 1" 1 FULL_SHARD full 1 2048 "$roo
 check "1 rank  FULL_SHARD flash seq 1024 x 2"    1 FULL_SHARD    none 2 1024 "$root/models/llama-100m.json" fsdp2 "" flash
 check "1 rank  2k vocab flash SAC seq 2048 x 1"  1 FULL_SHARD selective 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json" fsdp2 "" flash
 check "1 rank  FULL_SHARD AC every 2nd 1024 x 2"  1 FULL_SHARD full 2 1024 "$root/models/llama-100m.json" fsdp2 "--ac-every 2"
+op_sac_row
+check "1 rank  op-SAC flash seq 1024 x 2"        1 FULL_SHARD selective-op 2 1024 "$root/models/llama-100m.json" fsdp2 "" flash
+check "1 rank  op-SAC seq 2048 x 2 GQA"          1 FULL_SHARD selective-op 2 2048 "$root/tests/data/hf_configs/llama-100m-gqa.json"
+check "1 rank  2k vocab op-SAC seq 2048 x 1"     1 FULL_SHARD selective-op 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"

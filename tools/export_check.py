@@ -12,6 +12,9 @@ changed), and two AdamW steps are trained. Checked:
     backward (the attention core is recomputed), while without checkpointing one is saved per layer;
   * with --ac full --ac-every N, exactly the blocks N, 2N, ... (counting from 1) are wrapped in
     checkpoint_wrapper;
+  * with --ac selective-op (torchtitan's op-level policy), every block is wrapped in
+    checkpoint_wrapper and, with eager attention, no scores-shaped tensor is saved (the core is
+    among the ops recomputed);
   * with --param-dtype fp16, the export's ShardedGradScaler (moved to the CPU) drives the loop as
     its comment says (scaler.scale(loss).backward(), scaler.step, scaler.update), the scale stays at
     2^16 (no step overflows) and the losses stay within fp16 rounding (5e-3) of the fp32 reference.
@@ -45,6 +48,7 @@ CASES = [
     ("gpt2 selective eager", "gpt2", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("llama full", "llama", "fp32", ["--ac", "full", "--attention", "eager"]),
     ("llama full every 2nd", "llama", "fp32", ["--ac", "full", "--ac-every", "2", "--attention", "eager"]),
+    ("llama selective-op", "llama", "fp32", ["--ac", "selective-op", "--attention", "eager"]),
     ("llama fp16 scaler", "llama", "fp16", ["--ac", "none", "--attention", "eager"]),
 ]
 
@@ -139,16 +143,18 @@ def run_case(fsdp_plan, name, family, dtype, flags, workdir):
         problems.append(f"a {dtype} export {'with' if scaler is not None else 'without'} a loss scaler")
     elif scaler is not None and scaler.get_scale() != 2.0**16:
         problems.append(f"loss scale {scaler.get_scale()} after {len(data)} steps (expected 65536: no overflow)")
-    if "--ac-every" in flags:
+    if "--ac-every" in flags or "selective-op" in flags:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-        every = int(flags[flags.index("--ac-every") + 1])
+        every = int(flags[flags.index("--ac-every") + 1]) if "--ac-every" in flags else 1
         layers = model.model.layers if family == "llama" else model.transformer.h  # a wrapped block sits in its place
         wrapped_layers = [i + 1 for i, m in enumerate(layers) if isinstance(m, CheckpointWrapper)]
         wrappers = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
         expected = [n for n in range(1, len(layers) + 1) if n % every == 0]
         if wrapped_layers != expected or wrappers != len(expected):
             problems.append(f"checkpoint_wrapper on blocks {wrapped_layers} ({wrappers} wrappers), expected {expected}")
+    if "selective-op" in flags and attention == "eager" and (kept_scores != 0 or saved_scores == 0):
+        problems.append(f"saved score-shaped tensors: {kept_scores} with the export, {saved_scores} without")
     if "selective" in flags:
         if model.config._attn_implementation != "fsdpkit_selective":
             problems.append(f"attn_implementation is {model.config._attn_implementation}")

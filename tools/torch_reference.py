@@ -181,7 +181,7 @@ def build_parser():
     p = OneLineParser(description="Measure one Llama or GPT-2 config under PyTorch FSDP2.")
     p.add_argument("--model", required=True, help="HuggingFace config.json")
     p.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
-    p.add_argument("--ac", default="none", choices=("none", "selective", "full"))
+    p.add_argument("--ac", default="none", choices=("none", "selective", "selective-op", "full"))
     p.add_argument("--ac-every", type=positive_int, default=1,
                    help="with --ac full (fsdp2), checkpoint only layers N, 2N, ... (fsdp-plan --ac-every)")
     p.add_argument("--micro-batch", type=positive_int, default=1)
@@ -426,6 +426,39 @@ def apply_activation_checkpointing(model, every=1):
         layers[i] = checkpoint_wrapper(layers[i],
                                        checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                        preserve_rng_state=False)
+
+
+def apply_op_selective_checkpointing(model):
+    """torchtitan's op-level selective AC (selective_ac_option "op", in its
+    parallelize_llama.py): every decoder layer under checkpoint_wrapper with a selective-checkpoint
+    context whose policy keeps the outputs of aten.mm, except every second one of the layer, and
+    of the SDPA flash / memory-efficient kernels, and recomputes every other op in the backward.
+    On the CPU the save list also holds SDPA's CPU flash kernel, standing for the CUDA one."""
+    from collections import defaultdict
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    saved_ops = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+                 aten._scaled_dot_product_flash_attention.default}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        saved_ops.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+    def context():
+        mm_seen = defaultdict(int)  # per pass (forward, recompute) of this layer
+
+        def policy(ctx, func, *args, **kwargs):
+            pass_name = "recompute" if ctx.is_recompute else "forward"
+            if func == aten.mm.default:
+                mm_seen[pass_name] += 1
+            keep = func in saved_ops and not (func == aten.mm.default and mm_seen[pass_name] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    layers = decoder_layers(model)
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], context_fn=context, preserve_rng_state=False)
 
 
 def shard_model_fsdp1(model, args, device):
@@ -761,6 +794,13 @@ def main(argv=None):
                          "torch.utils.checkpoint(use_reentrant=False), registered with its mask "
                          "function as attn_implementation 'fsdpkit_selective' (the attention core "
                          "is recomputed)")
+        if args.ac == "selective-op":
+            if args.framework != "fsdp2" or is_gpt2(args):
+                raise SystemExit("torch_reference: error: --ac selective-op runs with --framework fsdp2 on Llama-style models")
+            apply_op_selective_checkpointing(model)
+            notes.append("ac=selective-op -> torchtitan's op-level selective AC: checkpoint_wrapper with a "
+                         "selective-checkpoint policy saving aten.mm outputs but every second one and the "
+                         "SDPA kernels' outputs (on the CPU its flash kernel too), on each decoder layer before fully_shard")
         if args.ac == "full" and args.framework == "fsdp2":
             apply_activation_checkpointing(model, args.ac_every)
             notes.append("ac=full -> checkpoint_wrapper(NO_REENTRANT, "

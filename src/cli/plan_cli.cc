@@ -195,7 +195,8 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--micro-batch", f.config.micro_batch, "sequences per GPU per micro-batch")->capture_default_str();
   app.add_option("--grad-accum", f.config.grad_accum, "micro-batches per optimizer step")->capture_default_str();
   app.add_flag("--no-sync", f.config.no_sync, "accumulate unsharded gradients under no_sync()");
-  app.add_option("--ac", f.ac, "activation checkpointing: none | selective | full")->capture_default_str();
+  app.add_option("--ac", f.ac, "activation checkpointing: none | selective (the attention core) | selective-op (torchtitan's op-level policy) | full")
+      ->capture_default_str();
   app.add_option("--ac-every", f.config.ac_every, "with --ac full, checkpoint only every N-th block (torchtitan's layer-level selective AC)")
       ->capture_default_str();
   app.add_option("--attention", f.attention, "eager (materialised scores) | flash (SDPA)")->capture_default_str();

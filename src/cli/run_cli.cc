@@ -174,6 +174,9 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   const FsdpConfig& c = w.value().config;
   if (c.cpu_offload) return Error::BadInput("fsdp-run does not implement CPU offload (--cpu-offload): fsdp-plan and fsdp-sim model it");
   if (c.ac_every != 1) return Error::BadInput("fsdp-run checkpoints every block under --ac full; --ac-every is a planning option");
+  if (c.checkpointing == Checkpointing::kSelectiveOp) {
+    return Error::BadInput("fsdp-run implements --ac none, selective and full; selective-op (torchtitan's op-level policy) is a planning option");
+  }
   if (c.loop_holds_outputs) return Error::BadInput("--loop-holds-outputs describes a PyTorch training loop; fsdp-run's own loop drops the logits after the loss");
   if (c.optimizer != Optimizer::kAdamW) return Error::BadInput("fsdp-run trains with AdamW only (--optimizer adamw)");
   PreparedRun run{std::move(w).value(), {}};

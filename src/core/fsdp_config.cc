@@ -52,6 +52,7 @@ std::string_view CheckpointingName(Checkpointing c) {
   switch (c) {
     case Checkpointing::kNone: return "none";
     case Checkpointing::kSelective: return "selective";
+    case Checkpointing::kSelectiveOp: return "selective-op";
     case Checkpointing::kFull: return "full";
   }
   return "?";
@@ -105,8 +106,9 @@ Status ParseWrap(std::string_view t, FsdpConfig& config) {
 Result<Checkpointing> ParseCheckpointing(std::string_view t) {
   if (t == "none") return Checkpointing::kNone;
   if (t == "selective") return Checkpointing::kSelective;
+  if (t == "selective-op") return Checkpointing::kSelectiveOp;
   if (t == "full") return Checkpointing::kFull;
-  return Unknown("activation checkpointing mode", t, "none, selective or full");
+  return Unknown("activation checkpointing mode", t, "none, selective, selective-op or full");
 }
 Result<Attention> ParseAttention(std::string_view t) {
   if (t == "eager") return Attention::kEager;
@@ -151,6 +153,11 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
     return Error::BadInput(fmt::format("--ac-every {} needs --ac full (it checkpoints every N-th block whole), not --ac {}", c.ac_every,
                                        CheckpointingName(c.checkpointing)));
   }
+  if (c.checkpointing == Checkpointing::kSelectiveOp && !OpCheckpointingModelled(model)) {
+    return Error::BadInput(fmt::format("--ac selective-op (torchtitan's op-level policy) is modelled for dense, bias-free Llama-style blocks, "
+                                       "not {}'s",
+                                       model.id));
+  }
   if (c.no_sync && c.grad_accum == 1) return Error::BadInput("--no-sync needs --grad-accum > 1 (it only changes how micro-batches accumulate)");
   if (c.strategy == Strategy::kHybridShard) {
     if (c.shard_group_size == 0) c.shard_group_size = std::min(c.gpus_per_node, c.gpus);
@@ -170,9 +177,14 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   return {};
 }
 
+// torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are kept.
+bool OpCheckpointingModelled(const ModelSpec& m) {
+  return m.family != ModelFamily::kGpt2 && m.num_experts == 0 && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
+}
+
 bool BlockCheckpointed(const FsdpConfig& c, int block) {
   if (c.checkpointing == Checkpointing::kNone) return false;
-  if (c.checkpointing == Checkpointing::kSelective || c.ac_every <= 1) return true;
+  if (c.checkpointing != Checkpointing::kFull || c.ac_every <= 1) return true;
   return (block + 1) % c.ac_every == 0;
 }
 

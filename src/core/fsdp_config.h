@@ -15,7 +15,10 @@ struct HardwareSpec;
 
 enum class Strategy { kFullShard, kShardGradOp, kNoShard, kHybridShard };
 enum class WrapPolicy { kBlock, kSize, kNone, kLinear };
-enum class Checkpointing { kNone, kSelective, kFull };
+/// kSelective: fsdpkit's (Korthikanti et al.'s attention core recomputed); kSelectiveOp:
+/// torchtitan's op-level selective AC (every matmul output but every second one of a block, and the
+/// SDPA kernel's outputs, kept; every other op recomputed); kFull: the whole block recomputed.
+enum class Checkpointing { kNone, kSelective, kSelectiveOp, kFull };
 enum class Attention { kEager, kFlash };
 enum class Optimizer { kAdamW, kAdam, kSgd, kSgdMomentum };
 enum class Framework { kFsdp1, kFsdp2 };
@@ -85,8 +88,12 @@ Status ResolveAndValidate(FsdpConfig& config, const ModelSpec& model, const Hard
 /// strategy. True when `config` is one PyTorch runs as another strategy.
 bool Fsdp1SwitchesToNoShard(const FsdpConfig& config);
 
+/// Whether fsdpkit models --ac selective-op for this model: dense, bias-free Llama-style blocks
+/// (torchtitan's policy keeps every second aten.mm output; a biased Linear runs as addmm).
+bool OpCheckpointingModelled(const ModelSpec& model);
+
 /// Whether decoder block `block` (0-based) runs under activation checkpointing: every block for
-/// selective, every `ac_every`-th for full, none without.
+/// selective and selective-op, every `ac_every`-th for full, none without.
 bool BlockCheckpointed(const FsdpConfig& config, int block);
 /// Applies that switch; returns true when it changed `config`.
 bool ApplyFsdp1WorldOfOne(FsdpConfig& config);

@@ -105,6 +105,40 @@ std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelSpec& m, const Fsd
   return {{"attn_core.k_input", d.c * kv}, {"attn_core.v_input", d.c * kv}};
 }
 
+// torchtitan's op-level selective AC on a Llama block (selective_ac_option "op": a selective-checkpoint
+// policy with MUST_SAVE for aten.mm, except every second call in the block, and for the SDPA flash
+// and memory-efficient kernels). HF's block calls mm for q, k, v, o, gate, up and down in that order,
+// so the outputs of q, v, gate and down are kept, with the SDPA kernel's output and log-sum-exp
+// under flash attention; with the block input (the checkpoint's) that is all a block keeps.
+// torch_reference.py --ac selective-op on llama-100m: exactly these bytes per block beyond --ac
+// full's, with eager attention and with SDPA (docs/memory-model.md). The recomputation takes each
+// kept output out of the policy's cache; those the recomputed ops do not save again (q's, which
+// RoPE reads; down's, which the residual add reads; v's when repeat_kv copies it) are freed then.
+std::vector<SavedTensor> OpCheckpointKept(const FsdpConfig& cfg, const Dims& d) {
+  const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
+  const bool v_copied = cfg.attention == Attention::kEager && d.kv_heads < d.heads;
+  std::vector<SavedTensor> kept = {{"checkpoint.block_input", d.c * d.h * d.tokens},
+                                   {"op_sac.q_proj_out", d.c * q, false, true},
+                                   {"op_sac.v_proj_out", d.c * kv, false, v_copied},
+                                   {"op_sac.gate_proj_out", d.c * d.inner * d.tokens},
+                                   {"op_sac.down_proj_out", d.c * d.h * d.tokens, false, true}};
+  if (cfg.attention == Attention::kFlash) {
+    kept.push_back({"op_sac.sdpa_out", d.c * q});
+    kept.push_back({"op_sac.sdpa_lse", 4 * d.heads * d.tokens});
+  }
+  return kept;
+}
+
+// Whether a tensor the un-checkpointed block saves is one of the outputs op-level selective AC
+// keeps (or a view of one), so that its recomputation does not allocate it again: SiLU's input is
+// gate's output; SDPA saves v_proj's output (a view) and its own output and log-sum-exp, which
+// o_proj then saves; eager attention without GQA multiplies by v itself (repeat_kv returns it).
+bool KeptByOpCheckpointing(const SavedTensor& t, const FsdpConfig& cfg, const Dims& d) {
+  if (t.name == "mlp.gate_out") return true;
+  if (cfg.attention == Attention::kFlash) return t.name == "self_attn.v" || t.name == "self_attn.o_proj_in" || t.name == "self_attn.lse";
+  return t.name == "self_attn.v_repeated" && d.kv_heads >= d.heads;
+}
+
 // HF GPT2Block: native LayerNorm saves input + fp32 mean/rstd; Conv1D saves its input; the q/k/v
 // views keep the whole c_attn output alive; dropout saves a bool mask; NewGELUActivation is written
 // in Python and saves input, tanh, 0.5*x and 1+tanh.
@@ -197,11 +231,6 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
 
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
 int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
-int64_t BlockActivations::CoreBytes() const {
-  int64_t total = 0;
-  for (const auto& t : full) total += t.attention_core ? t.bytes : 0;
-  return total;
-}
 int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
@@ -213,12 +242,19 @@ BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cf
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
-      for (const auto& t : a.full) if (!t.attention_core) a.kept.push_back(t);
+      for (const auto& t : a.full) (t.attention_core ? a.recomputed : a.kept).push_back(t);
       for (const auto& t : SelectiveCheckpointInputs(m, cfg, d)) a.kept.push_back(t);
+      break;
+    case Checkpointing::kSelectiveOp:
+      a.kept = OpCheckpointKept(cfg, d);
+      for (const auto& t : a.full) {
+        if (!KeptByOpCheckpointing(t, cfg, d)) a.recomputed.push_back(t);
+      }
       break;
     case Checkpointing::kFull:
       // checkpoint_wrapper (non-reentrant) saves only the block's input hidden states.
       a.kept = {{"checkpoint.block_input", d.c * d.h * d.tokens}};
+      a.recomputed = a.full;
       break;
   }
   a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d, a.full);

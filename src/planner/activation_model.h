@@ -17,16 +17,19 @@ struct SavedTensor {
   std::string_view name;          ///< static text, e.g. "self_attn.q_rope"
   int64_t bytes = 0;
   bool attention_core = false;    ///< scores/softmax/dropout: recomputed by selective checkpointing
+  /// a kept tensor only the recomputation reads (selective-op's q and down outputs): freed as soon as
+  /// the block's backward has recomputed the block, not at its end
+  bool freed_after_recompute = false;
 };
 
 /// Activation memory of one decoder block for one micro-batch.
 struct BlockActivations {
   std::vector<SavedTensor> full;       ///< saved by an un-checkpointed forward (eager or flash attention)
   std::vector<SavedTensor> kept;       ///< kept until backward under the configured checkpointing
+  std::vector<SavedTensor> recomputed; ///< of `full`, what checkpointing re-creates for the block's backward (alive through it)
   int64_t backward_working_bytes = 0;  ///< transient gradients alive inside the block's backward
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
-  int64_t CoreBytes() const;  ///< the attention-core tensors of `full` (what selective checkpointing recomputes)
 };
 
 /// Activation memory outside the blocks (embedding, final norm, logits and loss).

@@ -60,7 +60,7 @@ TEST_CASE("selective checkpointing with GQA keeps k and v at kv-head width") {
   BlockActivations none = Profile("llama-3.1-8b", seq, Attention::kEager);
   BlockActivations selective = Profile("llama-3.1-8b", seq, Attention::kEager, Checkpointing::kSelective);
   CHECK(none.FullBytes() - selective.KeptBytes() == (2 * 2 * 4096 + 6 * 32 * seq - 2 * 2 * 1024) * seq);
-  CHECK(selective.CoreBytes() == (2 * 2 * 4096 + 6 * 32 * seq) * seq);
+  CHECK(SumBytes(selective.recomputed) == (2 * 2 * 4096 + 6 * 32 * seq) * seq);
   // without GQA nothing changes: k and v are saved as they are in both cases
   CHECK(Profile("llama-2-7b", seq, Attention::kEager).FullBytes() -
             Profile("llama-2-7b", seq, Attention::kEager, Checkpointing::kSelective).KeptBytes() == 6LL * 32 * seq * seq);
@@ -117,6 +117,31 @@ TEST_CASE("logits and loss buffers scale with the vocabulary") {
   CHECK(h.logits_bytes == 2LL * 128256 * 8192);             // bf16 logits
   CHECK(h.loss_forward_transient_bytes == 4LL * 128256 * 8192);  // logits.float()
   CHECK(h.loss_saved_bytes == 4LL * 128256 * 8192);         // log_softmax output
+}
+
+TEST_CASE("torchtitan's op-level selective AC keeps the block input and the outputs of q, v, gate and down (+ SDPA's)") {
+  // llama-3.1-8b per token, bf16: input 2h, q 2h, v 2 x 1024 (8 kv heads of 128), gate 2I, down 2h
+  // (h = 4096, I = 14336); with SDPA its output 2h and the fp32 log-sum-exp 4a (a = 32).
+  const int64_t seq = 4096, kept = 2 * 4096 + 2 * 4096 + 2 * 1024 + 2 * 14336 + 2 * 4096;
+  BlockActivations eager = Profile("llama-3.1-8b", seq, Attention::kEager, Checkpointing::kSelectiveOp);
+  BlockActivations flash = Profile("llama-3.1-8b", seq, Attention::kFlash, Checkpointing::kSelectiveOp);
+  CHECK(eager.KeptBytes() == kept * seq);
+  CHECK(flash.KeptBytes() == (kept + 2 * 4096 + 4 * 32) * seq);
+  // the backward re-creates everything the block saves but the kept outputs' aliases: gate's output
+  // (SiLU's input), and under flash v, the SDPA output o_proj saves and the log-sum-exp
+  CHECK(eager.FullBytes() - SumBytes(eager.recomputed) == 2LL * 14336 * seq);
+  CHECK(flash.FullBytes() - SumBytes(flash.recomputed) == (2LL * 14336 + 2 * 1024 + 2 * 4096 + 4 * 32) * seq);
+  // without GQA, eager's v is not repeated: its saved v is v_proj's output, kept
+  BlockActivations mha = Profile("llama-2-7b", seq, Attention::kEager, Checkpointing::kSelectiveOp);
+  CHECK(mha.FullBytes() - SumBytes(mha.recomputed) == (2LL * 11008 + 2 * 4096) * seq);
+}
+
+TEST_CASE("Only selective and full checkpointing re-create saved tensors; none keeps them all") {
+  const BlockActivations none = Profile("llama-2-7b", 1024, Attention::kEager);
+  CHECK(none.recomputed.empty());
+  CHECK(none.KeptBytes() == none.FullBytes());
+  const BlockActivations full = Profile("llama-2-7b", 1024, Attention::kEager, Checkpointing::kFull);
+  CHECK(SumBytes(full.recomputed) == full.FullBytes());
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "planner/compute_model.h"
 
+#include <vector>
+
 #include "planner/activation_model.h"
 
 namespace fsdp {
@@ -77,6 +79,32 @@ double MatmulParams(const ModelSpec& m) {
   return n;
 }
 
+bool RunsMatmul(const Workload& w, const ModuleNode& n) {
+  for (int t : n.tensors) {
+    if (w.model.tensors[t].in_linear && w.model.tensors[t].shape.size() == 2) return true;
+  }
+  return false;
+}
+
+// The linear modules whose products torchtitan's op-level policy (--ac selective-op) runs again in
+// backward: the second, fourth, ... matmul of each block (k, o and up in a Llama block), in the
+// order the block runs them, which is the module tree's (children in execution order).
+std::vector<bool> OpRecomputedMatmuls(const Workload& w) {
+  std::vector<bool> recomputed(w.nodes.size(), false);
+  for (const ModuleNode& block : w.nodes) {
+    if (block.role != ModuleNode::Role::kBlock) continue;
+    int calls = 0;
+    std::vector<int> pending(block.children.rbegin(), block.children.rend());  // depth first, in order
+    while (!pending.empty()) {
+      const int id = pending.back();
+      pending.pop_back();
+      if (RunsMatmul(w, w.nodes[id]) && ++calls % 2 == 0) recomputed[id] = true;
+      pending.insert(pending.end(), w.nodes[id].children.rbegin(), w.nodes[id].children.rend());
+    }
+  }
+  return recomputed;
+}
+
 }  // namespace
 
 double OptimizerSeconds(const Workload& w) {
@@ -99,6 +127,8 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
   const double mem_rate = w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency;
   const bool flash = w.config.attention == Attention::kFlash;
   const Checkpointing ac = w.config.checkpointing;
+  const std::vector<bool> op_recomputed = ac == Checkpointing::kSelectiveOp ? OpRecomputedMatmuls(w) : std::vector<bool>(w.nodes.size(), false);
+  const double recomputed_bytes = static_cast<double>(SumBytes(block.recomputed));
   for (int id = 0; id < static_cast<int>(w.nodes.size()); ++id) {
     const ModuleNode& n = w.nodes[id];
     const NodeWork work = OwnWork(w, n, block, head, traffic_per_saved_byte);
@@ -116,11 +146,16 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
       // checkpoint_wrapper reruns the whole block forward (its linears included) in backward
       u.recompute_flops += fwd_flops;
       u.recompute_s += fwd_s;
-    } else if (ac == Checkpointing::kSelective && n.role == ModuleNode::Role::kBlock) {
-      // the checkpointed attention function runs again (eager or SDPA), rewriting its core tensors
-      const double core_bytes = static_cast<double>(block.CoreBytes());
-      u.recompute_flops += work.attention_flops;
-      u.recompute_s += work.attention_flops / attention_rate + traffic_per_saved_byte * core_bytes / mem_rate;
+    } else if ((ac == Checkpointing::kSelective || ac == Checkpointing::kSelectiveOp) && n.role == ModuleNode::Role::kBlock) {
+      // selective: the checkpointed attention function runs again (eager or SDPA), rewriting its
+      // core tensors; selective-op: every op but the kept ones, so the attention core unless SDPA's
+      // output is kept (flash), and all the memory-bound ops (the matmuls it reruns come below)
+      const bool core = ac == Checkpointing::kSelective || !flash;
+      u.recompute_flops += core ? work.attention_flops : 0.0;
+      u.recompute_s += (core ? work.attention_flops / attention_rate : 0.0) + traffic_per_saved_byte * recomputed_bytes / mem_rate;
+    } else if (op_recomputed[id]) {
+      u.recompute_flops += work.gemm_flops;
+      u.recompute_s += work.gemm_flops / gemm_rate;
     }
   }
   const ModelSpec& m = w.model;

@@ -27,7 +27,8 @@ struct ComputeModel {
 /// rotate_half; SiLU, the gate product, the residual adds) gives about 5; 10 is fitted, jointly
 /// with the GEMM efficiencies of the A100 and H100 hardware files, on the 20 published FSDP results
 /// of docs/accuracy.md (build/bench/accuracy_check: mean error 9.2% -> 5.6% from this factor, 4.1%
-/// with IBM's "selective" read as --ac-every 2; leave-one-out with this factor refitted too 4.4%).
+/// with IBM's "selective" read as --ac-every 2, 4.0% with torchtitan's as --ac selective-op;
+/// leave-one-out with this factor refitted too 4.9%).
 /// The fitted GEMM efficiencies (A100 0.88, H100 0.70) then sit near the chips' GEMM-level
 /// figures, which fsdp-run calibrate measures, where with 5 they had to absorb the rest (0.66, 0.40).
 constexpr double kEagerTrafficPerSavedByte = 10.0;

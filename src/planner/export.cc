@@ -88,9 +88,28 @@ std::string SelectiveCheckpointingCode(const Workload& w, std::string_view model
       eager ? "eager" : "sdpa", core, model_var);
 }
 
+// --ac selective-op: torchtitan's op-level selective AC (selective_ac_option = "op"), a context_fn
+// for checkpoint_wrapper. tools/torch_reference.py --ac selective-op runs the same policy.
+constexpr const char* kOpPolicyCode =
+    "# torchtitan's op-level selective activation checkpointing: keep the outputs of aten.mm, but every\n"
+    "# second one of a block, and of the SDPA kernels; recompute every other op in backward\n"
+    "from collections import defaultdict\n"
+    "from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts\n\n"
+    "op_saved = {\n    torch.ops.aten.mm.default,\n    torch.ops.aten._scaled_dot_product_efficient_attention.default,\n"
+    "    torch.ops.aten._scaled_dot_product_flash_attention.default,\n}\n\n\n"
+    "def op_selective_context():\n"
+    "    mm_seen = defaultdict(int)  # per pass (forward, recompute) of the block\n\n"
+    "    def policy(ctx, func, *args, **kwargs):\n"
+    "        pass_name = \"recompute\" if ctx.is_recompute else \"forward\"\n"
+    "        if func == torch.ops.aten.mm.default:\n            mm_seen[pass_name] += 1\n"
+    "        keep = func in op_saved and not (func == torch.ops.aten.mm.default and mm_seen[pass_name] % 2 == 0)\n"
+    "        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE\n\n"
+    "    return create_selective_checkpoint_contexts(policy)\n\n\n";
+
 std::string CheckpointingCode(const Workload& w, std::string_view model_var) {
   if (w.config.checkpointing == Checkpointing::kNone) return "";
   if (w.config.checkpointing == Checkpointing::kSelective) return SelectiveCheckpointingCode(w, model_var);
+  const bool op = w.config.checkpointing == Checkpointing::kSelectiveOp;  // else full
   const std::string layer(DecoderLayerClass(w.model));
   std::string blocks, check_fn = fmt::format("isinstance(m, {})", layer);
   if (w.config.ac_every > 1) {  // layer-level selective (torchtitan's selective_ac_option = "N")
@@ -99,11 +118,11 @@ std::string CheckpointingCode(const Workload& w, std::string_view model_var) {
                          model_var, layer, w.config.ac_every);
     check_fn = "id(m) in checkpointed_blocks";
   }
-  return fmt::format("{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n{1}"
+  return fmt::format("{3}{0}.config.use_cache = False  # a KV cache would grow again each time a block is recomputed\n{1}"
                      "apply_activation_checkpointing(\n    {0},\n"
-                     "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),\n"
+                     "    checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT{4}),\n"
                      "    check_fn=lambda m: {2},\n)\n",
-                     model_var, blocks, check_fn);
+                     model_var, blocks, check_fn, op ? kOpPolicyCode : "", op ? ", context_fn=op_selective_context" : "");
 }
 
 // A block of Python as comment lines, for formats that cannot hold code (YAML, Trainer arguments).
@@ -137,17 +156,20 @@ std::string MeshCode(const Workload& w) {
 
 // Selective and every-N-th-block checkpointing are not options of accelerate's or Lightning's FSDP
 // configuration: those exports carry the code as a comment.
-bool CheckpointingNeedsCode(const FsdpConfig& c) { return c.checkpointing == Checkpointing::kSelective || c.ac_every > 1; }
+bool CheckpointingNeedsCode(const FsdpConfig& c) {
+  return c.checkpointing == Checkpointing::kSelective || c.checkpointing == Checkpointing::kSelectiveOp || c.ac_every > 1;
+}
 
 // That comment: "<what> is not <an option of the format>: run this <where>", then the code with
 // the imports it needs (the selective code brings its own); "" when the format expresses it.
 std::string CheckpointingComment(const Workload& w, std::string_view not_an_option_where) {
   if (!CheckpointingNeedsCode(w.config)) return "";
-  const bool selective = w.config.checkpointing == Checkpointing::kSelective;
+  const Checkpointing ac = w.config.checkpointing;
+  const bool selective = ac == Checkpointing::kSelective;
   const std::string code = selective ? CheckpointingCode(w, "model")
                                      : "import functools\n" + std::string(kCheckpointImports) + LayerImport(w.model) + CheckpointingCode(w, "model");
-  return fmt::format("# {} is not {}\n", selective ? "selective checkpointing" : "checkpointing every N-th block", not_an_option_where) +
-         Commented(code);
+  const char* what = selective ? "selective checkpointing" : ac == Checkpointing::kSelectiveOp ? "op-level selective checkpointing" : "checkpointing every N-th block";
+  return fmt::format("# {} is not {}\n", what, not_an_option_where) + Commented(code);
 }
 
 std::string Fsdp1(const Workload& w) {
@@ -171,7 +193,7 @@ std::string Fsdp1(const Workload& w) {
                      "    device_id=torch.cuda.current_device(),\n)\n",
                      StrategyName(c.strategy), AutoWrapPolicy(w), Python(c.cpu_offload), prefetch, Python(c.forward_prefetch),
                      Python(c.limit_all_gathers), Python(c.use_orig_params));
-  if (c.checkpointing == Checkpointing::kFull) out += CheckpointingCode(w, "model");
+  if (c.checkpointing == Checkpointing::kFull || c.checkpointing == Checkpointing::kSelectiveOp) out += CheckpointingCode(w, "model");
   out += GradScalerCode(c);
   return out;
 }

@@ -157,6 +157,27 @@ TEST_CASE("--ac-every 2 exports a check_fn on every second block; accelerate and
   CHECK(lightning.find("#   apply_activation_checkpointing(") != std::string::npos);
 }
 
+TEST_CASE("--ac selective-op exports torchtitan's op policy as checkpoint_wrapper's context_fn, placed as full checkpointing is") {
+  FsdpConfig c;
+  c.checkpointing = Checkpointing::kSelectiveOp;
+  c.framework = Framework::kFsdp2;
+  const std::string fsdp2 = ExportConfig(Plan(c), ExportFormat::kFsdp2);
+  CHECK(fsdp2.find("keep = func in op_saved and not (func == torch.ops.aten.mm.default and mm_seen[pass_name] % 2 == 0)") != std::string::npos);
+  CHECK(fsdp2.find("torch.ops.aten._scaled_dot_product_flash_attention.default") != std::string::npos);
+  CHECK(fsdp2.find("checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=op_selective_context)") != std::string::npos);
+  CHECK(fsdp2.find("apply_activation_checkpointing(") < fsdp2.find("fully_shard(module"));  // before sharding
+  c.framework = Framework::kFsdp1;
+  const std::string fsdp1 = ExportConfig(Plan(c), ExportFormat::kFsdp1);
+  CHECK(fsdp1.find("model = FSDP(") < fsdp1.find("apply_activation_checkpointing("));  // after wrapping, as full
+  const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
+  CHECK(yaml.find("fsdp_activation_checkpointing: false") != std::string::npos);
+  CHECK(yaml.find("# op-level selective checkpointing is not ") != std::string::npos);
+  CHECK(yaml.find("#   def op_selective_context():") != std::string::npos);
+  const std::string lightning = ExportConfig(Plan(c), ExportFormat::kLightning);
+  CHECK(lightning.find("activation_checkpointing_policy=None") != std::string::npos);
+  CHECK(lightning.find("#   def op_selective_context():") != std::string::npos);
+}
+
 TEST_CASE("fp16 exports a ShardedGradScaler; bf16 and fp32 need none") {
   FsdpConfig c;
   c.param_dtype = DType::kFp16;

@@ -189,10 +189,12 @@ class StepPlayer {
         AllocSaved(node_id, head_.embedding);
         if (c_.attention == Attention::kEager) {
           // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention, freed
-          // after the last block's forward; selective checkpointing keeps it (an input of every
-          // checkpointed attention function) until the embedding's backward, as a saved tensor.
+          // after the last block's forward; any checkpointing keeps it (an input of every
+          // checkpointed block or attention function, held for the recomputation) until the
+          // embedding's backward, as a saved tensor: under --ac full, PyTorch's tensors at the peak
+          // held exactly this 4,194,304 bytes (2 x 1024 x 1024 x bf16) more than fsdp-plan counted.
           const BlockId mask = mem_.Alloc(Cat::kActivations, pb_ * c_.micro_batch * c_.seq_len * c_.seq_len);
-          if (c_.checkpointing == Checkpointing::kSelective) {
+          if (c_.checkpointing != Checkpointing::kNone) {
             node_saved_[node_id].push_back(mask);
           } else {
             causal_mask_ = mask;
@@ -272,9 +274,12 @@ class StepPlayer {
     switch (w_.nodes[node_id].role) {
       case ModuleNode::Role::kBlock:
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) {
-          // full: the whole block runs again; selective: only the attention core
-          for (const auto& t : block_.full) {
-            if (c_.checkpointing == Checkpointing::kFull || t.attention_core) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+          // full: the whole block runs again; selective: only the attention core; selective-op:
+          // all but what it kept, after which the kept outputs only the recomputation read go
+          for (const auto& t : block_.recomputed) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+          const std::vector<SavedTensor>& kept = BlockProfile(node_id).kept;
+          for (size_t i = 0; i < kept.size(); ++i) {
+            if (kept[i].freed_after_recompute) mem_.Free(node_saved_[node_id][i]);
           }
         }
         transient.push_back(mem_.Alloc(Cat::kActivations, BlockProfile(node_id).backward_working_bytes));

@@ -23,10 +23,13 @@ std::vector<int64_t> GpuCounts(int64_t min, int64_t max) {
   return counts;
 }
 
-std::vector<Checkpointing> CheckpointModes(const FsdpConfig& base) {
-  if (base.attention == Attention::kEager) return {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kFull};
+std::vector<Checkpointing> CheckpointModes(const FsdpConfig& base, const ModelSpec& model) {
+  std::vector<Checkpointing> modes = {Checkpointing::kNone};
   // with flash attention selective saves only the LSE and still reruns the attention: not worth searching
-  return {Checkpointing::kNone, Checkpointing::kFull};
+  if (base.attention == Attention::kEager) modes.push_back(Checkpointing::kSelective);
+  if (OpCheckpointingModelled(model)) modes.push_back(Checkpointing::kSelectiveOp);  // where fsdpkit models it
+  modes.push_back(Checkpointing::kFull);
+  return modes;
 }
 
 // Tensor memory does not depend on the GPU type, and from the second micro-batch on every
@@ -35,7 +38,7 @@ using MemoryKey = std::tuple<int, int64_t, int64_t, int, int, int64_t, bool, int
 
 class Searcher {
  public:
-  Searcher(const ModelSpec& model, const SearchOptions& o) : o_(o) {
+  Searcher(const ModelSpec& model, const SearchOptions& o) : o_(o), checkpoint_modes_(CheckpointModes(o.base, model)) {
     for (WrapPolicy wrap : kWraps) {
       FsdpConfig c = o.base;
       c.wrap = wrap;
@@ -51,7 +54,7 @@ class Searcher {
     for (size_t g = 0; g < o_.gpu_types.size(); ++g)
       for (int64_t gpus : GpuCounts(o_.gpus_min, o_.gpus_max))
         for (Strategy s : kStrategies)
-          for (Checkpointing ac : CheckpointModes(o_.base))
+          for (Checkpointing ac : checkpoint_modes_)
             for (int64_t mb : kMicroBatches)
               for (bool offload : {false, true})
                 for (size_t wi = 0; wi < workloads_.size(); ++wi) visit(g, gpus, s, ac, mb, offload, wi);
@@ -153,6 +156,7 @@ class Searcher {
   }
 
   const SearchOptions& o_;
+  std::vector<Checkpointing> checkpoint_modes_;  // the modes searched for this model and attention
   std::vector<Workload> workloads_;
   std::map<MemoryKey, MemoryEstimate> memory_cache_;
   std::map<std::tuple<size_t, size_t, int64_t, int>, ComputeModel> compute_cache_;

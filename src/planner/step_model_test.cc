@@ -162,6 +162,17 @@ TEST_CASE("--ac-every 2 recomputes every second block only") {
   CHECK(every2.units[2].recompute_flops == all.units[2].forward_flops);
 }
 
+TEST_CASE("--ac selective-op reruns every second matmul of a block (k, o, up) and, with eager attention, the attention core") {
+  FsdpConfig c = ThreeRanks();
+  c.checkpointing = Checkpointing::kSelectiveOp;
+  c.attention = Attention::kFlash;
+  // per block: the k (4 x 8), o (8 x 8) and up (16 x 8) weights, 2 tokens: 2 x 224 x 2 FLOPs; SDPA's output is kept
+  CHECK(EstimateCompute(Build(c)).units[1].recompute_flops == 896);
+  c.attention = Attention::kEager;
+  // plus the scores and probabilities x V: 4 x 2 keys x 8 (heads x head_dim) x 2 tokens
+  CHECK(EstimateCompute(Build(c)).units[1].recompute_flops == 896 + 128);
+}
+
 TEST_CASE("zero compute gives the communication time") {
   Workload w = Build(ThreeRanks());
   ComputeModel cm = EstimateCompute(w);

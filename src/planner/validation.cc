@@ -32,11 +32,6 @@ std::string CatalogModel(const std::string& published) {
   return it == kModels.end() ? "" : it->second;
 }
 
-Checkpointing ParseAc(const std::string& s) {
-  if (s == "full") return Checkpointing::kFull;
-  if (s == "selective") return Checkpointing::kSelective;
-  return Checkpointing::kNone;
-}
 
 Result<Workload> WorkloadOf(const Json& r) {
   auto model = LoadModel(CatalogModel(r["model"].get<std::string>()));
@@ -55,7 +50,9 @@ Result<Workload> WorkloadOf(const Json& r) {
   // "modelled_as" holds a reading of the source's checkpointing that its own figures support (e.g.
   // IBM's "selective": full checkpointing of every other block, from its HFU / MFU ratio)
   const Json& ac = r.contains("modelled_as") ? r["modelled_as"] : r;
-  c.checkpointing = ParseAc(ac["activation_checkpointing"].get<std::string>());
+  auto checkpointing = ParseCheckpointing(ac["activation_checkpointing"].get<std::string>());
+  if (!checkpointing.ok()) return checkpointing.error();
+  c.checkpointing = checkpointing.value();
   if (ac.contains("ac_every")) c.ac_every = ac["ac_every"].get<int64_t>();
   c.framework = r["framework"] == "fsdp2" ? Framework::kFsdp2 : Framework::kFsdp1;
   return BuildWorkload(model.value(), hw.value(), c);
