@@ -264,8 +264,8 @@ Workload AsPyTorchRuns(const Workload& workload) {
 
 namespace {
 
-// The seeds' OOM checklist as configuration changes of `c`.
-std::vector<Change> SingleChanges(const FsdpConfig& c) {
+// The seeds' OOM checklist as configuration changes of `c` (of a run of `model`).
+std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   std::vector<Change> out;
   auto add = [&](std::string text, auto&& edit) {
     FsdpConfig n = c;
@@ -282,6 +282,9 @@ std::vector<Change> SingleChanges(const FsdpConfig& c) {
   if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
   if (c.checkpointing == Checkpointing::kFull && c.ac_every > 1) add("--ac-every 1", [](FsdpConfig& n) { n.ac_every = 1; });
   if (c.checkpointing == Checkpointing::kNone && c.attention == Attention::kEager) add("--ac selective", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kSelective; });
+  if (c.checkpointing == Checkpointing::kNone && OpCheckpointingModelled(model)) {
+    add("--ac selective-op", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kSelectiveOp; });
+  }
   if (c.attention == Attention::kEager) add("--attention flash", [](FsdpConfig& n) { n.attention = Attention::kFlash; });
   if (c.strategy != Strategy::kFullShard) add("--strategy full_shard", [](FsdpConfig& n) { n.strategy = Strategy::kFullShard; n.shard_group_size = 0; });
   if (c.strategy == Strategy::kNoShard) add("--strategy shard_grad_op", [](FsdpConfig& n) { n.strategy = Strategy::kShardGradOp; });
@@ -320,11 +323,11 @@ Advice Try(const Workload& base, const Change& change, double base_tokens_per_s)
 
 std::vector<Advice> AdviseFit(const Workload& workload) {
   const double base_tps = EstimateTime(AsPyTorchRuns(workload)).step.tokens_per_s_per_gpu;
-  std::vector<Change> changes = SingleChanges(workload.config);
+  std::vector<Change> changes = SingleChanges(workload.config, workload.model);
   // Pairs: checkpointing first, then one more change, for configurations far from fitting.
   FsdpConfig with_ac = workload.config;
   with_ac.checkpointing = Checkpointing::kFull;
-  for (Change c : SingleChanges(with_ac)) {
+  for (Change c : SingleChanges(with_ac, workload.model)) {
     if (c.text == "--ac full" || workload.config.checkpointing == Checkpointing::kFull) continue;
     c.text = "--ac full " + c.text;
     changes.push_back(c);
