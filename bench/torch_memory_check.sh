@@ -40,8 +40,10 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
   local torch_attention=$attention; [ "$attention" = flash ] && torch_attention=sdpa  # SDPA: its flash kernel (CPU and CUDA)
   local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
               --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
-  if [ "$ranks" -gt 1 ]; then
-    "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
+  if [ "$ranks" -gt 1 ]; then  # a rank that gloo's transport aborted (an uncaught gloo::IoException, rare) gets one more run
+    "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > "$out/$name.log" 2>&1 ||
+      { grep -q "Signal [0-9]* (SIG" "$out/$name.log" && echo "torch_memory_check: $name: a rank died by a signal, run again" >&2 &&
+        "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1; }
   else
     "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   fi

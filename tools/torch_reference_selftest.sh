@@ -150,15 +150,28 @@ echo "7" > "$TMP/one-token.txt"
 bad_input one-token "${base[@]}" --tokens "$TMP/one-token.txt"
 bad_input init-from "${base[@]}" --init-from "$TMP/no-such-checkpoint"
 
-# Two ranks over gloo (FULL_SHARD and NO_SHARD -> HSDP 2x1).
+# Two ranks over gloo (FULL_SHARD and NO_SHARD -> HSDP 2x1). gloo's TCP transport now and then
+# aborts a rank (SIGABRT from an uncaught gloo::IoException; seen once in a CI run of 2026-12-01,
+# not reproduced in 9 runs after it): a run that a signal ended is run once more, and says so.
+two_ranks() {  # strategy log
+    OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+        "$TOOL" --device cpu --model "$MODEL" --seq-len 64 \
+        --micro-batch 2 --steps 2 --warmup 1 --strategy "$1" \
+        --out "$TMP/w2-$1.json" >"$2" 2>&1
+}
 if [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
     for strategy in FULL_SHARD NO_SHARD; do
         log="$TMP/w2-$strategy.log"
-        if OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-                "$TOOL" --device cpu --model "$MODEL" --seq-len 64 \
-                --micro-batch 2 --steps 2 --warmup 1 --strategy "$strategy" \
-                --out "$TMP/w2-$strategy.json" >"$log" 2>&1 &&
-           check_json "$TMP/w2-$strategy.json" "$strategy" none 2 >>"$log" 2>&1; then
+        status=0
+        two_ranks "$strategy" "$log" || status=$?
+        if [ "$status" -ne 0 ] && grep -q "Signal [0-9]* (SIG" "$log"; then
+            echo "note 2-ranks-$strategy: a rank died by a signal, run again:"
+            grep -m3 "terminate called\|what():\|Signal [0-9]* (SIG" "$log" | sed 's/^/     /'
+            rm -f "$TMP/w2-$strategy.json"
+            status=0
+            two_ranks "$strategy" "$log" || status=$?
+        fi
+        if [ "$status" -eq 0 ] && check_json "$TMP/w2-$strategy.json" "$strategy" none 2 >>"$log" 2>&1; then
             ok "2-ranks-$strategy"
         else
             fail "2-ranks-$strategy" "$log"
