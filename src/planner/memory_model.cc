@@ -277,7 +277,7 @@ class StepPlayer {
           // full: the whole block runs again; selective: only the attention core; selective-op:
           // all but what it kept, after which the kept outputs only the recomputation read go
           for (const auto& t : block_.recomputed) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
-          const std::vector<SavedTensor>& kept = BlockProfile(node_id).kept;
+          const std::vector<SavedTensor>& kept = block_.kept;
           for (size_t i = 0; i < kept.size(); ++i) {
             if (kept[i].freed_after_recompute) mem_.Free(node_saved_[node_id][i]);
           }
