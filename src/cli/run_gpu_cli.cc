@@ -119,8 +119,9 @@ Result<std::string> GpuOfThisRank(const PlanFlags& plan, int rank) {
 }
 
 // Steps after the first (which pays for cudaMalloc and cuBLAS's heuristics); the one step if only one ran.
-std::vector<double> SteadySteps(const std::vector<double>& per_step) {
-  return per_step.size() > 1 ? std::vector<double>(per_step.begin() + 1, per_step.end()) : per_step;
+template <typename T>
+std::vector<T> SteadySteps(const std::vector<T>& per_step) {
+  return per_step.size() > 1 ? std::vector<T>(per_step.begin() + 1, per_step.end()) : per_step;
 }
 
 // Rank 0's report: losses, step time, memory against the engine's replay and fsdp-plan's
@@ -163,8 +164,10 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
   const runtime::GpuPhaseTimes t = engine.times();
   const double forward_s = Median(SteadySteps(t.forward_s)), backward_s = Median(SteadySteps(t.backward_s)),
                optimizer_s = Median(SteadySteps(t.optimizer_s));
-  fmt::print(out, "  GPU time per step: forward {:.4f} s, backward {:.4f} s, optimizer {:.4f} s (CUDA events, same steps)\n", forward_s, backward_s,
-             optimizer_s);
+  const std::vector<int64_t> steady_waits = SteadySteps(t.host_waits);
+  const int64_t host_waits = steady_waits.empty() ? 0 : *std::max_element(steady_waits.begin(), steady_waits.end());
+  fmt::print(out, "  GPU time per step: forward {:.4f} s, backward {:.4f} s, optimizer {:.4f} s (CUDA events, same steps); host waits per step: at most {}\n",
+             forward_s, backward_s, optimizer_s, host_waits);
   Json comm_json = CommReport(engine, w, f.steps, f.virtual_world > 0, out);
   if (f.json_path.empty()) return {};
   Json doc = {{"model", w.model.id},
@@ -193,7 +196,7 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
                   {"rank0_peak_phase", mem.peak_phase},
                   {"rank0_categories", memory_json["measured"]},
                   {"framework", framework_json}}},
-                {"time", {{"step_s", step_s}, {"steps_s", log.times}, {"forward_s", forward_s}, {"backward_s", backward_s}, {"optimizer_s", optimizer_s}}},
+                {"time", {{"step_s", step_s}, {"steps_s", log.times}, {"forward_s", forward_s}, {"backward_s", backward_s}, {"optimizer_s", optimizer_s}, {"host_waits_per_step", host_waits}}},
                 {"tokens_per_s_per_gpu", tokens_per_gpu},
                 {"comm", comm_json}}}};
   return sim::WriteText(f.json_path, doc.dump(2) + "\n");

@@ -1,4 +1,5 @@
 // The GPU FSDP engine (gpu_engine.h): streams, events, the rate limiter and the per-unit buffers.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <deque>
@@ -85,15 +86,16 @@ class CudaEngine : public GpuEngine {
   Status Reshard(int u);
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
+  /// Copies a micro-batch's token ids, targets and token groups to the device through staging_[micro].
+  Status UploadTokens(int64_t micro, const std::vector<int32_t>& ids, const std::vector<int32_t>& targets, const std::vector<int32_t>& packed);
   Status Forward(DeviceBuffer& x);
   Status Backward(DeviceBuffer dx);
   Status Optimizer();
   /// Whether any rank's gradient shards hold an inf or NaN: a device flag, summed over the ranks.
   Result<bool> FoundNonFinite();
-  /// Waits until `event` has completed, polling the communicators for asynchronous NCCL errors
-  /// meanwhile (as PyTorch's NCCL watchdog does), so that an error NCCL reports (a peer it saw
-  /// fail, a broken network) ends the wait instead of a hang; the engine's own waits (end of a
-  /// micro-batch and of a step, the rate limiter, the fp16 inf check) go through here.
+  /// WaitForEvent (device_comm.h) polling this engine's communicators for NCCL errors, counting
+  /// the waits that found the device busy: the end of a step, FSDP1's rate limiter, the fp16 inf
+  /// check.
   Status WaitEvent(cudaEvent_t event);
   /// The same for the work enqueued on `stream` so far.
   Status WaitStream(cudaStream_t stream);
@@ -126,6 +128,15 @@ class CudaEngine : public GpuEngine {
   cudaEvent_t params_ready_ = nullptr, reduced_ = nullptr;
   DeviceBuffer dw_scratch_, rope_table_, loss_sum_, ids_, targets_;
   DeviceBuffer token_groups_;  // GroupTokens(ids).Packed(): the embedding backward's rows per token
+  // Pinned host memory each micro-batch of a step stages its tokens in, and the event after the
+  // copies that read it: a copy from pinned memory is asynchronous, where from pageable memory
+  // cudaMemcpyAsync may first wait for the stream (CUDA runtime API, "API synchronization behavior").
+  struct TokenStaging {
+    int32_t* host = nullptr;
+    cudaEvent_t copied = nullptr;
+  };
+  std::vector<TokenStaging> staging_;
+  int64_t host_waits_ = 0;  // WaitEvent calls that found the device still working
   int64_t distinct_tokens_ = 0;
   // per micro-batch state
   std::vector<DeviceBuffer> inputs_;  // block inputs (block 0's is the embedding output)
@@ -152,6 +163,10 @@ CudaEngine::~CudaEngine() {
   for (cudaEvent_t e : phase_events_) cudaEventDestroy(e);
   cudaEventDestroy(params_ready_);
   cudaEventDestroy(reduced_);
+  for (const TokenStaging& slot : staging_) {
+    if (slot.host != nullptr) cudaFreeHost(slot.host);
+    if (slot.copied != nullptr) cudaEventDestroy(slot.copied);
+  }
   if (blas_ != nullptr) cublasDestroy(blas_);
   for (cudaStream_t s : {compute_, gather_, reduce_}) {
     if (s != nullptr) cudaStreamDestroy(s);
@@ -313,21 +328,10 @@ Status CudaEngine::InitUnit(int u) {
 }
 
 Status CudaEngine::WaitEvent(cudaEvent_t event) {
-  // a query that finds the work not ready records that as the last error: a launch error still
-  // unchecked would be lost, so it is taken first
-  FSDP_TRY(CudaStatus(cudaGetLastError(), "a kernel launch before a wait"));
-  for (int polls = 1;; ++polls) {
-    const cudaError_t code = cudaEventQuery(event);
-    if (code == cudaSuccess) return {};
-    if (code != cudaErrorNotReady) return CudaStatus(code, "cudaEventQuery");
-    (void)cudaGetLastError();  // not ready is not an error
-    if (polls % 256 == 0) {  // NCCL's error state, every 256 polls
-      for (DeviceComm* c : {shard_.get(), replica_.get()}) {
-        if (c != nullptr) FSDP_TRY(c->AsyncError());
-      }
-    }
-    std::this_thread::yield();  // spin, as cudaEventSynchronize does by default: a sleep would delay the all-gathers the rate limiter releases
-  }
+  bool busy = false;
+  Status s = WaitForEvent(event, {shard_.get(), replica_.get()}, &busy);
+  if (busy) ++host_waits_;
+  return s;
 }
 
 Status CudaEngine::WaitStream(cudaStream_t stream) {
@@ -547,17 +551,40 @@ Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
   const TokenGroups groups = GroupTokens(ids);
   const std::vector<int32_t> packed = groups.Packed();
   distinct_tokens_ = static_cast<int64_t>(groups.ids.size());
-  FSDP_CUDA_TRY(cudaMemcpyAsync(ids_.get(), ids.data(), static_cast<size_t>(T * 4), cudaMemcpyHostToDevice, compute_));
-  FSDP_CUDA_TRY(cudaMemcpyAsync(targets_.get(), targets.data(), static_cast<size_t>(T * 4), cudaMemcpyHostToDevice, compute_));
-  FSDP_CUDA_TRY(cudaMemcpyAsync(token_groups_.get(), packed.data(), packed.size() * 4, cudaMemcpyHostToDevice, compute_));
+  FSDP_TRY(UploadTokens(micro, ids, targets, packed));
   inputs_.resize(static_cast<size_t>(ctx_.dims.layers));
   caches_.resize(static_cast<size_t>(ctx_.dims.layers));
   DeviceBuffer x;
   FSDP_TRY(Forward(x));
   if (micro == 0) FSDP_CUDA_TRY(cudaEventRecord(phase_events_[1], compute_));
   FSDP_TRY(Backward(std::move(x)));
-  FSDP_TRY(WaitStream(compute_));  // the host token vectors above must outlive their copies
-  return 0.0f;
+  return 0.0f;  // no wait: the host goes on to the next micro-batch while the device works
+}
+
+// The copies read pinned memory, asynchronously: a slot is rewritten only once the copies that
+// read it last have completed, which the previous step's end has already waited for.
+Status CudaEngine::UploadTokens(int64_t micro, const std::vector<int32_t>& ids, const std::vector<int32_t>& targets,
+                                const std::vector<int32_t>& packed) {
+  const size_t T = ids.size();
+  if (staging_.size() <= static_cast<size_t>(micro)) staging_.resize(static_cast<size_t>(micro) + 1);
+  TokenStaging& slot = staging_[static_cast<size_t>(micro)];
+  if (slot.host == nullptr) {
+    void* p = nullptr;
+    FSDP_CUDA_TRY(cudaHostAlloc(&p, (5 * T + 1) * 4, cudaHostAllocDefault));  // ids, targets, at most 3T + 1 group entries
+    slot.host = static_cast<int32_t*>(p);
+    FSDP_CUDA_TRY(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+  } else {
+    FSDP_TRY(WaitEvent(slot.copied));
+  }
+  int32_t* const staged_ids = slot.host;
+  int32_t* const staged_targets = std::copy(ids.begin(), ids.end(), staged_ids);
+  int32_t* const staged_groups = std::copy(targets.begin(), targets.end(), staged_targets);
+  std::copy(packed.begin(), packed.end(), staged_groups);
+  FSDP_CUDA_TRY(cudaMemcpyAsync(ids_.get(), staged_ids, T * 4, cudaMemcpyHostToDevice, compute_));
+  FSDP_CUDA_TRY(cudaMemcpyAsync(targets_.get(), staged_targets, T * 4, cudaMemcpyHostToDevice, compute_));
+  FSDP_CUDA_TRY(cudaMemcpyAsync(token_groups_.get(), staged_groups, packed.size() * 4, cudaMemcpyHostToDevice, compute_));
+  FSDP_CUDA_TRY(cudaEventRecord(slot.copied, compute_));
+  return {};
 }
 
 Result<bool> CudaEngine::FoundNonFinite() {
@@ -594,6 +621,7 @@ Status CudaEngine::Optimizer() {
 }
 
 Result<float> CudaEngine::StepOnce(int64_t step) {
+  const int64_t waits_before = host_waits_;
   FSDP_CUDA_TRY(cudaMemsetAsync(loss_sum_.get(), 0, 4, compute_));
   FSDP_CUDA_TRY(cudaEventRecord(phase_events_[0], compute_));
   for (int64_t m = 0; m < w_.config.grad_accum; ++m) {
@@ -610,6 +638,7 @@ Result<float> CudaEngine::StepOnce(int64_t step) {
   times_.forward_s.push_back(ms[0] / 1e3);   // first micro-batch's forward
   times_.backward_s.push_back(ms[1] / 1e3);  // the rest, through the last reduction
   times_.optimizer_s.push_back(ms[2] / 1e3);
+  times_.host_waits.push_back(host_waits_ - waits_before);
   for (DeviceComm* c : {shard_.get(), replica_.get()}) FSDP_TRY(c->CollectTimes());
   device_view_.device_used_bytes = std::max(device_view_.device_used_bytes, DeviceUsedBytes());
   float mean = loss_sum / static_cast<float>(ctx_.tokens() * w_.config.grad_accum);

@@ -412,8 +412,9 @@ TEST_CASE("A virtual world's collectives write what its size of identical ranks 
 }
 
 Workload TinyWorkload(Strategy strategy, Checkpointing ac, DType param_dtype, int gpus, WrapPolicy wrap = WrapPolicy::kBlock,
-                      int64_t grad_accum = 1, bool no_sync = false, int64_t gpus_per_node = 0) {
+                      int64_t grad_accum = 1, bool no_sync = false, int64_t gpus_per_node = 0, Framework framework = Framework::kFsdp1) {
   FsdpConfig config;
+  config.framework = framework;
   config.wrap = wrap;
   config.grad_accum = grad_accum;
   config.no_sync = no_sync;
@@ -483,6 +484,17 @@ TEST_CASE("Gradient accumulation with and without no_sync matches the CPU; HYBRI
     for (int64_t step = 0; step < 2; ++step) CHECK(gpu.value()->Step(step).value() == doctest::Approx(cpu->Step(step).value()).epsilon(1e-3));
     CHECK(gpu.value()->memory().peak_allocated_bytes == EstimateGpuRuntimeMemory(w).peak_bytes);
     if (strategy == Strategy::kShardGradOp) CHECK(gpu.value()->shard_stats().all_gather_count == 2 * static_cast<int64_t>(w.units.size()));
+  }
+  // the host waits for the device at the end of a step only, however many micro-batches: FSDP2
+  // (no rate limiter), fp32 (no inf check); the three streams' ends at most
+  for (int64_t grad_accum : {1, 4}) {
+    const Workload w = TinyWorkload(Strategy::kFullShard, Checkpointing::kNone, DType::kFp32, 1, WrapPolicy::kBlock, grad_accum, false, 0, Framework::kFsdp2);
+    auto gpu = CreateGpuEngine(w, *host, o, 0);
+    REQUIRE(gpu.ok());
+    for (int64_t step = 0; step < 3; ++step) REQUIRE(gpu.value()->Step(step).ok());
+    const std::vector<int64_t> waits = gpu.value()->times().host_waits;
+    REQUIRE(waits.size() == 3);
+    for (int64_t n : waits) CHECK(n <= 3);
   }
   const Workload hybrid = TinyWorkload(Strategy::kHybridShard, Checkpointing::kNone, DType::kBf16, 8, WrapPolicy::kBlock, 1, false, 4);
   REQUIRE(hybrid.shard_world == 4);

@@ -1,5 +1,7 @@
 #include "runtime/cuda/device_comm.h"
 
+#include <thread>
+
 #include <fmt/format.h>
 #include <nccl.h>
 
@@ -52,6 +54,24 @@ Status DeviceComm::ReduceScatter(const void* in, void* out, int64_t count, DType
 
 Status DeviceComm::AllReduce(void* data, int64_t count, DType dtype, cudaStream_t stream) {
   return Time(Kind::kAllReduce, count * BytesPerElement(dtype), stream, [&] { return DoAllReduce(data, count, dtype, stream); });
+}
+
+Status WaitForEvent(cudaEvent_t event, std::initializer_list<DeviceComm*> comms, bool* found_busy) {
+  if (found_busy != nullptr) *found_busy = false;
+  FSDP_TRY(CudaStatus(cudaGetLastError(), "a kernel launch before a wait"));
+  for (int polls = 1;; ++polls) {
+    const cudaError_t code = cudaEventQuery(event);
+    if (code == cudaSuccess) return {};
+    if (code != cudaErrorNotReady) return CudaStatus(code, "cudaEventQuery");
+    (void)cudaGetLastError();  // not ready is not an error
+    if (polls == 1 && found_busy != nullptr) *found_busy = true;
+    if (polls % 256 == 0) {
+      for (DeviceComm* c : comms) {
+        if (c != nullptr) FSDP_TRY(c->AsyncError());
+      }
+    }
+    std::this_thread::yield();  // a sleep would delay the all-gathers the engine's rate limiter releases
+  }
 }
 
 Status DeviceComm::CollectTimes() {

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -66,6 +67,14 @@ class DeviceComm {
   cudaEvent_t last_end_ = nullptr;      // the end of the latest collective, whatever its stream
   CommStats stats_;
 };
+
+/// Waits until `event` has completed, polling `comms` (null entries skipped) for asynchronous NCCL
+/// errors every 256 queries, as PyTorch's NCCL watchdog does, so that a collective that can never
+/// finish (a peer that died, a broken network) ends the wait with NCCL's error instead of a hang.
+/// A launch error pending before the wait is returned first (a not-ready query would replace it).
+/// Spins (with yields) as cudaEventSynchronize does by default. *found_busy, when given, says
+/// whether the first query found the work unfinished.
+Status WaitForEvent(cudaEvent_t event, std::initializer_list<DeviceComm*> comms, bool* found_busy = nullptr);
 
 /// One communicator over every rank of `host` (bootstrap), on the current device.
 Result<std::unique_ptr<DeviceComm>> MakeNcclComm(Comm& host);

@@ -11,6 +11,8 @@
 //   allocation from ops not ordered so, one of them a write, are reported as a race, whatever order
 //   they ran in. Work also runs only when something waits for it (a synchronize, a device-to-host
 //   copy, cudaFree), as late as its dependencies allow, so a missing wait often shows as NaN too;
+// - pinned host memory (cudaHostAlloc): a host-to-device copy reads it when it runs, and it is
+//   read-only until then, so a host write the copy could still see faults with a message;
 // - uninitialised reads: cudaMalloc fills new memory with 0xFF bytes (NaN in fp32, bf16 and fp16);
 // - bounds: every copy, memset, GEMM operand and collective buffer must lie inside one
 //   allocation, and every pointer a kernel is given must be device memory or null;

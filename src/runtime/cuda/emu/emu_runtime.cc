@@ -2,6 +2,7 @@
 // deferred work, events as markers in them, the legacy default stream's implicit ordering, sticky
 // errors. Only the calls fsdp-run makes are emulated.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -69,9 +71,16 @@ struct Allocation {
   std::map<int, Stamp> readers;       // since it: the latest read per stream
 };
 
+// Pinned host memory (cudaHostAlloc), page-aligned.
+struct PinnedHost {
+  size_t bytes = 0, mapped = 0;
+  int pending_copies = 0;  // host-to-device copies issued from it that have not run
+};
+
 struct Context {
   std::recursive_mutex mutex;
   std::map<uintptr_t, Allocation> allocations;  // by base address
+  std::map<uintptr_t, PinnedHost> pinned;       // by base address
   size_t used_bytes = 0;
   const size_t total_bytes = EnvBytes("FSDP_EMU_DEVICE_BYTES", size_t{16} << 30);
   CUstream_st null_stream;
@@ -233,6 +242,83 @@ void* MapGuarded(size_t rounded) {
 void UnmapGuarded(void* p, size_t bytes) {
   const size_t rounded = (bytes + 255) / 256 * 256, mapped = MappedBytes(rounded);
   munmap(static_cast<char*>(p) + rounded + PageBytes() - mapped, mapped);
+}
+
+// A host-to-device copy from pinned memory reads it when it runs, as the GPU's DMA does; until then
+// the pages are read-only, so a host write the copy would see faults, with a message, instead of
+// silently changing what the device receives. The read-only ranges, for the fault handler:
+constexpr int kMaxReadOnly = 64;
+std::atomic<uintptr_t> g_read_only_begin[kMaxReadOnly], g_read_only_end[kMaxReadOnly];
+struct sigaction g_previous_segv;
+
+void OnSegv(int, siginfo_t* info, void*) {
+  const auto addr = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (int i = 0; i < kMaxReadOnly; ++i) {
+    if (addr >= g_read_only_begin[i].load() && addr < g_read_only_end[i].load()) {
+      static const char kMessage[] =
+          "cuda-emu: the host wrote pinned memory that a cudaMemcpyAsync (host to device) issued earlier has not read yet "
+          "(wait for the copy, e.g. an event recorded after it, before reusing the buffer)\n";
+      (void)!write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);
+      break;
+    }
+  }
+  sigaction(SIGSEGV, &g_previous_segv, nullptr);  // the write faults again, under the previous handler
+}
+
+// At each cudaHostAlloc, unless it is already the handler: whoever replaced it (a test runner's
+// handler, SIG_DFL) becomes the one the fault is passed on to.
+void InstallPinnedFaultHandler() {
+  struct sigaction current {};
+  sigaction(SIGSEGV, nullptr, &current);
+  if ((current.sa_flags & SA_SIGINFO) != 0 && current.sa_sigaction == OnSegv) return;
+  struct sigaction action {};
+  action.sa_sigaction = OnSegv;
+  action.sa_flags = SA_SIGINFO;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGSEGV, &action, &g_previous_segv);
+}
+
+void SetReadOnlyRange(uintptr_t begin, uintptr_t end, bool read_only) {
+  for (int i = 0; i < kMaxReadOnly; ++i) {
+    const uintptr_t current = g_read_only_begin[i].load();
+    if (read_only ? current == 0 : current == begin) {
+      g_read_only_end[i] = read_only ? end : 0;
+      g_read_only_begin[i] = read_only ? begin : 0;
+      return;
+    }
+  }
+}
+
+// Counts a copy from the pinned allocation at `base` issued (+1) or run or dropped (-1).
+void TrackPendingCopy(uintptr_t base, int delta) {
+  std::lock_guard<std::recursive_mutex> lock(C().mutex);
+  auto it = C().pinned.find(base);
+  if (it == C().pinned.end()) return;  // freed since
+  PinnedHost& h = it->second;
+  const bool was_read_only = h.pending_copies > 0;
+  h.pending_copies += delta;
+  const bool read_only = h.pending_copies > 0;
+  if (was_read_only == read_only) return;
+  mprotect(reinterpret_cast<void*>(base), h.mapped, read_only ? PROT_READ : PROT_READ | PROT_WRITE);
+  SetReadOnlyRange(base, base + h.mapped, read_only);
+}
+
+// Lives as long as the copy's op holds its work: it is released once the work has run or been dropped.
+struct PendingPinnedCopy {
+  explicit PendingPinnedCopy(uintptr_t base) : base(base) { TrackPendingCopy(base, +1); }
+  ~PendingPinnedCopy() { TrackPendingCopy(base, -1); }
+  PendingPinnedCopy(const PendingPinnedCopy&) = delete;
+  PendingPinnedCopy& operator=(const PendingPinnedCopy&) = delete;
+  uintptr_t base;
+};
+
+// The pinned allocation `p` points into, or end().
+std::map<uintptr_t, PinnedHost>::iterator PinnedOf(const void* p) {
+  auto& pinned = C().pinned;
+  auto it = pinned.upper_bound(reinterpret_cast<uintptr_t>(p));
+  if (it == pinned.begin()) return pinned.end();
+  --it;
+  return reinterpret_cast<uintptr_t>(p) - it->first < it->second.bytes ? it : pinned.end();
 }
 
 bool KnownStream(cudaStream_t stream) { return stream == nullptr || C().streams.count(stream) > 0; }
@@ -480,6 +566,34 @@ cudaError_t cudaFree(void* ptr) {
   return fsdp::emu::Return(cudaSuccess);
 }
 
+cudaError_t cudaHostAlloc(void** ptr, size_t bytes, unsigned int /*flags*/) {
+  EMU_LOCK;
+  *ptr = nullptr;
+  if (C().sticky != cudaSuccess) return C().sticky;
+  if (bytes == 0) return cudaSuccess;
+  const size_t mapped = (bytes + fsdp::emu::PageBytes() - 1) / fsdp::emu::PageBytes() * fsdp::emu::PageBytes();
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return fsdp::emu::Return(cudaErrorMemoryAllocation);
+  fsdp::emu::InstallPinnedFaultHandler();
+  C().pinned[reinterpret_cast<uintptr_t>(p)] = fsdp::emu::PinnedHost{bytes, mapped, 0};
+  *ptr = p;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void** ptr, size_t bytes) { return cudaHostAlloc(ptr, bytes, cudaHostAllocDefault); }
+
+cudaError_t cudaFreeHost(void* ptr) {
+  EMU_LOCK;
+  fsdp::emu::RunAll();  // as cudaFree: the copies reading it complete first
+  if (ptr == nullptr) return fsdp::emu::Return(cudaSuccess);
+  auto it = C().pinned.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == C().pinned.end()) return fsdp::emu::Return(cudaErrorInvalidValue);
+  if (it->second.pending_copies > 0) fsdp::emu::SetReadOnlyRange(it->first, it->first + it->second.mapped, false);  // behind a stuck collective
+  munmap(ptr, it->second.mapped);
+  C().pinned.erase(it);
+  return fsdp::emu::Return(cudaSuccess);
+}
+
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream) {
   EMU_LOCK;
   using fsdp::emu::IsDeviceRangeLocked;
@@ -498,6 +612,14 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   }
   if (kind == cudaMemcpyDeviceToHost) {  // pageable host memory: returns once the copy is done
     fsdp::emu::RunAfter(stream, "cudaMemcpyAsync (device to host)", [=] { std::memcpy(dst, src, bytes); }, {{src, false}}, true);
+  } else if (kind == cudaMemcpyHostToDevice && fsdp::emu::PinnedOf(src) != C().pinned.end()) {  // read when it runs
+    const auto pinned = fsdp::emu::PinnedOf(src);
+    if (static_cast<const char*>(src) + bytes > reinterpret_cast<const char*>(pinned->first) + pinned->second.bytes) {
+      std::fprintf(stderr, "cuda-emu: cudaMemcpyAsync of %zu bytes overruns its pinned host allocation\n", bytes);
+      return fsdp::emu::Return(cudaErrorInvalidValue);
+    }
+    auto pending = std::make_shared<fsdp::emu::PendingPinnedCopy>(pinned->first);
+    fsdp::emu::Append(stream, [=] { std::memcpy(dst, src, bytes); (void)pending; }, "cudaMemcpyAsync (pinned host to device)", {{dst, true}});
   } else if (kind == cudaMemcpyHostToDevice) {  // pageable host memory is staged at the call
     auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + bytes);
     fsdp::emu::Append(stream, [=] { std::memcpy(dst, staged->data(), bytes); }, "cudaMemcpyAsync (host to device)", {{dst, true}});

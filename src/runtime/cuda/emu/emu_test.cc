@@ -8,6 +8,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -206,6 +207,54 @@ TEST_CASE("A kernel that writes past its allocation faults at once (a guard page
   REQUIRE(waitpid(child, &status, 0) == child);
   CHECK(WIFSIGNALED(status));
   CHECK(WTERMSIG(status) == SIGSEGV);
+}
+
+TEST_CASE("A copy from pinned host memory reads it when it runs, as DMA does") {
+  Device d;
+  cudaStream_t s = NonBlocking();
+  float* staged = nullptr;
+  REQUIRE(cudaHostAlloc(reinterpret_cast<void**>(&staged), 4 * sizeof(float), cudaHostAllocDefault) == cudaSuccess);
+  for (int i = 0; i < 4; ++i) staged[i] = static_cast<float>(i + 1);
+  float* x = d.Alloc(4);
+  REQUIRE(cudaMemcpyAsync(x, staged, 4 * sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
+  CHECK(cudaMemcpyAsync(x, staged + 2, 4 * sizeof(float), cudaMemcpyHostToDevice, s) == cudaErrorInvalidValue);  // past its end
+  (void)cudaGetLastError();
+  REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+  staged[0] = 9.0f;  // writable again once the copy has run
+  std::vector<float> back(4);
+  REQUIRE(cudaMemcpyAsync(back.data(), x, 4 * sizeof(float), cudaMemcpyDeviceToHost, s) == cudaSuccess);
+  CHECK(back == std::vector<float>{1, 2, 3, 4});
+  CHECK(cudaFreeHost(staged) == cudaSuccess);
+  CHECK(cudaFreeHost(staged) == cudaErrorInvalidValue);
+  (void)cudaGetLastError();
+  cudaStreamDestroy(s);
+}
+
+TEST_CASE("The host writing pinned memory a pending copy still reads faults, naming the mistake") {
+  int pipe_fds[2];
+  REQUIRE(pipe(pipe_fds) == 0);
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    dup2(pipe_fds[1], STDERR_FILENO);
+    std::signal(SIGSEGV, SIG_DFL);  // cudaHostAlloc's handler passes the fault on to this one
+    float *staged = nullptr, *x = nullptr;
+    cudaHostAlloc(reinterpret_cast<void**>(&staged), 4 * sizeof(float), cudaHostAllocDefault);
+    cudaMalloc(reinterpret_cast<void**>(&x), 4 * sizeof(float));
+    cudaMemcpyAsync(x, staged, 4 * sizeof(float), cudaMemcpyHostToDevice, nullptr);
+    staged[0] = 1.0f;  // the next micro-batch's tokens written before the copy of this one's has run
+    _exit(0);
+  }
+  close(pipe_fds[1]);
+  std::string err;
+  char buf[512];
+  for (ssize_t n; (n = read(pipe_fds[0], buf, sizeof(buf))) > 0;) err.append(buf, static_cast<size_t>(n));
+  close(pipe_fds[0]);
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGSEGV);
+  CHECK(err.find("the host wrote pinned memory that a cudaMemcpyAsync (host to device) issued earlier has not read yet") != std::string::npos);
 }
 
 TEST_CASE("Work for a destroyed stream is refused, not run on freed memory") {
