@@ -17,9 +17,10 @@ namespace fsdp::runtime {
 namespace cuda {
 namespace {
 
-// Best time of `repeats` runs of `work` on `stream`, after one warm-up, from CUDA events.
+// Best time of `repeats` runs of `work` on `stream`, after one warm-up, from CUDA events; the
+// waits poll `comm` (the collectives' communicator, else null) for NCCL errors.
 template <typename Work>
-Result<double> BestSeconds(cudaStream_t stream, int repeats, Work&& work) {
+Result<double> BestSeconds(cudaStream_t stream, int repeats, DeviceComm* comm, Work&& work) {
   cudaEvent_t start = nullptr, end = nullptr;
   FSDP_CUDA_TRY(cudaEventCreate(&start));
   if (Status s = CudaStatus(cudaEventCreate(&end), "cudaEventCreate"); !s.ok()) {
@@ -32,7 +33,8 @@ Result<double> BestSeconds(cudaStream_t stream, int repeats, Work&& work) {
     cudaEventRecord(start, stream);
     status = work();
     cudaEventRecord(end, stream);
-    cudaEventSynchronize(end);
+    if (status.ok()) status = WaitForEvent(end, {comm});
+    if (!status.ok()) break;
     float ms = 0;
     cudaEventElapsedTime(&ms, start, end);
     if (i > 0) best = std::min(best, ms / 1e3);
@@ -69,8 +71,8 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
     FSDP_ALLOC(dw, c.Buffer(out * in, Mem::kTemporaries));
     uint64_t seed = 1;
     for (const DeviceBuffer* b : {&x, &w, &y, &dw}) FSDP_TRY(FillRandom(c, *b, seed++));
-    auto fwd = BestSeconds(c.stream, repeats, [&] { return LinearForward(c.blas, c.dtype, x.get(), w.get(), y.get(), T, in, out); });
-    auto bwd = BestSeconds(c.stream, repeats, [&] { return LinearBackward(c.blas, c.dtype, y.get(), x.get(), w.get(), dx.get(), dw.get(), T, in, out); });
+    auto fwd = BestSeconds(c.stream, repeats, nullptr, [&] { return LinearForward(c.blas, c.dtype, x.get(), w.get(), y.get(), T, in, out); });
+    auto bwd = BestSeconds(c.stream, repeats, nullptr, [&] { return LinearBackward(c.blas, c.dtype, y.get(), x.get(), w.get(), dx.get(), dw.get(), T, in, out); });
     if (!fwd.ok()) return fwd.error();
     if (!bwd.ok()) return bwd.error();
     seconds += fwd.value() + bwd.value();
@@ -88,7 +90,7 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
   FSDP_ALLOC(dv, c.Buffer(T * kv, Mem::kTemporaries));
   uint64_t seed = 11;
   for (const DeviceBuffer* b : {&qb, &kb, &vb}) FSDP_TRY(FillRandom(c, *b, seed++));
-  auto attention = BestSeconds(c.stream, repeats, [&]() -> Status {
+  auto attention = BestSeconds(c.stream, repeats, nullptr, [&]() -> Status {
     FSDP_TRY(DeviceAttentionForward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get()));
     return DeviceAttentionBackward(c, qb.get(), kb.get(), vb.get(), probs.get(), out.get(), dq.get(), dk.get(), dv.get());
   });
@@ -97,7 +99,7 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
   const int64_t copy_bytes = int64_t{1} << 30;
   FSDP_ALLOC(src, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
   FSDP_ALLOC(dst, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
-  auto copy = BestSeconds(c.stream, repeats, [&] {
+  auto copy = BestSeconds(c.stream, repeats, nullptr, [&] {
     return CudaStatus(cudaMemcpyAsync(dst.get(), src.get(), static_cast<size_t>(copy_bytes), cudaMemcpyDeviceToDevice, c.stream), "copy");
   });
   if (!copy.ok()) return copy.error();
@@ -115,12 +117,13 @@ Result<Json> CollectiveSweep(DeviceComm& comm, DeviceAllocator& alloc, cudaStrea
     const int64_t per_rank = std::max<int64_t>(1, bytes / e / n);
     FSDP_ALLOC(small, alloc.Allocate(per_rank * e, Mem::kCommBuffers, stream));
     FSDP_ALLOC(big, alloc.Allocate(per_rank * n * e, Mem::kCommBuffers, stream));
-    auto ag = BestSeconds(stream, repeats, [&] { return comm.AllGather(small.get(), big.get(), per_rank, dtype, stream); });
-    auto rs = BestSeconds(stream, repeats, [&] { return comm.ReduceScatter(big.get(), small.get(), per_rank, dtype, stream); });
-    auto ar = BestSeconds(stream, repeats, [&] { return comm.AllReduce(big.get(), per_rank * n, dtype, stream); });
-    for (const auto* t : {&ag, &rs, &ar}) {
-      if (!t->ok()) return t->error();
-    }
+    // each checked before the next is issued: nothing more queues behind a collective that failed
+    auto ag = BestSeconds(stream, repeats, &comm, [&] { return comm.AllGather(small.get(), big.get(), per_rank, dtype, stream); });
+    if (!ag.ok()) return ag.error();
+    auto rs = BestSeconds(stream, repeats, &comm, [&] { return comm.ReduceScatter(big.get(), small.get(), per_rank, dtype, stream); });
+    if (!rs.ok()) return rs.error();
+    auto ar = BestSeconds(stream, repeats, &comm, [&] { return comm.AllReduce(big.get(), per_rank * n, dtype, stream); });
+    if (!ar.ok()) return ar.error();
     rows.push_back(CollectiveRow(n, per_rank * n * e, ag.value(), rs.value(), ar.value()));
   }
   FSDP_TRY(comm.CollectTimes());
@@ -164,6 +167,7 @@ Result<Json> CalibrateGpu(const ModelSpec& m, Comm& host, const Json& catalog, D
     auto rates = MeasureRates(m, c, repeats);
     auto comm = host.size() > 1 ? MakeNcclComm(host) : Result<std::unique_ptr<DeviceComm>>(MakeVirtualComm(1));
     Result<Json> sweep = comm.ok() ? CollectiveSweep(*comm.value(), alloc, stream, dtype, max_collective_bytes, repeats) : Result<Json>(comm.error());
+    if (!sweep.ok() && comm.ok()) comm.value()->Abort();  // its pending collectives end, so freeing memory below cannot wait on them
     if (!rates.ok()) {
       result = rates.error();
     } else if (!sweep.ok()) {

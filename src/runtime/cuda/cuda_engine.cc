@@ -95,7 +95,7 @@ class CudaEngine : public GpuEngine {
   Result<bool> FoundNonFinite();
   /// WaitForEvent (device_comm.h) polling this engine's communicators for NCCL errors, counting
   /// the waits that found the device busy: the end of a step, FSDP1's rate limiter, the fp16 inf
-  /// check.
+  /// check, the allocator's out-of-memory retry.
   Status WaitEvent(cudaEvent_t event);
   /// The same for the work enqueued on `stream` so far.
   Status WaitStream(cudaStream_t stream);
@@ -248,6 +248,10 @@ Status CudaEngine::InitDevice(int virtual_world) {
   FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&gather_, cudaStreamNonBlocking));
   FSDP_CUDA_TRY(cudaStreamCreateWithFlags(&reduce_, cudaStreamNonBlocking));
+  alloc_.set_device_wait([this]() -> Status {
+    for (cudaStream_t s : {compute_, gather_, reduce_}) FSDP_TRY(WaitStream(s));
+    return {};
+  });
   virtual_world_ = virtual_world;
   dtype_ = w_.config.param_dtype;
   reduce_dtype_ = w_.config.reduce_dtype;

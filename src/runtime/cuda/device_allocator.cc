@@ -89,7 +89,12 @@ Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, Mem category, cuda
     cudaError_t code = cudaMalloc(&ptr, static_cast<size_t>(size));
     if (code != cudaSuccess) {  // as PyTorch: wait for pending frees, return the cache, try once more
       cudaGetLastError();
-      ProcessPending(true);
+      if (device_wait_) {
+        if (Status s = device_wait_(); !s.ok()) return s.error();
+      } else {
+        FSDP_CUDA_TRY(cudaDeviceSynchronize());
+      }
+      ProcessPending(true);  // every event has completed: no wait
       b = TakeCached(size, stream);
       if (b == nullptr) {
         if (Status s = EmptyCache(); !s.ok()) return s.error();

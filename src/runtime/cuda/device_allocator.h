@@ -15,6 +15,7 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <initializer_list>
 #include <map>
 #include <string>
@@ -72,6 +73,11 @@ class DeviceAllocator {
   /// Names what the engine is doing, for the peak's report (a string literal: it is kept by pointer,
   /// as this is called around every unit's work).
   void set_phase(const char* phase) { phase_ = phase; }
+  /// How the out-of-memory retry waits for the device to finish its work before it returns the
+  /// cache (cudaFree would wait for it anyway): the engine's waits, which poll NCCL for errors, so
+  /// that a collective that can never finish ends the retry with NCCL's error instead of a hang.
+  /// cudaDeviceSynchronize until set.
+  void set_device_wait(std::function<Status()> wait) { device_wait_ = std::move(wait); }
   /// Rehearses an out-of-memory: allocated bytes may not exceed this (0: no limit).
   void set_limit(int64_t bytes) { limit_ = bytes; }
   /// Returns every cached block to the device.
@@ -107,6 +113,7 @@ class DeviceAllocator {
   EventPool events_{cudaEventDisableTiming};
   std::array<int64_t, kMemKinds> live_{}, at_peak_{};
   int64_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0, limit_ = 0, mallocs_ = 0;
+  std::function<Status()> device_wait_;
   const char* phase_ = "initialisation";
   std::string peak_phase_;
 };
