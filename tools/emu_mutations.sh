@@ -6,7 +6,7 @@
 # the first report (a race, a pinned-memory fault, the host-wait check). The source file is
 # restored after each mutation and on exit.
 # Not part of CTest (about a minute per mutation on 2 cores); docs/cuda-emu.md quotes its output.
-#   tools/emu_mutations.sh [BUILD]
+#   tools/emu_mutations.sh [BUILD [NAME...]]   (NAMEs: only those mutations)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -16,9 +16,11 @@ cp "$src" "$saved"
 trap 'cp "$saved" "$src"; rm -f "$saved"' EXIT
 log=$(mktemp)
 
+only=("${@:2}")
 mutate() {  # name, then pairs: a line as it is, what it becomes
   local name=$1
   shift
+  if [ ${#only[@]} -gt 0 ] && [[ ! " ${only[*]} " == *" $name "* ]]; then return; fi
   python3 - "$src" "$@" <<'PY' || { echo "$name: line not found"; return; }
 import sys
 path, pairs = sys.argv[1], sys.argv[2:]
@@ -47,7 +49,7 @@ mutate params_ready "  FSDP_CUDA_TRY(cudaStreamWaitEvent(gather_, params_ready_,
 mutate staging_reuse "  TokenStaging& slot = staging_[static_cast<size_t>(micro)];" "  TokenStaging& slot = staging_[0];" \
   "    FSDP_TRY(WaitEvent(slot.copied));" ""
 mutate micro_batch_wait "  return 0.0f;  // no wait" "  FSDP_TRY(WaitStream(compute_));
-  return 0.0f;"
+  return 0.0f;  // no wait"
 cp "$saved" "$src"
 cmake --build "$build" -j2 --target cuda_emu_test > /dev/null 2>&1
 rm -f "$log"
