@@ -46,7 +46,8 @@ struct GpuMemoryReport {
 struct GpuPhaseTimes {
   std::vector<double> forward_s, backward_s, optimizer_s;
   /// Per step, how often the host found the device still working and waited: the end of the
-  /// step (its three streams), the fp16 inf check, FSDP1's rate limiter; never per micro-batch.
+  /// step (its three streams), the fp16 inf check, FSDP1's rate limiter, the caching allocator's
+  /// out-of-memory retry; never per micro-batch.
   std::vector<int64_t> host_waits;
 };
 

@@ -272,6 +272,14 @@ Status CudaEngine::InitDevice(int virtual_world) {
   ctx_.rope_table = rope_table_.as<float>();
   for (cudaEvent_t* e : {&params_ready_, &reduced_}) FSDP_CUDA_TRY(cudaEventCreateWithFlags(e, cudaEventDisableTiming));
   for (cudaEvent_t& e : phase_events_) FSDP_CUDA_TRY(cudaEventCreate(&e));
+  // before the steps: a page-locked allocation can stop the streams running concurrently
+  staging_.resize(static_cast<size_t>(w_.config.grad_accum));
+  for (TokenStaging& slot : staging_) {
+    FSDP_CUDA_TRY(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+    void* p = nullptr;
+    FSDP_CUDA_TRY(cudaHostAlloc(&p, static_cast<size_t>(5 * ctx_.tokens() + 1) * 4, cudaHostAllocDefault));  // ids, targets, at most 3T + 1 group entries
+    slot.host = static_cast<int32_t*>(p);
+  }
   const size_t n = w_.units.size();
   for (auto* v : {&shard_params_, &exp_avg_, &exp_avg_sq_, &grad_shard_, &full_, &full_grad_}) v->resize(n);
   gathered_.assign(n, nullptr);
@@ -570,16 +578,8 @@ Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
 Status CudaEngine::UploadTokens(int64_t micro, const std::vector<int32_t>& ids, const std::vector<int32_t>& targets,
                                 const std::vector<int32_t>& packed) {
   const size_t T = ids.size();
-  if (staging_.size() <= static_cast<size_t>(micro)) staging_.resize(static_cast<size_t>(micro) + 1);
   TokenStaging& slot = staging_[static_cast<size_t>(micro)];
-  if (slot.host == nullptr) {
-    void* p = nullptr;
-    FSDP_CUDA_TRY(cudaHostAlloc(&p, (5 * T + 1) * 4, cudaHostAllocDefault));  // ids, targets, at most 3T + 1 group entries
-    slot.host = static_cast<int32_t*>(p);
-    FSDP_CUDA_TRY(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
-  } else {
-    FSDP_TRY(WaitEvent(slot.copied));
-  }
+  FSDP_TRY(WaitEvent(slot.copied));  // not recorded yet in the first step: no wait
   int32_t* const staged_ids = slot.host;
   int32_t* const staged_targets = std::copy(ids.begin(), ids.end(), staged_ids);
   int32_t* const staged_groups = std::copy(targets.begin(), targets.end(), staged_targets);

@@ -494,7 +494,15 @@ TEST_CASE("Gradient accumulation with and without no_sync matches the CPU; HYBRI
     for (int64_t step = 0; step < 3; ++step) REQUIRE(gpu.value()->Step(step).ok());
     const std::vector<int64_t> waits = gpu.value()->times().host_waits;
     REQUIRE(waits.size() == 3);
-    for (int64_t n : waits) CHECK(n <= 3);
+    // cuda-emu runs work only when waited for, so each of the three waits finds it unfinished
+    const bool emulated = gpu.value()->device_name().find("cuda-emu") != std::string::npos;
+    for (int64_t n : waits) {
+      if (emulated) {
+        CHECK(n == 3);
+      } else {
+        CHECK(n <= 3);
+      }
+    }
   }
   const Workload hybrid = TinyWorkload(Strategy::kHybridShard, Checkpointing::kNone, DType::kBf16, 8, WrapPolicy::kBlock, 1, false, 4);
   REQUIRE(hybrid.shard_world == 4);

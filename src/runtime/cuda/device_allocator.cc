@@ -90,7 +90,9 @@ Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, Mem category, cuda
     if (code != cudaSuccess) {  // as PyTorch: wait for pending frees, return the cache, try once more
       cudaGetLastError();
       if (device_wait_) {
-        if (Status s = device_wait_(); !s.ok()) return s.error();
+        if (Status s = device_wait_(); !s.ok()) {
+          return Error::RunFailed(fmt::format("{} (the out-of-memory retry at {} waited for the device)", s.error().message, phase_));
+        }
       } else {
         FSDP_CUDA_TRY(cudaDeviceSynchronize());
       }

@@ -247,7 +247,7 @@ void UnmapGuarded(void* p, size_t bytes) {
 // A host-to-device copy from pinned memory reads it when it runs, as the GPU's DMA does; until then
 // the pages are read-only, so a host write the copy would see faults, with a message, instead of
 // silently changing what the device receives. The read-only ranges, for the fault handler:
-constexpr int kMaxReadOnly = 64;
+constexpr int kMaxReadOnly = 256;
 std::atomic<uintptr_t> g_read_only_begin[kMaxReadOnly], g_read_only_end[kMaxReadOnly];
 struct sigaction g_previous_segv;
 
@@ -273,7 +273,7 @@ void InstallPinnedFaultHandler() {
   if ((current.sa_flags & SA_SIGINFO) != 0 && current.sa_sigaction == OnSegv) return;
   struct sigaction action {};
   action.sa_sigaction = OnSegv;
-  action.sa_flags = SA_SIGINFO;
+  action.sa_flags = SA_SIGINFO | SA_ONSTACK;  // as a test runner's handler: a stack overflow still reaches it
   sigemptyset(&action.sa_mask);
   sigaction(SIGSEGV, &action, &g_previous_segv);
 }
@@ -287,6 +287,7 @@ void SetReadOnlyRange(uintptr_t begin, uintptr_t end, bool read_only) {
       return;
     }
   }
+  if (read_only) std::fprintf(stderr, "cuda-emu: more than %d pinned buffers wait for copies at once: a write to this one faults unnamed\n", kMaxReadOnly);
 }
 
 // Counts a copy from the pinned allocation at `base` issued (+1) or run or dropped (-1).

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <csignal>
 #include <cstring>
@@ -219,8 +220,19 @@ TEST_CASE("A copy from pinned host memory reads it when it runs, as DMA does") {
   REQUIRE(cudaMemcpyAsync(x, staged, 4 * sizeof(float), cudaMemcpyHostToDevice, s) == cudaSuccess);
   CHECK(cudaMemcpyAsync(x, staged + 2, 4 * sizeof(float), cudaMemcpyHostToDevice, s) == cudaErrorInvalidValue);  // past its end
   (void)cudaGetLastError();
+  // while the copy is pending the pages are read-only: the kernel refuses to write them (EFAULT)
+  // where a store from this thread would fault
+  int pipe_fds[2];
+  REQUIRE(pipe(pipe_fds) == 0);
+  const float nine = 9.0f;
+  REQUIRE(write(pipe_fds[1], &nine, sizeof(nine)) == static_cast<ssize_t>(sizeof(nine)));
+  CHECK(read(pipe_fds[0], staged, sizeof(float)) == -1);
+  CHECK(errno == EFAULT);
   REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
-  staged[0] = 9.0f;  // writable again once the copy has run
+  CHECK(read(pipe_fds[0], staged, sizeof(float)) == static_cast<ssize_t>(sizeof(float)));  // writable again once the copy has run
+  CHECK(staged[0] == 9.0f);
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
   std::vector<float> back(4);
   REQUIRE(cudaMemcpyAsync(back.data(), x, 4 * sizeof(float), cudaMemcpyDeviceToHost, s) == cudaSuccess);
   CHECK(back == std::vector<float>{1, 2, 3, 4});
