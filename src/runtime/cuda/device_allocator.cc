@@ -89,12 +89,8 @@ Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, Mem category, cuda
     cudaError_t code = cudaMalloc(&ptr, static_cast<size_t>(size));
     if (code != cudaSuccess) {  // as PyTorch: wait for pending frees, return the cache, try once more
       cudaGetLastError();
-      if (device_wait_) {
-        if (Status s = device_wait_(); !s.ok()) {
-          return Error::RunFailed(fmt::format("{} (the out-of-memory retry at {} waited for the device)", s.error().message, phase_));
-        }
-      } else {
-        FSDP_CUDA_TRY(cudaDeviceSynchronize());
+      if (Status s = device_wait_(); !s.ok()) {
+        return Error::RunFailed(fmt::format("{} (the out-of-memory retry at {} waited for the device)", s.error().message, phase_));
       }
       ProcessPending(true);  // every event has completed: no wait
       b = TakeCached(size, stream);

@@ -113,7 +113,7 @@ class DeviceAllocator {
   EventPool events_{cudaEventDisableTiming};
   std::array<int64_t, kMemKinds> live_{}, at_peak_{};
   int64_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0, limit_ = 0, mallocs_ = 0;
-  std::function<Status()> device_wait_;
+  std::function<Status()> device_wait_ = [] { return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); };
   const char* phase_ = "initialisation";
   std::string peak_phase_;
 };

@@ -613,8 +613,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   }
   if (kind == cudaMemcpyDeviceToHost) {  // pageable host memory: returns once the copy is done
     fsdp::emu::RunAfter(stream, "cudaMemcpyAsync (device to host)", [=] { std::memcpy(dst, src, bytes); }, {{src, false}}, true);
-  } else if (kind == cudaMemcpyHostToDevice && fsdp::emu::PinnedOf(src) != C().pinned.end()) {  // read when it runs
-    const auto pinned = fsdp::emu::PinnedOf(src);
+  } else if (const auto pinned = fsdp::emu::PinnedOf(src); kind == cudaMemcpyHostToDevice && pinned != C().pinned.end()) {  // read when it runs
     if (static_cast<const char*>(src) + bytes > reinterpret_cast<const char*>(pinned->first) + pinned->second.bytes) {
       std::fprintf(stderr, "cuda-emu: cudaMemcpyAsync of %zu bytes overruns its pinned host allocation\n", bytes);
       return fsdp::emu::Return(cudaErrorInvalidValue);
