@@ -7,6 +7,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "core/catalog.h"
 #include "core/json_io.h"
@@ -105,6 +106,18 @@ TEST_CASE("FSDP2 export uses fully_shard and MixedPrecisionPolicy names") {
   CHECK(code.find("fully_shard(model, **fsdp_kwargs)") != std::string::npos);
 }
 
+// A checkpointing policy accelerate and Lightning cannot express: their own checkpointing off,
+// the code carried as comments (each of `yaml_lines` in the accelerate config, `lightning_line`
+// in the Lightning arguments).
+void CheckCheckpointingAsComments(const FsdpConfig& c, const std::vector<std::string>& yaml_lines, const std::string& lightning_line) {
+  const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
+  CHECK(yaml.find("fsdp_activation_checkpointing: false") != std::string::npos);
+  for (const std::string& line : yaml_lines) CHECK(yaml.find(line) != std::string::npos);
+  const std::string lightning = ExportConfig(Plan(c), ExportFormat::kLightning);
+  CHECK(lightning.find("activation_checkpointing_policy=None") != std::string::npos);
+  CHECK(lightning.find(lightning_line) != std::string::npos);
+}
+
 TEST_CASE("selective checkpointing exports HF's attention function under a checkpoint, registered before wrapping") {
   FsdpConfig c;
   c.checkpointing = Checkpointing::kSelective;
@@ -124,13 +137,8 @@ TEST_CASE("selective checkpointing exports HF's attention function under a check
   CHECK(fsdp2.find("sdpa_mask as attention_mask_function") != std::string::npos);
   REQUIRE(fsdp2.find("fully_shard(") != std::string::npos);
   CHECK(fsdp2.find("set_attn_implementation") < fsdp2.find("fully_shard("));
-  // accelerate and Lightning cannot express it: the code comes as comments and block checkpointing stays off
-  const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
-  CHECK(yaml.find("fsdp_activation_checkpointing: false") != std::string::npos);
-  CHECK(yaml.find("#   AttentionInterface.register(\"fsdpkit_selective\", checkpointed_attention)") != std::string::npos);
-  const std::string lightning = ExportConfig(Plan(c), ExportFormat::kLightning);
-  CHECK(lightning.find("activation_checkpointing_policy=None") != std::string::npos);
-  CHECK(lightning.find("#   model.set_attn_implementation(\"fsdpkit_selective\")") != std::string::npos);
+  CheckCheckpointingAsComments(c, {"#   AttentionInterface.register(\"fsdpkit_selective\", checkpointed_attention)"},
+                               "#   model.set_attn_implementation(\"fsdpkit_selective\")");
 }
 
 TEST_CASE("full checkpointing turns the KV cache off") {
@@ -148,13 +156,7 @@ TEST_CASE("--ac-every 2 exports a check_fn on every second block; accelerate and
   const std::string code = ExportConfig(Plan(c), ExportFormat::kFsdp2);
   CHECK(code.find("if (i + 1) % 2 == 0") != std::string::npos);
   CHECK(code.find("check_fn=lambda m: id(m) in checkpointed_blocks") != std::string::npos);
-  const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
-  CHECK(yaml.find("fsdp_activation_checkpointing: false") != std::string::npos);
-  CHECK(yaml.find("#       check_fn=lambda m: id(m) in checkpointed_blocks") != std::string::npos);
-  CHECK(yaml.find("#   import functools") != std::string::npos);
-  const std::string lightning = ExportConfig(Plan(c), ExportFormat::kLightning);
-  CHECK(lightning.find("activation_checkpointing_policy=None") != std::string::npos);
-  CHECK(lightning.find("#   apply_activation_checkpointing(") != std::string::npos);
+  CheckCheckpointingAsComments(c, {"#       check_fn=lambda m: id(m) in checkpointed_blocks", "#   import functools"}, "#   apply_activation_checkpointing(");
 }
 
 TEST_CASE("--ac selective-op exports torchtitan's op policy as checkpoint_wrapper's context_fn, placed as full checkpointing is") {
@@ -169,13 +171,7 @@ TEST_CASE("--ac selective-op exports torchtitan's op policy as checkpoint_wrappe
   c.framework = Framework::kFsdp1;
   const std::string fsdp1 = ExportConfig(Plan(c), ExportFormat::kFsdp1);
   CHECK(fsdp1.find("model = FSDP(") < fsdp1.find("apply_activation_checkpointing("));  // after wrapping, as full
-  const std::string yaml = ExportConfig(Plan(c), ExportFormat::kAccelerate);
-  CHECK(yaml.find("fsdp_activation_checkpointing: false") != std::string::npos);
-  CHECK(yaml.find("# op-level selective checkpointing is not ") != std::string::npos);
-  CHECK(yaml.find("#   def op_selective_context():") != std::string::npos);
-  const std::string lightning = ExportConfig(Plan(c), ExportFormat::kLightning);
-  CHECK(lightning.find("activation_checkpointing_policy=None") != std::string::npos);
-  CHECK(lightning.find("#   def op_selective_context():") != std::string::npos);
+  CheckCheckpointingAsComments(c, {"# op-level selective checkpointing is not ", "#   def op_selective_context():"}, "#   def op_selective_context():");
 }
 
 TEST_CASE("fp16 exports a ShardedGradScaler; bf16 and fp32 need none") {
