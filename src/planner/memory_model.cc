@@ -1,9 +1,11 @@
 #include "planner/memory_model.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <fmt/format.h>
 
+#include "core/schedule.h"
 #include "planner/activation_model.h"
 #include "planner/memory_tracker.h"
 
@@ -50,18 +52,21 @@ std::string PhaseName(const Workload& w, const Phase& p) {
   return name;
 }
 
-// Plays one optimizer step through a MemoryTracker in PyTorch FSDP's order of operations.
+// Plays one optimizer step's schedule through a MemoryTracker: the allocations and frees each
+// action makes in PyTorch FSDP (docs/memory-model.md gives each and its source).
 class StepPlayer {
  public:
   StepPlayer(const Workload& w, MemoryTracker& mem)
-      : w_(w), c_(w.config), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
+      : w_(w), c_(w.config), schedule_(BuildSchedule(w)), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
         plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))), head_(HeadActivationProfile(w.model, w.config)) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
     unit_grad_pieces_.assign(n, {});
     sharded_grad_.assign(n, kNoBlock);
     kept_grad_.assign(n, kNoBlock);
+    reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
+    node_transient_.assign(w.nodes.size(), {});
     pb_ = BytesPerElement(c_.param_dtype);
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
@@ -83,34 +88,55 @@ class StepPlayer {
     // A loop that keeps `outputs` enters the step holding the previous micro-batch's logits.
     if (c_.loop_holds_outputs) held_logits_ = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
     for (micro_ = 0; micro_ < c_.grad_accum; ++micro_) {
-      Forward(0);
-      Backward(0);
-      FinishBackward();
+      for (const Action& a : schedule_.MicroBatch(micro_)) Play(a);
     }
-    OptimizerStep();
   }
 
  private:
   Phase At(PhaseKind kind, int node = -1) const { return Phase{static_cast<int>(kind), node, micro_}; }
 
+  void Play(const Action& a) {
+    switch (a.kind) {
+      case ActionKind::kPreForward: mem_.SetPhase(At(PhaseKind::kForwardUnshard, a.node)); break;
+      case ActionKind::kPreBackward: mem_.SetPhase(At(PhaseKind::kBackwardUnshard, a.node)); break;
+      case ActionKind::kUnshard: Unshard(a); break;
+      case ActionKind::kWaitUnshard: WaitUnshard(a.unit); break;
+      case ActionKind::kForward:
+        for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) ForwardVisit(v.node);
+        break;
+      case ActionKind::kBackward:
+        for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) BackwardVisit(v);
+        break;
+      case ActionKind::kPostForward: break;  // the reshard that may follow frees under the unit's own phase
+      case ActionKind::kReshard: Reshard(a); break;
+      case ActionKind::kEndForward:
+        if (a.releases_all_gather_state) mem_.Free(fsdp2_deferred_);  // the root's post-forward drops the held all-gather output
+        mem_.SetPhase(At(PhaseKind::kEndForward));
+        break;
+      case ActionKind::kPostBackward: PostBackward(a); break;
+      case ActionKind::kReduce: Reduce(a.unit); break;
+      case ActionKind::kEndBackward:
+        mem_.Free(fsdp2_rs_deferred_);
+        mem_.Free(fsdp2_deferred_);
+        mem_.ReleaseAllPending();
+        break;
+      case ActionKind::kOptimizer: OptimizerStep(); break;
+    }
+  }
+
   // Phases are named after units and after the modules that hold activations.
   bool Named(int node_id) const {
     return w_.nodes[node_id].unit >= 0 || w_.nodes[node_id].role != ModuleNode::Role::kOther;
   }
-  bool LastMicro() const { return micro_ == c_.grad_accum - 1; }
   bool Fsdp2() const { return c_.framework == Framework::kFsdp2; }
   bool Sharded() const { return c_.strategy != Strategy::kNoShard; }
+  bool Fsdp2WorldOfOne() const { return Fsdp2() && w_.shard_world == 1; }
 
   // ---- unshard / reshard -------------------------------------------------------------------
-  // `prefetch`: issued ahead of the unit's own pre-forward / pre-backward.
-  void Unshard(int u, bool prefetch = false) {
-    if (u < 0 || unsharded_[u] != kNoBlock) return;
+  void Unshard(const Action& a) {
+    const int u = a.unit;
     const WrapUnit& unit = w_.units[u];
-    if (unit.numel == 0) return;
-    if (Fsdp2() && w_.shard_world == 1) {
-      UnshardFsdp2WorldOfOne(u, prefetch);
-      return;
-    }
+    if (Fsdp2WorldOfOne()) return;  // no all-gather: the copy-out casts the shards (WaitUnshard)
     if (!Sharded()) {
       // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard).
       if (mixed_ || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_);
@@ -121,16 +147,19 @@ class StepPlayer {
     // FSDP2's all_gather_copy_in writes the input into a view of the output: no separate buffer.
     BlockId input = (mixed_ && !Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_) : kNoBlock;
     mem_.Free(staging);
-    if (!Fsdp2() && c_.limit_all_gathers) {
-      // _limiter_utils: before an all-gather, sync on the oldest free event once 2 are queued.
+    if (a.rate_limited) {
+      // Under the rate limiter the CPU issues an all-gather only once the GPU has passed the
+      // reshards queued before it (_limiter_utils): taken here as every freed buffer but the newest
+      // being reusable by then. (The schedule's queue says when the CPU waits; which freed buffers
+      // the GPU has really passed is a question of GPU time, for fsdp-sim.)
       while (mem_.PendingCount(Pool::kAllGather) >= 2) mem_.ReleaseOldestPending(Pool::kAllGather);
     }
     if (Fsdp2()) {
       BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_);
       mem_.Free(input);
-      if (fsdp2_deferred_ != kNoBlock && forward_) mem_.Free(fsdp2_deferred_);
+      if (fsdp2_deferred_ != kNoBlock && a.forward) mem_.Free(fsdp2_deferred_);
       unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_);
-      if (forward_) fsdp2_deferred_ = flat; else mem_.Free(flat);
+      if (a.forward) fsdp2_deferred_ = flat; else mem_.Free(flat);
       return;
     }
     unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_);
@@ -141,8 +170,8 @@ class StepPlayer {
   // and no flat output; the copy-out, when the unit itself runs, casts each sharded parameter into
   // its unsharded storage. A prefetch therefore holds nothing, and nothing is kept for the next
   // copy-out.
-  void UnshardFsdp2WorldOfOne(int u, bool prefetch) {
-    if (prefetch) return;
+  void WaitUnshard(int u) {
+    if (!Fsdp2WorldOfOne()) return;
     int64_t largest_numel = 0;  // the casts are made one parameter at a time
     for (int t : w_.units[u].tensors) largest_numel = std::max(largest_numel, w_.model.tensors[t].numel());
     BlockId cast = mixed_ ? mem_.Alloc(Cat::kCommBuffers, largest_numel * pb_) : kNoBlock;
@@ -150,32 +179,19 @@ class StepPlayer {
     mem_.Free(cast);
   }
 
-  void Reshard(int u) {
-    if (Fsdp2() || !Sharded()) mem_.Free(unsharded_[u]);
-    else mem_.FreeToPending(unsharded_[u], Pool::kAllGather);
-  }
-
-  bool ReshardAfterForward(int u) const {
-    if (!Sharded()) return true;  // NO_SHARD: post_reshard frees every unit's low-precision copy, the root's too
-    if (w_.units[u].is_root) return false;  // the root stays unsharded until its backward
-    return c_.strategy == Strategy::kFullShard || c_.strategy == Strategy::kHybridShard || c_.strategy == Strategy::kNoShard;
+  void Reshard(const Action& a) {
+    BlockId& buffer = unsharded_[a.unit];
+    if (Fsdp2() || !Sharded()) {
+      mem_.Free(buffer);
+      return;
+    }
+    mem_.FreeToPending(buffer, Pool::kAllGather);
   }
 
   // ---- forward -----------------------------------------------------------------------------
-  void Forward(int node_id) {
-    const ModuleNode& node = w_.nodes[node_id];
-    forward_ = true;
-    if (node.unit >= 0) {
-      mem_.SetPhase(At(PhaseKind::kForwardUnshard, node_id));
-      Unshard(node.unit);
-      if (c_.forward_prefetch && node.unit + 1 < static_cast<int>(w_.units.size())) Unshard(node.unit + 1, true);
-    }
-    for (int child : node.children) Forward(child);
+  void ForwardVisit(int node_id) {
     if (Named(node_id)) mem_.SetPhase(At(PhaseKind::kForward, node_id));
     ForwardActivations(node_id);
-    if (node.unit >= 0 && ReshardAfterForward(node.unit)) Reshard(node.unit);
-    if (node_id == 0 && Fsdp2()) mem_.Free(fsdp2_deferred_);  // root post-forward drops the held all-gather output
-    if (node_id == 0) mem_.SetPhase(At(PhaseKind::kEndForward));
   }
 
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
@@ -226,23 +242,22 @@ class StepPlayer {
   }
 
   // ---- backward ----------------------------------------------------------------------------
-  void Backward(int node_id) {
-    const ModuleNode& node = w_.nodes[node_id];
-    forward_ = false;
-    if (node.unit >= 0) PreBackward(node_id);
-    const bool named = Named(node_id);
-    if (named) mem_.SetPhase(At(PhaseKind::kBackward, node_id));
-    std::vector<BlockId> transient = BackwardActivations(node_id);
-    for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) Backward(*it);
-    if (named) mem_.SetPhase(At(PhaseKind::kBackward, node_id));
-    for (int t : node.tensors) {
-      int unit = OwningUnit(node_id);
-      unit_grad_pieces_[unit].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
+  // A node's own backward (recomputation, gradient working memory, the loss's buffers) when it is
+  // entered; its parameters' gradients once its children are done.
+  void BackwardVisit(const NodeVisit& v) {
+    const ModuleNode& node = w_.nodes[v.node];
+    if (Named(v.node)) mem_.SetPhase(At(PhaseKind::kBackward, v.node));
+    if (v.enter) {
+      node_transient_[v.node] = BackwardActivations(v.node);
+      return;
     }
-    for (BlockId& b : transient) mem_.Free(b);
-    for (BlockId& b : node_saved_[node_id]) mem_.Free(b);
-    node_saved_[node_id].clear();
-    if (node.unit >= 0) PostBackward(node_id);
+    for (int t : node.tensors) {
+      unit_grad_pieces_[OwningUnit(v.node)].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
+    }
+    for (BlockId& b : node_transient_[v.node]) mem_.Free(b);
+    node_transient_[v.node].clear();
+    for (BlockId& b : node_saved_[v.node]) mem_.Free(b);
+    node_saved_[v.node].clear();
   }
 
   // The saved tensors of a block: the configured checkpointing's, or none's for a block that
@@ -259,13 +274,6 @@ class StepPlayer {
   int OwningUnit(int node_id) const {
     while (w_.nodes[node_id].unit < 0) node_id = w_.nodes[node_id].parent;
     return w_.nodes[node_id].unit;
-  }
-
-  void PreBackward(int node_id) {
-    const int u = w_.nodes[node_id].unit;
-    mem_.SetPhase(At(PhaseKind::kBackwardUnshard, node_id));
-    Unshard(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPre) Unshard(w_.BackwardPrefetchTarget(u), true);
   }
 
   // Recomputation, gradient working memory and loss-backward buffers of a node's own ops.
@@ -297,28 +305,26 @@ class StepPlayer {
     return transient;
   }
 
-  void PostBackward(int node_id) {
-    const int u = w_.nodes[node_id].unit;
-    const WrapUnit& unit = w_.units[u];
-    mem_.SetPhase(At(PhaseKind::kReduce, node_id));
+  // The post-backward hook: the unit's gradient as one tensor, kept unsharded under no_sync.
+  void PostBackward(const Action& a) {
+    const int u = a.unit;
+    mem_.SetPhase(At(PhaseKind::kReduce, a.node));
     if (!Fsdp2()) mem_.ReleaseAllPending(Pool::kPostBackward);  // the previous unit's reduction has run
     BlockId grad = GatherUnitGrad(u);
-    // _post_backward_reshard (reshard, then the BACKWARD_POST prefetch) runs before the hook
-    // returns early under no_sync
-    if (c_.no_sync && !LastMicro()) {
+    if (!a.reduces) {
       KeepUnsyncedGrad(u, grad);
-      if (w_.FreesInBackward(false)) Reshard(u);
-      if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u), true);
       return;
     }
     if (kept_grad_[u] != kNoBlock) mem_.Free(kept_grad_[u]);  // accumulated in place, then reduced
-    Reshard(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(w_.BackwardPrefetchTarget(u), true);
-    if (unit.numel == 0) return;
+    reduce_grad_[u] = grad;
+  }
+
+  void Reduce(int u) {
+    const WrapUnit& unit = w_.units[u];
     // FSDP1 keeps autograd's gradient (autograd_computed_grad) until the hook returns, then
     // record_stream()s it to the post-backward stream.
-    const BlockId computed = grad;
-    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, grad) : ReduceFsdp1(unit, computed);
+    const BlockId computed = std::exchange(reduce_grad_[u], kNoBlock);
+    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, computed) : ReduceFsdp1(unit, computed);
     if (rb_ != mb_) {
       BlockId upcast = mem_.Alloc(Cat::kGradients, unit.shard_numel * mb_);
       if (shard != computed) mem_.Free(shard);
@@ -397,12 +403,6 @@ class StepPlayer {
     }
   }
 
-  void FinishBackward() {
-    mem_.Free(fsdp2_rs_deferred_);
-    mem_.Free(fsdp2_deferred_);
-    mem_.ReleaseAllPending();
-  }
-
   void OptimizerStep() {
     mem_.SetPhase(At(PhaseKind::kOptimizer));
     if (!c_.cpu_offload && (c_.optimizer == Optimizer::kAdamW || c_.optimizer == Optimizer::kAdam)) {
@@ -417,16 +417,17 @@ class StepPlayer {
 
   const Workload& w_;
   const FsdpConfig& c_;
+  Schedule schedule_;
   MemoryTracker& mem_;
   BlockActivations block_, plain_block_;
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   bool mixed_ = true;
   int micro_ = 0;
-  bool forward_ = true;
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
+  std::vector<BlockId> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
   std::vector<std::vector<BlockId>> unit_grad_pieces_;
-  std::vector<std::vector<BlockId>> node_saved_;
+  std::vector<std::vector<BlockId>> node_saved_, node_transient_;
   BlockId causal_mask_ = kNoBlock;
   BlockId fsdp2_deferred_ = kNoBlock;
   BlockId held_logits_ = kNoBlock;  ///< logits the loop still references (loop_holds_outputs)
