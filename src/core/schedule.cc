@@ -93,6 +93,7 @@ class Builder {
     r.reduce_scatter = Sharded();
     r.all_reduce = !Sharded() || (c_.strategy == Strategy::kHybridShard && w_.replicas > 1);
     r.to_host = c_.cpu_offload;
+    r.waits_previous_reduce_scatter = Fsdp2() && r.reduce_scatter;
     Emit(r);
   }
 
@@ -112,7 +113,7 @@ class Builder {
     a.unit = u;
     a.prefetch = prefetch;
     a.all_gather = Sharded();
-    a.host_to_device = c_.cpu_offload && a.all_gather;
+    a.host_to_device = c_.cpu_offload;
     a.rate_limited = RateLimited();
     if (a.rate_limited && state_.queued_free_events >= kMaxInflightAllGathers) {
       a.rate_limit_wait = true;
@@ -245,10 +246,12 @@ Schedule BuildSchedule(const Workload& w) {
   // Collective counts per step.
   s.forward_gathers_.assign(w.units.size(), 0);
   s.backward_gathers_.assign(w.units.size(), 0);
+  s.unshards_.assign(w.units.size(), 0);
   for (int p = 0; p < s.program_count(); ++p) {
     const int64_t runs = s.ProgramRuns(p);
     for (const Action& a : s.programs_[p]) {
       if (a.kind == ActionKind::kUnshard && a.all_gather) (a.forward ? s.forward_gathers_ : s.backward_gathers_)[a.unit] += runs;
+      if (a.kind == ActionKind::kUnshard) s.unshards_[a.unit] += runs;
       if (a.kind == ActionKind::kEndBackward && a.waits_for_reductions) s.reductions_ += runs;
     }
   }

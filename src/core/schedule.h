@@ -66,7 +66,7 @@ struct Action {
   // kUnshard
   bool prefetch = false;      ///< issued ahead, from another unit's hook (forward_prefetch, BACKWARD_PRE/POST)
   bool all_gather = false;    ///< a collective runs (false: NO_SHARD's local low-precision copy)
-  bool host_to_device = false;  ///< CPU offload: the fp32 shard is copied to the GPU first
+  bool host_to_device = false;  ///< CPU offload: the fp32 shard is copied to the GPU first (NO_SHARD's local copy too)
   /// FSDP1 limit_all_gathers governs this all-gather (_runtime_utils._unshard)...
   bool rate_limited = false;
   /// ...and the CPU first synchronises on the oldest queued free event: one, once
@@ -83,6 +83,9 @@ struct Action {
   bool reduce_scatter = false;  ///< reduce-scatter in the shard group
   bool all_reduce = false;      ///< NO_SHARD's all-reduce, or HYBRID_SHARD's all-reduce of the shard across replicas
   bool to_host = false;         ///< CPU offload: the gradient shard is copied to the host
+  /// FSDP2 post_backward: the compute stream first waits for the previous unit's reduce-scatter
+  /// of this backward (reduce_scatter_state), so the next backward compute cannot run ahead of it.
+  bool waits_previous_reduce_scatter = false;
   // kEndForward
   bool releases_all_gather_state = false;  ///< FSDP2: the root frees the all-gather result it held
   // kEndBackward
@@ -116,6 +119,9 @@ class Schedule {
   /// All-gathers issued per step (over every micro-batch): per unit, in forward and in backward.
   int64_t ForwardAllGathers(int u) const { return forward_gathers_[u]; }
   int64_t BackwardAllGathers(int u) const { return backward_gathers_[u]; }
+  /// Unshards of unit u per step: its all-gathers, or NO_SHARD's local low-precision copies (under
+  /// CPU offload each copies the shard to the GPU first).
+  int64_t Unshards(int u) const { return unshards_[u]; }
   /// Gradient reductions per step (every micro-batch, or once under no_sync).
   int64_t Reductions() const { return reductions_; }
 
@@ -129,7 +135,7 @@ class Schedule {
   std::vector<ComputeSegment> segments_;
   std::vector<NodeVisit> visits_;
   std::vector<int> backward_prefetch_target_;
-  std::vector<int64_t> forward_gathers_, backward_gathers_;
+  std::vector<int64_t> forward_gathers_, backward_gathers_, unshards_;
   int64_t reductions_ = 0;
   int unit_count_ = 0;
 };

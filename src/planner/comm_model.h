@@ -5,18 +5,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/schedule.h"
 #include "core/workload.h"
 #include "planner/collective_model.h"
 
 namespace fsdp {
 
-/// Per-unit collective times for one micro-batch (0 when the strategy issues none).
+/// One unit's collectives and copies, each once (time 0 when the strategy issues none).
 struct UnitComm {
-  double all_gather_s = 0;        ///< one all-gather of the unit (shard group)
-  double reduce_scatter_s = 0;    ///< one reduce-scatter of its gradient (shard group)
-  double all_reduce_s = 0;        ///< NO_SHARD all-reduce, or HYBRID_SHARD's replica all-reduce of the shard
-  double host_to_device_s = 0;    ///< CPU offload: shard copied to the GPU before each all-gather
-  double device_to_host_s = 0;    ///< CPU offload: gradient shard copied to the host
+  CollectiveEstimate all_gather;      ///< the unit's all-gather (shard group, param_dtype)
+  CollectiveEstimate reduce_scatter;  ///< its gradient's reduce-scatter (shard group, reduce_dtype)
+  CollectiveEstimate all_reduce;      ///< NO_SHARD's all-reduce, or HYBRID_SHARD's replica all-reduce of the shard
+  double host_to_device_s = 0;        ///< CPU offload: the shard copied to the GPU before each unshard
+  double device_to_host_s = 0;        ///< CPU offload: the gradient shard copied to the host
 };
 
 /// Totals per optimizer step and per GPU. Sizes follow nccl-tests (all-gather output,
@@ -38,12 +39,9 @@ struct CommModel {
   CommGroup replica_group;        ///< HYBRID_SHARD's replica all-reduce / NO_SHARD's all-reduce
 };
 
-/// Builds the per-unit collective times and the per-step volume for the workload.
+/// Builds the per-unit collective times and the per-step volume: as many collectives as the
+/// schedule issues.
+CommModel EstimateComm(const Workload& workload, const Schedule& schedule);
 CommModel EstimateComm(const Workload& workload);
-
-/// Whether FSDP gathers unit u again in backward (it was freed after forward).
-bool RegathersInBackward(const Workload& workload, int u);
-/// All-gathers of unit u per optimizer step, forward and backward, over every micro-batch.
-int64_t AllGathersPerStep(const Workload& workload, int u);
 
 }  // namespace fsdp

@@ -118,6 +118,7 @@ double OptimizerSeconds(const Workload& w) {
 ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byte) {
   ComputeModel cm;
   cm.units.assign(w.units.size(), UnitCompute{});
+  cm.nodes.assign(w.nodes.size(), NodeCompute{});
   const BlockActivations block = BlockActivationProfile(w.model, w.config);
   const HeadActivations head = HeadActivationProfile(w.model, w.config);
   const double gemm_rate = w.hardware.PeakFlops(w.config.param_dtype) * w.hardware.matmul_efficiency;
@@ -133,35 +134,74 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
     const ModuleNode& n = w.nodes[id];
     const NodeWork work = OwnWork(w, n, block, head, traffic_per_saved_byte);
     UnitCompute& u = cm.units[OwningUnit(w, id)];
+    NodeCompute& own = cm.nodes[id];
     const double fwd_flops = work.gemm_flops + work.attention_flops;
     const double bwd_flops = kBackwardGemmFactor * work.gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
     const double attn_bwd = (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
     const double fwd_s = work.gemm_flops / gemm_rate + work.attention_flops / attention_rate + work.traffic_bytes / mem_rate;
-    u.forward_flops += fwd_flops;
-    u.forward_s += fwd_s;
-    u.backward_flops += bwd_flops;
-    u.backward_s += kBackwardGemmFactor * work.gemm_flops / gemm_rate + attn_bwd / attention_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
+    own.forward_s = fwd_s;
+    own.backward_s = kBackwardGemmFactor * work.gemm_flops / gemm_rate + attn_bwd / attention_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
+    double recompute_flops = 0;
     const int block_index = EnclosingBlock(w, id);
     if (ac == Checkpointing::kFull && block_index >= 0 && BlockCheckpointed(w.config, block_index)) {
       // checkpoint_wrapper reruns the whole block forward (its linears included) in backward
-      u.recompute_flops += fwd_flops;
-      u.recompute_s += fwd_s;
+      recompute_flops = fwd_flops;
+      own.recompute_s = fwd_s;
     } else if ((ac == Checkpointing::kSelective || ac == Checkpointing::kSelectiveOp) && n.role == ModuleNode::Role::kBlock) {
       // selective: the checkpointed attention function runs again (eager or SDPA), rewriting its
       // core tensors; selective-op: every op but the kept ones, so the attention core unless SDPA's
       // output is kept (flash), and all the memory-bound ops (the matmuls it reruns come below)
       const bool core = ac == Checkpointing::kSelective || !flash;
-      u.recompute_flops += core ? work.attention_flops : 0.0;
-      u.recompute_s += (core ? work.attention_flops / attention_rate : 0.0) + traffic_per_saved_byte * recomputed_bytes / mem_rate;
+      recompute_flops = core ? work.attention_flops : 0.0;
+      own.recompute_s = (core ? work.attention_flops / attention_rate : 0.0) + traffic_per_saved_byte * recomputed_bytes / mem_rate;
     } else if (op_recomputed[id]) {
-      u.recompute_flops += work.gemm_flops;
-      u.recompute_s += work.gemm_flops / gemm_rate;
+      recompute_flops = work.gemm_flops;
+      own.recompute_s = work.gemm_flops / gemm_rate;
     }
+    u.forward_flops += fwd_flops;
+    u.forward_s += own.forward_s;
+    u.backward_flops += bwd_flops;
+    u.backward_s += own.backward_s;
+    u.recompute_flops += recompute_flops;
+    u.recompute_s += own.recompute_s;
   }
   const ModelSpec& m = w.model;
   cm.model_flops_per_token = 6.0 * MatmulParams(m) +
                              12.0 * static_cast<double>(m.num_layers * w.config.seq_len * m.num_heads * m.head_dim);
   return cm;
+}
+
+ComputeModel ComputeFromNodes(const Workload& w, std::vector<NodeCompute> nodes, double optimizer_s) {
+  ComputeModel cm;
+  cm.units.assign(w.units.size(), UnitCompute{});
+  for (int id = 0; id < static_cast<int>(w.nodes.size()); ++id) {
+    UnitCompute& u = cm.units[OwningUnit(w, id)];
+    u.forward_s += nodes[id].forward_s;
+    u.backward_s += nodes[id].backward_s;
+    u.recompute_s += nodes[id].recompute_s;
+  }
+  cm.nodes = std::move(nodes);
+  cm.model_flops_per_token = 1;
+  const double micro = static_cast<double>(w.config.grad_accum);
+  for (const UnitCompute& u : cm.units) cm.compute_s_per_step += micro * (u.forward_s + u.backward_s + u.recompute_s);
+  cm.optimizer_s = optimizer_s;
+  cm.compute_s_per_step += optimizer_s;
+  return cm;
+}
+
+std::vector<double> SegmentSeconds(const Schedule& schedule, const ComputeModel& cm) {
+  std::vector<double> seconds;
+  seconds.reserve(schedule.segments().size());
+  for (const ComputeSegment& segment : schedule.segments()) {
+    double s = 0;
+    for (const NodeVisit& v : schedule.Visits(segment)) {
+      const NodeCompute& n = cm.nodes[v.node];
+      if (segment.forward) s += n.forward_s;
+      else if (v.enter) s += n.backward_s + n.recompute_s;
+    }
+    seconds.push_back(s);
+  }
+  return seconds;
 }
 
 void FinishCompute(const Workload& w, ComputeModel& cm) {

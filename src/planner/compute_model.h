@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "core/schedule.h"
 #include "core/workload.h"
 
 namespace fsdp {
@@ -13,8 +14,14 @@ struct UnitCompute {
   double forward_s = 0, backward_s = 0, recompute_s = 0;   ///< GEMMs at peak x efficiency + memory-bound work
 };
 
+/// Compute of one module-tree node's own ops (not its children's) for one micro-batch.
+struct NodeCompute {
+  double forward_s = 0, backward_s = 0, recompute_s = 0;
+};
+
 struct ComputeModel {
-  std::vector<UnitCompute> units;      ///< indexed like Workload::units
+  std::vector<UnitCompute> units;      ///< indexed like Workload::units: the sums of their nodes
+  std::vector<NodeCompute> nodes;      ///< indexed like Workload::nodes
   double optimizer_s = 0;              ///< the optimizer step (on the GPU, or on the host under CPU offload)
   double model_flops_per_token = 0;    ///< 6 N + 12 L s a d (PaLM's MFU convention; N = matmul parameters)
   double executed_flops_per_step = 0;  ///< what the GPU really computes (attention as run, recomputation)
@@ -49,6 +56,14 @@ ComputeModel EstimateUnitCompute(const Workload& workload, double traffic_per_sa
 /// Completes a per-unit estimate for the workload's strategy, offload and accumulation: the
 /// optimizer step and the per-step totals.
 void FinishCompute(const Workload& workload, ComputeModel& model);
+
+/// A compute model of known per-node durations (golden tests): units and per-step totals summed
+/// from `nodes` (indexed like Workload::nodes), FLOPs 0, one model FLOP per token.
+ComputeModel ComputeFromNodes(const Workload& workload, std::vector<NodeCompute> nodes, double optimizer_s);
+
+/// Seconds of each of the schedule's compute segments for one micro-batch: a forward segment its
+/// nodes' forward, a backward segment its nodes' backward and recomputation (at their `enter`).
+std::vector<double> SegmentSeconds(const Schedule& schedule, const ComputeModel& model);
 
 /// The optimizer step alone: memory-bound on the GPU (AdamW moves 36 bytes per sharded element),
 /// or PyTorch's CPU AdamW under CPU offload.

@@ -93,9 +93,10 @@ class StepPlayer {
   }
 
  private:
-  Phase At(PhaseKind kind, int node = -1) const { return Phase{static_cast<int>(kind), node, micro_}; }
+  Phase At(PhaseKind kind, int node = -1) const { return Phase{static_cast<int>(kind), node, micro_, action_}; }
 
   void Play(const Action& a) {
+    mem_.SetAction(++action_);
     switch (a.kind) {
       case ActionKind::kPreForward: mem_.SetPhase(At(PhaseKind::kForwardUnshard, a.node)); break;
       case ActionKind::kPreBackward: mem_.SetPhase(At(PhaseKind::kBackwardUnshard, a.node)); break;
@@ -424,6 +425,7 @@ class StepPlayer {
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   bool mixed_ = true;
   int micro_ = 0;
+  int64_t action_ = -1;  // schedule actions played so far, minus one
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
   std::vector<BlockId> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
   std::vector<std::vector<BlockId>> unit_grad_pieces_;
@@ -517,7 +519,7 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, int64_t rounding_bytes, b
   e.host_bytes = TotalBytes(e.host);
   e.checkpoint = EstimateCheckpoint(w);
   for (TrackedPoint& p : mem.TakeTimeline()) {
-    e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), static_cast<StepPhase>(p.phase.kind), p.phase.node, p.phase.micro, p.device});
+    e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), static_cast<StepPhase>(p.phase.kind), p.phase.node, p.phase.micro, p.phase.action, p.device});
   }
   return e;
 }

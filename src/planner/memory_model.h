@@ -55,6 +55,7 @@ struct MemoryPoint {
   StepPhase kind = StepPhase::kStart;
   int node = -1;        ///< module-tree node the phase belongs to (-1: none)
   int micro = 0;        ///< micro-batch
+  int64_t action = -1;  ///< the schedule action (counted over the step's micro-batches) that made the change
   CategoryBytes device{};
 };
 

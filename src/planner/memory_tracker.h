@@ -17,6 +17,7 @@ struct Phase {
   int kind = 0;
   int node = -1;
   int micro = 0;
+  int64_t action = -1;  ///< the schedule action being played (its index counted over the step), -1 before any
   bool operator==(const Phase&) const = default;
 };
 
@@ -37,6 +38,8 @@ class MemoryTracker {
 
   /// Names what the step is doing; peaks report the phase they happened in.
   void SetPhase(Phase phase) { phase_ = phase; }
+  /// Stamps the schedule action being played on the current phase.
+  void SetAction(int64_t action) { phase_.action = action; }
   const Phase& phase() const { return phase_; }
 
   BlockId Alloc(MemCategory category, int64_t bytes);

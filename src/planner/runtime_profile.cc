@@ -155,17 +155,17 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
   w.config.attention = Attention::kEager;
   w.config.param_dtype = w.config.reduce_dtype = DType::kFp32;
   const ComputeModel cm = EstimateCompute(w, kFusedEngineTrafficPerSavedByte);
-  // The engine's own passes over its flat buffers, memory-bound: per all-gather the rounded input
+  // The engine's own passes over its flat buffers, memory-bound: per unshard the rounded input
   // copy (read + write the shard) and the zero-filled output (write the padded unit); per
   // reduction the rounding of the gradient (read + write), its zero fill, and the accumulation
   // into the fp32 shard (read + write).
-  const CommVolume v = EstimateComm(w).volume;
+  const Schedule schedule = BuildSchedule(w);
+  const CommVolume v = EstimateComm(w, schedule).volume;
   double pass_bytes = 0;
-  const double micro = static_cast<double>(w.config.grad_accum);
-  const double reductions = w.config.no_sync ? 1.0 : micro;
+  const double reductions = static_cast<double>(schedule.Reductions());
   for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
     const double shard = static_cast<double>(w.units[u].shard_numel) * 4, padded = static_cast<double>(w.units[u].padded_numel) * 4;
-    const double gathers = static_cast<double>(AllGathersPerStep(w, u));
+    const double gathers = static_cast<double>(schedule.Unshards(u));
     pass_bytes += gathers * (2 * shard + padded) + reductions * (3 * padded + 2 * shard);
   }
   const double passes_s = pass_bytes / (w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency);

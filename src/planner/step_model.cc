@@ -7,71 +7,99 @@
 namespace fsdp {
 namespace {
 
+// Plays the schedule on two clocks: the compute stream and the communication stream (one NCCL
+// stream per process group: all-gathers, reduce-scatters and all-reduces in issue order).
 class StepTimer {
  public:
-  StepTimer(const Workload& w, const ComputeModel& cm, const CommModel& comm, bool fast_forward)
-      : w_(w), cm_(cm), comm_(comm), fast_forward_(fast_forward), gathered_(w.units.size(), 0), gather_end_(w.units.size(), 0.0),
-        exposed_(w.units.size(), 0.0) {
-    children_.resize(w.units.size());
-    for (int u = 1; u < static_cast<int>(w.units.size()); ++u) children_[w.units[u].parent_unit].push_back(u);
-  }
+  StepTimer(const Workload& w, const ComputeModel& cm, const CommModel& comm, const Schedule& schedule, bool fast_forward)
+      : w_(w), cm_(cm), comm_(comm), schedule_(schedule), segment_s_(SegmentSeconds(schedule, cm)), fast_forward_(fast_forward),
+        pending_(w.units.size(), 0), gather_end_(w.units.size(), 0.0), exposed_(w.units.size(), 0.0) {}
 
   StepEstimate Run() {
-    StepEstimate e;
-    const int accum = w_.config.grad_accum;
+    const int64_t accum = schedule_.micro_batches();
     std::vector<double> previous;
     for (micro_ = 0; micro_ < accum; ++micro_) {
       exposed_before_ = exposed_;
       const double start_c = compute_end_;
-      const double fwd_start = compute_end_;
-      for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) ForwardUnit(u);
-      const double fwd = compute_end_ - fwd_start;
-      const double bwd_start = compute_end_;
-      BackwardUnit(0);
-      last_backward_compute_ = compute_end_;
-      // The post-backward callback makes the compute stream wait for the reductions
-      // (FSDP1 _post_backward_final_callback: current_stream.wait_stream(post_backward_stream);
-      // FSDP2's root waits for its last reduce-scatter).
-      if (ReducesNow()) compute_end_ = std::max(compute_end_, comm_free_);
-      const double bwd = compute_end_ - bwd_start;
-      e.forward_s += fwd;
-      e.backward_s += bwd;
+      forward_before_ = e_.forward_s;
+      backward_before_ = e_.backward_s;
+      for (const Action& a : schedule_.MicroBatch(micro_)) Play(a);
       // When the state seen from the compute clock repeats, so does every following micro-batch
-      // before the last: shift every clock by their total instead of replaying them.
+      // before the last (they run the same program): shift every clock by their total instead of
+      // replaying them.
+      const int64_t middle_left = accum - 2 - micro_;
+      if (!fast_forward_ || middle_left <= 0 || schedule_.ProgramOf(micro_ + 1) != schedule_.ProgramOf(micro_)) {
+        previous.clear();
+        continue;
+      }
       const double period = compute_end_ - start_c;
-      const int middle_left = accum - 2 - micro_;
-      if (!fast_forward_ || middle_left <= 0) continue;
       std::vector<double> state = RelativeState();
       if (SameState(state, previous, period)) {
         // the skipped micro-batches wait exactly as this one did
-        for (size_t u = 0; u < exposed_.size(); ++u) exposed_[u] += middle_left * (exposed_[u] - exposed_before_[u]);
+        for (size_t u = 0; u < exposed_.size(); ++u) exposed_[u] += static_cast<double>(middle_left) * (exposed_[u] - exposed_before_[u]);
         Shift(static_cast<double>(middle_left) * period);
-        e.forward_s += middle_left * fwd;
-        e.backward_s += middle_left * bwd;
+        e_.forward_s += static_cast<double>(middle_left) * (e_.forward_s - forward_before_);
+        e_.backward_s += static_cast<double>(middle_left) * (e_.backward_s - backward_before_);
         micro_ += middle_left;
       }
       previous = std::move(state);
     }
-    const double opt_start = std::max(compute_end_, comm_free_);
-    e.last_reduce_s = opt_start - last_backward_compute_;
-    e.optimizer_s = cm_.optimizer_s;
-    e.step_s = opt_start + cm_.optimizer_s;
-    e.compute_s = cm_.compute_s_per_step;
-    e.comm_s = comm_.volume.total_comm_s;
-    e.exposed_comm_s = std::max(0.0, e.step_s - e.compute_s);
-    e.first_all_gather_s = first_gather_s_;
-    e.unit_exposed_s = exposed_;
+    e_.compute_s = cm_.compute_s_per_step;
+    e_.comm_s = comm_.volume.total_comm_s;
+    e_.exposed_comm_s = std::max(0.0, e_.step_s - e_.compute_s);
+    e_.first_all_gather_s = first_gather_s_;
+    e_.unit_exposed_s = exposed_;
     const double tokens = static_cast<double>(w_.TokensPerMicroBatch() * w_.config.grad_accum);
-    e.tokens_per_s_per_gpu = tokens / e.step_s;
-    e.tflops_per_gpu = cm_.model_flops_per_token * e.tokens_per_s_per_gpu / 1e12;
-    e.mfu = e.tflops_per_gpu * 1e12 / w_.hardware.PeakFlops(w_.config.param_dtype);
-    return e;
+    e_.tokens_per_s_per_gpu = tokens / e_.step_s;
+    e_.tflops_per_gpu = cm_.model_flops_per_token * e_.tokens_per_s_per_gpu / 1e12;
+    e_.mfu = e_.tflops_per_gpu * 1e12 / w_.hardware.PeakFlops(w_.config.param_dtype);
+    return e_;
   }
 
  private:
-  bool Sharded() const { return w_.config.strategy != Strategy::kNoShard; }
-  bool Limited() const { return w_.config.framework == Framework::kFsdp1 && w_.config.limit_all_gathers; }
-  bool ReducesNow() const { return !w_.config.no_sync || micro_ == w_.config.grad_accum - 1; }
+  void Play(const Action& a) {
+    switch (a.kind) {
+      case ActionKind::kUnshard: Gather(a); break;
+      case ActionKind::kWaitUnshard:
+        WaitGathered(a.unit);
+        CopyOut(a.copy_out_wait);
+        break;
+      case ActionKind::kForward: compute_end_ += segment_s_[a.segment]; break;
+      case ActionKind::kBackward:
+        compute_end_ += segment_s_[a.segment];
+        last_backward_compute_ = compute_end_;
+        break;
+      case ActionKind::kReshard:
+        if (a.queues_free_event) free_events_.push_back(compute_end_);  // recorded on the compute stream
+        break;
+      case ActionKind::kReduce: Reduce(a); break;
+      case ActionKind::kEndForward:
+        e_.forward_s += compute_end_ - pass_start_;
+        pass_start_ = compute_end_;
+        if (a.releases_all_gather_state) ReleaseHeldCopyOut();
+        last_reduce_scatter_ = -1;
+        break;
+      case ActionKind::kEndBackward:
+        // The post-backward callback makes the compute stream wait for the reductions
+        // (FSDP1 _post_backward_final_callback: current_stream.wait_stream(post_backward_stream);
+        // FSDP2's root waits for its last reduce-scatter).
+        if (a.waits_for_reductions) compute_end_ = std::max(compute_end_, comm_free_);
+        e_.backward_s += compute_end_ - pass_start_;
+        pass_start_ = compute_end_;
+        break;
+      case ActionKind::kOptimizer: {
+        const double opt_start = std::max(compute_end_, comm_free_);
+        e_.last_reduce_s = opt_start - last_backward_compute_;
+        e_.optimizer_s = cm_.optimizer_s;
+        e_.step_s = opt_start + cm_.optimizer_s;
+        break;
+      }
+      case ActionKind::kPreForward:
+      case ActionKind::kPostForward:
+      case ActionKind::kPreBackward:
+      case ActionKind::kPostBackward: break;
+    }
+  }
 
   // Everything that decides the future, relative to the compute clock. A time further in the past
   // than one step's worth of communication cannot delay anything any more, nor can a finished
@@ -82,8 +110,11 @@ class StepTimer {
     state.push_back(std::max(comm_free_ - compute_end_, floor));
     state.push_back(static_cast<double>(free_events_.size()));
     for (double t : free_events_) state.push_back(std::max(t - compute_end_, floor));
-    for (size_t u = 0; u < gathered_.size(); ++u) {
-      if (!gathered_[u]) continue;
+    state.push_back(std::max(all_gather_ready_ - compute_end_, floor));
+    state.push_back(held_copy_out_ < 0 ? 0.0 : 1.0);
+    if (held_copy_out_ >= 0) state.push_back(std::max(held_copy_out_ - compute_end_, floor));
+    for (size_t u = 0; u < pending_.size(); ++u) {
+      if (!pending_[u]) continue;
       state.push_back(static_cast<double>(u));
       state.push_back(std::max(gather_end_[u] - compute_end_, 0.0));
     }
@@ -101,84 +132,101 @@ class StepTimer {
   void Shift(double dt) {
     compute_end_ += dt;
     comm_free_ += dt;
+    pass_start_ += dt;
+    all_gather_ready_ += dt;
+    if (held_copy_out_ >= 0) held_copy_out_ += dt;
+    if (last_reduce_scatter_ >= 0) last_reduce_scatter_ += dt;
     for (double& t : free_events_) t += dt;
     for (double& t : gather_end_) t += dt;
   }
 
-  // Issues unit u's all-gather on the communication stream (and its host copy under offload).
-  void Gather(int u) {
-    if (!Sharded() || gathered_[u] || w_.units[u].numel == 0) return;
+  // The unit's all-gather on the communication stream (after its host copy under offload); with
+  // FSDP1's limiter the CPU first waits for the oldest free event, so the collective cannot start
+  // before the compute stream reached it.
+  void Gather(const Action& a) {
     double start = comm_free_;
-    if (Limited() && free_events_.size() >= 2) {
+    if (a.rate_limit_wait) {
       start = std::max(start, free_events_.front());
       free_events_.pop_front();
     }
-    start += comm_.units[u].host_to_device_s;
-    comm_free_ = start + comm_.units[u].all_gather_s;
-    if (first_gather_s_ == 0 && comm_free_ > 0) first_gather_s_ = comm_free_;
-    gather_end_[u] = comm_free_;
-    gathered_[u] = 1;
+    if (!a.all_gather) return;
+    start = std::max(start, all_gather_ready_);
+    const UnitComm& c = comm_.units[a.unit];
+    if (a.host_to_device) start += c.host_to_device_s;
+    comm_free_ = start + c.all_gather.time_s;
+    if (first_gather_s_ == 0 && c.all_gather.time_s > 0) first_gather_s_ = comm_free_;
+    gather_end_[a.unit] = comm_free_;
+    pending_[a.unit] = 1;
   }
 
-  void Compute(int u, double seconds) {
-    const double ready = gathered_[u] ? gather_end_[u] : 0.0;
-    if (ready > compute_end_) exposed_[u] += (ready - compute_end_);
-    compute_end_ = std::max(compute_end_, ready) + seconds;
-  }
-
-  void Free(int u) {
-    gathered_[u] = 0;
-    if (Limited()) free_events_.push_back(compute_end_);
-  }
-
-  void ForwardUnit(int u) {
-    Gather(u);
-    Compute(u, cm_.units[u].forward_s);
-    const bool reshard = !w_.units[u].is_root &&
-                         (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
-    if (reshard) Free(u);
-  }
-
-  void BackwardUnit(int u) {
-    Gather(u);
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPre || w_.config.framework == Framework::kFsdp2) {
-      const int target = w_.BackwardPrefetchTarget(u);
-      if (target >= 0 && w_.config.backward_prefetch != BackwardPrefetch::kNone) Gather(target);
+  // FSDP2's copy-out runs on the compute stream once the all-gather is waited for; the
+  // all-gather streams then wait on a copy-out event (the previous one in forward).
+  void CopyOut(CopyOutWait wait) {
+    switch (wait) {
+      case CopyOutWait::kNone: return;
+      case CopyOutWait::kPrevious:
+        ReleaseHeldCopyOut();
+        held_copy_out_ = compute_end_;
+        return;
+      case CopyOutWait::kThis: all_gather_ready_ = std::max(all_gather_ready_, compute_end_); return;
     }
-    Compute(u, cm_.units[u].backward_s + cm_.units[u].recompute_s);
-    for (auto it = children_[u].rbegin(); it != children_[u].rend(); ++it) BackwardUnit(*it);
-    if (Sharded() && w_.FreesInBackward(ReducesNow())) Free(u);
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPost && w_.BackwardPrefetchTarget(u) >= 0) Gather(w_.BackwardPrefetchTarget(u));
-    if (ReducesNow()) {
-      const UnitComm& c = comm_.units[u];
-      comm_free_ = std::max(comm_free_, compute_end_) + c.reduce_scatter_s + c.all_reduce_s + c.device_to_host_s;
-    }
+  }
+  void ReleaseHeldCopyOut() {
+    if (held_copy_out_ >= 0) all_gather_ready_ = std::max(all_gather_ready_, held_copy_out_);
+    held_copy_out_ = -1;
+  }
+
+  void Reduce(const Action& a) {
+    const UnitComm& c = comm_.units[a.unit];
+    if (a.waits_previous_reduce_scatter && last_reduce_scatter_ >= 0) compute_end_ = std::max(compute_end_, last_reduce_scatter_);
+    comm_free_ = std::max(comm_free_, compute_end_) + (a.reduce_scatter ? c.reduce_scatter.time_s : 0.0);
+    if (a.reduce_scatter) last_reduce_scatter_ = comm_free_;
+    comm_free_ += (a.all_reduce ? c.all_reduce.time_s : 0.0) + (a.to_host ? c.device_to_host_s : 0.0);
+  }
+
+  void WaitGathered(int u) {
+    if (!pending_[u]) return;
+    pending_[u] = 0;
+    const double ready = gather_end_[u];
+    if (ready > compute_end_) exposed_[u] += ready - compute_end_;
+    compute_end_ = std::max(compute_end_, ready);
   }
 
   const Workload& w_;
   const ComputeModel& cm_;
   const CommModel& comm_;
+  const Schedule& schedule_;
+  std::vector<double> segment_s_;
   bool fast_forward_;
-  std::vector<char> gathered_;
+  std::vector<char> pending_;  // all-gather issued, not yet waited for
   std::vector<double> gather_end_;
   std::vector<double> exposed_, exposed_before_;
-  std::vector<std::vector<int>> children_;
   std::deque<double> free_events_;
-  double comm_free_ = 0, compute_end_ = 0, first_gather_s_ = 0, last_backward_compute_ = 0;
-  int micro_ = 0;
+  double comm_free_ = 0, compute_end_ = 0, first_gather_s_ = 0, last_backward_compute_ = 0, pass_start_ = 0;
+  double forward_before_ = 0, backward_before_ = 0;
+  double all_gather_ready_ = 0;     // FSDP2: the latest copy-out event the all-gather streams wait on
+  double held_copy_out_ = -1;       // FSDP2: the copy-out event of the all-gather result held in forward (-1: none)
+  double last_reduce_scatter_ = -1; // FSDP2: end of this backward's latest reduce-scatter (-1: none yet)
+  StepEstimate e_;
+  int64_t micro_ = 0;
 };
 
 }  // namespace
 
+StepEstimate EstimateStep(const Workload& w, const ComputeModel& cm, const CommModel& comm, const Schedule& schedule, bool fast_forward) {
+  return StepTimer(w, cm, comm, schedule, fast_forward).Run();
+}
+
 StepEstimate EstimateStep(const Workload& w, const ComputeModel& cm, const CommModel& comm, bool fast_forward) {
-  return StepTimer(w, cm, comm, fast_forward).Run();
+  return EstimateStep(w, cm, comm, BuildSchedule(w), fast_forward);
 }
 
 TimeEstimate EstimateTime(const Workload& w, double traffic_per_saved_byte) {
+  const Schedule schedule = BuildSchedule(w);
   TimeEstimate t;
   t.compute = EstimateCompute(w, traffic_per_saved_byte);
-  t.comm = EstimateComm(w);
-  t.step = EstimateStep(w, t.compute, t.comm);
+  t.comm = EstimateComm(w, schedule);
+  t.step = EstimateStep(w, t.compute, t.comm, schedule);
   return t;
 }
 

@@ -24,12 +24,15 @@ struct StepEstimate {
   std::vector<double> unit_exposed_s;  ///< per unit: compute-stream time spent waiting for its all-gather
 };
 
-/// Plays the step's compute and communication in FSDP's order: all-gathers wait for the stream
-/// and (FSDP1 limit_all_gathers) for the compute of the unit two back; compute waits for its
-/// unit's all-gather; reduce-scatters follow each unit's backward on the same stream; the
+/// Plays the schedule's compute and communication (core/schedule.h): all-gathers wait for the
+/// stream and (FSDP1 limit_all_gathers) for the free event the CPU synchronises on; compute waits
+/// for its unit's all-gather; reduce-scatters follow each unit's backward on the same stream; the
 /// optimizer waits for the last reduction. CPU launch overheads are not modelled (fsdp-sim does).
-/// With `fast_forward`, micro-batches 2 .. grad_accum-2 (identical to micro-batch 1) are not
-/// replayed one by one but added as a shift of every clock; the result is the same.
+/// With `fast_forward`, middle micro-batches that run the same program from the same relative
+/// state are not replayed one by one but added as a shift of every clock; the result is the same.
+StepEstimate EstimateStep(const Workload& workload, const ComputeModel& compute, const CommModel& comm, const Schedule& schedule,
+                          bool fast_forward = true);
+/// The same with BuildSchedule(workload).
 StepEstimate EstimateStep(const Workload& workload, const ComputeModel& compute, const CommModel& comm, bool fast_forward = true);
 
 /// Compute, communication and step estimates for one workload; the activation traffic is eager

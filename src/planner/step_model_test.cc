@@ -74,7 +74,7 @@ TEST_CASE("collective inventory follows strategy, accumulation and no_sync") {
   CHECK(fsdp2.volume.forward_all_gather_count == 12);
   // the communication time counts the same: three more all-gathers per unit for FSDP2
   double gather_s = 0;
-  for (const UnitComm& u : fsdp2.units) gather_s += u.all_gather_s;
+  for (const UnitComm& u : fsdp2.units) gather_s += u.all_gather.time_s;
   CHECK(fsdp2.volume.total_comm_s - zero2.total_comm_s == doctest::Approx(3 * gather_s));
   c.framework = Framework::kFsdp1;
   c.no_sync = false;
@@ -93,31 +93,44 @@ TEST_CASE("HYBRID_SHARD: reduce-scatter in the node, all-reduce of the shard acr
   CHECK(cm.volume.all_reduce_bytes == (33 + 74 + 74) * 4);  // shards of 264, 592 -> 592/8 = 74
 }
 
+// Known durations by role: embedding 0.25 s forward and backward, lm_head with the loss 0.75 s,
+// each block 2 s forward and 4 s backward; the optimizer 0.5 s.
+ComputeModel HandDurations(const Workload& w) {
+  std::vector<NodeCompute> nodes(w.nodes.size());
+  for (size_t i = 0; i < w.nodes.size(); ++i) {
+    switch (w.nodes[i].role) {
+      case ModuleNode::Role::kEmbedding: nodes[i] = {0.25, 0.25, 0}; break;
+      case ModuleNode::Role::kLmHead: nodes[i] = {0.75, 0.75, 0}; break;
+      case ModuleNode::Role::kBlock: nodes[i] = {2.0, 4.0, 0}; break;
+      default: break;
+    }
+  }
+  return ComputeFromNodes(w, std::move(nodes), 0.5);
+}
+
 TEST_CASE("step timeline computed by hand: 3 units, known durations") {
   Workload w = Build(ThreeRanks());
-  ComputeModel cm;
-  cm.units = {{0, 0, 0, 1.0, 1.0, 0}, {0, 0, 0, 2.0, 4.0, 0}, {0, 0, 0, 2.0, 4.0, 0}};
-  cm.optimizer_s = 0.5;
-  cm.compute_s_per_step = 1 + 2 + 2 + 1 + 4 + 4 + 0.5;
-  cm.model_flops_per_token = 1;
+  const ComputeModel cm = HandDurations(w);
+  CHECK(cm.compute_s_per_step == doctest::Approx(14.5));
   CommModel comm;
-  comm.units = {{0.5, 0.5, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}};
-  // forward: AG root [0, .5], root [.5, 1.5]; AG L0 [.5, 1.5], L0 [1.5, 3.5]; AG L1 [1.5, 2.5], L1 [3.5, 5.5].
+  comm.units = {{{0.5}, {0.5}, {}, 0, 0}, {{1.0}, {1.0}, {}, 0, 0}, {{1.0}, {1.0}, {}, 0, 0}};
+  // forward: AG root [0, .5], embedding [.5, .75]; AG L0 [.5, 1.5], L0 waits, [1.5, 3.5];
+  //   AG L1 [1.5, 2.5], L1 [3.5, 5.5]; lm_head + loss [5.5, 6.25].
   // backward: the root's hook prefetches L1, but two free events are queued (L0, L1 at 3.5 and 5.5):
-  //   AG L1 waits for L0's, [3.5, 4.5]; root backward [5.5, 6.5]; L1 prefetches L0: AG [4.5, 5.5];
-  //   L1 backward [6.5, 10.5], RS L1 [10.5, 11.5]; L0 backward [10.5, 14.5], RS L0 [14.5, 15.5];
-  //   RS root [15.5, 16.0]; the post-backward callback waits for it; optimizer [16.0, 16.5].
+  //   AG L1 waits for L0's, [3.5, 4.5]; lm_head + loss backward [6.25, 7]; L1 prefetches L0: AG [4.5, 5.5];
+  //   L1 backward [7, 11], RS L1 [11, 12]; L0 backward [11, 15], RS L0 [15, 16]; embedding backward
+  //   [15, 15.25], RS root [16, 16.5]; the post-backward callback waits for it; optimizer [16.5, 17].
   StepEstimate s = EstimateStep(w, cm, comm);
-  CHECK(s.step_s == doctest::Approx(16.5));
-  CHECK(s.forward_s == doctest::Approx(5.5));
-  CHECK(s.backward_s == doctest::Approx(10.5));
-  CHECK(s.exposed_comm_s == doctest::Approx(2.0));
+  CHECK(s.step_s == doctest::Approx(17.0));
+  CHECK(s.forward_s == doctest::Approx(6.25));
+  CHECK(s.backward_s == doctest::Approx(10.25));
+  CHECK(s.exposed_comm_s == doctest::Approx(2.5));
   CHECK(s.first_all_gather_s == doctest::Approx(0.5));
-  CHECK(s.last_reduce_s == doctest::Approx(1.5));
-  // only the root's forward waited for its all-gather; the rest was hidden
+  CHECK(s.last_reduce_s == doctest::Approx(1.25));
+  // the root's embedding and layers.0 waited for their all-gathers; the rest was hidden
   REQUIRE(s.unit_exposed_s.size() == 3);
   CHECK(s.unit_exposed_s[0] == doctest::Approx(0.5));
-  CHECK(s.unit_exposed_s[1] == 0.0);
+  CHECK(s.unit_exposed_s[1] == doctest::Approx(0.75));
   CHECK(s.unit_exposed_s[2] == 0.0);
 }
 
@@ -175,10 +188,7 @@ TEST_CASE("--ac selective-op reruns every second matmul of a block (k, o, up) an
 
 TEST_CASE("zero compute gives the communication time") {
   Workload w = Build(ThreeRanks());
-  ComputeModel cm = EstimateCompute(w);
-  for (auto& u : cm.units) u = UnitCompute{};
-  cm.optimizer_s = 0;
-  cm.compute_s_per_step = 0;
+  const ComputeModel cm = ComputeFromNodes(w, std::vector<NodeCompute>(w.nodes.size()), 0.0);
   CommModel comm = EstimateComm(w);
   CHECK(EstimateStep(w, cm, comm).step_s == doctest::Approx(comm.volume.total_comm_s));
 }

@@ -11,32 +11,69 @@
 #include "planner/collective_model.h"
 #include "planner/comm_model.h"
 #include "planner/compute_model.h"
+#include "core/schedule.h"
 
 namespace fsdp::sim {
 namespace {
 
 TimeNs Ns(double seconds) { return static_cast<TimeNs>(std::llround(std::max(0.0, seconds) * 1e9)); }
 
-enum MarkerType { kFwdMarker = 0, kBwdMarker = 1, kPostMarker = 2 };
-
-int MarkerKey(const Workload& w, int micro, int u, MarkerType type) {
-  return ((micro * static_cast<int>(w.units.size())) + u) * 3 + type;
-}
-int OptimizerMarker(const Workload& w) { return MarkerKey(w, static_cast<int>(w.config.grad_accum), 0, kFwdMarker); }
-
-// Durations of one unit's collectives, split into a fixed latency and a bandwidth part.
-struct UnitCollectives {
-  CollectiveEstimate all_gather, reduce_scatter, all_reduce;
-  double host_copy_s = 0;
+// Where one schedule action sits on rank 0's GPU timeline, for placing memory: the start of the op
+// it launched, or (an action that launches nothing) the end of the last op the compute stream had
+// been given by then.
+struct ActionPlace {
+  OpId op = -1;
+  bool at_end = false;
 };
 
-// Builds the ops and the CPU program of one rank, in FSDP's order (docs/simulator.md).
+// Kernels the CPU launches for a compute segment: a block's forward `kernels_per_block` (its
+// backward twice as many), the embedding 2, the final norm 3, lm_head with the loss 3 (the 8 of
+// the root's own forward), a linear wrapped on its own 1.
+int SegmentKernels(const Workload& w, const Schedule& schedule, const ComputeSegment& segment, int kernels_per_block) {
+  int kernels = 0;
+  for (const NodeVisit& v : schedule.Visits(segment)) {
+    if (!segment.forward && !v.enter) continue;
+    const ModuleNode& n = w.nodes[v.node];
+    switch (n.role) {
+      case ModuleNode::Role::kBlock: kernels += kernels_per_block; break;
+      case ModuleNode::Role::kEmbedding: kernels += 2; break;
+      case ModuleNode::Role::kFinalNorm:
+      case ModuleNode::Role::kLmHead: kernels += 3; break;
+      case ModuleNode::Role::kOther: kernels += n.unit >= 0 && !n.tensors.empty() ? 1 : 0; break;
+    }
+  }
+  return std::max(1, kernels) * (segment.forward ? 1 : 2);
+}
+
+// "root (embedding)", "model.layers.3", "root (norm, lm_head + loss)": the unit, and for a unit
+// that is not a block the role modules the segment runs.
+std::string SegmentLabel(const Workload& w, const Schedule& schedule, const ComputeSegment& segment) {
+  std::string label = w.units[segment.unit].name;
+  if (w.nodes[w.units[segment.unit].node].role == ModuleNode::Role::kBlock) return label;
+  std::string parts;
+  int blocks = 0;
+  for (const NodeVisit& v : schedule.Visits(segment)) {
+    if (!segment.forward && !v.enter) continue;
+    const ModuleNode& n = w.nodes[v.node];
+    const char* part = n.role == ModuleNode::Role::kEmbedding ? "embedding" : n.role == ModuleNode::Role::kFinalNorm ? "norm"
+                     : n.role == ModuleNode::Role::kLmHead ? "lm_head + loss" : nullptr;
+    if (n.role == ModuleNode::Role::kBlock) ++blocks;
+    if (part == nullptr) continue;
+    if (blocks > 0) parts += fmt::format("{}{} blocks", parts.empty() ? "" : ", ", std::exchange(blocks, 0));
+    parts += fmt::format("{}{}", parts.empty() ? "" : ", ", part);
+  }
+  if (blocks > 0) parts += fmt::format("{}{} blocks", parts.empty() ? "" : ", ", blocks);
+  return parts.empty() ? label : fmt::format("{} ({})", label, parts);
+}
+
+// Builds the ops and the CPU program of one rank from the schedule (docs/simulator.md).
 class RankBuilder {
  public:
-  RankBuilder(const Workload& w, const SimOptions& o, const ComputeModel& cm, const std::vector<UnitCollectives>& coll, Engine& e,
-              int rank, std::vector<OpId>& collective_ops, std::vector<char>& kinds)
-      : w_(w), o_(o), cm_(cm), coll_(coll), e_(e), rank_(rank), collective_ops_(collective_ops), kinds_(kinds),
-        rng_(o.seed * 1000003ULL + static_cast<uint64_t>(rank)), gathered_(w.units.size(), false), gather_event_(w.units.size(), kNoEvent) {
+  RankBuilder(const Workload& w, const SimOptions& o, const ComputeModel& cm, const std::vector<UnitComm>& coll, const Schedule& schedule,
+              const std::vector<double>& segment_s, Engine& e, int rank, std::vector<OpId>& collective_ops, std::vector<char>& kinds,
+              std::vector<ActionPlace>* places)
+      : w_(w), o_(o), cm_(cm), coll_(coll), schedule_(schedule), segment_s_(segment_s), e_(e), rank_(rank), collective_ops_(collective_ops),
+        kinds_(kinds), places_(places), rng_(o.seed * 1000003ULL + static_cast<uint64_t>(rank)), gather_event_(w.units.size(), kNoEvent) {
     const std::string r = fmt::format("rank {} ", rank);
     compute_ = e.AddStream(r + "compute", rank);
     if (o.blocking_collectives) {
@@ -52,31 +89,50 @@ class RankBuilder {
     link_ = e.AddLink();
     auto slow = o.slow_ranks.find(rank);
     compute_factor_ = o.compute_scale * (slow == o.slow_ranks.end() ? 1.0 : slow->second);
-    children_.resize(w.units.size());
-    for (int u = 1; u < static_cast<int>(w.units.size()); ++u) children_[w.units[u].parent_unit].push_back(u);
+    for (const ComputeSegment& seg : schedule.segments()) {
+      segment_kernels_.push_back(SegmentKernels(w, schedule, seg, o.kernels_per_block));
+      segment_labels_.push_back(SegmentLabel(w, schedule, seg));
+    }
   }
 
   std::vector<CpuAction> Build() {
-    for (micro_ = 0; micro_ < w_.config.grad_accum; ++micro_) {
-      for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) Forward(u);
-      last_reduce_ = kNoEvent;
-      Backward(0);
-      if (ReducesNow() && last_reduce_ != kNoEvent) {
-        // post-backward final callback: the compute stream waits for the reductions
-        Launch(Make(compute_, "wait for reductions", 0, 0, {last_reduce_}), 'W');
+    for (int64_t micro = 0; micro < schedule_.micro_batches(); ++micro) {
+      for (const Action& a : schedule_.MicroBatch(micro)) {
+        launched_ = -1;
+        Play(a);
+        if (places_ != nullptr) places_->push_back(launched_ >= 0 ? ActionPlace{launched_, false} : ActionPlace{last_compute_op_, true});
       }
     }
-    Optimizer();
     return std::move(program_);
   }
 
-  StreamId compute_stream() const { return compute_; }
-
  private:
-  bool Sharded() const { return w_.config.strategy != Strategy::kNoShard; }
-  bool Fsdp1Limited() const { return w_.config.framework == Framework::kFsdp1 && w_.config.limit_all_gathers; }
-  bool ReducesNow() const { return !w_.config.no_sync || micro_ == w_.config.grad_accum - 1; }
-  void Mark(int u, MarkerType type) { if (rank_ == 0) program_.push_back(Marker{MarkerKey(w_, micro_, u, type)}); }
+  void Play(const Action& a) {
+    switch (a.kind) {
+      case ActionKind::kUnshard: Gather(a); break;
+      case ActionKind::kWaitUnshard: WaitUnshard(a); break;
+      case ActionKind::kForward:
+      case ActionKind::kBackward: ComputeSegmentOp(a); break;
+      case ActionKind::kReshard:
+        // _limiter_utils: the free event is recorded on the compute stream
+        if (a.queues_free_event) free_events_.push_back(last_compute_event_);
+        break;
+      case ActionKind::kEndForward:
+        last_reduce_ = last_reduce_scatter_ = kNoEvent;
+        if (a.releases_all_gather_state) ReleaseHeldCopyOut();
+        break;
+      case ActionKind::kReduce: Reduce(a); break;
+      case ActionKind::kEndBackward:
+        // post-backward final callback: the compute stream waits for the reductions
+        if (a.waits_for_reductions && last_reduce_ != kNoEvent) LaunchCompute(Make(compute_, "wait for reductions", 0, 0, {last_reduce_}), 'W');
+        break;
+      case ActionKind::kOptimizer: Optimizer(); break;
+      case ActionKind::kPreForward:
+      case ActionKind::kPostForward:
+      case ActionKind::kPreBackward:
+      case ActionKind::kPostBackward: break;
+    }
+  }
 
   Op Make(StreamId s, std::string name, double fixed_s, double link_s, std::vector<EventId> waits) {
     Op op;
@@ -97,6 +153,18 @@ class RankBuilder {
     kinds_[id] = kind;
     if (collective) collective_ops_.push_back(id);
     program_.push_back(LaunchOp{id});
+    if (launched_ < 0) launched_ = id;
+    return ev;
+  }
+
+  // Every op of the compute stream carries the waits queued for it (an all-gather, FSDP2's
+  // previous reduce-scatter).
+  EventId LaunchCompute(Op op, char kind) {
+    op.waits.insert(op.waits.end(), compute_waits_.begin(), compute_waits_.end());
+    compute_waits_.clear();
+    const EventId ev = Launch(std::move(op), kind);
+    last_compute_event_ = ev;
+    last_compute_op_ = static_cast<OpId>(e_.ops().size()) - 1;
     return ev;
   }
 
@@ -112,95 +180,101 @@ class RankBuilder {
     return 1.0 + d(rng_);
   }
 
-  // The CPU issues a unit's kernels one by one: all but the last launch's cost as host work.
+  // The CPU issues a segment's kernels one by one: all but the last launch's cost as host work.
   void IssueKernels(int kernels) {
     if (kernels > 1) program_.push_back(CpuWork{Ns(o_.launch_overhead_s * (kernels - 1)), "launch kernels"});
   }
 
-  void Gather(int u) {
-    if (u < 0 || !Sharded() || gathered_[u] || w_.units[u].numel == 0) return;
-    if (Fsdp1Limited() && free_events_.size() >= 2) {
-      // _limiter_utils: the CPU synchronises on the oldest free event
+  // The unit's all-gather (after its host-to-device copy under offload); with FSDP1's limiter the
+  // CPU first synchronises on the oldest queued free event.
+  void Gather(const Action& a) {
+    if (a.rate_limit_wait) {
       program_.push_back(SyncEvent{free_events_.front()});
       free_events_.pop_front();
     }
-    std::vector<EventId> waits;
-    if (w_.config.cpu_offload) waits.push_back(Launch(Make(h2d_, "H2D " + w_.units[u].name, coll_[u].host_copy_s, 0, {}), 'H'));
+    if (!a.all_gather) return;
+    const int u = a.unit;
+    std::vector<EventId> waits = std::exchange(all_gather_waits_, {});
+    if (a.host_to_device) waits.push_back(Launch(Make(h2d_, "H2D " + w_.units[u].name, coll_[u].host_to_device_s, 0, {}), 'H'));
     gather_event_[u] = LaunchCollective(ag_stream_, "AG", u, coll_[u].all_gather, std::move(waits), 'A');
-    gathered_[u] = true;
   }
 
-  void Reshard(int u, EventId compute_done) {
-    gathered_[u] = false;
-    if (Fsdp1Limited()) free_events_.push_back(compute_done);
+  void ComputeSegmentOp(const Action& a) {
+    IssueKernels(segment_kernels_[a.segment]);
+    const ComputeSegment& seg = schedule_.segments()[a.segment];
+    bool recomputes = false;
+    if (!seg.forward) {
+      for (const NodeVisit& v : schedule_.Visits(seg)) recomputes = recomputes || (v.enter && cm_.nodes[v.node].recompute_s > 0);
+    }
+    const char* what = seg.forward ? "FWD" : recomputes ? "BWD+RECOMPUTE" : "BWD";
+    LaunchCompute(Make(compute_, fmt::format("{} {}", what, segment_labels_[a.segment]), segment_s_[a.segment] * compute_factor_ * Jitter(), 0, {}),
+                  'C');
   }
 
-  EventId ComputeOp(int u, const char* what, double seconds, int kernels) {
-    IssueKernels(kernels);
-    std::vector<EventId> waits;
-    if (gather_event_[u] != kNoEvent) waits.push_back(gather_event_[u]);
-    return Launch(Make(compute_, fmt::format("{} {}", what, w_.units[u].name), seconds * compute_factor_ * Jitter(), 0, std::move(waits)), 'C');
+  // The compute stream waits for the unit's all-gather; FSDP2 then copies the parameters out on
+  // it, and the all-gather streams wait on a copy-out event (the previous one in forward, so at
+  // most two all-gathers run ahead of the compute stream).
+  void WaitUnshard(const Action& a) {
+    const EventId gathered = std::exchange(gather_event_[a.unit], kNoEvent);
+    if (gathered != kNoEvent) compute_waits_.push_back(gathered);
+    if (a.copy_out_wait == CopyOutWait::kNone) return;
+    const EventId copied = LaunchCompute(Make(compute_, "copy-out " + w_.units[a.unit].name, 0, 0, {}), 'C');
+    if (a.copy_out_wait == CopyOutWait::kThis) {
+      all_gather_waits_.push_back(copied);
+      return;
+    }
+    ReleaseHeldCopyOut();
+    held_copy_out_ = copied;
+  }
+  void ReleaseHeldCopyOut() {
+    if (held_copy_out_ != kNoEvent) all_gather_waits_.push_back(std::exchange(held_copy_out_, kNoEvent));
   }
 
-  int Kernels(int u) const { return w_.units[u].is_root ? 8 : o_.kernels_per_block; }
-
-  void Forward(int u) {
-    Mark(u, kFwdMarker);
-    Gather(u);
-    if (w_.config.forward_prefetch && u + 1 < static_cast<int>(w_.units.size())) Gather(u + 1);
-    const EventId done = ComputeOp(u, "FWD", cm_.units[u].forward_s, Kernels(u));
-    const bool reshard = !w_.units[u].is_root &&
-                         (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
-    if (reshard) Reshard(u, done);
-  }
-
-  void Backward(int u) {
-    Mark(u, kBwdMarker);
-    Gather(u);
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPre) Gather(w_.BackwardPrefetchTarget(u));
-    const UnitCompute& c = cm_.units[u];
-    EventId done = ComputeOp(u, c.recompute_s > 0 ? "BWD+RECOMPUTE" : "BWD", c.backward_s + c.recompute_s, 2 * Kernels(u));
-    for (auto it = children_[u].rbegin(); it != children_[u].rend(); ++it) Backward(*it);
-    Mark(u, kPostMarker);
-    if (Sharded() && w_.FreesInBackward(ReducesNow())) Reshard(u, done);
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPost) Gather(w_.BackwardPrefetchTarget(u));
-    if (!ReducesNow() || w_.units[u].numel == 0) return;
-    EventId reduced = done;
-    if (Sharded()) reduced = LaunchCollective(rs_stream_, "RS", u, coll_[u].reduce_scatter, {done}, 'R');
-    if (coll_[u].all_reduce.time_s > 0) reduced = LaunchCollective(rs_stream_, "AR", u, coll_[u].all_reduce, {reduced}, 'D');
-    if (w_.config.cpu_offload) reduced = Launch(Make(d2h_, "D2H " + w_.units[u].name, coll_[u].host_copy_s, 0, {reduced}), 'h');
+  void Reduce(const Action& a) {
+    const int u = a.unit;
+    // FSDP2: the compute stream waits for the previous reduce-scatter before this one is issued
+    if (a.waits_previous_reduce_scatter && last_reduce_scatter_ != kNoEvent) compute_waits_.push_back(last_reduce_scatter_);
+    EventId reduced = last_compute_event_;
+    if (a.reduce_scatter) reduced = last_reduce_scatter_ = LaunchCollective(rs_stream_, "RS", u, coll_[u].reduce_scatter, {reduced}, 'R');
+    if (a.all_reduce && coll_[u].all_reduce.time_s > 0) reduced = LaunchCollective(rs_stream_, "AR", u, coll_[u].all_reduce, {reduced}, 'D');
+    if (a.to_host) reduced = Launch(Make(d2h_, "D2H " + w_.units[u].name, coll_[u].device_to_host_s, 0, {reduced}), 'h');
     last_reduce_ = reduced;
   }
 
   void Optimizer() {
-    if (rank_ == 0) program_.push_back(Marker{OptimizerMarker(w_)});
     if (w_.config.cpu_offload) {
       if (last_reduce_ != kNoEvent) program_.push_back(SyncEvent{last_reduce_});
       program_.push_back(CpuWork{Ns(cm_.optimizer_s), "CPU AdamW"});
       return;
     }
-    Launch(Make(compute_, "optimizer step", cm_.optimizer_s * compute_factor_, 0, {}), 'O');
+    LaunchCompute(Make(compute_, "optimizer step", cm_.optimizer_s * compute_factor_, 0, {}), 'O');
   }
 
   const Workload& w_;
   const SimOptions& o_;
   const ComputeModel& cm_;
-  const std::vector<UnitCollectives>& coll_;
+  const std::vector<UnitComm>& coll_;
+  const Schedule& schedule_;
+  const std::vector<double>& segment_s_;
   Engine& e_;
   int rank_;
   std::vector<OpId>& collective_ops_;
   std::vector<char>& kinds_;
+  std::vector<ActionPlace>* places_;  // rank 0: where each action sits
   std::mt19937_64 rng_;
   StreamId compute_ = 0, ag_stream_ = 0, rs_stream_ = 0, h2d_ = -1, d2h_ = -1;
   int link_ = 0;
   double compute_factor_ = 1.0;
+  std::vector<int> segment_kernels_;
+  std::vector<std::string> segment_labels_;
   std::vector<CpuAction> program_;
-  std::vector<bool> gathered_;
-  std::vector<EventId> gather_event_;
-  std::vector<std::vector<int>> children_;
-  std::deque<EventId> free_events_;
-  EventId last_reduce_ = kNoEvent;
-  int micro_ = 0;
+  std::vector<EventId> gather_event_;   // per unit: its pending all-gather
+  std::vector<EventId> compute_waits_;     // events the next compute-stream op waits for
+  std::vector<EventId> all_gather_waits_;  // FSDP2: copy-out events the next all-gather waits for
+  std::deque<EventId> free_events_;        // FSDP1's rate limiter queue
+  EventId held_copy_out_ = kNoEvent;       // FSDP2: the copy-out event of the all-gather result held in forward
+  EventId last_reduce_ = kNoEvent, last_reduce_scatter_ = kNoEvent, last_compute_event_ = kNoEvent;
+  OpId last_compute_op_ = -1, launched_ = -1;
 };
 
 Status Validate(const Workload& w, const SimOptions& o) {
@@ -221,28 +295,6 @@ Status Validate(const Workload& w, const SimOptions& o) {
   return {};
 }
 
-std::vector<UnitCollectives> UnitCollectiveTimes(const Workload& w) {
-  const CommModel comm = EstimateComm(w);
-  const FsdpConfig& c = w.config;
-  const int64_t p = BytesPerElement(c.param_dtype), r = BytesPerElement(c.reduce_dtype);
-  std::vector<UnitCollectives> out(w.units.size());
-  for (size_t u = 0; u < w.units.size(); ++u) {
-    const WrapUnit& unit = w.units[u];
-    UnitCollectives& uc = out[u];
-    if (c.strategy == Strategy::kNoShard) {
-      uc.all_reduce = EstimateCollective(Collective::kAllReduce, unit.numel * r, comm.replica_group, w.hardware);
-    } else {
-      uc.all_gather = EstimateCollective(Collective::kAllGather, unit.padded_numel * p, comm.shard_group, w.hardware);
-      uc.reduce_scatter = EstimateCollective(Collective::kReduceScatter, unit.padded_numel * r, comm.shard_group, w.hardware);
-      if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
-        uc.all_reduce = EstimateCollective(Collective::kAllReduce, unit.shard_numel * r, comm.replica_group, w.hardware);
-      }
-    }
-    uc.host_copy_s = HostCopySeconds(unit.shard_numel * BytesPerElement(c.master_dtype), w.hardware);
-  }
-  return out;
-}
-
 // Length of the union of [start, end) intervals.
 double UnionSeconds(std::vector<std::pair<double, double>> intervals) {
   std::sort(intervals.begin(), intervals.end());
@@ -259,14 +311,11 @@ double UnionSeconds(std::vector<std::pair<double, double>> intervals) {
   return total + (end - start);
 }
 
-int OwningUnit(const Workload& w, int node) {
-  while (node > 0 && w.nodes[node].unit < 0) node = w.nodes[node].parent;
-  return node < 0 ? 0 : std::max(0, w.nodes[node].unit);
-}
-
-// Places the planner's memory timeline (the same allocations in the same order) on the simulated
-// clock: each point at the time the CPU reached its phase.
-void AddMemory(const Workload& w, const Engine& e, SimResult& r) {
+// Places the planner's memory timeline (the same allocations in the same order) on rank 0's
+// simulated GPU clock: each point at the time the action it belongs to runs on its stream (the
+// op it launched starts, or the compute stream has passed the ops before it), so that a phase's
+// memory sits inside that phase's ops.
+void AddMemory(const Workload& w, const Engine& e, const std::vector<ActionPlace>& places, SimResult& r) {
   MemoryOptions options;
   options.overheads = FrameworkOverheadsFor(w);
   options.record_timeline = true;
@@ -280,20 +329,14 @@ void AddMemory(const Workload& w, const Engine& e, SimResult& r) {
   double clock = 0;
   int64_t best = -1;
   for (const auto& p : m.timeline) {
-    TimeNs t = 0;
-    const int u = p.node >= 0 ? OwningUnit(w, p.node) : 0;
-    switch (p.kind) {
-      case StepPhase::kStart: t = 0; break;
-      case StepPhase::kForwardUnshard:
-      case StepPhase::kForward: t = e.MarkerTime(MarkerKey(w, p.micro, u, kFwdMarker)); break;
-      case StepPhase::kEndForward: t = e.MarkerTime(MarkerKey(w, p.micro, static_cast<int>(w.units.size()) - 1, kFwdMarker)); break;
-      case StepPhase::kBackwardUnshard:
-      case StepPhase::kBackward: t = e.MarkerTime(MarkerKey(w, p.micro, u, kBwdMarker)); break;
-      case StepPhase::kReduce: t = e.MarkerTime(MarkerKey(w, p.micro, u, kPostMarker)); break;
-      case StepPhase::kOptimizer:
-      case StepPhase::kAfterZeroGrad: t = e.MarkerTime(OptimizerMarker(w)); break;
+    if (p.action >= 0 && p.action < static_cast<int64_t>(places.size())) {
+      const ActionPlace& place = places[static_cast<size_t>(p.action)];
+      if (place.op >= 0) {
+        const Op& op = e.ops()[place.op];
+        const TimeNs t = place.at_end ? op.end_ns : op.start_ns;
+        if (t != kNever) clock = std::max(clock, static_cast<double>(t) * 1e-9);
+      }
     }
-    if (t != kNever) clock = std::max(clock, static_cast<double>(t) * 1e-9);
     const int64_t bytes = TotalBytes(p.device) + constant;
     r.memory.push_back({clock, bytes});
     if (bytes > best) {
@@ -345,25 +388,19 @@ Result<SimResult> Simulate(const Workload& workload, const SimOptions& o) {
     w.hardware.inter_node_bandwidth_per_gpu_bytes_per_s = o.bandwidth_override;
     w.hardware.pcie_bandwidth_bytes_per_s = std::max(w.hardware.pcie_bandwidth_bytes_per_s, o.bandwidth_override);
   }
+  const Schedule schedule = BuildSchedule(w);
   const ComputeModel cm = o.compute_override ? *o.compute_override : EstimateCompute(w);
-  std::vector<UnitCollectives> coll = UnitCollectiveTimes(w);
-  if (o.collective_override) {
-    if (o.collective_override->size() != coll.size()) return Error::BadInput("collective override needs one entry per unit");
-    for (size_t u = 0; u < coll.size(); ++u) {
-      const UnitComm& k = (*o.collective_override)[u];
-      coll[u].all_gather = {k.all_gather_s, 0, 0, 0};
-      coll[u].reduce_scatter = {k.reduce_scatter_s, 0, 0, 0};
-      coll[u].all_reduce = {k.all_reduce_s, 0, 0, 0};
-      coll[u].host_copy_s = k.host_to_device_s;
-    }
-  }
-  if (cm.units.size() != w.units.size()) return Error::BadInput("compute override needs one entry per unit");
+  if (cm.nodes.size() != w.nodes.size()) return Error::BadInput("compute override needs one entry per module node");
+  const std::vector<UnitComm> coll = o.collective_override ? *o.collective_override : EstimateComm(w, schedule).units;
+  if (coll.size() != w.units.size()) return Error::BadInput("collective override needs one entry per unit");
+  const std::vector<double> segment_s = SegmentSeconds(schedule, cm);
   Engine e(Ns(o.launch_overhead_s));
   const int64_t ranks = std::max<int64_t>(1, o.ranks);
   std::vector<std::vector<OpId>> collective_ops(ranks);
   std::vector<char> kinds;
+  std::vector<ActionPlace> places;
   for (int64_t r = 0; r < ranks; ++r) {
-    RankBuilder b(w, o, cm, coll, e, static_cast<int>(r), collective_ops[r], kinds);
+    RankBuilder b(w, o, cm, coll, schedule, segment_s, e, static_cast<int>(r), collective_ops[r], kinds, r == 0 ? &places : nullptr);
     e.AddCpuThread(b.Build());
   }
   if (ranks > 1) {
@@ -377,7 +414,7 @@ Result<SimResult> Simulate(const Workload& workload, const SimOptions& o) {
   e.Run();
   SimResult result;
   Summarise(e, kinds, result);
-  AddMemory(w, e, result);
+  AddMemory(w, e, places, result);
   result.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
   return result;
 }

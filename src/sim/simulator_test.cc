@@ -1,6 +1,7 @@
 #include "sim/simulator.h"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include "planner/memory_model.h"
 #include "planner/step_model.h"
@@ -37,30 +38,41 @@ TEST_CASE("golden: 3 units with known durations, timeline computed by hand") {
   c.seq_len = 2;
   Workload w = Hand(c);
   SimOptions o = NoCpu();
-  ComputeModel cm;
-  cm.units = {{0, 0, 0, 1.0, 1.0, 0}, {0, 0, 0, 2.0, 4.0, 0}, {0, 0, 0, 2.0, 4.0, 0}};
-  cm.optimizer_s = 0.5;
-  o.compute_override = cm;
-  o.collective_override = std::vector<UnitComm>{{0.5, 0.5, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}, {1.0, 1.0, 0, 0, 0}};
-  // Same schedule as step_model_test's hand timeline: forward AG root [0, .5], root [.5, 1.5], AG L0
-  // [.5, 1.5], L0 [1.5, 3.5], AG L1 [1.5, 2.5], L1 [3.5, 5.5]; backward: the CPU blocks on L0's free
-  // event before re-gathering L1 [3.5, 4.5]; root [5.5, 6.5]; AG L0 [4.5, 5.5]; L1 [6.5, 10.5];
-  // RS L1 [10.5, 11.5]; L0 [10.5, 14.5]; RS L0 [14.5, 15.5]; RS root [15.5, 16.0]; wait; optimizer [16.0, 16.5].
+  // embedding 0.25 s forward and backward, lm_head with the loss 0.75 s, blocks 2 s and 4 s
+  std::vector<NodeCompute> nodes(w.nodes.size());
+  for (size_t i = 0; i < w.nodes.size(); ++i) {
+    const ModuleNode::Role role = w.nodes[i].role;
+    if (role == ModuleNode::Role::kEmbedding) nodes[i] = {0.25, 0.25, 0};
+    if (role == ModuleNode::Role::kLmHead) nodes[i] = {0.75, 0.75, 0};
+    if (role == ModuleNode::Role::kBlock) nodes[i] = {2.0, 4.0, 0};
+  }
+  o.compute_override = ComputeFromNodes(w, std::move(nodes), 0.5);
+  o.collective_override = std::vector<UnitComm>{{{0.5}, {0.5}, {}, 0, 0}, {{1.0}, {1.0}, {}, 0, 0}, {{1.0}, {1.0}, {}, 0, 0}};
+  // Same schedule as step_model_test's hand timeline: forward AG root [0, .5], embedding [.5, .75],
+  // AG L0 [.5, 1.5], L0 [1.5, 3.5], AG L1 [1.5, 2.5], L1 [3.5, 5.5], lm_head + loss [5.5, 6.25];
+  // backward: the CPU blocks on L0's free event before re-gathering L1 [3.5, 4.5]; lm_head + loss
+  // [6.25, 7]; AG L0 [4.5, 5.5]; L1 [7, 11]; RS L1 [11, 12]; L0 [11, 15]; RS L0 [15, 16]; embedding
+  // [15, 15.25]; RS root [16, 16.5]; wait; optimizer [16.5, 17].
   auto r = Simulate(w, o);
   REQUIRE(r.ok());
-  CHECK(r.value().step_s == doctest::Approx(16.5));
+  CHECK(r.value().step_s == doctest::Approx(17.0));
   CHECK(r.value().compute_s == doctest::Approx(14.5));
-  CHECK(r.value().exposed_comm_s == doctest::Approx(2.0));
-  bool saw_rs_root = false;
+  CHECK(r.value().exposed_comm_s == doctest::Approx(2.5));
+  bool saw_rs_root = false, saw_head = false;
   for (const auto& op : r.value().ops) {
     if (op.name == "RS root") {
       saw_rs_root = true;
-      CHECK(op.start_s == doctest::Approx(15.5));
-      CHECK(op.end_s == doctest::Approx(16.0));
+      CHECK(op.start_s == doctest::Approx(16.0));
+      CHECK(op.end_s == doctest::Approx(16.5));
+    }
+    if (op.name == "FWD root (norm, lm_head + loss)") {
+      saw_head = true;
+      CHECK(op.start_s == doctest::Approx(5.5));
     }
     if (op.name == "AG model.layers.1" && op.start_s > 3) CHECK(op.start_s == doctest::Approx(3.5));
   }
   CHECK(saw_rs_root);
+  CHECK(saw_head);
   CHECK(r.value().cpu_blocked_s > 0);  // the limiter made the CPU wait
 }
 
@@ -185,6 +197,76 @@ TEST_CASE("bad options are rejected") {
   auto r = Simulate(w, o);
   REQUIRE_FALSE(r.ok());
   CHECK(r.error().message == "slow rank 9 is not one of the 8 simulated ranks");
+}
+
+// Start of the first op named `name` in forward (before any backward op), or -1.
+double ForwardStart(const SimResult& r, const std::string& name) {
+  for (const OpRecord& op : r.ops) {
+    if (op.name.starts_with("BWD")) break;
+    if (op.name == name) return op.start_s;
+  }
+  return -1;
+}
+
+TEST_CASE("FSDP2's forward keeps at most two all-gathers ahead of the compute stream") {
+  // llama-3.1-8b on 16 GPUs at 8192 tokens: compute-bound, so without the all_gather_state rule
+  // the CPU (no rate limiter in FSDP2) would issue every all-gather back to back.
+  FsdpConfig c;
+  c.gpus = 16;
+  c.seq_len = 8192;
+  c.framework = Framework::kFsdp2;
+  auto r = Simulate(Real("llama-3.1-8b", c), SimOptions{});
+  REQUIRE(r.ok());
+  std::vector<double> gather, forward;
+  for (int k = 0; k < 32; ++k) {
+    gather.push_back(ForwardStart(r.value(), fmt::format("AG model.layers.{}", k)));
+    forward.push_back(ForwardStart(r.value(), fmt::format("FWD model.layers.{}", k)));
+    REQUIRE(gather.back() >= 0);
+    REQUIRE(forward.back() >= 0);
+  }
+  int most_ahead = 0;
+  for (int k = 0; k < 32; ++k) {
+    // the all-gather of layer k waits for the copy-out of layer k - 2, just before its forward
+    if (k >= 2) CHECK(gather[k] >= forward[k - 2] - 1e-12);
+    int ahead = 0;  // all-gathers started, their blocks' forwards not yet
+    for (int j = 0; j < 32; ++j) ahead += gather[j] <= gather[k] && forward[j] > gather[k] ? 1 : 0;
+    most_ahead = std::max(most_ahead, ahead);
+  }
+  CHECK(most_ahead == 2);
+  // FSDP1's rate limiter gives the same bound through the CPU (its free events)
+  c.framework = Framework::kFsdp1;
+  auto fsdp1 = Simulate(Real("llama-3.1-8b", c), SimOptions{});
+  REQUIRE(fsdp1.ok());
+  CHECK(ForwardStart(fsdp1.value(), "AG model.layers.3") >= ForwardStart(fsdp1.value(), "FWD model.layers.1") - 1e-12);
+}
+
+TEST_CASE("memory on the simulated clock: the peak sits inside the ops of the phase it names") {
+  struct Case {
+    Framework framework;
+    const char* phase;
+    const char* op;
+  };
+  for (const Case& k : {Case{Framework::kFsdp2, "backward: lm_head + loss", "BWD root (lm_head + loss, norm)"},
+                        Case{Framework::kFsdp1, "backward: lm_head + loss", "BWD root (lm_head + loss, norm)"}}) {
+    FsdpConfig c;
+    c.gpus = 16;
+    c.seq_len = 8192;
+    c.framework = k.framework;
+    auto r = Simulate(Real("llama-3.1-8b", c), SimOptions{});
+    REQUIRE(r.ok());
+    CAPTURE(FrameworkName(k.framework));
+    REQUIRE(r.value().peak_phase == k.phase);
+    bool found = false;
+    for (const OpRecord& op : r.value().ops) {
+      if (op.name != k.op) continue;
+      found = true;
+      CHECK(r.value().peak_time_s >= op.start_s - 1e-12);
+      CHECK(r.value().peak_time_s <= op.end_s + 1e-12);
+    }
+    CHECK(found);
+    // and the root's head runs after the last block, in forward and in backward before the first
+    CHECK(ForwardStart(r.value(), "FWD root (norm, lm_head + loss)") > ForwardStart(r.value(), "FWD model.layers.31"));
+  }
 }
 
 }  // namespace
