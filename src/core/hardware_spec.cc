@@ -11,14 +11,6 @@
 namespace fsdp {
 namespace {
 
-// Assigns v.value() to out or returns the error from the enclosing function.
-#define FSDP_ASSIGN(out, expr)              \
-  do {                                      \
-    auto fsdp_v_ = (expr);                  \
-    if (!fsdp_v_.ok()) return fsdp_v_.error(); \
-    out = fsdp_v_.value();                  \
-  } while (0)
-
 Status ReadLinks(const JsonReader& r, HardwareSpec& hw) {
   auto link = r.Object("intra_node_link");
   if (!link.ok()) return link.error();

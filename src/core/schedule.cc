@@ -30,11 +30,13 @@ class Builder {
     actions_.clear();
     segment_cursor_ = 0;
     forward_ = true;
+    hooked_.assign(w_.units.size(), 0);
     Forward(0);
     Action end{ActionKind::kEndForward};
     end.releases_all_gather_state = Fsdp2() && w_.shard_world > 1;
     Emit(end);
     forward_ = false;
+    hooked_.assign(w_.units.size(), 0);
     Backward(0, reduces);
     Action done{ActionKind::kEndBackward};
     done.waits_for_reductions = reduces;
@@ -55,7 +57,7 @@ class Builder {
       Hook(ActionKind::kPreForward, u, node_id);
       Unshard(u, false);
       Wait(u);
-      if (c_.forward_prefetch && u + 1 < static_cast<int>(w_.units.size())) Unshard(u + 1, true);
+      if (c_.forward_prefetch && u + 1 < static_cast<int>(w_.units.size())) Prefetch(u + 1);
     }
     for (int child : node.children) Forward(child);
     Visit(node_id, false);
@@ -71,7 +73,7 @@ class Builder {
       Hook(ActionKind::kPreBackward, u, node_id);
       Unshard(u, false);
       Wait(u);
-      if (c_.backward_prefetch == BackwardPrefetch::kPre) Unshard(backward_prefetch_target_[u], true);
+      if (c_.backward_prefetch == BackwardPrefetch::kPre) Prefetch(backward_prefetch_target_[u]);
     }
     Visit(node_id, true);
     for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) Backward(*it, reduces);
@@ -86,7 +88,7 @@ class Builder {
     a.reduces = reduces;
     Emit(a);
     if (FreesInBackward(c_, reduces)) Reshard(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPost) Unshard(backward_prefetch_target_[u], true);
+    if (c_.backward_prefetch == BackwardPrefetch::kPost) Prefetch(backward_prefetch_target_[u]);
     if (!reduces || w_.units[u].numel == 0) return;
     Action r{ActionKind::kReduce};
     r.unit = u;
@@ -97,13 +99,23 @@ class Builder {
     Emit(r);
   }
 
+  // FSDP1 _get_handle_to_prefetch: only a unit whose own pre-forward (pre-backward) hook has not
+  // run yet in this pass; so the root's BACKWARD_POST prefetch, which targets the last block after
+  // its backward, does nothing.
+  void Prefetch(int u) {
+    if (u >= 0 && !hooked_[u]) Unshard(u, true);
+  }
+
   static Action HookAction(ActionKind kind, int u, int node_id) {
     Action a{kind};
     a.unit = u;
     a.node = node_id;
     return a;
   }
-  void Hook(ActionKind kind, int u, int node_id) { Emit(HookAction(kind, u, node_id)); }
+  void Hook(ActionKind kind, int u, int node_id) {
+    if (kind == ActionKind::kPreForward || kind == ActionKind::kPreBackward) hooked_[u] = 1;
+    Emit(HookAction(kind, u, node_id));
+  }
 
   // A unit without parameters has no FlatParameter (FSDP1) or parameter group (FSDP2): nothing to
   // gather; one already gathered or being gathered is not gathered again.
@@ -186,7 +198,8 @@ class Builder {
   std::vector<Action> actions_;
   std::vector<NodeVisit> pending_;
   size_t segment_cursor_ = 0;
-  bool forward_ = true;  // walking the forward pass
+  bool forward_ = true;        // walking the forward pass
+  std::vector<char> hooked_;   // per unit: its pre-forward (pre-backward) hook ran in this pass
 };
 
 }  // namespace

@@ -51,3 +51,30 @@ class Status {
 };
 
 }  // namespace fsdp
+
+/// Returns the error of a failed Status expression from the enclosing function.
+#define FSDP_TRY(expr)                                  \
+  do {                                                  \
+    if (::fsdp::Status fsdp_s = (expr); !fsdp_s.ok()) { \
+      return fsdp_s.error();                            \
+    }                                                   \
+  } while (0)
+
+/// Assigns a Result expression's value to `out` (an existing lvalue), or returns its error from the
+/// enclosing function: FSDP_ASSIGN(hw.id, r.String("id"));
+#define FSDP_ASSIGN(out, expr)                    \
+  do {                                            \
+    auto fsdp_v_ = (expr);                        \
+    if (!fsdp_v_.ok()) return fsdp_v_.error();    \
+    out = std::move(fsdp_v_).value();             \
+  } while (0)
+
+#define FSDP_CONCAT_INNER(a, b) a##b
+#define FSDP_CONCAT(a, b) FSDP_CONCAT_INNER(a, b)
+/// Declares `decl` from a Result expression's value, or returns its error from the enclosing
+/// function: FSDP_ASSIGN_OR_RETURN(Workload w, BuildWorkload(model, hardware, config));
+#define FSDP_ASSIGN_OR_RETURN(decl, expr) FSDP_ASSIGN_OR_RETURN_IMPL(FSDP_CONCAT(fsdp_result_, __LINE__), decl, expr)
+#define FSDP_ASSIGN_OR_RETURN_IMPL(tmp, decl, expr) \
+  auto tmp = (expr);                                \
+  if (!tmp.ok()) return tmp.error();                \
+  decl = std::move(tmp).value()

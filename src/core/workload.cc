@@ -24,7 +24,7 @@ int EnsureNode(std::vector<ModuleNode>& nodes, std::map<std::string, int>& index
   auto dot = path.rfind('.');
   int parent = EnsureNode(nodes, index, dot == std::string::npos ? std::string() : path.substr(0, dot));
   int id = static_cast<int>(nodes.size());
-  nodes.push_back(ModuleNode{path, parent, {}, {}, ModuleNode::Role::kOther, -1, -1, 0});
+  nodes.push_back(ModuleNode{path, parent, {}, {}, ModuleNode::Role::kOther, -1, -1, 0, -1});
   nodes[parent].children.push_back(id);
   index[path] = id;
   return id;
@@ -60,9 +60,17 @@ std::vector<ModuleNode> BuildModuleTree(const ModelSpec& model) {
   AssignRoles(nodes, model);
   std::function<int64_t(int)> count = [&](int id) {
     int64_t n = 0;
-    for (int t : nodes[id].tensors) n += model.tensors[t].numel();
-    for (int c : nodes[id].children) n += count(c);
-    nodes[id].numel = n;
+    ModuleNode& node = nodes[id];
+    auto first = [&](int t) { if (t >= 0 && (node.first_tensor < 0 || t < node.first_tensor)) node.first_tensor = t; };
+    for (int t : node.tensors) {
+      n += model.tensors[t].numel();
+      first(t);
+    }
+    for (int c : node.children) {
+      n += count(c);
+      first(nodes[c].first_tensor);
+    }
+    node.numel = n;
     return n;
   };
   count(0);
@@ -160,14 +168,6 @@ int64_t Workload::PaddedNumelTotal() const {
   return total;
 }
 
-std::vector<int> Workload::BlockUnits() const {
-  std::vector<int> units_of_blocks(static_cast<size_t>(model.num_layers), 0);
-  for (const ModuleNode& n : nodes) {
-    if (n.role == ModuleNode::Role::kBlock) units_of_blocks[n.block] = std::max(0, n.unit);
-  }
-  return units_of_blocks;
-}
-
 namespace {
 
 void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
@@ -177,12 +177,15 @@ void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
   MarkUnits(w.nodes, w.model, config);
   CollectUnits(w, 0, -1);
   CollectPostOrder(w, 0, w.post_forward_order);
-  w.backward_prefetch_target.assign(w.units.size(), -1);
-  for (size_t i = 1; i < w.post_forward_order.size(); ++i) {
-    w.backward_prefetch_target[w.post_forward_order[i]] = w.post_forward_order[i - 1];
-  }
-  for (auto& u : w.units) {
-    for (int t : u.tensors) u.numel += w.model.tensors[t].numel();
+  w.tensor_unit.assign(w.model.tensors.size(), -1);
+  w.tensor_offset.assign(w.model.tensors.size(), 0);
+  for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
+    WrapUnit& unit = w.units[u];
+    for (int t : unit.tensors) {
+      w.tensor_unit[t] = u;
+      w.tensor_offset[t] = unit.numel;
+      unit.numel += w.model.tensors[t].numel();
+    }
   }
 }
 

@@ -23,6 +23,7 @@ struct ModuleNode {
   int block = -1;              ///< decoder block index when role == kBlock
   int unit = -1;               ///< FSDP unit rooted here, -1 if not wrapped
   int64_t numel = 0;           ///< parameters in this subtree
+  int first_tensor = -1;       ///< the subtree's first parameter in inventory order (-1: none, e.g. a tied lm_head)
 };
 
 /// One FSDP unit (FSDP1 FlatParameter / FSDP2 parameter group).
@@ -46,31 +47,16 @@ struct Workload {
   std::vector<ModuleNode> nodes;  ///< nodes[0] is the model
   std::vector<WrapUnit> units;    ///< units[0] is the root; the rest in pre-forward order
   std::vector<int> post_forward_order;  ///< unit indices in the order their forward ends (root last)
-  std::vector<int> backward_prefetch_target;  ///< per unit: BackwardPrefetchTarget, precomputed
-
-  /// The unit FSDP1 prefetches in backward when unit u's backward starts (BACKWARD_PRE) or its
-  /// gradient is ready (BACKWARD_POST): the one before u in post-forward order
-  /// (_ExecOrderData.get_handle_to_backward_prefetch); -1 for none.
-  int BackwardPrefetchTarget(int u) const { return backward_prefetch_target[u]; }
-
-  /// Whether a unit's backward frees its unsharded parameters, in a micro-batch that reduces its
-  /// gradients or not (no_sync). FSDP1's _should_free_in_backward keeps them under no_sync for
-  /// SHARD_GRAD_OP, so the next micro-batch's forward needs no all-gather; FULL_SHARD,
-  /// HYBRID_SHARD, NO_SHARD (its low-precision copy) and FSDP2 always free.
-  bool FreesInBackward(bool reduces_now) const {
-    return reduces_now || config.framework == Framework::kFsdp2 || config.strategy != Strategy::kShardGradOp;
-  }
-  /// All-gathers of a unit's parameters in the forwards of one step: one per micro-batch, or one
-  /// per step when the parameters stay unsharded from one no_sync micro-batch to the next.
-  int64_t ForwardGathersPerStep() const { return config.no_sync && !FreesInBackward(false) ? 1 : config.grad_accum; }
+  std::vector<int> tensor_unit;         ///< per tensor: the unit whose flat parameter holds it
+  /// per tensor: its first element in that unit's flat buffer, the unit's tensors packed in order
+  /// (fsdp-run's layout; FSDP1's use_orig_params alignment only pads the end)
+  std::vector<int64_t> tensor_offset;
 
   int64_t TokensPerMicroBatch() const { return config.micro_batch * config.seq_len; }
   /// Sum of all units' shard_numel (elements each rank stores).
   int64_t ShardNumelTotal() const;
   /// Sum of all units' padded_numel.
   int64_t PaddedNumelTotal() const;
-  /// Per decoder block, the unit whose flat parameter holds it (0: the root, e.g. with --wrap none).
-  std::vector<int> BlockUnits() const;
 };
 
 /// Resolves the configuration against model and hardware (ResolveAndValidate), builds the module

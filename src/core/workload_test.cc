@@ -53,9 +53,19 @@ TEST_CASE("block wrap: root unit plus one unit per block, padded to the shard gr
   CHECK(w.replicas == 1);
   // Forward ends layers.0, layers.1, then the root: in backward the root's hook prefetches layers.1.
   CHECK(w.post_forward_order == std::vector<int>{1, 2, 0});
-  CHECK(w.BackwardPrefetchTarget(0) == 2);
-  CHECK(w.BackwardPrefetchTarget(2) == 1);
-  CHECK(w.BackwardPrefetchTarget(1) == -1);
+  // fsdp-run's flat buffers: the root holds embed_tokens (128), norm (8), lm_head (128); a block
+  // its two norms of 8 around q 64, k 32, v 32, o 64, then gate, up, down 128 each
+  const auto tensor = [&](const std::string& name) {
+    for (size_t t = 0; t < w.model.tensors.size(); ++t) if (w.model.tensors[t].name == name) return static_cast<int>(t);
+    return -1;
+  };
+  CHECK(w.tensor_unit[tensor("model.norm.weight")] == 0);
+  CHECK(w.tensor_offset[tensor("model.norm.weight")] == 128);
+  CHECK(w.tensor_offset[tensor("lm_head.weight")] == 136);
+  CHECK(w.tensor_unit[tensor("model.layers.1.mlp.down_proj.weight")] == 2);
+  CHECK(w.tensor_offset[tensor("model.layers.1.mlp.down_proj.weight")] == 464);
+  CHECK(w.tensor_offset[tensor("model.layers.1.self_attn.k_proj.weight")] == 72);
+  CHECK(w.nodes[w.units[2].node].first_tensor == tensor("model.layers.1.input_layernorm.weight"));
 }
 
 TEST_CASE("strategies set the shard group") {

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/schedule.h"
 #include "planner/comm_model.h"
 #include "planner/compute_model.h"
 #include "planner/memory_tracker.h"
@@ -14,17 +15,22 @@ namespace {
 
 using Cat = MemCategory;
 
-// Replays fsdp-run's FsdpEngine::MicroBatch / Reduce / Optimizer allocations.
+// Replays fsdp-run's FsdpEngine (src/runtime/fsdp_engine.cc) on the schedule: its Unshard,
+// WaitUnshard, ForwardNode, BackwardNode, Reshard and Reduce allocations.
 class RuntimePlayer {
  public:
-  RuntimePlayer(const Workload& w, MemoryTracker& mem) : w_(w), mem_(mem), full_(w.units.size(), kNoBlock), grad_(w.units.size(), kNoBlock),
-                                                         shard_grad_(w.units.size(), kNoBlock), block_unit_(w.BlockUnits()) {
+  RuntimePlayer(const Workload& w, MemoryTracker& mem)
+      : w_(w), schedule_(BuildSchedule(w)), mem_(mem), full_(w.units.size(), kNoBlock), grad_(w.units.size(), kNoBlock),
+        shard_grad_(w.units.size(), kNoBlock), saved_(static_cast<size_t>(w.model.num_layers), kNoBlock) {
     const ModelSpec& m = w.model;
     tokens_ = w.TokensPerMicroBatch();
     hidden_bytes_ = tokens_ * m.hidden_size * 4;
     head_bytes_ = (2 * tokens_ * m.vocab_size + 2 * tokens_ * m.hidden_size) * 4;  // logits, d_logits, normed, x
     block_bytes_ = RuntimeBlockSavedBytes(w);
     core_bytes_ = RuntimeAttentionCoreBytes(w);
+    for (size_t i = 0; i < w.nodes.size(); ++i) {
+      if (w.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
+    }
   }
 
   void Play() {
@@ -33,38 +39,43 @@ class RuntimePlayer {
       mem_.Alloc(Cat::kOptimizerStates, 2 * u.shard_numel * 4);
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
-      reduce_now_ = !w_.config.no_sync || micro == w_.config.grad_accum - 1;
-      MicroBatch();
+      for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
     }
   }
 
  private:
-  // FsdpEngine::Prefetch: the input copy stays alive until the all-gather is waited for.
-  void Prefetch(int u) {
-    if (u <= 0 || full_[u] != kNoBlock || w_.config.strategy == Strategy::kNoShard) return;
-    const size_t limit = w_.config.limit_all_gathers ? 2 : SIZE_MAX;
-    while (in_flight_.size() >= limit) WaitOldest();
-    in_flight_.push_back({u, mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4)});
-    full_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * 4);
-  }
-
-  void WaitOldest() {
-    mem_.Free(in_flight_.front().second);
-    in_flight_.erase(in_flight_.begin());
-  }
-
-  void Unshard(int u) {
-    for (size_t i = 0; i < in_flight_.size(); ++i) {
-      if (in_flight_[i].first == u) {
-        mem_.Free(in_flight_[i].second);
-        in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
-        return;
-      }
+  void Play(const Action& a) {
+    switch (a.kind) {
+      case ActionKind::kUnshard: Unshard(a.unit, a.prefetch); break;
+      case ActionKind::kWaitUnshard: Wait(a.unit); break;
+      case ActionKind::kForward:
+      case ActionKind::kBackward:
+        for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          if (a.kind == ActionKind::kForward) Forward(v.node);
+          else if (v.enter) Backward(v.node);
+        }
+        break;
+      case ActionKind::kReshard: mem_.Free(full_[a.unit]); break;
+      case ActionKind::kReduce: Reduce(a.unit); break;
+      default: break;
     }
-    if (full_[u] != kNoBlock) return;
+  }
+
+  // FsdpEngine::Unshard: a prefetch's input copy stays alive until it is waited for.
+  void Unshard(int u, bool prefetch) {
     BlockId low = mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4);
     full_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * 4);
-    mem_.Free(low);
+    if (prefetch && w_.config.strategy != Strategy::kNoShard) in_flight_.emplace_back(u, low);
+    else mem_.Free(low);
+  }
+
+  void Wait(int u) {
+    for (size_t i = 0; i < in_flight_.size(); ++i) {
+      if (in_flight_[i].first != u) continue;
+      mem_.Free(in_flight_[i].second);
+      in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+      return;
+    }
   }
 
   void Reduce(int u) {
@@ -74,55 +85,53 @@ class RuntimePlayer {
     mem_.Free(grad_[u]);
   }
 
-  bool Reshards(int u) const {
-    return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
+  // FsdpEngine::Grads: the unit's unsharded gradient, from its first backward on.
+  void EnsureGrad(int node) {
+    const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
+    const int u = w_.tensor_unit[t];
+    if (grad_[u] == kNoBlock) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].padded_numel * 4);
   }
 
-  int UnitOfBlock(int b) const { return block_unit_[b]; }
-
-  void MicroBatch() {
+  void Forward(int node) {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
     const bool selective = w_.config.checkpointing == Checkpointing::kSelective;
-    const int layers = static_cast<int>(w_.model.num_layers);
-    std::vector<BlockId> saved(static_cast<size_t>(layers), kNoBlock);
-    Unshard(0);
-    BlockId x = mem_.Alloc(Cat::kActivations, hidden_bytes_);
-    for (int b = 0; b < layers; ++b) {
-      const int u = UnitOfBlock(b);
-      Unshard(u);
-      if (w_.config.forward_prefetch && b + 1 < layers && UnitOfBlock(b + 1) != u) Prefetch(UnitOfBlock(b + 1));
-      saved[b] = mem_.Alloc(Cat::kActivations, ac ? hidden_bytes_ : selective ? block_bytes_ - core_bytes_ : block_bytes_);
-      if (u != 0 && Reshards(u)) mem_.Free(full_[u]);
+    switch (w_.nodes[node].role) {
+      case ModuleNode::Role::kEmbedding: x_ = mem_.Alloc(Cat::kActivations, hidden_bytes_); break;
+      case ModuleNode::Role::kBlock:
+        saved_[w_.nodes[node].block] = mem_.Alloc(Cat::kActivations, ac ? hidden_bytes_ : selective ? block_bytes_ - core_bytes_ : block_bytes_);
+        break;
+      case ModuleNode::Role::kFinalNorm: mem_.Free(x_); break;
+      case ModuleNode::Role::kLmHead: head_ = mem_.Alloc(Cat::kActivations, head_bytes_); break;
+      case ModuleNode::Role::kOther: break;
     }
-    mem_.Free(x);
-    BlockId head = mem_.Alloc(Cat::kActivations, head_bytes_);
-    if (grad_[0] == kNoBlock) grad_[0] = mem_.Alloc(Cat::kGradients, w_.units[0].padded_numel * 4);
-    for (int b = layers - 1; b >= 0; --b) {
-      const int u = UnitOfBlock(b);
-      Unshard(u);
-      const int previous = b > 0 ? UnitOfBlock(b - 1) : -1;
-      if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous != u) Prefetch(previous);
-      if (grad_[u] == kNoBlock) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].padded_numel * 4);
-      BlockId recompute = ac ? mem_.Alloc(Cat::kActivations, block_bytes_) : selective ? mem_.Alloc(Cat::kActivations, core_bytes_) : kNoBlock;
-      BlockId dx = mem_.Alloc(Cat::kActivations, hidden_bytes_);  // the gradient flowing back
-      mem_.Free(dx);
-      mem_.Free(recompute);
-      mem_.Free(saved[b]);
-      if (u != 0 && w_.FreesInBackward(reduce_now_)) mem_.Free(full_[u]);  // reshard, BACKWARD_POST prefetch, reduce
-      if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous != u) Prefetch(previous);
-      if (u != 0 && reduce_now_) Reduce(u);  // under no_sync the unsharded gradient is kept
+  }
+
+  void Backward(int node) {
+    const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+    const bool selective = w_.config.checkpointing == Checkpointing::kSelective;
+    switch (w_.nodes[node].role) {
+      case ModuleNode::Role::kLmHead: EnsureGrad(node); break;
+      case ModuleNode::Role::kBlock: {
+        EnsureGrad(node);
+        BlockId recompute = ac ? mem_.Alloc(Cat::kActivations, block_bytes_) : selective ? mem_.Alloc(Cat::kActivations, core_bytes_) : kNoBlock;
+        BlockId dx = mem_.Alloc(Cat::kActivations, hidden_bytes_);  // the gradient flowing back
+        mem_.Free(dx);
+        mem_.Free(recompute);
+        mem_.Free(saved_[w_.nodes[node].block]);
+        break;
+      }
+      case ModuleNode::Role::kEmbedding: mem_.Free(head_); break;
+      default: break;
     }
-    mem_.Free(head);
-    if (w_.FreesInBackward(reduce_now_)) mem_.Free(full_[0]);
-    if (reduce_now_) Reduce(0);
   }
 
   const Workload& w_;
+  Schedule schedule_;
   MemoryTracker& mem_;
-  std::vector<BlockId> full_, grad_, shard_grad_;
+  std::vector<BlockId> full_, grad_, shard_grad_, saved_;
+  BlockId x_ = kNoBlock, head_ = kNoBlock;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
-  bool reduce_now_ = true;
-  std::vector<int> block_unit_;  // Workload::BlockUnits
+  int embedding_node_ = 0;
   std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)
 };
 
@@ -177,14 +186,15 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
 namespace fsdp {
 namespace {
 
-// Mirrors the GPU engine's calls to its DeviceAllocator, in the same order (cuda_engine.cc,
-// cuda_block.cc); a change there needs the same change here.
+// Mirrors the GPU engine's calls to its DeviceAllocator on the same schedule, in the same order
+// (cuda_engine.cc's Unshard, ForwardNode, BackwardNode, Reshard and Reduce; cuda_block.cc).
 class GpuRuntimePlayer {
  public:
   enum Cat { kSharded, kUnsharded, kGrads, kOptim, kActs, kComm, kTemp };
   using Id = int;
 
-  explicit GpuRuntimePlayer(const Workload& w) : w_(w), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1) {
+  explicit GpuRuntimePlayer(const Workload& w)
+      : w_(w), schedule_(BuildSchedule(w)), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1) {
     const ModelSpec& m = w.model;
     e_ = BytesPerElement(w.config.param_dtype);
     T_ = w.TokensPerMicroBatch();
@@ -193,7 +203,9 @@ class GpuRuntimePlayer {
     kvd_ = m.num_kv_heads * m.head_dim;
     I_ = m.intermediate_size;
     scores_ = w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
-    block_unit_ = w.BlockUnits();
+    for (size_t i = 0; i < w.nodes.size(); ++i) {
+      if (w.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
+    }
   }
 
   GpuRuntimeMemory Play() {
@@ -211,9 +223,10 @@ class GpuRuntimePlayer {
     Alloc(kTemp, T_ * 4);  // token ids
     Alloc(kTemp, T_ * 4);  // targets
     Alloc(kTemp, (3 * T_ + 1) * 4);  // the embedding backward's token groups
+    inputs_.assign(static_cast<size_t>(w_.model.num_layers), -1);
+    caches_.assign(static_cast<size_t>(w_.model.num_layers), Cache{});
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
-      reduce_now_ = !w_.config.no_sync || micro == w_.config.grad_accum - 1;
-      Backward(Forward());
+      for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
     }
     phase_ = "optimizer step";
     for (Id& g : shard_grad_) Free(std::exchange(g, -1));
@@ -243,11 +256,24 @@ class GpuRuntimePlayer {
     for (Id id : ids) Free(id);
   }
 
-  bool ReshardAfterForward(int u) const {
-    return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
+  void Play(const Action& a) {
+    switch (a.kind) {
+      case ActionKind::kUnshard: Unshard(a.unit); break;
+      case ActionKind::kForward:
+      case ActionKind::kBackward:
+        for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          if (a.kind == ActionKind::kForward) Forward(v.node);
+          else if (v.enter) Backward(v.node);
+        }
+        break;
+      case ActionKind::kReshard: Reshard(a.unit); break;
+      case ActionKind::kReduce: Reduce(a.unit); break;
+      default: break;
+    }
   }
+
   void Unshard(int u) {
-    if (u < 0 || full_[u] >= 0) return;
+    if (full_[u] >= 0) return;
     phase_ = u == 0 ? "all-gather of the root" : "all-gather of a block";
     const Id low = Alloc(kComm, w_.units[u].shard_numel * e_);
     full_[u] = Alloc(kUnsharded, w_.units[u].padded_numel * e_);
@@ -263,7 +289,10 @@ class GpuRuntimePlayer {
     FreeAll({out, cast});
     Free(std::exchange(grad_[u], -1));
   }
-  void EnsureGrad(int u) {
+  // CudaEngine::Grads: the unit's unsharded gradient, from its first backward on.
+  void EnsureGrad(int node) {
+    const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
+    const int u = w_.tensor_unit[t];
     if (grad_[u] < 0) grad_[u] = Alloc(kGrads, w_.units[u].padded_numel * e_);
   }
 
@@ -318,67 +347,72 @@ class GpuRuntimePlayer {
     return dx;
   }
 
-  Id Forward() {
+  void Forward(int node) {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
-    const int layers = static_cast<int>(block_unit_.size());
-    inputs_.assign(static_cast<size_t>(layers), -1);
-    caches_.assign(static_cast<size_t>(layers), Cache{});
-    Unshard(0);
-    phase_ = "forward of a block";
-    Id x = Alloc(kActs, T_ * h_ * e_);
-    for (int b = 0; b < layers; ++b) {
-      const int u = block_unit_[b];
-      Unshard(u);
-      if (w_.config.forward_prefetch && b + 1 < layers && block_unit_[b + 1] != u) Unshard(block_unit_[b + 1]);
-      phase_ = "forward of a block";
-      const Id y = BlockForward(ac ? nullptr : &caches_[b]);
-      if (w_.config.checkpointing == Checkpointing::kSelective) Free(std::exchange(caches_[b].probs, -1));
-      inputs_[b] = x;
-      x = y;
-      if (u != 0 && ReshardAfterForward(u)) Reshard(u);
+    switch (w_.nodes[node].role) {
+      case ModuleNode::Role::kEmbedding:
+        phase_ = "forward of a block";
+        x_ = Alloc(kActs, T_ * h_ * e_);
+        break;
+      case ModuleNode::Role::kBlock: {
+        const int b = w_.nodes[node].block;
+        phase_ = "forward of a block";
+        const Id y = BlockForward(ac ? nullptr : &caches_[b]);
+        if (w_.config.checkpointing == Checkpointing::kSelective) Free(std::exchange(caches_[b].probs, -1));
+        inputs_[b] = x_;
+        x_ = y;
+        break;
+      }
+      case ModuleNode::Role::kFinalNorm:
+        phase_ = "loss";
+        inv_ = Alloc(kActs, T_ * 4);
+        normed_ = Alloc(kActs, T_ * h_ * e_);
+        break;
+      case ModuleNode::Role::kLmHead: logits_ = Alloc(kActs, T_ * w_.model.vocab_size * e_); break;
+      case ModuleNode::Role::kOther: break;
     }
-    phase_ = "loss";
-    inv_ = Alloc(kActs, T_ * 4);
-    normed_ = Alloc(kActs, T_ * h_ * e_);
-    logits_ = Alloc(kActs, T_ * w_.model.vocab_size * e_);
-    return x;
   }
 
-  void Backward(Id x) {
-    const bool ac = w_.config.checkpointing == Checkpointing::kFull;
-    phase_ = "backward of the head";
-    EnsureGrad(0);
-    const Id d_normed = Alloc(kTemp, T_ * h_ * e_);
-    FreeAll({logits_, normed_});
-    Id dx = Alloc(kActs, T_ * h_ * e_);
-    FreeAll({d_normed, inv_, x});
-    for (int b = static_cast<int>(block_unit_.size()) - 1; b >= 0; --b) {
-      const int u = block_unit_[b];
-      const int previous = b > 0 ? block_unit_[b - 1] : -1;
-      Unshard(u);
-      if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous > 0 && previous != u) Unshard(previous);
-      phase_ = "backward of a block";
-      EnsureGrad(u);
-      if (ac) Free(BlockForward(&caches_[b]));
-      if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs = Alloc(kActs, scores_ * e_);
-      dx = BlockBackward(dx, caches_[b]);
-      Free(inputs_[b]);
-      if (u != 0 && w_.FreesInBackward(reduce_now_)) Reshard(u);  // reshard, BACKWARD_POST prefetch, reduce: as the engine
-      if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) Unshard(previous);
-      if (u != 0 && reduce_now_) Reduce(u);
+  void Backward(int node) {
+    switch (w_.nodes[node].role) {
+      case ModuleNode::Role::kLmHead:
+        phase_ = "backward of the head";
+        EnsureGrad(node);
+        d_normed_ = Alloc(kTemp, T_ * h_ * e_);
+        FreeAll({logits_, normed_});
+        break;
+      case ModuleNode::Role::kFinalNorm: {
+        EnsureGrad(node);
+        const Id dx = Alloc(kActs, T_ * h_ * e_);
+        FreeAll({d_normed_, inv_, x_});
+        x_ = dx;
+        break;
+      }
+      case ModuleNode::Role::kBlock: {
+        const int b = w_.nodes[node].block;
+        phase_ = "backward of a block";
+        EnsureGrad(node);
+        if (w_.config.checkpointing == Checkpointing::kFull) Free(BlockForward(&caches_[b]));
+        if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs = Alloc(kActs, scores_ * e_);
+        x_ = BlockBackward(x_, caches_[b]);
+        Free(inputs_[b]);
+        break;
+      }
+      case ModuleNode::Role::kEmbedding:
+        EnsureGrad(node);
+        Free(std::exchange(x_, -1));
+        break;
+      case ModuleNode::Role::kOther: break;
     }
-    Free(dx);
-    if (w_.FreesInBackward(reduce_now_)) Reshard(0);
-    if (reduce_now_) Reduce(0);
   }
 
   const Workload& w_;
+  Schedule schedule_;
   int64_t e_ = 2, T_ = 0, h_ = 0, qd_ = 0, kvd_ = 0, I_ = 0, scores_ = 0;
-  std::vector<int> block_unit_;
+  int embedding_node_ = 0;
   std::vector<Id> full_, grad_, shard_grad_, inputs_;
   std::vector<Cache> caches_;
-  Id inv_ = -1, normed_ = -1, logits_ = -1;
-  bool reduce_now_ = true;
+  Id x_ = -1, inv_ = -1, normed_ = -1, logits_ = -1, d_normed_ = -1;
   std::vector<std::pair<Cat, int64_t>> sizes_;
   std::array<int64_t, 7> live_{};
   int64_t allocated_ = 0;

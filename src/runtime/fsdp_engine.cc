@@ -117,6 +117,9 @@ Status FsdpEngine::Init() {
   exp_avg_sq_.resize(n);
   full_.resize(n);
   full_grad_.resize(n);
+  for (size_t i = 0; i < w_.nodes.size(); ++i) {
+    if (w_.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
+  }
   const int shard_rank = shard_comm_->rank();
   for (size_t u = 0; u < n; ++u) {
     const int64_t s = w_.units[u].shard_numel;
@@ -129,14 +132,7 @@ Status FsdpEngine::Init() {
     ledger_.Add(Mem::kShardedParams, s * 4);
     ledger_.Add(Mem::kOptimizerStates, 2 * s * 4);
   }
-  if (Status st = ledger_.Sample("initialisation"); !st.ok()) return st;
-  block_unit_ = w_.BlockUnits();
-  return {};
-}
-
-bool FsdpEngine::ReshardAfterForward(int u) const {
-  if (w_.units[u].is_root) return false;
-  return w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard;
+  return ledger_.Sample("initialisation");
 }
 
 Status FsdpEngine::WaitFor(size_t index) {
@@ -146,18 +142,20 @@ Status FsdpEngine::WaitFor(size_t index) {
   return s;
 }
 
-Status FsdpEngine::Prefetch(int u) {
-  if (u < 0 || !full_[u].empty() || w_.config.strategy == Strategy::kNoShard) return {};
-  const size_t limit = w_.config.limit_all_gathers ? 2 : SIZE_MAX;
-  while (in_flight_.size() >= limit) {
-    if (Status s = WaitFor(0); !s.ok()) return s;
-  }
+Status FsdpEngine::Unshard(int u, bool prefetch) {
+  if (!full_[u].empty()) return {};
   const WrapUnit& unit = w_.units[u];
   InFlight f{u, std::vector<float>(shard_[u].size()), -1};
   for (size_t i = 0; i < f.low.size(); ++i) f.low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
   ledger_.Add(Mem::kCommBuffers, unit.shard_numel * 4);
   full_[u].resize(static_cast<size_t>(unit.padded_numel));
   ledger_.Add(Mem::kUnshardedParams, unit.padded_numel * 4);
+  if (!prefetch || w_.config.strategy == Strategy::kNoShard) {  // NO_SHARD's copy is local: done at once
+    Status s = ledger_.Sample(u == 0 ? "all-gather of the root" : "all-gather of a block");
+    if (s.ok()) s = shard_comm_->AllGather(f.low.data(), full_[u].data(), unit.shard_numel);
+    ledger_.Sub(Mem::kCommBuffers, unit.shard_numel * 4);
+    return s;
+  }
   in_flight_.push_back(std::move(f));
   auto handle = shard_comm_->StartAllGather(in_flight_.back().low.data(), full_[u].data(), unit.shard_numel);
   if (!handle.ok()) return handle.error();
@@ -165,21 +163,11 @@ Status FsdpEngine::Prefetch(int u) {
   return ledger_.Sample("prefetch all-gather");
 }
 
-Status FsdpEngine::Unshard(int u) {
+Status FsdpEngine::WaitUnshard(int u) {
   for (size_t i = 0; i < in_flight_.size(); ++i) {
-    if (in_flight_[i].unit == u) return WaitFor(i);  // prefetched: wait for it
+    if (in_flight_[i].unit == u) return WaitFor(i);
   }
-  if (!full_[u].empty()) return {};
-  const WrapUnit& unit = w_.units[u];
-  std::vector<float> low(shard_[u].size());
-  for (size_t i = 0; i < low.size(); ++i) low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
-  ledger_.Add(Mem::kCommBuffers, unit.shard_numel * 4);
-  full_[u].resize(static_cast<size_t>(unit.padded_numel));
-  ledger_.Add(Mem::kUnshardedParams, unit.padded_numel * 4);
-  Status s = ledger_.Sample(u == 0 ? "all-gather of the root" : "all-gather of a block");
-  if (s.ok()) s = shard_comm_->AllGather(low.data(), full_[u].data(), unit.shard_numel);
-  ledger_.Sub(Mem::kCommBuffers, unit.shard_numel * 4);
-  return s;
+  return {};
 }
 
 void FsdpEngine::Reshard(int u) {
@@ -237,113 +225,152 @@ std::vector<int32_t> TrainingTokens(const Workload& w, const TrainOptions& o, in
   return tokens;
 }
 
-Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
-  const auto forward_start = std::chrono::steady_clock::now();
-  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
-  const std::vector<int32_t> all = TrainingTokens(w_, o_, step, micro, world_.rank(), world_.size());
+// One micro-batch's tensors as the schedule's segments pass them on.
+struct FsdpEngine::Pass {
   std::vector<int32_t> inputs, targets;
+  Mat x;                           // the hidden state: forward through the blocks, then the gradient back
+  std::vector<BlockCache> caches;  // per block
+  std::vector<Mat> inputs_saved;   // per block, under --ac full
+  Vec inv;                         // the final norm's inverse RMS
+  Mat final_x, normed, d_logits, d_normed;
+  float loss = 0;
+  int64_t head_bytes = 0;
+};
+
+// A tied lm_head owns no tensor: its weight is the embedding's.
+const float* FsdpEngine::Params(int node) const {
+  const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
+  return full_[w_.tensor_unit[t]].data() + w_.tensor_offset[t];
+}
+
+float* FsdpEngine::Grads(int node) {
+  const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
+  const int u = w_.tensor_unit[t];
+  if (full_grad_[u].empty()) {  // under no_sync it holds the earlier micro-batches' gradients
+    full_grad_[u].assign(full_[u].size(), 0.0f);
+    ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[u].size()) * 4);
+  }
+  return full_grad_[u].data() + w_.tensor_offset[t];
+}
+
+Status FsdpEngine::ForwardNode(int node, Pass& p) {
+  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
+  switch (w_.nodes[node].role) {
+    case ModuleNode::Role::kEmbedding: p.x = EmbeddingForward(ConstMatMap(Params(node), vocab, h), p.inputs); return {};
+    case ModuleNode::Role::kBlock: {
+      const int b = w_.nodes[node].block;
+      const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+      if (ac) {
+        p.inputs_saved[b] = p.x;
+        ledger_.Add(Mem::kActivations, p.x.size() * 4);
+      }
+      p.x = BlockForward(dims_, Params(node), p.x, mb, seq, ac ? nullptr : &p.caches[b]);
+      if (w_.config.checkpointing == Checkpointing::kSelective) DropAttentionCore(p.caches[b]);  // recomputed in backward
+      if (!ac) ledger_.Add(Mem::kActivations, p.caches[b].SavedBytes());
+      return ledger_.Sample("forward of a block");
+    }
+    case ModuleNode::Role::kFinalNorm:
+      p.final_x = std::move(p.x);
+      p.normed = RmsNormForward(p.final_x, Eigen::Map<const Vec>(Params(node), h), dims_.rms_eps, p.inv);
+      return {};
+    case ModuleNode::Role::kLmHead: {
+      const Mat logits = LinearForward(p.normed, ConstMatMap(Params(node), vocab, h));
+      p.loss = CrossEntropy(logits, p.targets, p.d_logits);
+      if (scaler_.enabled()) p.d_logits *= scaler_.scale();  // GradScaler.scale(loss).backward()
+      p.head_bytes = (logits.size() + p.d_logits.size() + p.normed.size() + p.final_x.size()) * 4;
+      ledger_.Add(Mem::kActivations, p.head_bytes);
+      return ledger_.Sample("loss");
+    }
+    case ModuleNode::Role::kOther: return {};
+  }
+  return {};
+}
+
+Status FsdpEngine::BackwardNode(int node, Pass& p) {
+  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
+  switch (w_.nodes[node].role) {
+    case ModuleNode::Role::kLmHead: {
+      float* g_head = Grads(node);
+      MatMap g(g_head, vocab, h);
+      p.d_normed = LinearBackward(p.d_logits, p.normed, ConstMatMap(Params(node), vocab, h), g);
+      return {};
+    }
+    case ModuleNode::Role::kFinalNorm: {
+      Eigen::Map<Vec> g_norm(Grads(node), h);
+      p.x = RmsNormBackward(p.d_normed, p.final_x, Eigen::Map<const Vec>(Params(node), h), p.inv, g_norm);
+      return {};
+    }
+    case ModuleNode::Role::kBlock: {
+      const int b = w_.nodes[node].block;
+      const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+      float* grads = Grads(node);
+      if (ac) {
+        BlockForward(dims_, Params(node), p.inputs_saved[b], mb, seq, &p.caches[b]);
+        ledger_.Add(Mem::kActivations, p.caches[b].SavedBytes());
+      }
+      if (w_.config.checkpointing == Checkpointing::kSelective) ledger_.Add(Mem::kActivations, RecomputeAttentionCore(dims_, p.caches[b], mb, seq));
+      p.x = BlockBackward(dims_, Params(node), grads, p.x, p.caches[b], mb, seq);
+      if (Status st = ledger_.Sample("backward of a block"); !st.ok()) return st;
+      ledger_.Sub(Mem::kActivations, p.caches[b].SavedBytes());
+      p.caches[b] = BlockCache();
+      if (ac) {
+        ledger_.Sub(Mem::kActivations, p.inputs_saved[b].size() * 4);
+        p.inputs_saved[b] = Mat();
+      }
+      return {};
+    }
+    case ModuleNode::Role::kEmbedding: {
+      MatMap g_embed(Grads(node), vocab, h);
+      EmbeddingBackward(p.x, p.inputs, g_embed);
+      ledger_.Sub(Mem::kActivations, p.head_bytes);
+      return {};
+    }
+    case ModuleNode::Role::kOther: return {};
+  }
+  return {};
+}
+
+// Plays the micro-batch's schedule: hooks unshard, reshard and reduce; segments run the modules.
+Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
+  auto pass_start = std::chrono::steady_clock::now();
+  const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch;
+  Pass p;
+  const std::vector<int32_t> all = TrainingTokens(w_, o_, step, micro, world_.rank(), world_.size());
   for (int64_t i = 0; i < mb; ++i) {
-    inputs.insert(inputs.end(), all.begin() + i * (seq + 1), all.begin() + i * (seq + 1) + seq);
-    targets.insert(targets.end(), all.begin() + i * (seq + 1) + 1, all.begin() + (i + 1) * (seq + 1));
+    p.inputs.insert(p.inputs.end(), all.begin() + i * (seq + 1), all.begin() + i * (seq + 1) + seq);
+    p.targets.insert(p.targets.end(), all.begin() + i * (seq + 1) + 1, all.begin() + (i + 1) * (seq + 1));
   }
-  // root: embed (V*h), [every block with --wrap none], final norm (h), lm_head (V*h, absent when tied)
-  const LlamaDims::RootOffsets root_at = dims_.Root(block_unit_);
-  if (Status s = Unshard(0); !s.ok()) return s.error();
-  const float* root = full_[0].data();
-  const float* embed = root;
-  const float* norm_w = root + root_at.norm;
-  const float* head = root + root_at.head;
-  const int64_t block_numel = dims_.BlockNumel();
-  auto block_params = [&](int b) -> float* {
-    const int u = block_unit_[b];
-    return full_[u].data() + (u == 0 ? vocab * h + static_cast<int64_t>(b) * block_numel : 0);
-  };
-  Mat x = EmbeddingForward(ConstMatMap(embed, vocab, h), inputs);
-  std::vector<BlockCache> caches(static_cast<size_t>(dims_.layers));
-  std::vector<Mat> inputs_saved(static_cast<size_t>(dims_.layers));
-  const bool ac = w_.config.checkpointing == Checkpointing::kFull;
-  const bool selective = w_.config.checkpointing == Checkpointing::kSelective;  // the probabilities are recomputed
-  for (int b = 0; b < dims_.layers; ++b) {
-    const int u = block_unit_[b];
-    if (Status s = Unshard(u); !s.ok()) return s.error();
-    if (w_.config.forward_prefetch && b + 1 < dims_.layers && block_unit_[b + 1] != u) {
-      if (Status s = Prefetch(block_unit_[b + 1]); !s.ok()) return s.error();
+  p.caches.resize(static_cast<size_t>(dims_.layers));
+  p.inputs_saved.resize(static_cast<size_t>(dims_.layers));
+  for (const Action& a : schedule_.MicroBatch(micro)) {
+    Status s;
+    switch (a.kind) {
+      case ActionKind::kUnshard: s = Unshard(a.unit, a.prefetch); break;
+      case ActionKind::kWaitUnshard: s = WaitUnshard(a.unit); break;
+      case ActionKind::kForward:
+      case ActionKind::kBackward:
+        for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          if (a.kind == ActionKind::kForward) s = ForwardNode(v.node, p);
+          else if (v.enter) s = BackwardNode(v.node, p);
+          if (!s.ok()) break;
+        }
+        break;
+      case ActionKind::kReshard: Reshard(a.unit); break;
+      case ActionKind::kReduce: s = Reduce(a.unit); break;
+      case ActionKind::kEndForward:
+        times_.forward_s += Seconds(pass_start);
+        pass_start = std::chrono::steady_clock::now();
+        break;
+      case ActionKind::kEndBackward: times_.backward_s += Seconds(pass_start); break;
+      case ActionKind::kPreForward:
+      case ActionKind::kPostForward:
+      case ActionKind::kPreBackward:
+      case ActionKind::kPostBackward:
+      case ActionKind::kOptimizer: break;  // Step runs the optimizer after the last micro-batch
     }
-    if (ac) {
-      inputs_saved[b] = x;
-      ledger_.Add(Mem::kActivations, x.size() * 4);
-    }
-    x = BlockForward(dims_, block_params(b), x, mb, seq, ac ? nullptr : &caches[b]);
-    if (selective) DropAttentionCore(caches[b]);
-    if (!ac) ledger_.Add(Mem::kActivations, caches[b].SavedBytes());
-    if (Status st = ledger_.Sample("forward of a block"); !st.ok()) return st.error();
-    if (u != 0 && ReshardAfterForward(u)) Reshard(u);
+    if (!s.ok()) return s.error();
   }
-  Vec inv;
-  const Mat normed = RmsNormForward(x, Eigen::Map<const Vec>(norm_w, h), dims_.rms_eps, inv);
-  const Mat logits = LinearForward(normed, ConstMatMap(head, vocab, h));
-  Mat d_logits;
-  const float loss = CrossEntropy(logits, targets, d_logits);
-  if (scaler_.enabled()) d_logits *= scaler_.scale();  // GradScaler.scale(loss).backward()
-  const int64_t head_bytes = (logits.size() + d_logits.size() + normed.size() + x.size()) * 4;
-  ledger_.Add(Mem::kActivations, head_bytes);
-  if (Status st = ledger_.Sample("loss"); !st.ok()) return st.error();
-  times_.forward_s += Seconds(forward_start);
-  const auto backward_start = std::chrono::steady_clock::now();
-  // backward
-  if (full_grad_[0].empty()) {  // under no_sync it holds the earlier micro-batches' gradients
-    full_grad_[0].assign(full_[0].size(), 0.0f);
-    ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[0].size()) * 4);
-  }
-  float* root_grad = full_grad_[0].data();
-  MatMap g_head(root_grad + root_at.head, vocab, h);
-  Mat d_normed = LinearBackward(d_logits, normed, ConstMatMap(head, vocab, h), g_head);
-  Eigen::Map<Vec> g_norm(root_grad + root_at.norm, h);
-  Mat dx = RmsNormBackward(d_normed, x, Eigen::Map<const Vec>(norm_w, h), inv, g_norm);
-  for (int b = static_cast<int>(dims_.layers) - 1; b >= 0; --b) {
-    const int u = block_unit_[b];
-    if (Status s = Unshard(u); !s.ok()) return s.error();
-    const int previous = b > 0 ? block_unit_[b - 1] : -1;
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous > 0 && previous != u) {
-      if (Status s = Prefetch(previous); !s.ok()) return s.error();  // BACKWARD_PRE: before this block's backward
-    }
-    if (full_grad_[u].empty()) {
-      full_grad_[u].assign(full_[u].size(), 0.0f);
-      ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[u].size()) * 4);
-    }
-    if (ac) {
-      BlockForward(dims_, block_params(b), inputs_saved[b], mb, seq, &caches[b]);
-      ledger_.Add(Mem::kActivations, caches[b].SavedBytes());
-    }
-    if (selective) ledger_.Add(Mem::kActivations, RecomputeAttentionCore(dims_, caches[b], mb, seq));
-    float* grads = full_grad_[u].data() + (u == 0 ? vocab * h + static_cast<int64_t>(b) * block_numel : 0);
-    dx = BlockBackward(dims_, block_params(b), grads, dx, caches[b], mb, seq);
-    if (Status st = ledger_.Sample("backward of a block"); !st.ok()) return st.error();
-    ledger_.Sub(Mem::kActivations, caches[b].SavedBytes());
-    caches[b] = BlockCache();
-    if (ac) {
-      ledger_.Sub(Mem::kActivations, inputs_saved[b].size() * 4);
-      inputs_saved[b] = Mat();
-    }
-    // FSDP1's post-backward hook: reshard, then the BACKWARD_POST prefetch (_post_backward_reshard),
-    // then the reduce-scatter
-    if (u != 0 && w_.FreesInBackward(reduce_now_)) Reshard(u);
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) {
-      if (Status s = Prefetch(previous); !s.ok()) return s.error();
-    }
-    if (u != 0 && reduce_now_) {
-      if (Status s = Reduce(u); !s.ok()) return s.error();
-    }
-  }
-  MatMap g_embed(root_grad, vocab, h);
-  EmbeddingBackward(dx, inputs, g_embed);
-  ledger_.Sub(Mem::kActivations, head_bytes);
-  if (w_.FreesInBackward(reduce_now_)) Reshard(0);
-  if (reduce_now_) {
-    if (Status s = Reduce(0); !s.ok()) return s.error();
-  }
-  times_.backward_s += Seconds(backward_start);
-  return loss;
+  return p.loss;
 }
 
 Result<bool> FsdpEngine::FoundNonFinite() {
@@ -382,7 +409,6 @@ Status FsdpEngine::Optimizer() {
 Result<float> FsdpEngine::Step(int64_t step) {
   double loss_sum = 0;
   for (int64_t m = 0; m < w_.config.grad_accum; ++m) {
-    reduce_now_ = !w_.config.no_sync || m == w_.config.grad_accum - 1;
     auto loss = MicroBatch(step, m);
     if (!loss.ok()) return loss.error();
     loss_sum += loss.value();

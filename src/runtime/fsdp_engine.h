@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/schedule.h"
 #include "core/workload.h"
 #include "runtime/comm.h"
 #include "runtime/llama_model.h"
@@ -57,31 +58,37 @@ class FsdpEngine {
   const LossScaler& loss_scaler() const { return scaler_; }
 
  private:
-  FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o), scaler_(o.loss_scaling) {}
+  FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o), schedule_(BuildSchedule(w)), scaler_(o.loss_scaling) {}
   /// Whether any rank's gradient shards hold an inf or NaN (ShardedGradScaler.unscale_'s check,
   /// its flag summed over every rank).
   Result<bool> FoundNonFinite();
   Status Init();
-  Status Unshard(int u);
-  /// Starts unit u's all-gather without waiting (prefetch); at most 2 in flight with
-  /// limit_all_gathers (the oldest is waited for first).
-  Status Prefetch(int u);
+  /// The schedule's unshard: a blocking all-gather, or for a prefetch one started without waiting
+  /// (at most one is ever in flight: each is waited for at its unit's own hook). The rate limiter
+  /// never waits here: a reshard of this engine has finished when it returns.
+  Status Unshard(int u, bool prefetch);
+  Status WaitUnshard(int u);
   void Reshard(int u);
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
+  struct Pass;  // one micro-batch's activations (fsdp_engine.cc)
+  Status ForwardNode(int node, Pass& pass);
+  Status BackwardNode(int node, Pass& pass);
+  /// Module node `node`'s parameters in its unit's unsharded buffer, and its gradients.
+  const float* Params(int node) const;
+  float* Grads(int node);
   Status Optimizer();
-  bool ReshardAfterForward(int u) const;
 
   const Workload& w_;
   Comm& world_;
   TrainOptions o_;
+  Schedule schedule_;
   LlamaDims dims_{};
   std::unique_ptr<Comm> shard_comm_, replica_comm_;
   int64_t shard_world_ = 1;
   std::vector<std::vector<float>> shard_, grad_shard_, exp_avg_, exp_avg_sq_;  // per unit, S_u floats
   std::vector<std::vector<float>> full_, full_grad_;                          // per unit, P_u floats while live
-  std::vector<int> block_unit_;  // block index -> unit
-  bool reduce_now_ = true;
+  int embedding_node_ = 0;  // the module node of the token embedding (a tied lm_head's weight)
   struct InFlight {
     int unit;
     std::vector<float> low;  // the all-gather input, alive until the wait

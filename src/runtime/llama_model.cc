@@ -13,12 +13,6 @@ int64_t LlamaDims::BlockNumel() const {
   return 2 * hidden + q * hidden + 2 * kv * hidden + hidden * q + 3 * inner * hidden + (qkv_bias ? q + 2 * kv : 0);
 }
 
-LlamaDims::RootOffsets LlamaDims::Root(const std::vector<int>& block_unit) const {
-  const int64_t root_blocks = std::count(block_unit.begin(), block_unit.end(), 0);
-  const int64_t norm = vocab * hidden + root_blocks * BlockNumel();
-  return {norm, tied ? 0 : norm + hidden};
-}
-
 LlamaDims::BlockOffsets LlamaDims::Offsets() const {
   const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
   const int64_t bias = qkv_bias ? 1 : 0;

@@ -22,12 +22,6 @@ struct LlamaDims {
   /// its weight; -1 without biases).
   struct BlockOffsets { int64_t in_norm, wq, bq, wk, bk, wv, bv, wo, post_norm, wg, wu, wd; };
   BlockOffsets Offsets() const;
-  /// Offsets of the final norm and the LM head (0: tied to the embedding) in the root unit's flat
-  /// buffer, in inventory order (embedding, the blocks the root holds, final norm, lm_head).
-  /// block_unit maps each block to its wrap unit; the root (unit 0) holds every block with
-  /// --wrap none, none with --wrap block.
-  struct RootOffsets { int64_t norm, head; };
-  RootOffsets Root(const std::vector<int>& block_unit) const;
 };
 
 /// RoPE's inverse frequencies (head_dim / 2) as transformers computes them for `model` trained at

@@ -24,14 +24,6 @@ inline Status CublasStatus(cublasStatus_t code, const char* what) {
 
 }  // namespace fsdp::runtime::cuda
 
-/// Propagates a failed Status.
-#define FSDP_TRY(expr)                                  \
-  do {                                                  \
-    if (::fsdp::Status fsdp_s = (expr); !fsdp_s.ok()) { \
-      return fsdp_s.error();                            \
-    }                                                   \
-  } while (0)
-
 /// Returns the Status of a failing CUDA runtime call from the enclosing function.
 #define FSDP_CUDA_TRY(call) FSDP_TRY(::fsdp::runtime::cuda::CudaStatus((call), #call))
 /// The same for a cuBLAS call.

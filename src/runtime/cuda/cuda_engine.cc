@@ -55,7 +55,7 @@ int64_t DeviceUsedBytes() {
 
 class CudaEngine : public GpuEngine {
  public:
-  CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o), scaler_(o.loss_scaling) {}
+  CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o), schedule_(BuildSchedule(w)), scaler_(o.loss_scaling) {}
   ~CudaEngine() override;
   /// Sets up the device, the communicators and the sharded model.
   Status Init(int virtual_world) { return Guarded(InitDevice(virtual_world)); }
@@ -81,15 +81,18 @@ class CudaEngine : public GpuEngine {
   Status MakeGroups();
   Result<float> StepOnce(int64_t step);
   Status InitUnit(int u);
-  Status Unshard(int u);
-  Status WaitGathered(int u);
-  Status Reshard(int u);
+  /// Enqueues unit u's all-gather; with FSDP1's rate limiter the host first waits for the oldest
+  /// queued free event when the schedule says so.
+  Status Unshard(int u, bool rate_limit_wait);
+  Status Reshard(int u, bool queues_free_event);
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
   /// Copies a micro-batch's token ids, targets and token groups to the device through staging_[micro].
   Status UploadTokens(int64_t micro, const std::vector<int32_t>& ids, const std::vector<int32_t>& targets, const std::vector<int32_t>& packed);
-  Status Forward(DeviceBuffer& x);
-  Status Backward(DeviceBuffer dx);
+  /// The micro-batch's schedule: hooks unshard, reshard and reduce; segments run the modules.
+  Status PlaySchedule(int64_t micro);
+  Status ForwardNode(int node);
+  Status BackwardNode(int node);
   Status Optimizer();
   /// Whether any rank's gradient shards hold an inf or NaN: a device flag, summed over the ranks.
   Result<bool> FoundNonFinite();
@@ -99,13 +102,11 @@ class CudaEngine : public GpuEngine {
   Status WaitEvent(cudaEvent_t event);
   /// The same for the work enqueued on `stream` so far.
   Status WaitStream(cudaStream_t stream);
-  /// FSDP1's limit_all_gathers; FSDP2 has no such limiter (its all-gather buffers are freed in order).
-  bool RateLimited() const { return w_.config.framework == Framework::kFsdp1 && w_.config.limit_all_gathers; }
-  bool ReshardAfterForward(int u) const {
-    return !w_.units[u].is_root && (w_.config.strategy == Strategy::kFullShard || w_.config.strategy == Strategy::kHybridShard);
-  }
-  void* BlockParams(int b) const;
-  void* BlockGrads(int b) const;
+  /// Module node `node`'s parameters in its unit's unsharded buffer (a tied lm_head's: the
+  /// embedding's), and its gradients, allocated at the unit's first backward.
+  void* Params(int node) const;
+  Result<void*> Grads(int node);
+  int ParamTensor(int node) const;
   int64_t world() const { return virtual_world_ > 0 ? virtual_world_ : host_.size(); }
 
   const Workload& w_;
@@ -121,8 +122,9 @@ class CudaEngine : public GpuEngine {
   bool failed_ = false;  // Init or a step returned an error: the destructor aborts the communicators
   DType dtype_ = DType::kBf16, reduce_dtype_ = DType::kFp32;
   std::vector<DeviceBuffer> shard_params_, exp_avg_, exp_avg_sq_, grad_shard_, full_, full_grad_;
+  Schedule schedule_;
   std::vector<cudaEvent_t> gathered_;
-  std::vector<int> block_unit_;
+  int embedding_node_ = 0;
   std::deque<cudaEvent_t> reshard_events_;  // limit_all_gathers: frees the CPU may run ahead of
   EventPool events_{cudaEventDisableTiming};
   cudaEvent_t params_ready_ = nullptr, reduced_ = nullptr;
@@ -141,8 +143,7 @@ class CudaEngine : public GpuEngine {
   // per micro-batch state
   std::vector<DeviceBuffer> inputs_;  // block inputs (block 0's is the embedding output)
   std::vector<DeviceBlockCache> caches_;
-  DeviceBuffer final_x_, normed_, inv_final_, logits_;
-  bool reduce_now_ = true;
+  DeviceBuffer x_, final_x_, normed_, inv_final_, logits_, d_normed_;
   std::array<cudaEvent_t, 4> phase_events_{};
   GpuPhaseTimes times_;
   GpuMemoryReport device_view_;
@@ -287,7 +288,9 @@ Status CudaEngine::InitDevice(int virtual_world) {
     FSDP_CUDA_TRY(cudaEventCreateWithFlags(&gathered_[u], cudaEventDisableTiming));
     FSDP_TRY(InitUnit(static_cast<int>(u)));
   }
-  block_unit_ = w_.BlockUnits();
+  for (size_t i = 0; i < w_.nodes.size(); ++i) {
+    if (w_.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
+  }
   FSDP_CUDA_TRY(cudaEventRecord(params_ready_, compute_));
   FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
   return {};
@@ -356,13 +359,13 @@ Status CudaEngine::WaitStream(cudaStream_t stream) {
 }
 
 // Enqueues unit u's all-gather on the all-gather stream (no CPU wait, except the rate limiter's).
-Status CudaEngine::Unshard(int u) {
-  if (u < 0 || !full_[u].empty()) return {};
-  if (RateLimited() && reshard_events_.size() >= 2) {  // FSDP1 _free_event_queue
+Status CudaEngine::Unshard(int u, bool rate_limit_wait) {
+  if (rate_limit_wait) {  // FSDP1 _free_event_queue.dequeue_if_needed
     FSDP_TRY(WaitEvent(reshard_events_.front()));
     events_.Give(reshard_events_.front());
     reshard_events_.pop_front();
   }
+  if (!full_[u].empty()) return {};
   const WrapUnit& unit = w_.units[u];
   alloc_.set_phase(u == 0 ? "all-gather of the root" : "all-gather of a block");
   FSDP_CUDA_TRY(cudaStreamWaitEvent(gather_, params_ready_, 0));
@@ -375,15 +378,9 @@ Status CudaEngine::Unshard(int u) {
   return {};
 }
 
-Status CudaEngine::WaitGathered(int u) {
-  FSDP_TRY(Unshard(u));
-  FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, gathered_[u], 0));
-  return {};
-}
-
-Status CudaEngine::Reshard(int u) {
+Status CudaEngine::Reshard(int u, bool queues_free_event) {
   full_[u].Release({compute_});
-  if (!RateLimited()) return {};
+  if (!queues_free_event) return {};
   auto e = events_.Take();
   if (!e.ok()) return e.error();
   FSDP_CUDA_TRY(cudaEventRecord(e.value(), compute_));
@@ -427,121 +424,155 @@ Status CudaEngine::Reduce(int u) {
   return CudaStatus(cudaGetLastError(), "reduce kernels");
 }
 
-void* CudaEngine::BlockParams(int b) const {
-  const int u = block_unit_[b];
-  const LlamaDims& d = ctx_.dims;
-  return Offset(full_[u].get(), u == 0 ? d.vocab * d.hidden + b * d.BlockNumel() : 0, dtype_);
+int CudaEngine::ParamTensor(int node) const {
+  return w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
 }
 
-void* CudaEngine::BlockGrads(int b) const {
-  const int u = block_unit_[b];
-  const LlamaDims& d = ctx_.dims;
-  return Offset(full_grad_[u].get(), u == 0 ? d.vocab * d.hidden + b * d.BlockNumel() : 0, dtype_);
+void* CudaEngine::Params(int node) const {
+  const int t = ParamTensor(node);
+  return Offset(full_[w_.tensor_unit[t]].get(), w_.tensor_offset[t], dtype_);
 }
 
-Status CudaEngine::Forward(DeviceBuffer& x) {
-  const LlamaDims& d = ctx_.dims;
-  const int64_t T = ctx_.tokens();
-  const bool ac = w_.config.checkpointing == Checkpointing::kFull;
-  FSDP_TRY(WaitGathered(0));
-  alloc_.set_phase("forward of a block");
-  FSDP_ALLOC(x0, ctx_.Buffer(T * d.hidden, Mem::kActivations));
-  EmbeddingForward(full_[0].get(), ids_.as<int32_t>(), x0.get(), T, d.hidden, dtype_, compute_);
-  x = std::move(x0);
-  for (int b = 0; b < d.layers; ++b) {
-    const int u = block_unit_[b];
-    FSDP_TRY(WaitGathered(u));
-    if (w_.config.forward_prefetch && b + 1 < d.layers && block_unit_[b + 1] != u) FSDP_TRY(Unshard(block_unit_[b + 1]));
-    alloc_.set_phase("forward of a block");
-    auto y = DeviceBlockForward(ctx_, BlockParams(b), x, ac ? nullptr : &caches_[b]);
-    if (!y.ok()) return y.error();
-    if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs.Release();  // recomputed in backward
-    inputs_[b] = std::move(x);
-    x = std::move(y).value();
-    if (u != 0 && ReshardAfterForward(u)) FSDP_TRY(Reshard(u));
-  }
-  // final norm, LM head, loss: logits are overwritten by their gradient
-  const int64_t h = d.hidden;
-  const void* root = full_[0].get();
-  const LlamaDims::RootOffsets root_at = d.Root(block_unit_);
-  const void* norm_w = Offset(root, root_at.norm, dtype_);
-  const void* head = Offset(root, root_at.head, dtype_);
-  alloc_.set_phase("loss");
-  FSDP_ALLOC(inv, alloc_.Allocate(T * 4, Mem::kActivations, compute_));
-  FSDP_ALLOC(normed, ctx_.Buffer(T * h, Mem::kActivations));
-  RmsNormForward(x.get(), norm_w, normed.get(), inv.as<float>(), T, h, d.rms_eps, dtype_, compute_);
-  FSDP_ALLOC(logits, ctx_.Buffer(T * d.vocab, Mem::kActivations));
-  FSDP_TRY(LinearForward(blas_, dtype_, normed.get(), head, logits.get(), T, h, d.vocab));
-  // the logits' gradient carries the loss scale (GradScaler.scale(loss).backward())
-  CrossEntropyInPlace(logits.get(), targets_.as<int32_t>(), loss_sum_.as<float>(), T, d.vocab, scaler_.scale() / static_cast<float>(T), dtype_,
-                      compute_);
-  inv_final_ = std::move(inv);
-  normed_ = std::move(normed);
-  logits_ = std::move(logits);
-  return CudaStatus(cudaGetLastError(), "forward kernels");
-}
-
-Status CudaEngine::Backward(DeviceBuffer x) {
-  const LlamaDims& d = ctx_.dims;
-  const int64_t T = ctx_.tokens(), h = d.hidden;
-  const bool ac = w_.config.checkpointing == Checkpointing::kFull;
-  auto ensure_grad = [&](int u) -> Status {
-    if (!full_grad_[u].empty()) return {};  // under no_sync it holds the earlier micro-batches' gradients
+Result<void*> CudaEngine::Grads(int node) {
+  const int t = ParamTensor(node);
+  const int u = w_.tensor_unit[t];
+  if (full_grad_[u].empty()) {  // under no_sync it holds the earlier micro-batches' gradients
     FSDP_ALLOC(g, alloc_.Allocate(w_.units[u].padded_numel * ctx_.elem(), Mem::kGradients, compute_));
     FSDP_CUDA_TRY(cudaMemsetAsync(g.get(), 0, static_cast<size_t>(g.bytes()), compute_));
     full_grad_[u] = std::move(g);
-    return {};
-  };
-  alloc_.set_phase("backward of the head");
-  FSDP_TRY(ensure_grad(0));
-  const void* root = full_[0].get();
-  void* root_grad = full_grad_[0].get();
-  const LlamaDims::RootOffsets root_at = d.Root(block_unit_);
-  const void* norm_w = Offset(root, root_at.norm, dtype_);
-  const int64_t head_offset = root_at.head;
-  FSDP_ALLOC(d_normed, ctx_.Buffer(T * h, Mem::kTemporaries));
-  FSDP_TRY(LinearBackward(blas_, dtype_, logits_.get(), normed_.get(), Offset(root, head_offset, dtype_), d_normed.get(),
-                          Offset(root_grad, head_offset, dtype_), T, h, d.vocab));
-  logits_.Release();
-  normed_.Release();
-  FSDP_ALLOC(dx, ctx_.Buffer(T * h, Mem::kActivations));
-  RmsNormBackward(d_normed.get(), x.get(), norm_w, inv_final_.as<float>(), nullptr, dx.get(), dw_scratch_.as<float>(), T, h, dtype_, compute_);
-  AddF32(dw_scratch_.as<float>(), Offset(root_grad, root_at.norm, dtype_), dtype_, h, compute_);
-  d_normed.Release();
-  inv_final_.Release();
-  x.Release();
-  for (int b = static_cast<int>(d.layers) - 1; b >= 0; --b) {
-    const int u = block_unit_[b];
-    const int previous = b > 0 ? block_unit_[b - 1] : -1;
-    FSDP_TRY(Unshard(u));
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPre && previous > 0 && previous != u) FSDP_TRY(Unshard(previous));
-    FSDP_TRY(WaitGathered(u));
-    alloc_.set_phase("backward of a block");
-    FSDP_TRY(ensure_grad(u));
-    if (ac) {
-      auto y = DeviceBlockForward(ctx_, BlockParams(b), inputs_[b], &caches_[b]);
-      if (!y.ok()) return y.error();
-    }
-    if (w_.config.checkpointing == Checkpointing::kSelective) {  // the attention core, from the saved q and k
-      FSDP_ALLOC(probs, ctx_.Buffer(ctx_.batch * d.heads * ctx_.seq * ctx_.seq, Mem::kActivations));
-      FSDP_TRY(DeviceAttentionProbs(ctx_, caches_[b].q.get(), caches_[b].k.get(), probs.get()));
-      caches_[b].probs = std::move(probs);
-    }
-    auto next = DeviceBlockBackward(ctx_, BlockParams(b), BlockGrads(b), dw_scratch_.as<float>(), inputs_[b], std::move(dx), caches_[b]);
-    if (!next.ok()) return next.error();
-    dx = std::move(next).value();
-    inputs_[b].Release();  // block 0's input is the embedding output
-    // FSDP1's post-backward hook: reshard, then the BACKWARD_POST prefetch (_post_backward_reshard),
-    // then the reduce-scatter
-    if (u != 0 && w_.FreesInBackward(reduce_now_)) FSDP_TRY(Reshard(u));
-    if (w_.config.backward_prefetch == BackwardPrefetch::kPost && previous > 0 && previous != u) FSDP_TRY(Unshard(previous));
-    if (u != 0 && reduce_now_) FSDP_TRY(Reduce(u));
   }
-  EmbeddingBackward(dx.get(), token_groups_.as<int32_t>(), distinct_tokens_, root_grad, h, dtype_, compute_);
-  dx.Release();
-  if (w_.FreesInBackward(reduce_now_)) FSDP_TRY(Reshard(0));
-  if (reduce_now_) FSDP_TRY(Reduce(0));
-  return CudaStatus(cudaGetLastError(), "backward kernels");
+  return Offset(full_grad_[u].get(), w_.tensor_offset[t], dtype_);
+}
+
+Status CudaEngine::ForwardNode(int node) {
+  const LlamaDims& d = ctx_.dims;
+  const int64_t T = ctx_.tokens(), h = d.hidden;
+  switch (w_.nodes[node].role) {
+    case ModuleNode::Role::kEmbedding: {
+      alloc_.set_phase("forward of a block");
+      FSDP_ALLOC(x0, ctx_.Buffer(T * h, Mem::kActivations));
+      EmbeddingForward(Params(node), ids_.as<int32_t>(), x0.get(), T, h, dtype_, compute_);
+      x_ = std::move(x0);
+      return {};
+    }
+    case ModuleNode::Role::kBlock: {
+      const int b = w_.nodes[node].block;
+      const bool ac = w_.config.checkpointing == Checkpointing::kFull;
+      alloc_.set_phase("forward of a block");
+      auto y = DeviceBlockForward(ctx_, Params(node), x_, ac ? nullptr : &caches_[b]);
+      if (!y.ok()) return y.error();
+      if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs.Release();  // recomputed in backward
+      inputs_[b] = std::move(x_);
+      x_ = std::move(y).value();
+      return {};
+    }
+    case ModuleNode::Role::kFinalNorm: {
+      alloc_.set_phase("loss");
+      FSDP_ALLOC(inv, alloc_.Allocate(T * 4, Mem::kActivations, compute_));
+      FSDP_ALLOC(normed, ctx_.Buffer(T * h, Mem::kActivations));
+      RmsNormForward(x_.get(), Params(node), normed.get(), inv.as<float>(), T, h, d.rms_eps, dtype_, compute_);
+      inv_final_ = std::move(inv);
+      normed_ = std::move(normed);
+      final_x_ = std::move(x_);
+      return {};
+    }
+    case ModuleNode::Role::kLmHead: {
+      // the logits are overwritten by their gradient, which carries the loss scale
+      // (GradScaler.scale(loss).backward())
+      FSDP_ALLOC(logits, ctx_.Buffer(T * d.vocab, Mem::kActivations));
+      FSDP_TRY(LinearForward(blas_, dtype_, normed_.get(), Params(node), logits.get(), T, h, d.vocab));
+      CrossEntropyInPlace(logits.get(), targets_.as<int32_t>(), loss_sum_.as<float>(), T, d.vocab, scaler_.scale() / static_cast<float>(T),
+                          dtype_, compute_);
+      logits_ = std::move(logits);
+      return CudaStatus(cudaGetLastError(), "forward kernels");
+    }
+    case ModuleNode::Role::kOther: return {};
+  }
+  return {};
+}
+
+Status CudaEngine::BackwardNode(int node) {
+  const LlamaDims& d = ctx_.dims;
+  const int64_t T = ctx_.tokens(), h = d.hidden;
+  switch (w_.nodes[node].role) {
+    case ModuleNode::Role::kLmHead: {
+      alloc_.set_phase("backward of the head");
+      FSDP_ASSIGN_OR_RETURN(void* g_head, Grads(node));
+      FSDP_ALLOC(d_normed, ctx_.Buffer(T * h, Mem::kTemporaries));
+      FSDP_TRY(LinearBackward(blas_, dtype_, logits_.get(), normed_.get(), Params(node), d_normed.get(), g_head, T, h, d.vocab));
+      logits_.Release();
+      normed_.Release();
+      d_normed_ = std::move(d_normed);
+      return {};
+    }
+    case ModuleNode::Role::kFinalNorm: {
+      FSDP_ASSIGN_OR_RETURN(void* g_norm, Grads(node));
+      FSDP_ALLOC(dx, ctx_.Buffer(T * h, Mem::kActivations));
+      RmsNormBackward(d_normed_.get(), final_x_.get(), Params(node), inv_final_.as<float>(), nullptr, dx.get(), dw_scratch_.as<float>(), T, h,
+                      dtype_, compute_);
+      AddF32(dw_scratch_.as<float>(), g_norm, dtype_, h, compute_);
+      d_normed_.Release();
+      inv_final_.Release();
+      final_x_.Release();
+      x_ = std::move(dx);
+      return {};
+    }
+    case ModuleNode::Role::kBlock: {
+      const int b = w_.nodes[node].block;
+      alloc_.set_phase("backward of a block");
+      FSDP_ASSIGN_OR_RETURN(void* grads, Grads(node));
+      if (w_.config.checkpointing == Checkpointing::kFull) {
+        auto y = DeviceBlockForward(ctx_, Params(node), inputs_[b], &caches_[b]);
+        if (!y.ok()) return y.error();
+      }
+      if (w_.config.checkpointing == Checkpointing::kSelective) {  // the attention core, from the saved q and k
+        FSDP_ALLOC(probs, ctx_.Buffer(ctx_.batch * d.heads * ctx_.seq * ctx_.seq, Mem::kActivations));
+        FSDP_TRY(DeviceAttentionProbs(ctx_, caches_[b].q.get(), caches_[b].k.get(), probs.get()));
+        caches_[b].probs = std::move(probs);
+      }
+      auto next = DeviceBlockBackward(ctx_, Params(node), grads, dw_scratch_.as<float>(), inputs_[b], std::move(x_), caches_[b]);
+      if (!next.ok()) return next.error();
+      x_ = std::move(next).value();
+      inputs_[b].Release();  // block 0's input is the embedding output
+      return {};
+    }
+    case ModuleNode::Role::kEmbedding: {
+      FSDP_ASSIGN_OR_RETURN(void* g_embed, Grads(node));
+      EmbeddingBackward(x_.get(), token_groups_.as<int32_t>(), distinct_tokens_, g_embed, h, dtype_, compute_);
+      x_.Release();
+      return CudaStatus(cudaGetLastError(), "backward kernels");
+    }
+    case ModuleNode::Role::kOther: return {};
+  }
+  return {};
+}
+
+Status CudaEngine::PlaySchedule(int64_t micro) {
+  for (const Action& a : schedule_.MicroBatch(micro)) {
+    switch (a.kind) {
+      case ActionKind::kUnshard: FSDP_TRY(Unshard(a.unit, a.rate_limit_wait)); break;
+      case ActionKind::kWaitUnshard: FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, gathered_[a.unit], 0)); break;
+      case ActionKind::kForward:
+      case ActionKind::kBackward:
+        for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          if (a.kind == ActionKind::kForward) FSDP_TRY(ForwardNode(v.node));
+          else if (v.enter) FSDP_TRY(BackwardNode(v.node));
+        }
+        break;
+      case ActionKind::kReshard: FSDP_TRY(Reshard(a.unit, a.queues_free_event)); break;
+      case ActionKind::kReduce: FSDP_TRY(Reduce(a.unit)); break;
+      case ActionKind::kEndForward:
+        if (micro == 0) FSDP_CUDA_TRY(cudaEventRecord(phase_events_[1], compute_));
+        break;
+      case ActionKind::kPreForward:
+      case ActionKind::kPostForward:
+      case ActionKind::kPreBackward:
+      case ActionKind::kPostBackward:
+      case ActionKind::kEndBackward:
+      case ActionKind::kOptimizer: break;  // StepOnce runs the optimizer after the last micro-batch
+    }
+  }
+  return {};
 }
 
 Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
@@ -566,10 +597,7 @@ Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
   FSDP_TRY(UploadTokens(micro, ids, targets, packed));
   inputs_.resize(static_cast<size_t>(ctx_.dims.layers));
   caches_.resize(static_cast<size_t>(ctx_.dims.layers));
-  DeviceBuffer x;
-  FSDP_TRY(Forward(x));
-  if (micro == 0) FSDP_CUDA_TRY(cudaEventRecord(phase_events_[1], compute_));
-  FSDP_TRY(Backward(std::move(x)));
+  FSDP_TRY(PlaySchedule(micro));
   return 0.0f;  // no wait: the host goes on to the next micro-batch while the device works
 }
 
@@ -629,7 +657,6 @@ Result<float> CudaEngine::StepOnce(int64_t step) {
   FSDP_CUDA_TRY(cudaMemsetAsync(loss_sum_.get(), 0, 4, compute_));
   FSDP_CUDA_TRY(cudaEventRecord(phase_events_[0], compute_));
   for (int64_t m = 0; m < w_.config.grad_accum; ++m) {
-    reduce_now_ = !w_.config.no_sync || m == w_.config.grad_accum - 1;
     auto r = MicroBatch(step, m);
     if (!r.ok()) return r.error();
   }
