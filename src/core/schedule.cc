@@ -15,12 +15,12 @@ struct BuilderState {
   bool operator==(const BuilderState&) const = default;
 };
 
-// Walks the module tree once per distinct micro-batch, emitting PyTorch's hooks in order.
+// Emits one micro-batch's actions from the module walk (its hooks and segments in execution
+// order), applying the configuration's FSDP rules.
 class Builder {
  public:
-  Builder(const Workload& w, std::vector<ComputeSegment>& segments, std::vector<NodeVisit>& visits,
-          const std::vector<int>& backward_prefetch_target)
-      : w_(w), c_(w.config), segments_(segments), visits_(visits), backward_prefetch_target_(backward_prefetch_target) {
+  Builder(const Workload& w, const std::vector<int>& backward_prefetch_target)
+      : w_(w), c_(w.config), backward_prefetch_target_(backward_prefetch_target) {
     state_.units.assign(w.units.size(), UnitState::kSharded);
   }
 
@@ -28,16 +28,27 @@ class Builder {
 
   std::vector<Action> MicroBatch(bool reduces, bool last) {
     actions_.clear();
-    segment_cursor_ = 0;
     forward_ = true;
     hooked_.assign(w_.units.size(), 0);
-    Forward(0);
+    for (const ModuleWalk::Entry& e : w_.walk->forward) {
+      switch (e.step) {
+        case ModuleWalk::Step::kPreHook: PreForward(e.index); break;
+        case ModuleWalk::Step::kSegment: Segment(ActionKind::kForward, e.index); break;
+        case ModuleWalk::Step::kPostHook: PostForward(e.index); break;
+      }
+    }
     Action end{ActionKind::kEndForward};
     end.releases_all_gather_state = Fsdp2() && w_.shard_world > 1;
     Emit(end);
     forward_ = false;
     hooked_.assign(w_.units.size(), 0);
-    Backward(0, reduces);
+    for (const ModuleWalk::Entry& e : w_.walk->backward) {
+      switch (e.step) {
+        case ModuleWalk::Step::kPreHook: PreBackward(e.index); break;
+        case ModuleWalk::Step::kSegment: Segment(ActionKind::kBackward, e.index); break;
+        case ModuleWalk::Step::kPostHook: PostBackward(e.index, reduces); break;
+      }
+    }
     Action done{ActionKind::kEndBackward};
     done.waits_for_reductions = reduces;
     Emit(done);
@@ -50,41 +61,29 @@ class Builder {
   bool Sharded() const { return c_.strategy != Strategy::kNoShard; }
   bool RateLimited() const { return !Fsdp2() && c_.limit_all_gathers && Sharded(); }
 
-  void Forward(int node_id) {
-    const ModuleNode& node = w_.nodes[node_id];
-    const int u = node.unit;
-    if (u >= 0) {
-      Hook(ActionKind::kPreForward, u, node_id);
-      Unshard(u, false);
-      Wait(u);
-      if (c_.forward_prefetch && u + 1 < static_cast<int>(w_.units.size())) Prefetch(u + 1);
-    }
-    for (int child : node.children) Forward(child);
-    Visit(node_id, false);
-    if (u < 0) return;
-    Hook(ActionKind::kPostForward, u, node_id);
+  void PreForward(int u) {
+    Hook(ActionKind::kPreForward, u);
+    Unshard(u, false);
+    Wait(u);
+    if (c_.forward_prefetch && u + 1 < static_cast<int>(w_.units.size())) Prefetch(u + 1);
+  }
+
+  void PostForward(int u) {
+    Hook(ActionKind::kPostForward, u);
     if (ReshardsAfterForward(w_, u)) Reshard(u);
   }
 
-  void Backward(int node_id, bool reduces) {
-    const ModuleNode& node = w_.nodes[node_id];
-    const int u = node.unit;
-    if (u >= 0) {
-      Hook(ActionKind::kPreBackward, u, node_id);
-      Unshard(u, false);
-      Wait(u);
-      if (c_.backward_prefetch == BackwardPrefetch::kPre) Prefetch(backward_prefetch_target_[u]);
-    }
-    Visit(node_id, true);
-    for (auto it = node.children.rbegin(); it != node.children.rend(); ++it) Backward(*it, reduces);
-    Visit(node_id, false);
-    if (u >= 0) PostBackward(u, node_id, reduces);
+  void PreBackward(int u) {
+    Hook(ActionKind::kPreBackward, u);
+    Unshard(u, false);
+    Wait(u);
+    if (c_.backward_prefetch == BackwardPrefetch::kPre) Prefetch(backward_prefetch_target_[u]);
   }
 
   // FSDP1 _post_backward_hook / FSDP2 post_backward: reshard, then the BACKWARD_POST prefetch
   // (_post_backward_reshard), then the reduction unless no_sync keeps the gradient.
-  void PostBackward(int u, int node_id, bool reduces) {
-    Action a = HookAction(ActionKind::kPostBackward, u, node_id);
+  void PostBackward(int u, bool reduces) {
+    Action a = HookAction(ActionKind::kPostBackward, u);
     a.reduces = reduces;
     Emit(a);
     if (FreesInBackward(c_, reduces)) Reshard(u);
@@ -99,6 +98,12 @@ class Builder {
     Emit(r);
   }
 
+  void Segment(ActionKind kind, int segment) {
+    Action a{kind};
+    a.segment = segment;
+    Emit(a);
+  }
+
   // FSDP1 _get_handle_to_prefetch: only a unit whose own pre-forward (pre-backward) hook has not
   // run yet in this pass; so the root's BACKWARD_POST prefetch, which targets the last block after
   // its backward, does nothing.
@@ -106,15 +111,15 @@ class Builder {
     if (u >= 0 && !hooked_[u]) Unshard(u, true);
   }
 
-  static Action HookAction(ActionKind kind, int u, int node_id) {
+  Action HookAction(ActionKind kind, int u) const {
     Action a{kind};
     a.unit = u;
-    a.node = node_id;
+    a.node = w_.units[u].node;
     return a;
   }
-  void Hook(ActionKind kind, int u, int node_id) {
+  void Hook(ActionKind kind, int u) {
     if (kind == ActionKind::kPreForward || kind == ActionKind::kPreBackward) hooked_[u] = 1;
-    Emit(HookAction(kind, u, node_id));
+    Emit(HookAction(kind, u));
   }
 
   // A unit without parameters has no FlatParameter (FSDP1) or parameter group (FSDP2): nothing to
@@ -154,51 +159,19 @@ class Builder {
     Emit(a);
   }
 
-  void Visit(int node_id, bool enter) { pending_.push_back(NodeVisit{node_id, enter}); }
-
-  // Closes the visits since the last hook into a compute segment; the same walk gives the same
-  // segments in every micro-batch, so they are made once.
-  void Flush() {
-    if (pending_.empty()) return;
-    if (segment_cursor_ == segments_.size()) {
-      ComputeSegment s;
-      s.unit = OwningUnit(pending_.front().node);
-      s.forward = forward_;
-      s.first_visit = static_cast<int>(visits_.size());
-      s.visit_count = static_cast<int>(pending_.size());
-      visits_.insert(visits_.end(), pending_.begin(), pending_.end());
-      segments_.push_back(s);
-    }
-    Action a{forward_ ? ActionKind::kForward : ActionKind::kBackward};
-    a.segment = static_cast<int>(segment_cursor_++);
-    a.forward = forward_;
-    pending_.clear();
-    actions_.push_back(a);
-  }
-
   void Emit(Action a) {
-    Flush();
     a.forward = forward_;
     actions_.push_back(a);
-  }
-
-  int OwningUnit(int node_id) const {
-    while (w_.nodes[node_id].unit < 0) node_id = w_.nodes[node_id].parent;
-    return w_.nodes[node_id].unit;
   }
 
   static constexpr int64_t kMaxInflightAllGathers = 2;  // _limiter_utils._FreeEventQueue
 
   const Workload& w_;
   const FsdpConfig& c_;
-  std::vector<ComputeSegment>& segments_;
-  std::vector<NodeVisit>& visits_;
   const std::vector<int>& backward_prefetch_target_;
   BuilderState state_;
   std::vector<Action> actions_;
-  std::vector<NodeVisit> pending_;
-  size_t segment_cursor_ = 0;
-  bool forward_ = true;        // walking the forward pass
+  bool forward_ = true;        // building the forward pass
   std::vector<char> hooked_;   // per unit: its pre-forward (pre-backward) hook ran in this pass
 };
 
@@ -214,30 +187,40 @@ bool ReshardsAfterForward(const Workload& w, int u) {
   return w.config.strategy == Strategy::kFullShard || w.config.strategy == Strategy::kHybridShard;
 }
 
-std::span<const Action> Schedule::MicroBatch(int64_t micro) const { return programs_[ProgramOf(micro)]; }
-
 int Schedule::ProgramOf(int64_t micro) const {
-  if (micro == micro_batches_ - 1) return last_;
-  if (micro < static_cast<int64_t>(head_.size())) return head_[micro];
-  return repeat_;
+  if (micro == micro_batches_ - 1) return set_->last;
+  if (micro < static_cast<int64_t>(set_->head.size())) return set_->head[micro];
+  return set_->repeat;
 }
 
 int64_t Schedule::ProgramRuns(int index) const {
-  int64_t runs = index == last_ ? 1 : 0;
-  for (int p : head_) runs += p == index ? 1 : 0;
-  if (index == repeat_ && index != last_) runs += micro_batches_ - 1 - static_cast<int64_t>(head_.size());
+  int64_t runs = index == set_->last ? 1 : 0;
+  const int64_t head = std::min<int64_t>(static_cast<int64_t>(set_->head.size()), micro_batches_ - 1);
+  for (int64_t m = 0; m < head; ++m) runs += set_->head[m] == index ? 1 : 0;
+  if (index == set_->repeat) runs += micro_batches_ - 1 - head;
   return runs;
 }
 
-int Schedule::ForwardPrefetchTarget(int u) const { return u + 1 < unit_count_ ? u + 1 : -1; }
+std::optional<Schedule> Schedule::WithMicroBatches(int64_t micro_batches) const {
+  const auto head = static_cast<int64_t>(set_->head.size());
+  // the last program starts from the state after the head (and any repeats): the same only when
+  // the head ran whole and, for more micro-batches, its program repeats
+  const bool covered = micro_batches == micro_batches_ || (set_->repeat >= 0 && micro_batches >= head + 1) ||
+                       (set_->repeat < 0 && micro_batches == head + 1);
+  if (!covered) return std::nullopt;
+  Schedule s = *this;
+  s.micro_batches_ = micro_batches;
+  return s;
+}
+
+int64_t Schedule::Reductions() const { return set_->fixed_reductions + set_->extra_reductions * Extra(); }
 
 Schedule BuildSchedule(const Workload& w) {
-  Schedule s;
-  s.micro_batches_ = w.config.grad_accum;
-  s.unit_count_ = static_cast<int>(w.units.size());
-  s.backward_prefetch_target_.assign(w.units.size(), -1);
-  for (size_t i = 1; i < w.post_forward_order.size(); ++i) s.backward_prefetch_target_[w.post_forward_order[i]] = w.post_forward_order[i - 1];
-  Builder builder(w, s.segments_, s.visits_, s.backward_prefetch_target_);
+  auto set = std::make_shared<Schedule::ProgramSet>();
+  set->walk = w.walk;
+  set->backward_prefetch_target.assign(w.units.size(), -1);
+  for (size_t i = 1; i < w.post_forward_order.size(); ++i) set->backward_prefetch_target[w.post_forward_order[i]] = w.post_forward_order[i - 1];
+  Builder builder(w, set->backward_prefetch_target);
   const int64_t accum = w.config.grad_accum;
   // Micro-batches before the last: one program each until a micro-batch starts from the state the
   // previous one started from; that program then repeats, and the last micro-batch starts from
@@ -246,28 +229,43 @@ Schedule BuildSchedule(const Workload& w) {
   for (int64_t m = 0; m < accum - 1; ++m) {
     BuilderState start = builder.state();
     if (m > 0 && start == previous_start) {
-      s.repeat_ = s.head_.back();
+      set->repeat = set->head.back();
       break;
     }
     previous_start = std::move(start);
-    s.programs_.push_back(builder.MicroBatch(!w.config.no_sync, false));
-    s.head_.push_back(static_cast<int>(s.programs_.size() - 1));
+    set->programs.push_back(builder.MicroBatch(!w.config.no_sync, false));
+    set->head.push_back(static_cast<int>(set->programs.size() - 1));
   }
-  s.programs_.push_back(builder.MicroBatch(true, true));
-  s.last_ = static_cast<int>(s.programs_.size() - 1);
-  if (s.head_.empty()) s.repeat_ = s.last_;
-  // Collective counts per step.
-  s.forward_gathers_.assign(w.units.size(), 0);
-  s.backward_gathers_.assign(w.units.size(), 0);
-  s.unshards_.assign(w.units.size(), 0);
-  for (int p = 0; p < s.program_count(); ++p) {
-    const int64_t runs = s.ProgramRuns(p);
-    for (const Action& a : s.programs_[p]) {
-      if (a.kind == ActionKind::kUnshard && a.all_gather) (a.forward ? s.forward_gathers_ : s.backward_gathers_)[a.unit] += runs;
-      if (a.kind == ActionKind::kUnshard) s.unshards_[a.unit] += runs;
-      if (a.kind == ActionKind::kEndBackward && a.waits_for_reductions) s.reductions_ += runs;
+  set->programs.push_back(builder.MicroBatch(true, true));
+  set->last = static_cast<int>(set->programs.size() - 1);
+  for (auto& c : set->fixed) c.assign(w.units.size(), 0);
+  for (auto& c : set->per_extra) c.assign(w.units.size(), 0);
+  for (int p = 0; p < static_cast<int>(set->programs.size()); ++p) {
+    // runs of program p in a step of head + 1 micro-batches, and per micro-batch beyond
+    const int64_t fixed = (p == set->last ? 1 : 0) + std::count(set->head.begin(), set->head.end(), p);
+    const int64_t extra = p == set->repeat ? 1 : 0;
+    std::vector<Action>& work = set->work.emplace_back();
+    for (const Action& a : set->programs[p]) {
+      const bool hook = a.kind == ActionKind::kPreForward || a.kind == ActionKind::kPostForward || a.kind == ActionKind::kPreBackward ||
+                        a.kind == ActionKind::kPostBackward;
+      if (!hook) work.push_back(a);
+      auto count = [&](Schedule::Count c) {
+        set->fixed[static_cast<int>(c)][a.unit] += fixed;
+        set->per_extra[static_cast<int>(c)][a.unit] += extra;
+      };
+      if (a.kind == ActionKind::kUnshard) {
+        if (a.all_gather) count(a.forward ? Schedule::Count::kForwardGathers : Schedule::Count::kBackwardGathers);
+        count(Schedule::Count::kUnshards);
+      }
+      if (a.kind == ActionKind::kEndBackward && a.waits_for_reductions) {
+        set->fixed_reductions += fixed;
+        set->extra_reductions += extra;
+      }
     }
   }
+  Schedule s;
+  s.set_ = std::move(set);
+  s.micro_batches_ = accum;
   return s;
 }
 

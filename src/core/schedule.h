@@ -9,30 +9,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "core/workload.h"
 
 namespace fsdp {
-
-/// A module-tree node reached by a compute segment. Forward segments visit nodes in post-order
-/// (children first, `enter` false). Backward segments enter a node before its children, in reverse,
-/// and leave it after them: a node's own backward runs at `enter`, its gradients exist at the exit.
-struct NodeVisit {
-  int node = 0;
-  bool enter = false;
-};
-
-/// The compute between two FSDP hooks: contiguous module-tree visits, all inside one unit's
-/// parameters (no unit boundary in between). With one unit per block: the root's embedding, each
-/// block, then the root's final norm, lm_head and loss (forward); the reverse in backward.
-struct ComputeSegment {
-  int unit = 0;            ///< the unit whose parameters the segment uses
-  bool forward = true;
-  int first_visit = 0;     ///< range in Schedule::visits()
-  int visit_count = 0;
-};
 
 enum class ActionKind : uint8_t {
   kPreForward,     ///< a unit's pre-forward hook begins (phase "forward: unshard <unit>")
@@ -59,85 +43,100 @@ enum class CopyOutWait : uint8_t { kNone, kPrevious, kThis };
 
 struct Action {
   ActionKind kind = ActionKind::kForward;
-  int unit = -1;              ///< hooks, kUnshard, kWaitUnshard, kReshard, kPostBackward, kReduce
-  int node = -1;              ///< hooks: the unit's module node; compute: -1
-  int segment = -1;           ///< kForward / kBackward: index into Schedule::segments()
-  bool forward = true;        ///< in the forward pass (false: backward, optimizer)
+  CopyOutWait copy_out_wait = CopyOutWait::kNone;  ///< kWaitUnshard: FSDP2's all-gather stream wait
+  bool forward : 1 = true;        ///< in the forward pass (false: backward, optimizer)
   // kUnshard
-  bool prefetch = false;      ///< issued ahead, from another unit's hook (forward_prefetch, BACKWARD_PRE/POST)
-  bool all_gather = false;    ///< a collective runs (false: NO_SHARD's local low-precision copy)
-  bool host_to_device = false;  ///< CPU offload: the fp32 shard is copied to the GPU first (NO_SHARD's local copy too)
+  bool prefetch : 1 = false;      ///< issued ahead, from another unit's hook (forward_prefetch, BACKWARD_PRE/POST)
+  bool all_gather : 1 = false;    ///< a collective runs (false: NO_SHARD's local low-precision copy)
+  bool host_to_device : 1 = false;  ///< CPU offload: the fp32 shard is copied to the GPU first (NO_SHARD's local copy too)
   /// FSDP1 limit_all_gathers governs this all-gather (_runtime_utils._unshard)...
-  bool rate_limited = false;
+  bool rate_limited : 1 = false;
   /// ...and the CPU first synchronises on the oldest queued free event: one, once
   /// _max_num_inflight_all_gathers = 2 are queued (_FreeEventQueue.dequeue_if_needed). The queue
   /// starts the step empty and runs on across micro-batches.
-  bool rate_limit_wait = false;
-  // kWaitUnshard
-  CopyOutWait copy_out_wait = CopyOutWait::kNone;
+  bool rate_limit_wait : 1 = false;
   // kReshard
-  bool queues_free_event = false;  ///< FSDP1 limit_all_gathers: the free event joins the rate limiter's queue
+  bool queues_free_event : 1 = false;  ///< FSDP1 limit_all_gathers: the free event joins the rate limiter's queue
   // kPostBackward
-  bool reduces = true;        ///< false under no_sync before the last micro-batch: the gradient is kept unsharded
+  bool reduces : 1 = true;        ///< false under no_sync before the last micro-batch: the gradient is kept unsharded
   // kReduce
-  bool reduce_scatter = false;  ///< reduce-scatter in the shard group
-  bool all_reduce = false;      ///< NO_SHARD's all-reduce, or HYBRID_SHARD's all-reduce of the shard across replicas
-  bool to_host = false;         ///< CPU offload: the gradient shard is copied to the host
+  bool reduce_scatter : 1 = false;  ///< reduce-scatter in the shard group
+  bool all_reduce : 1 = false;      ///< NO_SHARD's all-reduce, or HYBRID_SHARD's all-reduce of the shard across replicas
+  bool to_host : 1 = false;         ///< CPU offload: the gradient shard is copied to the host
   /// FSDP2 post_backward: the compute stream first waits for the previous unit's reduce-scatter
   /// of this backward (reduce_scatter_state), so the next backward compute cannot run ahead of it.
-  bool waits_previous_reduce_scatter = false;
+  bool waits_previous_reduce_scatter : 1 = false;
   // kEndForward
-  bool releases_all_gather_state = false;  ///< FSDP2: the root frees the all-gather result it held
+  bool releases_all_gather_state : 1 = false;  ///< FSDP2: the root frees the all-gather result it held
   // kEndBackward
-  bool waits_for_reductions = false;  ///< the compute stream waits for this micro-batch's reductions
+  bool waits_for_reductions : 1 = false;  ///< the compute stream waits for this micro-batch's reductions
+  int unit = -1;              ///< hooks, kUnshard, kWaitUnshard, kReshard, kPostBackward, kReduce
+  int node = -1;              ///< hooks: the unit's module node; compute: -1
+  int segment = -1;           ///< kForward / kBackward: index into Schedule::segments()
 };
 
 /// The step: micro-batch programs, and which program each micro-batch runs. Micro-batches that
 /// start from the same state run the same program, so a step of 1000 micro-batches holds three.
+/// Copies share their programs.
 class Schedule {
  public:
   int64_t micro_batches() const { return micro_batches_; }
   /// The actions of micro-batch `micro` (0 <= micro < micro_batches()); the last one ends with
   /// the optimizer step.
-  std::span<const Action> MicroBatch(int64_t micro) const;
+  std::span<const Action> MicroBatch(int64_t micro) const { return set_->programs[ProgramOf(micro)]; }
+  /// The same actions without the four hook markers (kPreForward, kPostForward, kPreBackward,
+  /// kPostBackward): for executors that only need what moves data or time.
+  std::span<const Action> MicroBatchWork(int64_t micro) const { return set_->work[ProgramOf(micro)]; }
   /// Index of the program micro-batch `micro` runs: equal indices, equal actions.
   int ProgramOf(int64_t micro) const;
-  int program_count() const { return static_cast<int>(programs_.size()); }
-  std::span<const Action> Program(int index) const { return programs_[index]; }
+  int program_count() const { return static_cast<int>(set_->programs.size()); }
+  std::span<const Action> Program(int index) const { return set_->programs[index]; }
   /// How many micro-batches of the step run program `index`.
   int64_t ProgramRuns(int index) const;
 
-  const std::vector<ComputeSegment>& segments() const { return segments_; }
-  std::span<const NodeVisit> Visits(const ComputeSegment& s) const { return {visits_.data() + s.first_visit, static_cast<size_t>(s.visit_count)}; }
+  /// The same configuration with `micro_batches` micro-batches, sharing these programs: present
+  /// when they cover it (the middle micro-batches repeat one program from a first few on).
+  std::optional<Schedule> WithMicroBatches(int64_t micro_batches) const;
+
+  const std::vector<ComputeSegment>& segments() const { return set_->walk->segments; }
+  std::span<const NodeVisit> Visits(const ComputeSegment& s) const {
+    return {set_->walk->visits.data() + s.first_visit, static_cast<size_t>(s.visit_count)};
+  }
 
   /// The unit FSDP prefetches in backward for unit u: the one before u in post-forward order
   /// (FSDP1 _ExecOrderData.get_handle_to_backward_prefetch, FSDP2 _backward_prefetch); -1 none.
-  int BackwardPrefetchTarget(int u) const { return backward_prefetch_target_[u]; }
-  /// The unit FSDP1's forward_prefetch unshards from unit u's pre-forward: the next in pre-forward order.
-  int ForwardPrefetchTarget(int u) const;
+  int BackwardPrefetchTarget(int u) const { return set_->backward_prefetch_target[u]; }
 
   /// All-gathers issued per step (over every micro-batch): per unit, in forward and in backward.
-  int64_t ForwardAllGathers(int u) const { return forward_gathers_[u]; }
-  int64_t BackwardAllGathers(int u) const { return backward_gathers_[u]; }
+  int64_t ForwardAllGathers(int u) const { return PerStep(Count::kForwardGathers, u); }
+  int64_t BackwardAllGathers(int u) const { return PerStep(Count::kBackwardGathers, u); }
   /// Unshards of unit u per step: its all-gathers, or NO_SHARD's local low-precision copies (under
   /// CPU offload each copies the shard to the GPU first).
-  int64_t Unshards(int u) const { return unshards_[u]; }
+  int64_t Unshards(int u) const { return PerStep(Count::kUnshards, u); }
   /// Gradient reductions per step (every micro-batch, or once under no_sync).
-  int64_t Reductions() const { return reductions_; }
+  int64_t Reductions() const;
 
  private:
   friend Schedule BuildSchedule(const Workload& workload);
+  enum class Count { kForwardGathers, kBackwardGathers, kUnshards };
+  struct ProgramSet {
+    std::vector<std::vector<Action>> programs, work;
+    std::vector<int> head;  // programs of the first micro-batches
+    int repeat = -1;        // program of the micro-batches after head, before the last (-1: none found)
+    int last = 0;           // program of the last micro-batch
+    std::shared_ptr<const ModuleWalk> walk;
+    std::vector<int> backward_prefetch_target;
+    // Per-step counts as fixed + per_extra x (micro-batches beyond head + 1): per Count, per unit
+    std::vector<int64_t> fixed[3], per_extra[3];
+    int64_t fixed_reductions = 0, extra_reductions = 0;
+  };
+  int64_t Extra() const { return micro_batches_ - 1 - static_cast<int64_t>(set_->head.size()); }
+  int64_t PerStep(Count count, int u) const {
+    const int c = static_cast<int>(count);
+    return set_->fixed[c][u] + set_->per_extra[c][u] * Extra();
+  }
+  std::shared_ptr<const ProgramSet> set_;
   int64_t micro_batches_ = 1;
-  std::vector<std::vector<Action>> programs_;
-  std::vector<int> head_;    // programs of the first micro-batches
-  int repeat_ = 0;           // program of the micro-batches after head_, before the last
-  int last_ = 0;             // program of the last micro-batch
-  std::vector<ComputeSegment> segments_;
-  std::vector<NodeVisit> visits_;
-  std::vector<int> backward_prefetch_target_;
-  std::vector<int64_t> forward_gathers_, backward_gathers_, unshards_;
-  int64_t reductions_ = 0;
-  int unit_count_ = 0;
 };
 
 /// Builds the schedule of `workload`'s configuration (wrap units, strategy, framework, prefetch,

@@ -170,6 +170,63 @@ int64_t Workload::PaddedNumelTotal() const {
 
 namespace {
 
+// Walks the module tree in execution order, cutting compute segments at every unit's hooks.
+class WalkBuilder {
+ public:
+  explicit WalkBuilder(const Workload& w) : w_(w) {}
+
+  ModuleWalk Build() {
+    forward_ = true;
+    Forward(0);
+    Flush();
+    forward_ = false;
+    Backward(0);
+    Flush();
+    return std::move(walk_);
+  }
+
+ private:
+  void Forward(int id) {
+    const ModuleNode& n = w_.nodes[id];
+    if (n.unit >= 0) Hook(ModuleWalk::Step::kPreHook, n.unit);
+    for (int c : n.children) Forward(c);
+    pending_.push_back(NodeVisit{id, false});
+    if (n.unit >= 0) Hook(ModuleWalk::Step::kPostHook, n.unit);
+  }
+
+  void Backward(int id) {
+    const ModuleNode& n = w_.nodes[id];
+    if (n.unit >= 0) Hook(ModuleWalk::Step::kPreHook, n.unit);
+    pending_.push_back(NodeVisit{id, true});
+    for (auto it = n.children.rbegin(); it != n.children.rend(); ++it) Backward(*it);
+    pending_.push_back(NodeVisit{id, false});
+    if (n.unit >= 0) Hook(ModuleWalk::Step::kPostHook, n.unit);
+  }
+
+  void Hook(ModuleWalk::Step step, int unit) {
+    Flush();
+    Steps().push_back({step, unit});
+  }
+
+  void Flush() {
+    if (pending_.empty()) return;
+    int owner = pending_.front().node;
+    while (w_.nodes[owner].unit < 0) owner = w_.nodes[owner].parent;
+    walk_.segments.push_back(ComputeSegment{w_.nodes[owner].unit, forward_, static_cast<int>(walk_.visits.size()),
+                                            static_cast<int>(pending_.size())});
+    walk_.visits.insert(walk_.visits.end(), pending_.begin(), pending_.end());
+    pending_.clear();
+    Steps().push_back({ModuleWalk::Step::kSegment, static_cast<int>(walk_.segments.size()) - 1});
+  }
+
+  std::vector<ModuleWalk::Entry>& Steps() { return forward_ ? walk_.forward : walk_.backward; }
+
+  const Workload& w_;
+  ModuleWalk walk_;
+  std::vector<NodeVisit> pending_;
+  bool forward_ = true;
+};
+
 void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
   for (auto& n : w.nodes) n.unit = -1;
   w.units.clear();
@@ -177,6 +234,7 @@ void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
   MarkUnits(w.nodes, w.model, config);
   CollectUnits(w, 0, -1);
   CollectPostOrder(w, 0, w.post_forward_order);
+  w.walk = std::make_shared<const ModuleWalk>(WalkBuilder(w).Build());
   w.tensor_unit.assign(w.model.tensors.size(), -1);
   w.tensor_offset.assign(w.model.tensors.size(), 0);
   for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,38 @@ struct WrapUnit {
   int64_t shard_numel = 0;     ///< per-rank shard: padded_numel / shard world size
 };
 
+/// A module-tree node reached by a compute segment. Forward segments visit nodes in post-order
+/// (children first, `enter` false). Backward segments enter a node before its children, in reverse,
+/// and leave it after them: a node's own backward runs at `enter`, its gradients exist at the exit.
+struct NodeVisit {
+  int node = 0;
+  bool enter = false;
+};
+
+/// The compute between two FSDP hooks: contiguous module-tree visits, all inside one unit's
+/// parameters (no unit boundary in between). With one unit per block: the root's embedding, each
+/// block, then the root's final norm, lm_head and loss (forward); the reverse in backward.
+struct ComputeSegment {
+  int unit = 0;            ///< the unit whose parameters the segment uses
+  bool forward = true;
+  int first_visit = 0;     ///< range in ModuleWalk::visits
+  int visit_count = 0;
+};
+
+/// The module tree as FSDP's hooks see it, per pass: each unit's pre- and post-hook and the
+/// compute segments between them, in execution order. Depends on the wrap only (BuildSchedule
+/// applies the configuration's rules to it).
+struct ModuleWalk {
+  enum class Step : uint8_t { kPreHook, kSegment, kPostHook };
+  struct Entry {
+    Step step;
+    int index;  ///< the unit (hooks) or the segment
+  };
+  std::vector<Entry> forward, backward;
+  std::vector<ComputeSegment> segments;
+  std::vector<NodeVisit> visits;
+};
+
 struct Workload {
   ModelSpec model;
   HardwareSpec hardware;
@@ -51,6 +84,7 @@ struct Workload {
   /// per tensor: its first element in that unit's flat buffer, the unit's tensors packed in order
   /// (fsdp-run's layout; FSDP1's use_orig_params alignment only pads the end)
   std::vector<int64_t> tensor_offset;
+  std::shared_ptr<const ModuleWalk> walk;  ///< made with the wrap units
 
   int64_t TokensPerMicroBatch() const { return config.micro_batch * config.seq_len; }
   /// Sum of all units' shard_numel (elements each rank stores).

@@ -21,16 +21,19 @@ CommGroup ReplicaGroup(const Workload& w) {
 class CollectiveCache {
  public:
   CollectiveCache(const CommGroup& group, const HardwareSpec& hw) : group_(group), hw_(hw) {}
-  CollectiveEstimate Get(Collective c, int64_t bytes) {
+  CollectiveTime Get(Collective c, int64_t bytes) {
     Entry& e = entries_[static_cast<int>(c)];
-    if (e.bytes != bytes) e = {bytes, EstimateCollective(c, bytes, group_, hw_)};
-    return e.estimate;
+    if (e.bytes != bytes) {
+      const CollectiveEstimate estimate = EstimateCollective(c, bytes, group_, hw_);
+      e = {bytes, {estimate.time_s, estimate.latency_s}};
+    }
+    return e.time;
   }
 
  private:
   struct Entry {
     int64_t bytes = -1;
-    CollectiveEstimate estimate;
+    CollectiveTime time;
   };
   CommGroup group_;
   const HardwareSpec& hw_;
@@ -49,6 +52,7 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
   const bool no_shard = c.strategy == Strategy::kNoShard;
   CommVolume& v = cm.volume;
   CollectiveCache shard_cache(cm.shard_group, w.hardware), replica_cache(cm.replica_group, w.hardware);
+  cm.units.reserve(w.units.size());
   for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
     const WrapUnit& unit = w.units[u];
     UnitComm uc;

@@ -11,11 +11,17 @@
 
 namespace fsdp {
 
+/// The time of one collective, and the part of it that does not depend on bandwidth.
+struct CollectiveTime {
+  double time_s = 0;
+  double latency_s = 0;
+};
+
 /// One unit's collectives and copies, each once (time 0 when the strategy issues none).
 struct UnitComm {
-  CollectiveEstimate all_gather;      ///< the unit's all-gather (shard group, param_dtype)
-  CollectiveEstimate reduce_scatter;  ///< its gradient's reduce-scatter (shard group, reduce_dtype)
-  CollectiveEstimate all_reduce;      ///< NO_SHARD's all-reduce, or HYBRID_SHARD's replica all-reduce of the shard
+  CollectiveTime all_gather;      ///< the unit's all-gather (shard group, param_dtype)
+  CollectiveTime reduce_scatter;  ///< its gradient's reduce-scatter (shard group, reduce_dtype)
+  CollectiveTime all_reduce;      ///< NO_SHARD's all-reduce, or HYBRID_SHARD's replica all-reduce of the shard
   double host_to_device_s = 0;        ///< CPU offload: the shard copied to the GPU before each unshard
   double device_to_host_s = 0;        ///< CPU offload: the gradient shard copied to the host
 };

@@ -165,6 +165,7 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
     u.recompute_flops += recompute_flops;
     u.recompute_s += own.recompute_s;
   }
+  cm.segments_s = SegmentSeconds(*w.walk, cm.nodes);
   const ModelSpec& m = w.model;
   cm.model_flops_per_token = 6.0 * MatmulParams(m) +
                              12.0 * static_cast<double>(m.num_layers * w.config.seq_len * m.num_heads * m.head_dim);
@@ -181,6 +182,7 @@ ComputeModel ComputeFromNodes(const Workload& w, std::vector<NodeCompute> nodes,
     u.recompute_s += nodes[id].recompute_s;
   }
   cm.nodes = std::move(nodes);
+  cm.segments_s = SegmentSeconds(*w.walk, cm.nodes);
   cm.model_flops_per_token = 1;
   const double micro = static_cast<double>(w.config.grad_accum);
   for (const UnitCompute& u : cm.units) cm.compute_s_per_step += micro * (u.forward_s + u.backward_s + u.recompute_s);
@@ -189,13 +191,14 @@ ComputeModel ComputeFromNodes(const Workload& w, std::vector<NodeCompute> nodes,
   return cm;
 }
 
-std::vector<double> SegmentSeconds(const Schedule& schedule, const ComputeModel& cm) {
+std::vector<double> SegmentSeconds(const ModuleWalk& walk, const std::vector<NodeCompute>& nodes) {
   std::vector<double> seconds;
-  seconds.reserve(schedule.segments().size());
-  for (const ComputeSegment& segment : schedule.segments()) {
+  seconds.reserve(walk.segments.size());
+  for (const ComputeSegment& segment : walk.segments) {
     double s = 0;
-    for (const NodeVisit& v : schedule.Visits(segment)) {
-      const NodeCompute& n = cm.nodes[v.node];
+    for (int i = segment.first_visit; i < segment.first_visit + segment.visit_count; ++i) {
+      const NodeVisit& v = walk.visits[i];
+      const NodeCompute& n = nodes[v.node];
       if (segment.forward) s += n.forward_s;
       else if (v.enter) s += n.backward_s + n.recompute_s;
     }

@@ -3,7 +3,6 @@
 
 #include <vector>
 
-#include "core/schedule.h"
 #include "core/workload.h"
 
 namespace fsdp {
@@ -22,6 +21,7 @@ struct NodeCompute {
 struct ComputeModel {
   std::vector<UnitCompute> units;      ///< indexed like Workload::units: the sums of their nodes
   std::vector<NodeCompute> nodes;      ///< indexed like Workload::nodes
+  std::vector<double> segments_s;      ///< per ModuleWalk segment: SegmentSeconds of `nodes`
   double optimizer_s = 0;              ///< the optimizer step (on the GPU, or on the host under CPU offload)
   double model_flops_per_token = 0;    ///< 6 N + 12 L s a d (PaLM's MFU convention; N = matmul parameters)
   double executed_flops_per_step = 0;  ///< what the GPU really computes (attention as run, recomputation)
@@ -61,9 +61,10 @@ void FinishCompute(const Workload& workload, ComputeModel& model);
 /// from `nodes` (indexed like Workload::nodes), FLOPs 0, one model FLOP per token.
 ComputeModel ComputeFromNodes(const Workload& workload, std::vector<NodeCompute> nodes, double optimizer_s);
 
-/// Seconds of each of the schedule's compute segments for one micro-batch: a forward segment its
-/// nodes' forward, a backward segment its nodes' backward and recomputation (at their `enter`).
-std::vector<double> SegmentSeconds(const Schedule& schedule, const ComputeModel& model);
+/// Seconds of each of the module walk's compute segments (core/workload.h) for one micro-batch: a
+/// forward segment its nodes' forward, a backward segment its nodes' backward and recomputation
+/// (at their `enter`).
+std::vector<double> SegmentSeconds(const ModuleWalk& walk, const std::vector<NodeCompute>& nodes);
 
 /// The optimizer step alone: memory-bound on the GPU (AdamW moves 36 bytes per sharded element),
 /// or PyTorch's CPU AdamW under CPU offload.

@@ -56,8 +56,8 @@ std::string PhaseName(const Workload& w, const Phase& p) {
 // action makes in PyTorch FSDP (docs/memory-model.md gives each and its source).
 class StepPlayer {
  public:
-  StepPlayer(const Workload& w, MemoryTracker& mem)
-      : w_(w), c_(w.config), schedule_(BuildSchedule(w)), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
+  StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem)
+      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
         plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))), head_(HeadActivationProfile(w.model, w.config)) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
@@ -66,7 +66,6 @@ class StepPlayer {
     kept_grad_.assign(n, kNoBlock);
     reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
-    node_transient_.assign(w.nodes.size(), {});
     pb_ = BytesPerElement(c_.param_dtype);
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
@@ -248,15 +247,17 @@ class StepPlayer {
   void BackwardVisit(const NodeVisit& v) {
     const ModuleNode& node = w_.nodes[v.node];
     if (Named(v.node)) mem_.SetPhase(At(PhaseKind::kBackward, v.node));
-    if (v.enter) {
-      node_transient_[v.node] = BackwardActivations(v.node);
+    if (v.enter) {  // enters and exits nest: the node's transients sit on top of the stack until its exit
+      transient_starts_.push_back(transients_.size());
+      BackwardActivations(v.node);
       return;
     }
     for (int t : node.tensors) {
       unit_grad_pieces_[OwningUnit(v.node)].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
     }
-    for (BlockId& b : node_transient_[v.node]) mem_.Free(b);
-    node_transient_[v.node].clear();
+    for (size_t i = transient_starts_.back(); i < transients_.size(); ++i) mem_.Free(transients_[i]);
+    transients_.resize(transient_starts_.back());
+    transient_starts_.pop_back();
     for (BlockId& b : node_saved_[v.node]) mem_.Free(b);
     node_saved_[v.node].clear();
   }
@@ -277,9 +278,10 @@ class StepPlayer {
     return w_.nodes[node_id].unit;
   }
 
-  // Recomputation, gradient working memory and loss-backward buffers of a node's own ops.
-  std::vector<BlockId> BackwardActivations(int node_id) {
-    std::vector<BlockId> transient;
+  // Recomputation, gradient working memory and loss-backward buffers of a node's own ops, pushed on
+  // the transient stack.
+  void BackwardActivations(int node_id) {
+    std::vector<BlockId>& transient = transients_;
     switch (w_.nodes[node_id].role) {
       case ModuleNode::Role::kBlock:
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) {
@@ -303,7 +305,6 @@ class StepPlayer {
       }
       default: break;
     }
-    return transient;
   }
 
   // The post-backward hook: the unit's gradient as one tensor, kept unsharded under no_sync.
@@ -418,7 +419,7 @@ class StepPlayer {
 
   const Workload& w_;
   const FsdpConfig& c_;
-  Schedule schedule_;
+  const Schedule& schedule_;
   MemoryTracker& mem_;
   BlockActivations block_, plain_block_;
   HeadActivations head_;
@@ -429,7 +430,9 @@ class StepPlayer {
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
   std::vector<BlockId> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
   std::vector<std::vector<BlockId>> unit_grad_pieces_;
-  std::vector<std::vector<BlockId>> node_saved_, node_transient_;
+  std::vector<std::vector<BlockId>> node_saved_;
+  std::vector<BlockId> transients_;       ///< backward transients of the nodes entered and not yet left
+  std::vector<size_t> transient_starts_;  ///< per entered node: where its transients begin
   BlockId causal_mask_ = kNoBlock;
   BlockId fsdp2_deferred_ = kNoBlock;
   BlockId held_logits_ = kNoBlock;  ///< logits the loop still references (loop_holds_outputs)
@@ -508,9 +511,13 @@ FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {
 }
 
 MemoryEstimate EstimateTensorMemory(const Workload& w, int64_t rounding_bytes, bool record_timeline) {
+  return EstimateTensorMemory(w, BuildSchedule(w), rounding_bytes, record_timeline);
+}
+
+MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule, int64_t rounding_bytes, bool record_timeline) {
   MemoryEstimate e;
   MemoryTracker mem(rounding_bytes, record_timeline);
-  StepPlayer(w, mem).PlayStep(e.host);
+  StepPlayer(w, schedule, mem).PlayStep(e.host);
   e.allocated_peak_bytes = mem.allocated_peak();
   e.allocated_peak_phase = PhaseName(w, mem.allocated_peak_phase());
   e.peak = mem.device_peak();

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/schedule.h"
 #include "core/workload.h"
 
 namespace fsdp {
@@ -101,6 +102,8 @@ MemoryEstimate EstimateMemory(const Workload& workload, const MemoryOptions& opt
 /// The tensors alone (no framework terms; capacity and fits not set): what depends on the model and
 /// configuration but not on the GPU type, so that a search can reuse it across GPU types.
 MemoryEstimate EstimateTensorMemory(const Workload& workload, int64_t rounding_bytes, bool record_timeline);
+/// The same on a schedule already built for `workload` (BuildSchedule), as a search reuses one.
+MemoryEstimate EstimateTensorMemory(const Workload& workload, const Schedule& schedule, int64_t rounding_bytes, bool record_timeline);
 
 /// Adds the framework terms (cuBLAS workspaces, CUDA context, NCCL buffers, fragmentation) to a
 /// tensor estimate and compares the peak with the workload's GPU.

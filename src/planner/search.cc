@@ -89,12 +89,12 @@ class Searcher {
     const MemoryEstimate mem = AddFrameworkTerms(w, FrameworkOverheadsFor(w), TensorMemory(w, wi), /*with_timeline=*/false);
     cand.peak_bytes = mem.peak_bytes;
     cand.capacity_bytes = mem.capacity_bytes;
+    ComputeModel& compute = UnitCompute(w, g, wi);
+    FinishCompute(w, compute);  // the per-step totals of this configuration, on the cached per-unit part
+    const Schedule schedule = CachedSchedule(w, wi);
     TimeEstimate t;
-    t.compute = UnitCompute(w, g, wi);
-    FinishCompute(w, t.compute);
-    const Schedule schedule = BuildSchedule(w);
     t.comm = EstimateComm(w, schedule);
-    t.step = EstimateStep(w, t.compute, t.comm, schedule);
+    t.step = EstimateStep(w, compute, t.comm, schedule);
     cand.step_s = t.step.step_s;
     cand.tokens_per_s_per_gpu = t.step.tokens_per_s_per_gpu;
     cand.tokens_per_s = t.step.tokens_per_s_per_gpu * static_cast<double>(gpus);
@@ -143,13 +143,34 @@ class Searcher {
     if (it != memory_cache_.end()) return it->second;
     const int64_t saved_accum = c.grad_accum;
     c.grad_accum = accum;
-    MemoryEstimate tensors = EstimateTensorMemory(w, FrameworkOverheads{}.allocation_rounding_bytes, false);
+    MemoryEstimate tensors = EstimateTensorMemory(w, CachedSchedule(w, wi), FrameworkOverheads{}.allocation_rounding_bytes, false);
     c.grad_accum = saved_accum;
     return memory_cache_.emplace(key, std::move(tensors)).first->second;
   }
 
+  // The schedule depends on the wrap, strategy and offload, on whether the shard group and the
+  // replicas have more than one rank, and on the accumulation only up to the micro-batch from
+  // which one program repeats: one template per key serves every longer accumulation
+  // (Schedule::WithMicroBatches), so the cache stays small enough to stay in the CPU's caches.
+  Schedule CachedSchedule(Workload& w, size_t wi) {
+    FsdpConfig& c = w.config;
+    const int64_t accum = c.grad_accum;
+    auto key = std::make_tuple(wi, static_cast<int>(c.strategy), c.cpu_offload, w.shard_world > 1, w.replicas > 1, int64_t{0});
+    auto it = schedule_cache_.find(key);
+    if (it == schedule_cache_.end()) {
+      c.grad_accum = std::max<int64_t>(accum, 8);
+      it = schedule_cache_.emplace(key, BuildSchedule(w)).first;
+      c.grad_accum = accum;
+    }
+    if (auto s = it->second.WithMicroBatches(accum)) return *s;
+    std::get<5>(key) = accum;  // fewer micro-batches than the template's first few
+    it = schedule_cache_.find(key);
+    if (it == schedule_cache_.end()) it = schedule_cache_.emplace(key, BuildSchedule(w)).first;
+    return it->second;
+  }
+
   // Per-unit compute depends on the GPU type, wrap, micro-batch and checkpointing only.
-  ComputeModel UnitCompute(const Workload& w, size_t g, size_t wi) {
+  ComputeModel& UnitCompute(const Workload& w, size_t g, size_t wi) {
     const auto key = std::make_tuple(g, wi, w.config.micro_batch, static_cast<int>(w.config.checkpointing));
     auto it = compute_cache_.find(key);
     if (it != compute_cache_.end()) return it->second;
@@ -161,6 +182,7 @@ class Searcher {
   std::vector<Workload> workloads_;
   std::map<MemoryKey, MemoryEstimate> memory_cache_;
   std::map<std::tuple<size_t, size_t, int64_t, int>, ComputeModel> compute_cache_;
+  std::map<std::tuple<size_t, int, bool, bool, bool, int64_t>, Schedule> schedule_cache_;
 };
 
 // A figure to 30 significant bits (about 1e-9 relative): configurations whose speed differs only in
@@ -175,10 +197,16 @@ double Quantized(double x) {
 // Higher `key` first; equal keys: less memory, then the search's order.
 template <typename Key>
 void SortBest(std::vector<Candidate>& candidates, Key key) {
-  std::stable_sort(candidates.begin(), candidates.end(), [&](const Candidate& a, const Candidate& b) {
-    const double ka = Quantized(key(a)), kb = Quantized(key(b));
-    return ka != kb ? ka > kb : a.peak_bytes < b.peak_bytes;
+  std::vector<std::pair<double, size_t>> order;
+  order.reserve(candidates.size());
+  for (size_t i = 0; i < candidates.size(); ++i) order.emplace_back(Quantized(key(candidates[i])), i);
+  std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first > b.first : candidates[a.second].peak_bytes < candidates[b.second].peak_bytes;
   });
+  std::vector<Candidate> sorted;
+  sorted.reserve(candidates.size());
+  for (const auto& [k, i] : order) sorted.push_back(std::move(candidates[i]));
+  candidates = std::move(sorted);
 }
 
 std::vector<Candidate> ParetoFront(std::vector<Candidate> feasible) {
@@ -186,7 +214,7 @@ std::vector<Candidate> ParetoFront(std::vector<Candidate> feasible) {
   std::vector<Candidate> front;
   double best_cost = INFINITY;
   for (auto& c : feasible) {
-    if (c.usd_per_million_tokens < best_cost) {
+    if (c.usd_per_million_tokens < best_cost * (1 - 1e-9)) {  // cheaper, not merely by rounding
       best_cost = c.usd_per_million_tokens;
       front.push_back(c);
     }

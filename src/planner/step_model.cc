@@ -12,7 +12,7 @@ namespace {
 class StepTimer {
  public:
   StepTimer(const Workload& w, const ComputeModel& cm, const CommModel& comm, const Schedule& schedule, bool fast_forward)
-      : w_(w), cm_(cm), comm_(comm), schedule_(schedule), segment_s_(SegmentSeconds(schedule, cm)), fast_forward_(fast_forward),
+      : w_(w), cm_(cm), comm_(comm), schedule_(schedule), segment_s_(cm.segments_s), fast_forward_(fast_forward),
         pending_(w.units.size(), 0), gather_end_(w.units.size(), 0.0), exposed_(w.units.size(), 0.0) {}
 
   StepEstimate Run() {
@@ -23,18 +23,15 @@ class StepTimer {
       const double start_c = compute_end_;
       forward_before_ = e_.forward_s;
       backward_before_ = e_.backward_s;
-      for (const Action& a : schedule_.MicroBatch(micro_)) Play(a);
+      for (const Action& a : schedule_.MicroBatchWork(micro_)) Play(a);
       // When the state seen from the compute clock repeats, so does every following micro-batch
-      // before the last (they run the same program): shift every clock by their total instead of
-      // replaying them.
+      // before the last, if they run this micro-batch's program: shift every clock by their total
+      // instead of replaying them.
+      if (!fast_forward_) continue;
       const int64_t middle_left = accum - 2 - micro_;
-      if (!fast_forward_ || middle_left <= 0 || schedule_.ProgramOf(micro_ + 1) != schedule_.ProgramOf(micro_)) {
-        previous.clear();
-        continue;
-      }
       const double period = compute_end_ - start_c;
       std::vector<double> state = RelativeState();
-      if (SameState(state, previous, period)) {
+      if (middle_left > 0 && schedule_.ProgramOf(micro_ + 1) == schedule_.ProgramOf(micro_) && SameState(state, previous, period)) {
         // the skipped micro-batches wait exactly as this one did
         for (size_t u = 0; u < exposed_.size(); ++u) exposed_[u] += static_cast<double>(middle_left) * (exposed_[u] - exposed_before_[u]);
         Shift(static_cast<double>(middle_left) * period);
@@ -97,7 +94,7 @@ class StepTimer {
       case ActionKind::kPreForward:
       case ActionKind::kPostForward:
       case ActionKind::kPreBackward:
-      case ActionKind::kPostBackward: break;
+      case ActionKind::kPostBackward: break;  // the hooks themselves take no time
     }
   }
 
@@ -110,7 +107,8 @@ class StepTimer {
     state.push_back(std::max(comm_free_ - compute_end_, floor));
     state.push_back(static_cast<double>(free_events_.size()));
     for (double t : free_events_) state.push_back(std::max(t - compute_end_, floor));
-    state.push_back(std::max(all_gather_ready_ - compute_end_, floor));
+    // FSDP2's copy-out event matters only where it is later than the communication stream
+    state.push_back(std::max(std::max(all_gather_ready_, comm_free_) - compute_end_, floor));
     state.push_back(held_copy_out_ < 0 ? 0.0 : 1.0);
     if (held_copy_out_ >= 0) state.push_back(std::max(held_copy_out_ - compute_end_, floor));
     for (size_t u = 0; u < pending_.size(); ++u) {
@@ -196,7 +194,7 @@ class StepTimer {
   const ComputeModel& cm_;
   const CommModel& comm_;
   const Schedule& schedule_;
-  std::vector<double> segment_s_;
+  const std::vector<double>& segment_s_;
   bool fast_forward_;
   std::vector<char> pending_;  // all-gather issued, not yet waited for
   std::vector<double> gather_end_;

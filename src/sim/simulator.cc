@@ -168,7 +168,7 @@ class RankBuilder {
     return ev;
   }
 
-  EventId LaunchCollective(StreamId s, const char* what, int u, const CollectiveEstimate& c, std::vector<EventId> waits, char kind) {
+  EventId LaunchCollective(StreamId s, const char* what, int u, const CollectiveTime& c, std::vector<EventId> waits, char kind) {
     const double latency = c.latency_s * o_.latency_scale;
     return Launch(Make(s, fmt::format("{} {}", what, w_.units[u].name), latency, c.time_s - c.latency_s, std::move(waits)), kind,
                   o_.ranks > 0);
@@ -393,7 +393,8 @@ Result<SimResult> Simulate(const Workload& workload, const SimOptions& o) {
   if (cm.nodes.size() != w.nodes.size()) return Error::BadInput("compute override needs one entry per module node");
   const std::vector<UnitComm> coll = o.collective_override ? *o.collective_override : EstimateComm(w, schedule).units;
   if (coll.size() != w.units.size()) return Error::BadInput("collective override needs one entry per unit");
-  const std::vector<double> segment_s = SegmentSeconds(schedule, cm);
+  if (cm.segments_s.size() != schedule.segments().size()) return Error::BadInput("compute override needs one time per compute segment");
+  const std::vector<double>& segment_s = cm.segments_s;
   Engine e(Ns(o.launch_overhead_s));
   const int64_t ranks = std::max<int64_t>(1, o.ranks);
   std::vector<std::vector<OpId>> collective_ops(ranks);
