@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/dtype.h"
+#include "core/vocabulary.h"
 
 namespace fsdp {
 

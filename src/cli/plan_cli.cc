@@ -63,9 +63,8 @@ void PrintHeader(const Workload& w, std::ostream& out) {
 
 void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
   fmt::print(out, "\n  {:<24}{:>10}{:>11}\n", "per GPU at the peak", "GiB", "% of card");
-  for (int i = 0; i < kMemCategoryCount; ++i) {
-    fmt::print(out, "  {:<24}{:>10}{:>11}\n", MemCategoryLabel(static_cast<MemCategory>(i)), Gib(m.peak[i]),
-               Percent(m.peak[i], m.capacity_bytes));
+  for (MemCategory c : kPlannerCategories) {
+    fmt::print(out, "  {:<24}{:>10}{:>11}\n", MemCategoryLabel(c), Gib(At(m.peak, c)), Percent(At(m.peak, c), m.capacity_bytes));
   }
   fmt::print(out, "  {:<24}{:>10}{:>11}   ({})\n", "peak", Gib(m.peak_bytes), Percent(m.peak_bytes, m.capacity_bytes), m.peak_phase);
   fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_allocated, {})\n", "tensors only", Gib(m.allocated_peak_bytes),

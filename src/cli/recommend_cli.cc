@@ -13,6 +13,7 @@
 #include "planner/plan_report.h"
 #include "planner/search.h"
 #include "planner/step_model.h"
+#include "core/vocabulary.h"
 
 namespace fsdp {
 namespace {

@@ -140,15 +140,14 @@ Json LossScalingJson(const runtime::LossScaler& scaler) {
 double PercentError(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }
 
 Json CommStatsJson(const runtime::CommStats& cs, int64_t group) {
-  const double factor = group > 1 ? static_cast<double>(group - 1) / static_cast<double>(group) : 0.0;
-  auto busbw = [&](int64_t bytes, double s) { return s > 0 ? bytes / s * factor : 0.0; };
+  auto busbw = [&](Collective c, int64_t bytes, double s) { return s > 0 ? bytes / s * BusFactor(c, group) : 0.0; };
   return Json{{"group_size", group},
               {"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
-              {"all_gather_busbw_bytes_per_s", busbw(cs.all_gather_bytes, cs.all_gather_s)},
+              {"all_gather_busbw_bytes_per_s", busbw(Collective::kAllGather, cs.all_gather_bytes, cs.all_gather_s)},
               {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
-              {"reduce_scatter_s", cs.reduce_scatter_s}, {"reduce_scatter_busbw_bytes_per_s", busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s)},
+              {"reduce_scatter_s", cs.reduce_scatter_s}, {"reduce_scatter_busbw_bytes_per_s", busbw(Collective::kReduceScatter, cs.reduce_scatter_bytes, cs.reduce_scatter_s)},
               {"all_reduce_bytes", cs.all_reduce_bytes}, {"all_reduce_count", cs.all_reduce_count}, {"all_reduce_s", cs.all_reduce_s},
-              {"all_reduce_busbw_bytes_per_s", busbw(cs.all_reduce_bytes, cs.all_reduce_s) * 2}};
+              {"all_reduce_busbw_bytes_per_s", busbw(Collective::kAllReduce, cs.all_reduce_bytes, cs.all_reduce_s)}};
 }
 
 Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value) {
@@ -237,12 +236,12 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   const Workload& workload = prepared.value().workload;
   auto engine = runtime::FsdpEngine::Create(workload, comm, prepared.value().options);
   if (!engine.ok()) return engine.error();
-  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * 1048576.0));
+  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * kMiB));
   auto log = RunSteps(f, comm.rank(), [&](int64_t step) { return engine.value()->Step(step); });
   if (!log.ok()) {
-    if (f.memory_limit_mib > 0 && log.error().message.starts_with("out of memory")) {
+    if (f.memory_limit_mib > 0 && log.error().kind == Error::Kind::kOutOfMemory) {
       const MemoryEstimate predicted = EstimateRuntimeMemory(workload);
-      return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB", log.error().message, predicted.peak_bytes / 1048576.0));
+      return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB", log.error().message, predicted.peak_bytes / kMiB));
     }
     return log.error();
   }
@@ -259,25 +258,25 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   for (const auto& l : losses) fmt::print(out, " {:.6f}", l.get<double>());
   fmt::print(out, "; mean step {:.3f} s\n", step_s);
   PrintLossScaling(engine.value()->loss_scaler(), out);
-  fmt::print(out, "  rank 0 peak heap {:.2f} MiB at {}:", mem.peak_bytes() / 1048576.0, mem.peak_phase());
+  fmt::print(out, "  rank 0 peak heap {:.2f} MiB at {}:", mem.peak_bytes() / kMiB, PhaseName(workload, mem.peak_phase()));
   Json categories = Json::object();
-  for (int c = 0; c < runtime::kMemKinds; ++c) {
-    const auto kind = static_cast<runtime::Mem>(c);
-    fmt::print(out, " {} {:.2f}", runtime::MemKey(kind), mem.at_peak()[c] / 1048576.0);
-    categories[std::string(runtime::MemKey(kind)) + "_bytes"] = mem.at_peak()[c];
+  for (MemCategory c : kRuntimeCategories) {
+    fmt::print(out, " {} {:.2f}", MemCategoryKey(c), At(mem.at_peak(), c) / kMiB);
+    categories[std::string(MemCategoryKey(c)) + "_bytes"] = At(mem.at_peak(), c);
   }
   fmt::print(out, " MiB\n");
   // predicted (planner's profile of this engine) vs measured
   const MemoryEstimate predicted = EstimateRuntimeMemory(workload);
   fmt::print(out, "  {:<18}{:>14}{:>14}{:>9}\n", "rank 0 at peak", "measured MiB", "predicted MiB", "error");
   Json predicted_categories = Json::object();
-  for (int c = 0; c < runtime::kMemKinds - 1; ++c) {
-    const double m = mem.at_peak()[c] / 1048576.0, p = predicted.peak[c] / 1048576.0;
-    predicted_categories[std::string(runtime::MemKey(static_cast<runtime::Mem>(c))) + "_bytes"] = predicted.peak[c];
-    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", runtime::MemKey(static_cast<runtime::Mem>(c)), m, p, PercentError(m, p));
+  for (MemCategory c : kRuntimeCategories) {
+    if (c == MemCategory::kTemporaries) continue;
+    const double m = At(mem.at_peak(), c) / kMiB, p = At(predicted.peak, c) / kMiB;
+    predicted_categories[std::string(MemCategoryKey(c)) + "_bytes"] = At(predicted.peak, c);
+    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", MemCategoryKey(c), m, p, PercentError(m, p));
   }
-  fmt::print(out, "  {:<18}{:>14.3f}{:>14}\n", "temporaries", mem.at_peak()[runtime::kMemKinds - 1] / 1048576.0, "-");
-  fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", "peak", mem.peak_bytes() / 1048576.0, predicted.peak_bytes / 1048576.0,
+  fmt::print(out, "  {:<18}{:>14.3f}{:>14}\n", "temporaries", At(mem.at_peak(), MemCategory::kTemporaries) / kMiB, "-");
+  fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", "peak", mem.peak_bytes() / kMiB, predicted.peak_bytes / kMiB,
              PercentError(static_cast<double>(mem.peak_bytes()), static_cast<double>(predicted.peak_bytes)));
   Json predicted_time = {{"step_s", nullptr}, {"note", "pass --gpu with a hardware file from fsdp-run calibrate"}};
   if (workload.hardware.architecture == "cpu") {
@@ -308,15 +307,15 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   const double steps = static_cast<double>(f.steps);
   const runtime::FsdpEngine::PhaseTimes& t = engine.value()->times();
   const int64_t n = engine.value()->shard_world();
-  auto busbw = [&](int64_t bytes, double seconds, double factor) { return seconds > 0 ? bytes / seconds * factor / 1e9 : 0.0; };
-  const double ag_factor = n > 1 ? static_cast<double>(n - 1) / static_cast<double>(n) : 0.0;
+  auto busbw = [&](int64_t bytes, double seconds, double factor) { return seconds > 0 ? bytes / seconds * factor / kGB : 0.0; };
+  const double ag_factor = BusFactor(Collective::kAllGather, n);
   fmt::print(out, "  all-gathers {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s), reduce-scatters {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s)\n",
-             cs.all_gather_count, cs.all_gather_bytes / 1e6, cs.all_gather_s, busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor),
-             cs.reduce_scatter_count, cs.reduce_scatter_bytes / 1e6, cs.reduce_scatter_s, busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor));
+             cs.all_gather_count, cs.all_gather_bytes / kMB, cs.all_gather_s, busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor),
+             cs.reduce_scatter_count, cs.reduce_scatter_bytes / kMB, cs.reduce_scatter_s, busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor));
   if (n > 1) {
     fmt::print(out, "  predicted collective bytes: all-gathers {:.3f} MB, reduce-scatters {:.3f} MB\n",
-               static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps / 1e6,
-               static_cast<double>(volume.reduce_scatter_bytes) * steps / 1e6);
+               static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps / kMB,
+               static_cast<double>(volume.reduce_scatter_bytes) * steps / kMB);
   }
   if (!f.json_path.empty()) {
     Json comm_json = CommStatsJson(cs, n);
@@ -332,7 +331,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
                  {{"loss", losses},
                   {"loss_scaling", LossScalingJson(engine.value()->loss_scaler())},
                   {"memory", {{"peak_bytes", largest_peak.value()}, {"rank0_peak_bytes", mem.peak_bytes()},
-                              {"rank0_peak_phase", mem.peak_phase()}, {"rank0_categories", categories}}},
+                              {"rank0_peak_phase", PhaseName(workload, mem.peak_phase())}, {"rank0_categories", categories}}},
                   {"time", {{"step_s", step_s}, {"steps_s", times}, {"forward_s", t.forward_s / f.steps}, {"backward_s", t.backward_s / f.steps},
                             {"optimizer_s", t.optimizer_s / f.steps}}},
                   {"comm", comm_json}}}};

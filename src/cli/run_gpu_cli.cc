@@ -53,18 +53,17 @@ double Median(std::vector<double> v) {
 Json MemoryTable(const runtime::GpuMemoryReport& m, const GpuRuntimeMemory& p, std::ostream& out) {
   fmt::print(out, "  {:<22}{:>14}{:>14}{:>9}\n", "allocated at peak", "measured MiB", "predicted MiB", "error");
   Json measured = Json::object(), predicted = Json::object();
-  static_assert(std::tuple_size_v<decltype(p.at_peak)> == runtime::kMemKinds, "the replay counts fsdp-run's categories");
-  for (int c = 0; c < runtime::kMemKinds; ++c) {
-    const std::string key = runtime::MemKey(static_cast<runtime::Mem>(c));
-    const double mm = m.at_peak[c] / 1048576.0, pp = p.at_peak[c] / 1048576.0;
-    measured[key + "_bytes"] = m.at_peak[c];
-    predicted[key + "_bytes"] = p.at_peak[c];
+  for (MemCategory c : kRuntimeCategories) {
+    const std::string key(MemCategoryKey(c));
+    const double mm = At(m.at_peak, c) / kMiB, pp = At(p.at_peak, c) / kMiB;
+    measured[key + "_bytes"] = At(m.at_peak, c);
+    predicted[key + "_bytes"] = At(p.at_peak, c);
     fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%\n", key, mm, pp, PercentError(mm, pp));
   }
-  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (measured at {}, predicted at {})\n", "peak allocated", m.peak_allocated_bytes / 1048576.0,
-             p.peak_bytes / 1048576.0, PercentError(static_cast<double>(m.peak_allocated_bytes), static_cast<double>(p.peak_bytes)), m.peak_phase,
+  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (measured at {}, predicted at {})\n", "peak allocated", m.peak_allocated_bytes / kMiB,
+             p.peak_bytes / kMiB, PercentError(static_cast<double>(m.peak_allocated_bytes), static_cast<double>(p.peak_bytes)), m.peak_phase,
              p.peak_phase);
-  fmt::print(out, "  {:<22}{:>14.2f}   ({} cudaMalloc calls)\n", "peak reserved", m.peak_reserved_bytes / 1048576.0, m.device_mallocs);
+  fmt::print(out, "  {:<22}{:>14.2f}   ({} cudaMalloc calls)\n", "peak reserved", m.peak_reserved_bytes / kMiB, m.device_mallocs);
   return Json{{"measured", measured}, {"predicted", predicted}};
 }
 
@@ -72,12 +71,12 @@ Json MemoryTable(const runtime::GpuMemoryReport& m, const GpuRuntimeMemory& p, s
 Json FrameworkTable(const runtime::GpuMemoryReport& m, const MemoryEstimate& torch_profile, std::ostream& out) {
   const FrameworkOverheads& o = torch_profile.overheads;
   fmt::print(out, "  {:<22}{:>14}{:>14}\n", "framework (device)", "measured MiB", "fsdp-plan MiB");
-  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "CUDA context", m.context_bytes / 1048576.0, o.cuda_context_bytes / 1048576.0);
-  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "cuBLAS workspace", m.cublas_bytes / 1048576.0, o.cublas_workspace_bytes / 1048576.0);
+  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "CUDA context", m.context_bytes / kMiB, o.cuda_context_bytes / kMiB);
+  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "cuBLAS workspace", m.cublas_bytes / kMiB, o.cublas_workspace_bytes / kMiB);
   const int64_t predicted_nccl = m.nccl_communicators * o.nccl_bytes_per_communicator;
-  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}   ({} communicator{}; a virtual world has none)\n", "NCCL", m.nccl_bytes / 1048576.0,
-             predicted_nccl / 1048576.0, m.nccl_communicators, m.nccl_communicators == 1 ? "" : "s");
-  fmt::print(out, "  {:<22}{:>14.1f}\n", "device in use (max)", m.device_used_bytes / 1048576.0);
+  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}   ({} communicator{}; a virtual world has none)\n", "NCCL", m.nccl_bytes / kMiB,
+             predicted_nccl / kMiB, m.nccl_communicators, m.nccl_communicators == 1 ? "" : "s");
+  fmt::print(out, "  {:<22}{:>14.1f}\n", "device in use (max)", m.device_used_bytes / kMiB);
   return Json{{"context_bytes", m.context_bytes}, {"cublas_bytes", m.cublas_bytes}, {"nccl_bytes", m.nccl_bytes},
               {"device_used_bytes", m.device_used_bytes}, {"device_total_bytes", m.device_total_bytes},
               {"predicted_context_bytes", o.cuda_context_bytes}, {"predicted_cublas_bytes", o.cublas_workspace_bytes},
@@ -144,7 +143,7 @@ Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngi
   Json memory_json = MemoryTable(mem, predicted, out);
   const MemoryEstimate torch_profile = EstimateMemory(w);  // fsdp-plan's PyTorch FSDP profile, for reference
   fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (fsdp-plan's PyTorch {} profile: max_memory_allocated)\n", "peak allocated",
-             mem.peak_allocated_bytes / 1048576.0, torch_profile.allocated_peak_bytes / 1048576.0,
+             mem.peak_allocated_bytes / kMiB, torch_profile.allocated_peak_bytes / kMiB,
              PercentError(static_cast<double>(mem.peak_allocated_bytes), static_cast<double>(torch_profile.allocated_peak_bytes)),
              w.config.framework == Framework::kFsdp2 ? "FSDP2" : "FSDP1");
   Json framework_json = FrameworkTable(mem, torch_profile, out);
@@ -258,12 +257,12 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
   const Workload& w = prepared.value().workload;
   auto engine = runtime::CreateGpuEngine(w, comm, prepared.value().options, f.virtual_world);
   if (!engine.ok()) return engine.error();
-  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * 1048576.0));
+  if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * kMiB));
   const GpuRuntimeMemory predicted = EstimateGpuRuntimeMemory(w);
   auto log = RunSteps(f, comm.rank(), [&](int64_t step) { return engine.value()->Step(step); });
   if (!log.ok()) {
-    if (log.error().message.starts_with("out of memory")) {
-      return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB at {}", log.error().message, predicted.peak_bytes / 1048576.0,
+    if (log.error().kind == Error::Kind::kOutOfMemory) {
+      return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB at {}", log.error().message, predicted.peak_bytes / kMiB,
                                           predicted.peak_phase));
     }
     return log.error();

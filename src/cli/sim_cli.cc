@@ -8,6 +8,7 @@
 #include "cli/cli_util.h"
 #include "core/json_io.h"
 #include "sim/sim_report.h"
+#include "core/vocabulary.h"
 
 namespace fsdp {
 namespace {

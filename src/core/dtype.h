@@ -18,8 +18,6 @@ std::string_view DTypeName(DType dtype);
 /// Parses "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16"; BadInput error naming `what` otherwise.
 Result<DType> ParseDType(std::string_view text, std::string_view what);
 
-constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;  ///< 2^30 bytes
-constexpr double kGB = 1e9;                         ///< 10^9 bytes
 
 /// ceil(a / b) for positive b.
 constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -9,14 +9,17 @@
 namespace fsdp {
 
 /// What went wrong, in one line that names the offending file, key or value.
-/// kind tells the main which exit code to use (design.md: 2 bad input, 1 run failed).
+/// kind tells the main which exit code to use (design.md: 2 bad input, 1 run failed or out of
+/// memory) and callers what happened without reading the message.
 struct Error {
-  enum class Kind { kBadInput, kRunFailed };
+  enum class Kind { kBadInput, kRunFailed, kOutOfMemory };
   Kind kind = Kind::kBadInput;
   std::string message;
 
   static Error BadInput(std::string msg) { return {Kind::kBadInput, std::move(msg)}; }
   static Error RunFailed(std::string msg) { return {Kind::kRunFailed, std::move(msg)}; }
+  /// A run that needed more memory than it had (or than --memory-limit allows).
+  static Error OutOfMemory(std::string msg) { return {Kind::kOutOfMemory, std::move(msg)}; }
 };
 
 /// Either a T or an Error. Check ok() before value(); value() on an error is a programming bug.

@@ -115,21 +115,6 @@ CollectiveEstimate Make(Collective c, int64_t size, int64_t ranks, double latenc
 
 }  // namespace
 
-std::string_view CollectiveName(Collective c) {
-  switch (c) {
-    case Collective::kAllGather: return "all_gather";
-    case Collective::kReduceScatter: return "reduce_scatter";
-    case Collective::kAllReduce: return "all_reduce";
-  }
-  return "?";
-}
-
-double BusFactor(Collective c, int64_t ranks) {
-  if (ranks <= 1) return 0.0;
-  const double n = static_cast<double>(ranks);
-  return c == Collective::kAllReduce ? 2.0 * (n - 1) / n : (n - 1) / n;
-}
-
 namespace {
 
 // Time of a collective from the hardware file's measurements for this group size, interpolated

@@ -6,11 +6,9 @@
 #include <string_view>
 
 #include "core/hardware_spec.h"
+#include "core/vocabulary.h"
 
 namespace fsdp {
-
-enum class Collective { kAllGather, kReduceScatter, kAllReduce };
-std::string_view CollectiveName(Collective c);  ///< "all_gather", "reduce_scatter", "all_reduce"
 
 /// The ranks taking part: `ranks` in total, `ranks_per_node` of them on each node.
 struct CommGroup {
@@ -18,9 +16,6 @@ struct CommGroup {
   int64_t ranks_per_node = 1;
   int64_t Nodes() const { return (ranks + ranks_per_node - 1) / ranks_per_node; }
 };
-
-/// nccl-tests bus-bandwidth factor: (n-1)/n for all-gather and reduce-scatter, 2(n-1)/n for all-reduce.
-double BusFactor(Collective c, int64_t ranks);
 
 struct CollectiveEstimate {
   double time_s = 0;

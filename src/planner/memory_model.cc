@@ -33,32 +33,14 @@ constexpr int64_t kHipblasWorkspaceGfx94x = 128 * 1024 * 1024;
 constexpr int64_t kCublasLtWorkspace = 1024 * 1024;
 constexpr int64_t kBlasThreads = 2;
 
-using PhaseKind = StepPhase;
-
-// "backward: reduce-scatter model.layers.3 (micro-batch 2/4)".
-std::string PhaseName(const Workload& w, const Phase& p) {
-  static constexpr const char* kWhat[] = {"start of step", "forward: unshard", "forward:", "end of forward", "backward: unshard",
-                                          "backward:", "backward: reduce-scatter", "optimizer step", "after zero_grad"};
-  std::string name = kWhat[p.kind];
-  if (p.node >= 0) {
-    const ModuleNode& n = w.nodes[p.node];
-    name += " ";
-    name += p.node == 0 ? "root" : n.role == ModuleNode::Role::kLmHead ? "lm_head + loss" : n.path;
-  }
-  const auto kind = static_cast<PhaseKind>(p.kind);
-  if (w.config.grad_accum > 1 && kind != PhaseKind::kOptimizer && kind != PhaseKind::kAfterZeroGrad && kind != PhaseKind::kStart) {
-    name += fmt::format(" (micro-batch {}/{})", p.micro + 1, w.config.grad_accum);
-  }
-  return name;
-}
-
 // Plays one optimizer step's schedule through a MemoryTracker: the allocations and frees each
 // action makes in PyTorch FSDP (docs/memory-model.md gives each and its source).
 class StepPlayer {
  public:
   StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem)
       : w_(w), c_(w.config), schedule_(schedule), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
-        plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))), head_(HeadActivationProfile(w.model, w.config)) {
+        plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))), head_(HeadActivationProfile(w.model, w.config)),
+        phases_(w) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
     unit_grad_pieces_.assign(n, {});
@@ -73,7 +55,8 @@ class StepPlayer {
   }
 
   void PlayStep(CategoryBytes& host) {
-    mem_.SetPhase(At(PhaseKind::kStart));
+    phases_.Enter(StepPhase::kStart);
+    mem_.SetPhase(phases_.phase());
     const int64_t shard_elems = w_.ShardNumelTotal();
     const int64_t state_bytes = OptimizerStateBytesPerParam(c_.optimizer) * shard_elems;
     if (c_.cpu_offload) {
@@ -86,19 +69,22 @@ class StepPlayer {
     }
     // A loop that keeps `outputs` enters the step holding the previous micro-batch's logits.
     if (c_.loop_holds_outputs) held_logits_ = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
-    for (micro_ = 0; micro_ < c_.grad_accum; ++micro_) {
-      for (const Action& a : schedule_.MicroBatch(micro_)) Play(a);
+    for (int micro = 0; micro < c_.grad_accum; ++micro) {
+      phases_.StartMicroBatch(micro);
+      for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
     }
   }
 
  private:
-  Phase At(PhaseKind kind, int node = -1) const { return Phase{static_cast<int>(kind), node, micro_, action_}; }
-
+  // The phase each action opens, except the end of the forward's: after its free.
   void Play(const Action& a) {
-    mem_.SetAction(++action_);
+    if (a.kind != ActionKind::kEndForward) {
+      phases_.Enter(a);
+      mem_.SetPhase(phases_.phase());
+    }
     switch (a.kind) {
-      case ActionKind::kPreForward: mem_.SetPhase(At(PhaseKind::kForwardUnshard, a.node)); break;
-      case ActionKind::kPreBackward: mem_.SetPhase(At(PhaseKind::kBackwardUnshard, a.node)); break;
+      case ActionKind::kPreForward:
+      case ActionKind::kPreBackward: break;
       case ActionKind::kUnshard: Unshard(a); break;
       case ActionKind::kWaitUnshard: WaitUnshard(a.unit); break;
       case ActionKind::kForward:
@@ -111,7 +97,8 @@ class StepPlayer {
       case ActionKind::kReshard: Reshard(a); break;
       case ActionKind::kEndForward:
         if (a.releases_all_gather_state) mem_.Free(fsdp2_deferred_);  // the root's post-forward drops the held all-gather output
-        mem_.SetPhase(At(PhaseKind::kEndForward));
+        phases_.Enter(a);
+        mem_.SetPhase(phases_.phase());
         break;
       case ActionKind::kPostBackward: PostBackward(a); break;
       case ActionKind::kReduce: Reduce(a.unit); break;
@@ -124,10 +111,6 @@ class StepPlayer {
     }
   }
 
-  // Phases are named after units and after the modules that hold activations.
-  bool Named(int node_id) const {
-    return w_.nodes[node_id].unit >= 0 || w_.nodes[node_id].role != ModuleNode::Role::kOther;
-  }
   bool Fsdp2() const { return c_.framework == Framework::kFsdp2; }
   bool Sharded() const { return c_.strategy != Strategy::kNoShard; }
   bool Fsdp2WorldOfOne() const { return Fsdp2() && w_.shard_world == 1; }
@@ -190,7 +173,7 @@ class StepPlayer {
 
   // ---- forward -----------------------------------------------------------------------------
   void ForwardVisit(int node_id) {
-    if (Named(node_id)) mem_.SetPhase(At(PhaseKind::kForward, node_id));
+    if (phases_.Enter(NodeVisit{node_id, false}, true)) mem_.SetPhase(phases_.phase());
     ForwardActivations(node_id);
   }
 
@@ -246,7 +229,7 @@ class StepPlayer {
   // entered; its parameters' gradients once its children are done.
   void BackwardVisit(const NodeVisit& v) {
     const ModuleNode& node = w_.nodes[v.node];
-    if (Named(v.node)) mem_.SetPhase(At(PhaseKind::kBackward, v.node));
+    if (phases_.Enter(v, false)) mem_.SetPhase(phases_.phase());
     if (v.enter) {  // enters and exits nest: the node's transients sit on top of the stack until its exit
       transient_starts_.push_back(transients_.size());
       BackwardActivations(v.node);
@@ -310,7 +293,6 @@ class StepPlayer {
   // The post-backward hook: the unit's gradient as one tensor, kept unsharded under no_sync.
   void PostBackward(const Action& a) {
     const int u = a.unit;
-    mem_.SetPhase(At(PhaseKind::kReduce, a.node));
     if (!Fsdp2()) mem_.ReleaseAllPending(Pool::kPostBackward);  // the previous unit's reduction has run
     BlockId grad = GatherUnitGrad(u);
     if (!a.reduces) {
@@ -406,13 +388,13 @@ class StepPlayer {
   }
 
   void OptimizerStep() {
-    mem_.SetPhase(At(PhaseKind::kOptimizer));
     if (!c_.cpu_offload && (c_.optimizer == Optimizer::kAdamW || c_.optimizer == Optimizer::kAdam)) {
       // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), one fp32 shard-size temporary.
       BlockId temp = mem_.Alloc(Cat::kOptimizerStates, w_.ShardNumelTotal() * 4);
       mem_.Free(temp);
     }
-    mem_.SetPhase(At(PhaseKind::kAfterZeroGrad));
+    phases_.Enter(StepPhase::kAfterZeroGrad);
+    mem_.SetPhase(phases_.phase());
     for (BlockId& b : sharded_grad_) mem_.Free(b);
     for (BlockId& b : unsharded_) mem_.Free(b);
   }
@@ -425,8 +407,7 @@ class StepPlayer {
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   bool mixed_ = true;
-  int micro_ = 0;
-  int64_t action_ = -1;  // schedule actions played so far, minus one
+  PhaseTracker phases_;
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
   std::vector<BlockId> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
   std::vector<std::vector<BlockId>> unit_grad_pieces_;
@@ -469,24 +450,6 @@ CheckpointMemory EstimateCheckpoint(const Workload& w) {
 
 }  // namespace
 
-std::string_view MemCategoryKey(MemCategory c) {
-  static constexpr std::string_view kKeys[] = {"sharded_params", "unsharded_params", "gradients", "optimizer_states",
-                                               "activations", "comm_buffers", "framework"};
-  return kKeys[static_cast<int>(c)];
-}
-
-std::string_view MemCategoryLabel(MemCategory c) {
-  static constexpr std::string_view kLabels[] = {"sharded parameters", "unsharded parameters", "gradients", "optimizer states",
-                                                 "activations", "communication buffers", "framework overhead"};
-  return kLabels[static_cast<int>(c)];
-}
-
-int64_t TotalBytes(const CategoryBytes& bytes) {
-  int64_t total = 0;
-  for (int64_t b : bytes) total += b;
-  return total;
-}
-
 int64_t OptimizerStateBytesPerParam(Optimizer optimizer) {
   switch (optimizer) {
     case Optimizer::kAdamW:
@@ -526,7 +489,7 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
   e.host_bytes = TotalBytes(e.host);
   e.checkpoint = EstimateCheckpoint(w);
   for (TrackedPoint& p : mem.TakeTimeline()) {
-    e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), static_cast<StepPhase>(p.phase.kind), p.phase.node, p.phase.micro, p.phase.action, p.device});
+    e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), p.phase.kind, p.phase.node, p.phase.micro, p.phase.action, p.device});
   }
   return e;
 }

@@ -9,29 +9,12 @@
 #include <string_view>
 #include <vector>
 
+#include "core/phase.h"
 #include "core/schedule.h"
+#include "core/vocabulary.h"
 #include "core/workload.h"
 
 namespace fsdp {
-
-enum class MemCategory {
-  kShardedParams,    ///< the rank's fp32 shard of every unit (FlatParameter._local_shard)
-  kUnshardedParams,  ///< all-gathered parameters in param_dtype (plus freed buffers the allocator cannot reuse yet)
-  kGradients,        ///< unsharded gradients while computed, sharded fp32 gradients after reduce-scatter
-  kOptimizerStates,  ///< optimizer state (and the optimizer step's temporaries)
-  kActivations,      ///< tensors saved for backward, logits, loss buffers, backward transients
-  kCommBuffers,      ///< all-gather inputs/outputs and reduce-scatter inputs/outputs outside the above
-  kFramework,        ///< CUDA context, NCCL buffers, cuBLAS workspace, allocator fragmentation
-};
-constexpr int kMemCategoryCount = 7;
-
-/// JSON/report key of a category, e.g. "sharded_params".
-std::string_view MemCategoryKey(MemCategory c);
-/// Human label, e.g. "sharded parameters".
-std::string_view MemCategoryLabel(MemCategory c);
-
-using CategoryBytes = std::array<int64_t, kMemCategoryCount>;
-int64_t TotalBytes(const CategoryBytes& bytes);
 
 /// Framework terms that are not tensors of the model. Defaults come from the hardware file and
 /// documented PyTorch / NCCL constants (FrameworkOverheadsFor); each can be overridden.
@@ -46,9 +29,6 @@ struct FrameworkOverheads {
 /// Defaults for a workload: context from the hardware file, NCCL buffers from NCCL's default
 /// buffer sizes, cuBLAS workspace from PyTorch's CublasHandlePool.cpp for the architecture.
 FrameworkOverheads FrameworkOverheadsFor(const Workload& workload);
-
-/// Where in the step an allocation or free happens.
-enum class StepPhase { kStart, kForwardUnshard, kForward, kEndForward, kBackwardUnshard, kBackward, kReduce, kOptimizer, kAfterZeroGrad };
 
 /// One point of the memory timeline: device bytes by category after an event.
 struct MemoryPoint {

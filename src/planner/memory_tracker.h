@@ -7,19 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "core/phase.h"
 #include "planner/memory_model.h"
 
 namespace fsdp {
-
-/// Where the step is: a kind the caller defines, a module-tree node and the micro-batch. Kept as
-/// numbers so that playing a step formats no strings; the caller names the phases it reports.
-struct Phase {
-  int kind = 0;
-  int node = -1;
-  int micro = 0;
-  int64_t action = -1;  ///< the schedule action being played (its index counted over the step), -1 before any
-  bool operator==(const Phase&) const = default;
-};
 
 /// Device bytes by category after one event, with the phase it happened in.
 struct TrackedPoint {
@@ -38,8 +29,6 @@ class MemoryTracker {
 
   /// Names what the step is doing; peaks report the phase they happened in.
   void SetPhase(Phase phase) { phase_ = phase; }
-  /// Stamps the schedule action being played on the current phase.
-  void SetAction(int64_t action) { phase_.action = action; }
   const Phase& phase() const { return phase_; }
 
   BlockId Alloc(MemCategory category, int64_t bytes);

@@ -7,9 +7,7 @@ namespace {
 
 Json CategoriesToJson(const CategoryBytes& bytes) {
   Json out = Json::object();
-  for (int i = 0; i < kMemCategoryCount; ++i) {
-    out[std::string(MemCategoryKey(static_cast<MemCategory>(i))) + "_bytes"] = bytes[i];
-  }
+  for (MemCategory c : kPlannerCategories) out[std::string(MemCategoryKey(c)) + "_bytes"] = At(bytes, c);
   return out;
 }
 

@@ -190,11 +190,14 @@ namespace {
 // (cuda_engine.cc's Unshard, ForwardNode, BackwardNode, Reshard and Reduce; cuda_block.cc).
 class GpuRuntimePlayer {
  public:
-  enum Cat { kSharded, kUnsharded, kGrads, kOptim, kActs, kComm, kTemp };
+  using Cat = MemCategory;
+  static constexpr Cat kSharded = Cat::kShardedParams, kUnsharded = Cat::kUnshardedParams, kGrads = Cat::kGradients,
+                       kOptim = Cat::kOptimizerStates, kActs = Cat::kActivations, kComm = Cat::kCommBuffers, kTemp = Cat::kTemporaries;
   using Id = int;
 
   explicit GpuRuntimePlayer(const Workload& w)
-      : w_(w), schedule_(BuildSchedule(w)), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1) {
+      : w_(w), schedule_(BuildSchedule(w)), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1),
+        phases_(w) {
     const ModelSpec& m = w.model;
     e_ = BytesPerElement(w.config.param_dtype);
     T_ = w.TokensPerMicroBatch();
@@ -209,7 +212,7 @@ class GpuRuntimePlayer {
   }
 
   GpuRuntimeMemory Play() {
-    phase_ = "initialisation";
+    phases_.Enter(StepPhase::kInitialisation);
     Free(Alloc(kTemp, 3 * 64 * 64 * 4));  // the cuBLAS probe
     Alloc(kTemp, 4);                       // loss
     Alloc(kTemp, 4);                       // the loss scaler's inf/NaN flag
@@ -226,10 +229,11 @@ class GpuRuntimePlayer {
     inputs_.assign(static_cast<size_t>(w_.model.num_layers), -1);
     caches_.assign(static_cast<size_t>(w_.model.num_layers), Cache{});
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
+      phases_.StartMicroBatch(static_cast<int>(micro));
       for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
     }
-    phase_ = "optimizer step";
     for (Id& g : shard_grad_) Free(std::exchange(g, -1));
+    result_.peak_phase = PhaseName(w_, peak_phase_);
     return result_;
   }
 
@@ -237,18 +241,18 @@ class GpuRuntimePlayer {
   Id Alloc(Cat c, int64_t bytes) {
     const int64_t size = (std::max<int64_t>(bytes, 1) + 511) / 512 * 512;
     sizes_.push_back({c, size});
-    live_[c] += size;
+    At(live_, c) += size;
     allocated_ += size;
     if (allocated_ > result_.peak_bytes) {
       result_.peak_bytes = allocated_;
       result_.at_peak = live_;
-      result_.peak_phase = phase_;
+      peak_phase_ = phases_.phase();
     }
     return static_cast<Id>(sizes_.size() - 1);
   }
   void Free(Id id) {
     if (id < 0 || sizes_[id].second == 0) return;
-    live_[sizes_[id].first] -= sizes_[id].second;
+    At(live_, sizes_[id].first) -= sizes_[id].second;
     allocated_ -= sizes_[id].second;
     sizes_[id].second = 0;
   }
@@ -256,12 +260,15 @@ class GpuRuntimePlayer {
     for (Id id : ids) Free(id);
   }
 
+  // In the phases the GPU engine tells its allocator: the same tracker on the same actions.
   void Play(const Action& a) {
+    phases_.Enter(a);
     switch (a.kind) {
       case ActionKind::kUnshard: Unshard(a.unit); break;
       case ActionKind::kForward:
       case ActionKind::kBackward:
         for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          phases_.Enter(v, a.kind == ActionKind::kForward);
           if (a.kind == ActionKind::kForward) Forward(v.node);
           else if (v.enter) Backward(v.node);
         }
@@ -274,14 +281,12 @@ class GpuRuntimePlayer {
 
   void Unshard(int u) {
     if (full_[u] >= 0) return;
-    phase_ = u == 0 ? "all-gather of the root" : "all-gather of a block";
     const Id low = Alloc(kComm, w_.units[u].shard_numel * e_);
     full_[u] = Alloc(kUnsharded, w_.units[u].padded_numel * e_);
     Free(low);
   }
   void Reshard(int u) { Free(std::exchange(full_[u], -1)); }
   void Reduce(int u) {
-    phase_ = u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block";
     const int64_t re = BytesPerElement(w_.config.reduce_dtype);
     const Id cast = w_.config.reduce_dtype != w_.config.param_dtype ? Alloc(kComm, w_.units[u].padded_numel * re) : -1;
     const Id out = Alloc(kComm, w_.units[u].shard_numel * re);
@@ -351,12 +356,10 @@ class GpuRuntimePlayer {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
     switch (w_.nodes[node].role) {
       case ModuleNode::Role::kEmbedding:
-        phase_ = "forward of a block";
         x_ = Alloc(kActs, T_ * h_ * e_);
         break;
       case ModuleNode::Role::kBlock: {
         const int b = w_.nodes[node].block;
-        phase_ = "forward of a block";
         const Id y = BlockForward(ac ? nullptr : &caches_[b]);
         if (w_.config.checkpointing == Checkpointing::kSelective) Free(std::exchange(caches_[b].probs, -1));
         inputs_[b] = x_;
@@ -364,7 +367,6 @@ class GpuRuntimePlayer {
         break;
       }
       case ModuleNode::Role::kFinalNorm:
-        phase_ = "loss";
         inv_ = Alloc(kActs, T_ * 4);
         normed_ = Alloc(kActs, T_ * h_ * e_);
         break;
@@ -376,7 +378,6 @@ class GpuRuntimePlayer {
   void Backward(int node) {
     switch (w_.nodes[node].role) {
       case ModuleNode::Role::kLmHead:
-        phase_ = "backward of the head";
         EnsureGrad(node);
         d_normed_ = Alloc(kTemp, T_ * h_ * e_);
         FreeAll({logits_, normed_});
@@ -390,7 +391,6 @@ class GpuRuntimePlayer {
       }
       case ModuleNode::Role::kBlock: {
         const int b = w_.nodes[node].block;
-        phase_ = "backward of a block";
         EnsureGrad(node);
         if (w_.config.checkpointing == Checkpointing::kFull) Free(BlockForward(&caches_[b]));
         if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs = Alloc(kActs, scores_ * e_);
@@ -414,9 +414,10 @@ class GpuRuntimePlayer {
   std::vector<Cache> caches_;
   Id x_ = -1, inv_ = -1, normed_ = -1, logits_ = -1, d_normed_ = -1;
   std::vector<std::pair<Cat, int64_t>> sizes_;
-  std::array<int64_t, 7> live_{};
+  CategoryBytes live_{};
   int64_t allocated_ = 0;
-  std::string phase_;
+  PhaseTracker phases_;
+  Phase peak_phase_{StepPhase::kInitialisation};
   GpuRuntimeMemory result_;
 };
 

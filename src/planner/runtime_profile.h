@@ -39,7 +39,7 @@ double EstimateRuntimeStepSeconds(const Workload& workload);
 /// outputs as communication buffers. Categories in fsdp-run's order: sharded_params,
 /// unsharded_params, gradients, optimizer_states, activations, comm_buffers, temporaries.
 struct GpuRuntimeMemory {
-  std::array<int64_t, 7> at_peak{};
+  CategoryBytes at_peak{};
   int64_t peak_bytes = 0;
   std::string peak_phase;
 };

@@ -6,6 +6,7 @@
 #include "core/catalog.h"
 #include "planner/memory_model.h"
 #include "planner/step_model.h"
+#include "core/vocabulary.h"
 
 namespace fsdp {
 namespace {

@@ -1,5 +1,7 @@
 #include "runtime/calibrate.h"
 
+#include "core/vocabulary.h"
+
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -72,7 +74,7 @@ Result<std::pair<double, double>> CollectiveFit(Comm& comm, int64_t max_bytes, i
     const double s = BestSeconds(repeats, [&] { status = comm.AllGather(in.data(), out.data(), per_rank); });
     if (!status.ok()) return status.error();
     if (bytes == 4096) latency = s;
-    else busbw = static_cast<double>(per_rank * n * 4) / (s - latency) * (n - 1) / n;
+    else busbw = static_cast<double>(per_rank * n * 4) / (s - latency) * BusFactor(Collective::kAllGather, n);
   }
   return std::make_pair(latency, busbw);
 }
@@ -108,9 +110,15 @@ double AttentionTrainingFlops(const ModelSpec& m, int64_t batch, int64_t seq) {
 }
 
 Json CollectiveRow(int n, int64_t bytes, double ag, double rs, double ar) {
-  const double size = static_cast<double>(bytes), f = static_cast<double>(n - 1) / n;
-  return {{"ranks", n}, {"bytes", bytes}, {"all_gather_s", ag}, {"reduce_scatter_s", rs}, {"all_reduce_s", ar},
-          {"all_gather_busbw", size / ag * f}, {"reduce_scatter_busbw", size / rs * f}, {"all_reduce_busbw", size / ar * 2 * f}};
+  const double size = static_cast<double>(bytes);
+  return {{"ranks", n},
+          {"bytes", bytes},
+          {"all_gather_s", ag},
+          {"reduce_scatter_s", rs},
+          {"all_reduce_s", ar},
+          {"all_gather_busbw", size / ag * BusFactor(Collective::kAllGather, n)},
+          {"reduce_scatter_busbw", size / rs * BusFactor(Collective::kReduceScatter, n)},
+          {"all_reduce_busbw", size / ar * BusFactor(Collective::kAllReduce, n)}};
 }
 
 Result<Json> Calibrate(const ModelSpec& m, Comm& comm, const CalibrationOptions& o) {

@@ -129,15 +129,15 @@ Status FsdpEngine::Init() {
     shard_[u].assign(flat.begin() + shard_rank * s, flat.begin() + (shard_rank + 1) * s);
     exp_avg_[u].assign(static_cast<size_t>(s), 0.0f);
     exp_avg_sq_[u].assign(static_cast<size_t>(s), 0.0f);
-    ledger_.Add(Mem::kShardedParams, s * 4);
-    ledger_.Add(Mem::kOptimizerStates, 2 * s * 4);
+    ledger_.Add(MemCategory::kShardedParams, s * 4);
+    ledger_.Add(MemCategory::kOptimizerStates, 2 * s * 4);
   }
-  return ledger_.Sample("initialisation");
+  return ledger_.Sample();
 }
 
 Status FsdpEngine::WaitFor(size_t index) {
   Status s = shard_comm_->Wait(in_flight_[index].handle);
-  ledger_.Sub(Mem::kCommBuffers, static_cast<int64_t>(in_flight_[index].low.size()) * 4);
+  ledger_.Sub(MemCategory::kCommBuffers, static_cast<int64_t>(in_flight_[index].low.size()) * 4);
   in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(index));
   return s;
 }
@@ -147,20 +147,20 @@ Status FsdpEngine::Unshard(int u, bool prefetch) {
   const WrapUnit& unit = w_.units[u];
   InFlight f{u, std::vector<float>(shard_[u].size()), -1};
   for (size_t i = 0; i < f.low.size(); ++i) f.low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
-  ledger_.Add(Mem::kCommBuffers, unit.shard_numel * 4);
+  ledger_.Add(MemCategory::kCommBuffers, unit.shard_numel * 4);
   full_[u].resize(static_cast<size_t>(unit.padded_numel));
-  ledger_.Add(Mem::kUnshardedParams, unit.padded_numel * 4);
+  ledger_.Add(MemCategory::kUnshardedParams, unit.padded_numel * 4);
   if (!prefetch || w_.config.strategy == Strategy::kNoShard) {  // NO_SHARD's copy is local: done at once
-    Status s = ledger_.Sample(u == 0 ? "all-gather of the root" : "all-gather of a block");
+    Status s = ledger_.Sample();
     if (s.ok()) s = shard_comm_->AllGather(f.low.data(), full_[u].data(), unit.shard_numel);
-    ledger_.Sub(Mem::kCommBuffers, unit.shard_numel * 4);
+    ledger_.Sub(MemCategory::kCommBuffers, unit.shard_numel * 4);
     return s;
   }
   in_flight_.push_back(std::move(f));
   auto handle = shard_comm_->StartAllGather(in_flight_.back().low.data(), full_[u].data(), unit.shard_numel);
   if (!handle.ok()) return handle.error();
   in_flight_.back().handle = handle.value();
-  return ledger_.Sample("prefetch all-gather");
+  return ledger_.Sample();
 }
 
 Status FsdpEngine::WaitUnshard(int u) {
@@ -171,7 +171,7 @@ Status FsdpEngine::WaitUnshard(int u) {
 }
 
 void FsdpEngine::Reshard(int u) {
-  ledger_.Sub(Mem::kUnshardedParams, static_cast<int64_t>(full_[u].size()) * 4);
+  ledger_.Sub(MemCategory::kUnshardedParams, static_cast<int64_t>(full_[u].size()) * 4);
   std::vector<float>().swap(full_[u]);
 }
 
@@ -181,12 +181,12 @@ Status FsdpEngine::Reduce(int u) {
   std::vector<float>& g = full_grad_[u];
   for (float& v : g) v = RoundTo(v, w_.config.reduce_dtype);
   std::vector<float> shard(static_cast<size_t>(w_.units[u].shard_numel));
-  ledger_.Add(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
+  ledger_.Add(MemCategory::kCommBuffers, w_.units[u].shard_numel * 4);
   if (grad_shard_[u].empty()) {  // allocated before the sample, so that the heap holds what the ledger counts
     grad_shard_[u].assign(shard.size(), 0.0f);
-    ledger_.Add(Mem::kGradients, w_.units[u].shard_numel * 4);
+    ledger_.Add(MemCategory::kGradients, w_.units[u].shard_numel * 4);
   }
-  if (Status st = ledger_.Sample(u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block"); !st.ok()) return st;
+  if (Status st = ledger_.Sample(); !st.ok()) return st;
   if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), w_.units[u].shard_numel); !s.ok()) return s;
   if (replica_comm_->size() > 1) {
     if (Status s = replica_comm_->AllReduce(shard.data(), static_cast<int64_t>(shard.size())); !s.ok()) return s;
@@ -194,8 +194,8 @@ Status FsdpEngine::Reduce(int u) {
   // the mean over the world's micro-batches, unscaled (S a power of two: exact)
   const float scale = 1.0f / (static_cast<float>(world_.size() * w_.config.grad_accum) * scaler_.scale());
   for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u][i] += shard[i] * scale;
-  ledger_.Sub(Mem::kCommBuffers, w_.units[u].shard_numel * 4);
-  ledger_.Sub(Mem::kGradients, static_cast<int64_t>(g.size()) * 4);
+  ledger_.Sub(MemCategory::kCommBuffers, w_.units[u].shard_numel * 4);
+  ledger_.Sub(MemCategory::kGradients, static_cast<int64_t>(g.size()) * 4);
   std::vector<float>().swap(g);
   return {};
 }
@@ -248,7 +248,7 @@ float* FsdpEngine::Grads(int node) {
   const int u = w_.tensor_unit[t];
   if (full_grad_[u].empty()) {  // under no_sync it holds the earlier micro-batches' gradients
     full_grad_[u].assign(full_[u].size(), 0.0f);
-    ledger_.Add(Mem::kGradients, static_cast<int64_t>(full_[u].size()) * 4);
+    ledger_.Add(MemCategory::kGradients, static_cast<int64_t>(full_[u].size()) * 4);
   }
   return full_grad_[u].data() + w_.tensor_offset[t];
 }
@@ -262,12 +262,12 @@ Status FsdpEngine::ForwardNode(int node, Pass& p) {
       const bool ac = w_.config.checkpointing == Checkpointing::kFull;
       if (ac) {
         p.inputs_saved[b] = p.x;
-        ledger_.Add(Mem::kActivations, p.x.size() * 4);
+        ledger_.Add(MemCategory::kActivations, p.x.size() * 4);
       }
       p.x = BlockForward(dims_, Params(node), p.x, mb, seq, ac ? nullptr : &p.caches[b]);
       if (w_.config.checkpointing == Checkpointing::kSelective) DropAttentionCore(p.caches[b]);  // recomputed in backward
-      if (!ac) ledger_.Add(Mem::kActivations, p.caches[b].SavedBytes());
-      return ledger_.Sample("forward of a block");
+      if (!ac) ledger_.Add(MemCategory::kActivations, p.caches[b].SavedBytes());
+      return ledger_.Sample();
     }
     case ModuleNode::Role::kFinalNorm:
       p.final_x = std::move(p.x);
@@ -278,8 +278,8 @@ Status FsdpEngine::ForwardNode(int node, Pass& p) {
       p.loss = CrossEntropy(logits, p.targets, p.d_logits);
       if (scaler_.enabled()) p.d_logits *= scaler_.scale();  // GradScaler.scale(loss).backward()
       p.head_bytes = (logits.size() + p.d_logits.size() + p.normed.size() + p.final_x.size()) * 4;
-      ledger_.Add(Mem::kActivations, p.head_bytes);
-      return ledger_.Sample("loss");
+      ledger_.Add(MemCategory::kActivations, p.head_bytes);
+      return ledger_.Sample();
     }
     case ModuleNode::Role::kOther: return {};
   }
@@ -306,15 +306,15 @@ Status FsdpEngine::BackwardNode(int node, Pass& p) {
       float* grads = Grads(node);
       if (ac) {
         BlockForward(dims_, Params(node), p.inputs_saved[b], mb, seq, &p.caches[b]);
-        ledger_.Add(Mem::kActivations, p.caches[b].SavedBytes());
+        ledger_.Add(MemCategory::kActivations, p.caches[b].SavedBytes());
       }
-      if (w_.config.checkpointing == Checkpointing::kSelective) ledger_.Add(Mem::kActivations, RecomputeAttentionCore(dims_, p.caches[b], mb, seq));
+      if (w_.config.checkpointing == Checkpointing::kSelective) ledger_.Add(MemCategory::kActivations, RecomputeAttentionCore(dims_, p.caches[b], mb, seq));
       p.x = BlockBackward(dims_, Params(node), grads, p.x, p.caches[b], mb, seq);
-      if (Status st = ledger_.Sample("backward of a block"); !st.ok()) return st;
-      ledger_.Sub(Mem::kActivations, p.caches[b].SavedBytes());
+      if (Status st = ledger_.Sample(); !st.ok()) return st;
+      ledger_.Sub(MemCategory::kActivations, p.caches[b].SavedBytes());
       p.caches[b] = BlockCache();
       if (ac) {
-        ledger_.Sub(Mem::kActivations, p.inputs_saved[b].size() * 4);
+        ledger_.Sub(MemCategory::kActivations, p.inputs_saved[b].size() * 4);
         p.inputs_saved[b] = Mat();
       }
       return {};
@@ -322,7 +322,7 @@ Status FsdpEngine::BackwardNode(int node, Pass& p) {
     case ModuleNode::Role::kEmbedding: {
       MatMap g_embed(Grads(node), vocab, h);
       EmbeddingBackward(p.x, p.inputs, g_embed);
-      ledger_.Sub(Mem::kActivations, p.head_bytes);
+      ledger_.Sub(MemCategory::kActivations, p.head_bytes);
       return {};
     }
     case ModuleNode::Role::kOther: return {};
@@ -342,7 +342,9 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   }
   p.caches.resize(static_cast<size_t>(dims_.layers));
   p.inputs_saved.resize(static_cast<size_t>(dims_.layers));
+  phases_.StartMicroBatch(static_cast<int>(micro));
   for (const Action& a : schedule_.MicroBatch(micro)) {
+    if (phases_.Enter(a)) ledger_.set_phase(phases_.phase());
     Status s;
     switch (a.kind) {
       case ActionKind::kUnshard: s = Unshard(a.unit, a.prefetch); break;
@@ -350,6 +352,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
       case ActionKind::kForward:
       case ActionKind::kBackward:
         for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          if (phases_.Enter(v, a.kind == ActionKind::kForward)) ledger_.set_phase(phases_.phase());
           if (a.kind == ActionKind::kForward) s = ForwardNode(v.node, p);
           else if (v.enter) s = BackwardNode(v.node, p);
           if (!s.ok()) break;
@@ -384,7 +387,7 @@ Result<bool> FsdpEngine::FoundNonFinite() {
 
 Status FsdpEngine::Optimizer() {
   const auto start = std::chrono::steady_clock::now();
-  if (Status st = ledger_.Sample("optimizer step"); !st.ok()) return st;
+  if (Status st = ledger_.Sample(); !st.ok()) return st;
   auto allowed = scaler_.CheckAndUpdate([this] { return FoundNonFinite(); });
   if (!allowed.ok()) return allowed.error();
   const bool apply = allowed.value();
@@ -398,7 +401,7 @@ Status FsdpEngine::Optimizer() {
       p -= o_.lr * o_.weight_decay * p;
       p -= o_.lr * (exp_avg_[u][i] / c1) / (std::sqrt(exp_avg_sq_[u][i] / c2) + o_.eps);
     }
-    ledger_.Sub(Mem::kGradients, static_cast<int64_t>(grad_shard_[u].size()) * 4);
+    ledger_.Sub(MemCategory::kGradients, static_cast<int64_t>(grad_shard_[u].size()) * 4);
     std::vector<float>().swap(grad_shard_[u]);  // zero_grad(set_to_none=True)
   }
   if (apply) ++optimizer_steps_;

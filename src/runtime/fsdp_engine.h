@@ -13,6 +13,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/phase.h"
 #include "core/schedule.h"
 #include "core/workload.h"
 #include "runtime/comm.h"
@@ -58,7 +59,10 @@ class FsdpEngine {
   const LossScaler& loss_scaler() const { return scaler_; }
 
  private:
-  FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o), schedule_(BuildSchedule(w)), scaler_(o.loss_scaling) {}
+  FsdpEngine(const Workload& w, Comm& world, const TrainOptions& o) : w_(w), world_(world), o_(o), schedule_(BuildSchedule(w)), phases_(w), scaler_(o.loss_scaling) {
+    ledger_.set_namer([&w](const Phase& p) { return PhaseName(w, p); });
+    ledger_.set_phase(Phase{StepPhase::kInitialisation});
+  }
   /// Whether any rank's gradient shards hold an inf or NaN (ShardedGradScaler.unscale_'s check,
   /// its flag summed over every rank).
   Result<bool> FoundNonFinite();
@@ -83,6 +87,7 @@ class FsdpEngine {
   Comm& world_;
   TrainOptions o_;
   Schedule schedule_;
+  PhaseTracker phases_;
   LlamaDims dims_{};
   std::unique_ptr<Comm> shard_comm_, replica_comm_;
   int64_t shard_world_ = 1;

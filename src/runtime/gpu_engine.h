@@ -31,7 +31,7 @@ namespace fsdp::runtime {
 
 struct GpuMemoryReport {
   int64_t peak_allocated_bytes = 0, peak_reserved_bytes = 0, device_mallocs = 0;
-  std::array<int64_t, kMemKinds> at_peak{};  ///< allocated bytes by category at the allocated peak
+  CategoryBytes at_peak{};  ///< allocated bytes by category at the allocated peak
   std::string peak_phase;
   int64_t device_total_bytes = 0;
   int64_t context_bytes = 0;    ///< device memory in use once the CUDA context exists (cudaMemGetInfo)

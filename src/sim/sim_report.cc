@@ -1,4 +1,5 @@
 #include "sim/sim_report.h"
+#include "core/vocabulary.h"
 
 #include <algorithm>
 #include <cerrno>

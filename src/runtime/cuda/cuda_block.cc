@@ -64,12 +64,12 @@ Status DeviceAttentionBackward(const DeviceContext& c, const void* q, const void
   const LlamaDims& d = c.dims;
   const int64_t s = c.seq, rep = d.heads / d.kv_heads, qld = d.heads * d.head_dim, kvld = d.kv_heads * d.head_dim, T = c.tokens();
   const DType t = c.dtype;
-  FSDP_ALLOC(d_scores, c.Buffer(c.batch * d.heads * s * s, Mem::kTemporaries));
+  FSDP_ALLOC(d_scores, c.Buffer(c.batch * d.heads * s * s, MemCategory::kTemporaries));
   // with grouped heads, dk and dv are first computed per query head, then summed per kv head
   DeviceBuffer dk_heads, dv_heads;
   if (rep > 1) {
-    FSDP_ALLOC(a, c.Buffer(T * qld, Mem::kTemporaries));
-    FSDP_ALLOC(b, c.Buffer(T * qld, Mem::kTemporaries));
+    FSDP_ALLOC(a, c.Buffer(T * qld, MemCategory::kTemporaries));
+    FSDP_ALLOC(b, c.Buffer(T * qld, MemCategory::kTemporaries));
     dk_heads = std::move(a);
     dv_heads = std::move(b);
   }
@@ -109,7 +109,7 @@ Result<DeviceBuffer> DeviceBlockForward(const DeviceContext& c, const void* para
   const LlamaDims::BlockOffsets o = d.Offsets();
   const DType t = c.dtype;
   const int64_t T = c.tokens(), h = d.hidden, qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim, I = d.inner;
-  const Mem saved = cache != nullptr ? Mem::kActivations : Mem::kTemporaries;
+  const MemCategory saved = cache != nullptr ? MemCategory::kActivations : MemCategory::kTemporaries;
   auto w = [&](int64_t offset) { return Offset(params, offset, t); };
   FSDP_ALLOC(inv1, c.alloc->Allocate(T * 4, saved, c.stream));
   FSDP_ALLOC(n1, c.Buffer(T * h, saved));
@@ -144,7 +144,7 @@ Result<DeviceBuffer> DeviceBlockForward(const DeviceContext& c, const void* para
   FSDP_TRY(LinearForward(c.blas, t, n2.get(), w(o.wu), up.get(), T, h, I));
   FSDP_ALLOC(mid, c.Buffer(T * I, saved));
   SwiGluForward(gate.get(), up.get(), mid.get(), T * I, t, c.stream);
-  FSDP_ALLOC(y, c.Buffer(T * h, Mem::kActivations));  // y = x2 + mid Wd^T
+  FSDP_ALLOC(y, c.Buffer(T * h, MemCategory::kActivations));  // y = x2 + mid Wd^T
   FSDP_CUDA_TRY(cudaMemcpyAsync(y.get(), x2.get(), static_cast<size_t>(T * h * c.elem()), cudaMemcpyDeviceToDevice, c.stream));
   FSDP_TRY(Gemm(c.blas, t, false, true, T, h, I, {mid.get(), I}, {w(o.wd), I}, y.get(), h, 1.0f));
   if (cache != nullptr) {
@@ -164,19 +164,19 @@ Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* par
   auto w = [&](int64_t offset) { return Offset(params, offset, t); };
   auto g = [&](int64_t offset) { return Offset(grads, offset, t); };
   // MLP: y = x2 + swiglu(n2 Wg^T, n2 Wu^T) Wd^T
-  FSDP_ALLOC(d_mid, c.Buffer(T * I, Mem::kTemporaries));
+  FSDP_ALLOC(d_mid, c.Buffer(T * I, MemCategory::kTemporaries));
   FSDP_TRY(LinearBackward(c.blas, t, dy.get(), cache.mid.get(), w(o.wd), d_mid.get(), g(o.wd), T, I, h));
   cache.mid.Release();
-  FSDP_ALLOC(d_gate, c.Buffer(T * I, Mem::kTemporaries));
+  FSDP_ALLOC(d_gate, c.Buffer(T * I, MemCategory::kTemporaries));
   SwiGluBackward(d_mid.get(), cache.gate.get(), cache.up.get(), d_gate.get(), d_mid.get(), T * I, t, c.stream);  // d_up in place of d_mid
-  FSDP_ALLOC(d_n2, c.Buffer(T * h, Mem::kTemporaries));
+  FSDP_ALLOC(d_n2, c.Buffer(T * h, MemCategory::kTemporaries));
   FSDP_TRY(LinearBackward(c.blas, t, d_gate.get(), cache.n2.get(), w(o.wg), d_n2.get(), g(o.wg), T, h, I));
   FSDP_TRY(LinearBackward(c.blas, t, d_mid.get(), cache.n2.get(), w(o.wu), d_n2.get(), g(o.wu), T, h, I, 1.0f));
   d_mid.Release();
   d_gate.Release();
   cache.gate.Release();
   cache.up.Release();
-  FSDP_ALLOC(d_x2, c.Buffer(T * h, Mem::kTemporaries));
+  FSDP_ALLOC(d_x2, c.Buffer(T * h, MemCategory::kTemporaries));
   RmsNormBackward(d_n2.get(), cache.x2.get(), w(o.post_norm), cache.inv2.as<float>(), dy.get(), d_x2.get(), dw_scratch, T, h, t, c.stream);
   AddF32(dw_scratch, g(o.post_norm), t, h, c.stream);
   d_n2.Release();
@@ -185,12 +185,12 @@ Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* par
   cache.x2.Release();
   cache.inv2.Release();
   // attention: x2 = x + attention(n1) Wo^T
-  FSDP_ALLOC(d_attn, c.Buffer(T * qd, Mem::kTemporaries));
+  FSDP_ALLOC(d_attn, c.Buffer(T * qd, MemCategory::kTemporaries));
   FSDP_TRY(LinearBackward(c.blas, t, d_x2.get(), cache.attn.get(), w(o.wo), d_attn.get(), g(o.wo), T, qd, h));
   cache.attn.Release();
-  FSDP_ALLOC(dq, c.Buffer(T * qd, Mem::kTemporaries));
-  FSDP_ALLOC(dk, c.Buffer(T * kvd, Mem::kTemporaries));
-  FSDP_ALLOC(dv, c.Buffer(T * kvd, Mem::kTemporaries));
+  FSDP_ALLOC(dq, c.Buffer(T * qd, MemCategory::kTemporaries));
+  FSDP_ALLOC(dk, c.Buffer(T * kvd, MemCategory::kTemporaries));
+  FSDP_ALLOC(dv, c.Buffer(T * kvd, MemCategory::kTemporaries));
   FSDP_TRY(DeviceAttentionBackward(c, cache.q.get(), cache.k.get(), cache.v.get(), cache.probs.get(), d_attn.get(), dq.get(), dk.get(), dv.get()));
   d_attn.Release();
   cache.probs.Release();
@@ -202,7 +202,7 @@ Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* par
       AddF32(dw_scratch, g(bias), t, n, c.stream);
     }
   }
-  FSDP_ALLOC(d_n1, c.Buffer(T * h, Mem::kTemporaries));
+  FSDP_ALLOC(d_n1, c.Buffer(T * h, MemCategory::kTemporaries));
   FSDP_TRY(LinearBackward(c.blas, t, dq.get(), cache.n1.get(), w(o.wq), d_n1.get(), g(o.wq), T, h, qd));
   FSDP_TRY(LinearBackward(c.blas, t, dk.get(), cache.n1.get(), w(o.wk), d_n1.get(), g(o.wk), T, h, kvd, 1.0f));
   FSDP_TRY(LinearBackward(c.blas, t, dv.get(), cache.n1.get(), w(o.wv), d_n1.get(), g(o.wv), T, h, kvd, 1.0f));
@@ -213,7 +213,7 @@ Result<DeviceBuffer> DeviceBlockBackward(const DeviceContext& c, const void* par
   cache.k.Release();
   cache.v.Release();
   cache.n1.Release();
-  FSDP_ALLOC(dx, c.Buffer(T * h, Mem::kActivations));
+  FSDP_ALLOC(dx, c.Buffer(T * h, MemCategory::kActivations));
   RmsNormBackward(d_n1.get(), x.get(), w(o.in_norm), cache.inv1.as<float>(), d_x2.get(), dx.get(), dw_scratch, T, h, t, c.stream);
   AddF32(dw_scratch, g(o.in_norm), t, h, c.stream);
   cache.inv1.Release();

@@ -23,7 +23,7 @@ struct DeviceContext {
   int64_t tokens() const { return batch * seq; }
   int64_t elem() const { return BytesPerElement(dtype); }
   /// An activation-sized buffer of `elements` compute-dtype values.
-  Result<DeviceBuffer> Buffer(int64_t elements, Mem category) const { return alloc->Allocate(elements * elem(), category, stream); }
+  Result<DeviceBuffer> Buffer(int64_t elements, MemCategory category) const { return alloc->Allocate(elements * elem(), category, stream); }
 };
 
 /// What a block's forward keeps for its backward (the block input is kept by the caller).

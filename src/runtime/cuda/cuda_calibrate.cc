@@ -49,7 +49,7 @@ Result<double> BestSeconds(cudaStream_t stream, int repeats, DeviceComm* comm, W
 // Fills a compute-dtype buffer with N(0, 1) values (matmuls on zeros run faster than on data).
 Status FillRandom(const DeviceContext& c, const DeviceBuffer& buffer, uint64_t seed) {
   const int64_t n = buffer.bytes() / c.elem();
-  FSDP_ALLOC(f32, c.alloc->Allocate(n * 4, Mem::kTemporaries, c.stream));
+  FSDP_ALLOC(f32, c.alloc->Allocate(n * 4, MemCategory::kTemporaries, c.stream));
   FillNormal(f32.as<float>(), n, seed, 0, 1.0f, c.stream);
   CastFromF32(f32.as<float>(), buffer.get(), c.dtype, n, c.stream);
   return CudaStatus(cudaGetLastError(), "random operands");
@@ -64,11 +64,11 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
   const int64_t T = c.tokens(), q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
   double flops = 0, seconds = 0;
   for (const auto& [out, in] : LinearShapes(m)) {  // the three products of a linear layer in a training step
-    FSDP_ALLOC(x, c.Buffer(T * in, Mem::kTemporaries));
-    FSDP_ALLOC(w, c.Buffer(out * in, Mem::kTemporaries));
-    FSDP_ALLOC(y, c.Buffer(T * out, Mem::kTemporaries));
-    FSDP_ALLOC(dx, c.Buffer(T * in, Mem::kTemporaries));
-    FSDP_ALLOC(dw, c.Buffer(out * in, Mem::kTemporaries));
+    FSDP_ALLOC(x, c.Buffer(T * in, MemCategory::kTemporaries));
+    FSDP_ALLOC(w, c.Buffer(out * in, MemCategory::kTemporaries));
+    FSDP_ALLOC(y, c.Buffer(T * out, MemCategory::kTemporaries));
+    FSDP_ALLOC(dx, c.Buffer(T * in, MemCategory::kTemporaries));
+    FSDP_ALLOC(dw, c.Buffer(out * in, MemCategory::kTemporaries));
     uint64_t seed = 1;
     for (const DeviceBuffer* b : {&x, &w, &y, &dw}) FSDP_TRY(FillRandom(c, *b, seed++));
     auto fwd = BestSeconds(c.stream, repeats, nullptr, [&] { return LinearForward(c.blas, c.dtype, x.get(), w.get(), y.get(), T, in, out); });
@@ -80,14 +80,14 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
   }
   r.gemm_flops = flops / seconds;
   const int64_t scores = c.batch * m.num_heads * c.seq * c.seq;
-  FSDP_ALLOC(qb, c.Buffer(T * q, Mem::kTemporaries));
-  FSDP_ALLOC(kb, c.Buffer(T * kv, Mem::kTemporaries));
-  FSDP_ALLOC(vb, c.Buffer(T * kv, Mem::kTemporaries));
-  FSDP_ALLOC(probs, c.Buffer(scores, Mem::kTemporaries));
-  FSDP_ALLOC(out, c.Buffer(T * q, Mem::kTemporaries));
-  FSDP_ALLOC(dq, c.Buffer(T * q, Mem::kTemporaries));
-  FSDP_ALLOC(dk, c.Buffer(T * kv, Mem::kTemporaries));
-  FSDP_ALLOC(dv, c.Buffer(T * kv, Mem::kTemporaries));
+  FSDP_ALLOC(qb, c.Buffer(T * q, MemCategory::kTemporaries));
+  FSDP_ALLOC(kb, c.Buffer(T * kv, MemCategory::kTemporaries));
+  FSDP_ALLOC(vb, c.Buffer(T * kv, MemCategory::kTemporaries));
+  FSDP_ALLOC(probs, c.Buffer(scores, MemCategory::kTemporaries));
+  FSDP_ALLOC(out, c.Buffer(T * q, MemCategory::kTemporaries));
+  FSDP_ALLOC(dq, c.Buffer(T * q, MemCategory::kTemporaries));
+  FSDP_ALLOC(dk, c.Buffer(T * kv, MemCategory::kTemporaries));
+  FSDP_ALLOC(dv, c.Buffer(T * kv, MemCategory::kTemporaries));
   uint64_t seed = 11;
   for (const DeviceBuffer* b : {&qb, &kb, &vb}) FSDP_TRY(FillRandom(c, *b, seed++));
   auto attention = BestSeconds(c.stream, repeats, nullptr, [&]() -> Status {
@@ -97,8 +97,8 @@ Result<Rates> MeasureRates(const ModelSpec& m, const DeviceContext& c, int repea
   if (!attention.ok()) return attention.error();
   r.attention_flops = AttentionTrainingFlops(m, c.batch, c.seq) / attention.value();
   const int64_t copy_bytes = int64_t{1} << 30;
-  FSDP_ALLOC(src, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
-  FSDP_ALLOC(dst, c.alloc->Allocate(copy_bytes, Mem::kTemporaries, c.stream));
+  FSDP_ALLOC(src, c.alloc->Allocate(copy_bytes, MemCategory::kTemporaries, c.stream));
+  FSDP_ALLOC(dst, c.alloc->Allocate(copy_bytes, MemCategory::kTemporaries, c.stream));
   auto copy = BestSeconds(c.stream, repeats, nullptr, [&] {
     return CudaStatus(cudaMemcpyAsync(dst.get(), src.get(), static_cast<size_t>(copy_bytes), cudaMemcpyDeviceToDevice, c.stream), "copy");
   });
@@ -115,8 +115,8 @@ Result<Json> CollectiveSweep(DeviceComm& comm, DeviceAllocator& alloc, cudaStrea
   const int64_t e = BytesPerElement(dtype);
   for (int64_t bytes = 4096; bytes <= max_bytes; bytes *= 4) {
     const int64_t per_rank = std::max<int64_t>(1, bytes / e / n);
-    FSDP_ALLOC(small, alloc.Allocate(per_rank * e, Mem::kCommBuffers, stream));
-    FSDP_ALLOC(big, alloc.Allocate(per_rank * n * e, Mem::kCommBuffers, stream));
+    FSDP_ALLOC(small, alloc.Allocate(per_rank * e, MemCategory::kCommBuffers, stream));
+    FSDP_ALLOC(big, alloc.Allocate(per_rank * n * e, MemCategory::kCommBuffers, stream));
     // each checked before the next is issued: nothing more queues behind a collective that failed
     auto ag = BestSeconds(stream, repeats, &comm, [&] { return comm.AllGather(small.get(), big.get(), per_rank, dtype, stream); });
     if (!ag.ok()) return ag.error();

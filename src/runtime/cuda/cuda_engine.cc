@@ -55,7 +55,9 @@ int64_t DeviceUsedBytes() {
 
 class CudaEngine : public GpuEngine {
  public:
-  CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o), schedule_(BuildSchedule(w)), scaler_(o.loss_scaling) {}
+  CudaEngine(const Workload& w, Comm& host, const TrainOptions& o) : w_(w), host_(host), o_(o), schedule_(BuildSchedule(w)), phases_(w), scaler_(o.loss_scaling) {
+    alloc_.set_namer([&w](const Phase& p) { return PhaseName(w, p); });
+  }
   ~CudaEngine() override;
   /// Sets up the device, the communicators and the sharded model.
   Status Init(int virtual_world) { return Guarded(InitDevice(virtual_world)); }
@@ -123,6 +125,7 @@ class CudaEngine : public GpuEngine {
   DType dtype_ = DType::kBf16, reduce_dtype_ = DType::kFp32;
   std::vector<DeviceBuffer> shard_params_, exp_avg_, exp_avg_sq_, grad_shard_, full_, full_grad_;
   Schedule schedule_;
+  PhaseTracker phases_;  // the phase the allocator is told (core/phase.h)
   std::vector<cudaEvent_t> gathered_;
   int embedding_node_ = 0;
   std::deque<cudaEvent_t> reshard_events_;  // limit_all_gathers: frees the CPU may run ahead of
@@ -177,7 +180,7 @@ CudaEngine::~CudaEngine() {
 // The cuBLAS handle and a first product (cuBLAS takes its workspace then), measured as the growth of
 // the device's used memory with the product's buffers already allocated.
 Status CudaEngine::MeasureCublas() {
-  FSDP_ALLOC(probe, alloc_.Allocate(3 * 64 * 64 * 4, Mem::kTemporaries, compute_));
+  FSDP_ALLOC(probe, alloc_.Allocate(3 * 64 * 64 * 4, MemCategory::kTemporaries, compute_));
   const int64_t before = DeviceUsedBytes();
   FSDP_CUBLAS_TRY(cublasCreate(&blas_));
   FSDP_CUBLAS_TRY(cublasSetStream(blas_, compute_));
@@ -260,14 +263,14 @@ Status CudaEngine::InitDevice(int virtual_world) {
   if (!dims.ok()) return dims.error();
   FSDP_TRY(MeasureCublas());
   ctx_ = DeviceContext{dims.value(), dtype_, w_.config.micro_batch, w_.config.seq_len, blas_, compute_, &alloc_};
-  FSDP_ALLOC(loss, alloc_.Allocate(4, Mem::kTemporaries, compute_));
+  FSDP_ALLOC(loss, alloc_.Allocate(4, MemCategory::kTemporaries, compute_));
   loss_sum_ = std::move(loss);
-  FSDP_ALLOC(found, alloc_.Allocate(4, Mem::kTemporaries, compute_));
+  FSDP_ALLOC(found, alloc_.Allocate(4, MemCategory::kTemporaries, compute_));
   found_inf_ = std::move(found);
   FSDP_TRY(MakeGroups());
-  FSDP_ALLOC(dw, alloc_.Allocate(ctx_.dims.hidden * 4, Mem::kTemporaries, compute_));
+  FSDP_ALLOC(dw, alloc_.Allocate(ctx_.dims.hidden * 4, MemCategory::kTemporaries, compute_));
   dw_scratch_ = std::move(dw);
-  FSDP_ALLOC(rope, alloc_.Allocate(ctx_.seq * ctx_.dims.head_dim * 4, Mem::kTemporaries, compute_));  // cos and sin, seq x head_dim/2 each
+  FSDP_ALLOC(rope, alloc_.Allocate(ctx_.seq * ctx_.dims.head_dim * 4, MemCategory::kTemporaries, compute_));  // cos and sin, seq x head_dim/2 each
   FSDP_TRY(RopeTable(rope.as<float>(), ctx_.seq, ctx_.dims.rope_inv_freq, compute_));
   rope_table_ = std::move(rope);
   ctx_.rope_table = rope_table_.as<float>();
@@ -306,10 +309,9 @@ constexpr int64_t kHostInitMaxNumel = 8 << 20;
 Status CudaEngine::InitUnit(int u) {
   const WrapUnit& unit = w_.units[u];
   const int64_t s = unit.shard_numel, first = shard_->rank() * s;
-  alloc_.set_phase("initialisation");
-  FSDP_ALLOC(p, alloc_.Allocate(s * 4, Mem::kShardedParams, compute_));
-  FSDP_ALLOC(m, alloc_.Allocate(s * 4, Mem::kOptimizerStates, compute_));
-  FSDP_ALLOC(v, alloc_.Allocate(s * 4, Mem::kOptimizerStates, compute_));
+  FSDP_ALLOC(p, alloc_.Allocate(s * 4, MemCategory::kShardedParams, compute_));
+  FSDP_ALLOC(m, alloc_.Allocate(s * 4, MemCategory::kOptimizerStates, compute_));
+  FSDP_ALLOC(v, alloc_.Allocate(s * 4, MemCategory::kOptimizerStates, compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(p.get(), 0, static_cast<size_t>(s * 4), compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(m.get(), 0, static_cast<size_t>(s * 4), compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(v.get(), 0, static_cast<size_t>(s * 4), compute_));
@@ -367,11 +369,10 @@ Status CudaEngine::Unshard(int u, bool rate_limit_wait) {
   }
   if (!full_[u].empty()) return {};
   const WrapUnit& unit = w_.units[u];
-  alloc_.set_phase(u == 0 ? "all-gather of the root" : "all-gather of a block");
   FSDP_CUDA_TRY(cudaStreamWaitEvent(gather_, params_ready_, 0));
-  FSDP_ALLOC(low, alloc_.Allocate(unit.shard_numel * ctx_.elem(), Mem::kCommBuffers, gather_));
+  FSDP_ALLOC(low, alloc_.Allocate(unit.shard_numel * ctx_.elem(), MemCategory::kCommBuffers, gather_));
   CastFromF32(shard_params_[u].as<float>(), low.get(), dtype_, unit.shard_numel, gather_);
-  FSDP_ALLOC(full, alloc_.Allocate(unit.padded_numel * ctx_.elem(), Mem::kUnshardedParams, gather_));
+  FSDP_ALLOC(full, alloc_.Allocate(unit.padded_numel * ctx_.elem(), MemCategory::kUnshardedParams, gather_));
   FSDP_TRY(shard_->AllGather(low.get(), full.get(), unit.shard_numel, dtype_, gather_));
   full_[u] = std::move(full);
   FSDP_CUDA_TRY(cudaEventRecord(gathered_[u], gather_));
@@ -392,7 +393,6 @@ Status CudaEngine::Reshard(int u, bool queues_free_event) {
 // all-reduce across replicas, accumulate into the fp32 gradient shard scaled to the mean.
 Status CudaEngine::Reduce(int u) {
   const WrapUnit& unit = w_.units[u];
-  alloc_.set_phase(u == 0 ? "reduce-scatter of the root" : "reduce-scatter of a block");
   auto ready = events_.Take();
   if (!ready.ok()) return ready.error();
   FSDP_CUDA_TRY(cudaEventRecord(ready.value(), compute_));
@@ -401,16 +401,16 @@ Status CudaEngine::Reduce(int u) {
   DeviceBuffer cast;
   const void* input = full_grad_[u].get();
   if (reduce_dtype_ != dtype_) {
-    FSDP_ALLOC(c, alloc_.Allocate(unit.padded_numel * BytesPerElement(reduce_dtype_), Mem::kCommBuffers, reduce_));
+    FSDP_ALLOC(c, alloc_.Allocate(unit.padded_numel * BytesPerElement(reduce_dtype_), MemCategory::kCommBuffers, reduce_));
     Cast(full_grad_[u].get(), dtype_, c.get(), reduce_dtype_, unit.padded_numel, reduce_);
     cast = std::move(c);
     input = cast.get();
   }
-  FSDP_ALLOC(out, alloc_.Allocate(unit.shard_numel * BytesPerElement(reduce_dtype_), Mem::kCommBuffers, reduce_));
+  FSDP_ALLOC(out, alloc_.Allocate(unit.shard_numel * BytesPerElement(reduce_dtype_), MemCategory::kCommBuffers, reduce_));
   FSDP_TRY(shard_->ReduceScatter(input, out.get(), unit.shard_numel, reduce_dtype_, reduce_));
   if (replica_->size() > 1) FSDP_TRY(replica_->AllReduce(out.get(), unit.shard_numel, reduce_dtype_, reduce_));
   if (grad_shard_[u].empty()) {
-    FSDP_ALLOC(g, alloc_.Allocate(unit.shard_numel * 4, Mem::kGradients, reduce_));
+    FSDP_ALLOC(g, alloc_.Allocate(unit.shard_numel * 4, MemCategory::kGradients, reduce_));
     FSDP_CUDA_TRY(cudaMemsetAsync(g.get(), 0, static_cast<size_t>(unit.shard_numel * 4), reduce_));
     grad_shard_[u] = std::move(g);
   }
@@ -437,7 +437,7 @@ Result<void*> CudaEngine::Grads(int node) {
   const int t = ParamTensor(node);
   const int u = w_.tensor_unit[t];
   if (full_grad_[u].empty()) {  // under no_sync it holds the earlier micro-batches' gradients
-    FSDP_ALLOC(g, alloc_.Allocate(w_.units[u].padded_numel * ctx_.elem(), Mem::kGradients, compute_));
+    FSDP_ALLOC(g, alloc_.Allocate(w_.units[u].padded_numel * ctx_.elem(), MemCategory::kGradients, compute_));
     FSDP_CUDA_TRY(cudaMemsetAsync(g.get(), 0, static_cast<size_t>(g.bytes()), compute_));
     full_grad_[u] = std::move(g);
   }
@@ -449,8 +449,7 @@ Status CudaEngine::ForwardNode(int node) {
   const int64_t T = ctx_.tokens(), h = d.hidden;
   switch (w_.nodes[node].role) {
     case ModuleNode::Role::kEmbedding: {
-      alloc_.set_phase("forward of a block");
-      FSDP_ALLOC(x0, ctx_.Buffer(T * h, Mem::kActivations));
+      FSDP_ALLOC(x0, ctx_.Buffer(T * h, MemCategory::kActivations));
       EmbeddingForward(Params(node), ids_.as<int32_t>(), x0.get(), T, h, dtype_, compute_);
       x_ = std::move(x0);
       return {};
@@ -458,7 +457,6 @@ Status CudaEngine::ForwardNode(int node) {
     case ModuleNode::Role::kBlock: {
       const int b = w_.nodes[node].block;
       const bool ac = w_.config.checkpointing == Checkpointing::kFull;
-      alloc_.set_phase("forward of a block");
       auto y = DeviceBlockForward(ctx_, Params(node), x_, ac ? nullptr : &caches_[b]);
       if (!y.ok()) return y.error();
       if (w_.config.checkpointing == Checkpointing::kSelective) caches_[b].probs.Release();  // recomputed in backward
@@ -467,9 +465,8 @@ Status CudaEngine::ForwardNode(int node) {
       return {};
     }
     case ModuleNode::Role::kFinalNorm: {
-      alloc_.set_phase("loss");
-      FSDP_ALLOC(inv, alloc_.Allocate(T * 4, Mem::kActivations, compute_));
-      FSDP_ALLOC(normed, ctx_.Buffer(T * h, Mem::kActivations));
+      FSDP_ALLOC(inv, alloc_.Allocate(T * 4, MemCategory::kActivations, compute_));
+      FSDP_ALLOC(normed, ctx_.Buffer(T * h, MemCategory::kActivations));
       RmsNormForward(x_.get(), Params(node), normed.get(), inv.as<float>(), T, h, d.rms_eps, dtype_, compute_);
       inv_final_ = std::move(inv);
       normed_ = std::move(normed);
@@ -479,7 +476,7 @@ Status CudaEngine::ForwardNode(int node) {
     case ModuleNode::Role::kLmHead: {
       // the logits are overwritten by their gradient, which carries the loss scale
       // (GradScaler.scale(loss).backward())
-      FSDP_ALLOC(logits, ctx_.Buffer(T * d.vocab, Mem::kActivations));
+      FSDP_ALLOC(logits, ctx_.Buffer(T * d.vocab, MemCategory::kActivations));
       FSDP_TRY(LinearForward(blas_, dtype_, normed_.get(), Params(node), logits.get(), T, h, d.vocab));
       CrossEntropyInPlace(logits.get(), targets_.as<int32_t>(), loss_sum_.as<float>(), T, d.vocab, scaler_.scale() / static_cast<float>(T),
                           dtype_, compute_);
@@ -496,9 +493,8 @@ Status CudaEngine::BackwardNode(int node) {
   const int64_t T = ctx_.tokens(), h = d.hidden;
   switch (w_.nodes[node].role) {
     case ModuleNode::Role::kLmHead: {
-      alloc_.set_phase("backward of the head");
       FSDP_ASSIGN_OR_RETURN(void* g_head, Grads(node));
-      FSDP_ALLOC(d_normed, ctx_.Buffer(T * h, Mem::kTemporaries));
+      FSDP_ALLOC(d_normed, ctx_.Buffer(T * h, MemCategory::kTemporaries));
       FSDP_TRY(LinearBackward(blas_, dtype_, logits_.get(), normed_.get(), Params(node), d_normed.get(), g_head, T, h, d.vocab));
       logits_.Release();
       normed_.Release();
@@ -507,7 +503,7 @@ Status CudaEngine::BackwardNode(int node) {
     }
     case ModuleNode::Role::kFinalNorm: {
       FSDP_ASSIGN_OR_RETURN(void* g_norm, Grads(node));
-      FSDP_ALLOC(dx, ctx_.Buffer(T * h, Mem::kActivations));
+      FSDP_ALLOC(dx, ctx_.Buffer(T * h, MemCategory::kActivations));
       RmsNormBackward(d_normed_.get(), final_x_.get(), Params(node), inv_final_.as<float>(), nullptr, dx.get(), dw_scratch_.as<float>(), T, h,
                       dtype_, compute_);
       AddF32(dw_scratch_.as<float>(), g_norm, dtype_, h, compute_);
@@ -519,14 +515,13 @@ Status CudaEngine::BackwardNode(int node) {
     }
     case ModuleNode::Role::kBlock: {
       const int b = w_.nodes[node].block;
-      alloc_.set_phase("backward of a block");
       FSDP_ASSIGN_OR_RETURN(void* grads, Grads(node));
       if (w_.config.checkpointing == Checkpointing::kFull) {
         auto y = DeviceBlockForward(ctx_, Params(node), inputs_[b], &caches_[b]);
         if (!y.ok()) return y.error();
       }
       if (w_.config.checkpointing == Checkpointing::kSelective) {  // the attention core, from the saved q and k
-        FSDP_ALLOC(probs, ctx_.Buffer(ctx_.batch * d.heads * ctx_.seq * ctx_.seq, Mem::kActivations));
+        FSDP_ALLOC(probs, ctx_.Buffer(ctx_.batch * d.heads * ctx_.seq * ctx_.seq, MemCategory::kActivations));
         FSDP_TRY(DeviceAttentionProbs(ctx_, caches_[b].q.get(), caches_[b].k.get(), probs.get()));
         caches_[b].probs = std::move(probs);
       }
@@ -548,13 +543,16 @@ Status CudaEngine::BackwardNode(int node) {
 }
 
 Status CudaEngine::PlaySchedule(int64_t micro) {
+  phases_.StartMicroBatch(static_cast<int>(micro));
   for (const Action& a : schedule_.MicroBatch(micro)) {
+    if (phases_.Enter(a)) alloc_.set_phase(phases_.phase());
     switch (a.kind) {
       case ActionKind::kUnshard: FSDP_TRY(Unshard(a.unit, a.rate_limit_wait)); break;
       case ActionKind::kWaitUnshard: FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, gathered_[a.unit], 0)); break;
       case ActionKind::kForward:
       case ActionKind::kBackward:
         for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          if (phases_.Enter(v, a.kind == ActionKind::kForward)) alloc_.set_phase(phases_.phase());
           if (a.kind == ActionKind::kForward) FSDP_TRY(ForwardNode(v.node));
           else if (v.enter) FSDP_TRY(BackwardNode(v.node));
         }
@@ -584,9 +582,9 @@ Result<float> CudaEngine::MicroBatch(int64_t step, int64_t micro) {
     targets.insert(targets.end(), all.begin() + i * (seq + 1) + 1, all.begin() + (i + 1) * (seq + 1));
   }
   if (ids_.empty()) {
-    FSDP_ALLOC(a, alloc_.Allocate(T * 4, Mem::kTemporaries, compute_));
-    FSDP_ALLOC(b, alloc_.Allocate(T * 4, Mem::kTemporaries, compute_));
-    FSDP_ALLOC(c, alloc_.Allocate((3 * T + 1) * 4, Mem::kTemporaries, compute_));  // at most T distinct tokens
+    FSDP_ALLOC(a, alloc_.Allocate(T * 4, MemCategory::kTemporaries, compute_));
+    FSDP_ALLOC(b, alloc_.Allocate(T * 4, MemCategory::kTemporaries, compute_));
+    FSDP_ALLOC(c, alloc_.Allocate((3 * T + 1) * 4, MemCategory::kTemporaries, compute_));  // at most T distinct tokens
     ids_ = std::move(a);
     targets_ = std::move(b);
     token_groups_ = std::move(c);
@@ -632,7 +630,6 @@ Result<bool> CudaEngine::FoundNonFinite() {
 }
 
 Status CudaEngine::Optimizer() {
-  alloc_.set_phase("optimizer step");
   FSDP_CUDA_TRY(cudaStreamWaitEvent(compute_, reduced_, 0));
   FSDP_CUDA_TRY(cudaEventRecord(phase_events_[2], compute_));
   auto allowed = scaler_.CheckAndUpdate([this] { return FoundNonFinite(); });
@@ -683,7 +680,7 @@ GpuMemoryReport CudaEngine::memory() const {
   r.peak_reserved_bytes = alloc_.peak_reserved();
   r.device_mallocs = alloc_.device_mallocs();
   r.at_peak = alloc_.at_peak();
-  r.peak_phase = alloc_.peak_phase();
+  r.peak_phase = PhaseName(w_, alloc_.peak_phase());
   return r;
 }
 

@@ -62,15 +62,15 @@ struct Gpu {
   // a device copy of m in dtype
   DeviceBuffer Upload(const Mat& m, DType dtype) {
     const int64_t n = m.size();
-    DeviceBuffer f32 = alloc.Allocate(n * 4, Mem::kTemporaries, stream).value();
+    DeviceBuffer f32 = alloc.Allocate(n * 4, MemCategory::kTemporaries, stream).value();
     cudaMemcpyAsync(f32.get(), m.data(), static_cast<size_t>(n * 4), cudaMemcpyHostToDevice, stream);
     if (dtype == DType::kFp32) return f32;
-    DeviceBuffer out = alloc.Allocate(n * BytesPerElement(dtype), Mem::kTemporaries, stream).value();
+    DeviceBuffer out = alloc.Allocate(n * BytesPerElement(dtype), MemCategory::kTemporaries, stream).value();
     CastFromF32(f32.as<float>(), out.get(), dtype, n, stream);
     return out;
   }
   Mat Download(const void* data, int64_t rows, int64_t cols, DType dtype) {
-    DeviceBuffer f32 = alloc.Allocate(rows * cols * 4, Mem::kTemporaries, stream).value();
+    DeviceBuffer f32 = alloc.Allocate(rows * cols * 4, MemCategory::kTemporaries, stream).value();
     Cast(data, dtype, f32.get(), DType::kFp32, rows * cols, stream);
     Mat m(rows, cols);
     cudaMemcpyAsync(m.data(), f32.get(), static_cast<size_t>(m.size() * 4), cudaMemcpyDeviceToHost, stream);
@@ -121,10 +121,10 @@ TEST_CASE("RMSNorm forward and backward match the CPU, in fp32 and bf16") {
     Eigen::Map<Vec> dw_map(dw_cpu.data(), h);
     const Mat dx_cpu = runtime::RmsNormBackward(dy, x, Eigen::Map<const Vec>(w.data(), h), inv, dw_map);
     DeviceBuffer dx_ = g.Upload(x, dtype), ddy = g.Upload(dy, dtype), dw_ = g.Upload(wm, dtype);
-    DeviceBuffer y = g.alloc.Allocate(rows * h * 4, Mem::kTemporaries, g.stream).value();
-    DeviceBuffer dinv = g.alloc.Allocate(rows * 4, Mem::kTemporaries, g.stream).value();
-    DeviceBuffer dx = g.alloc.Allocate(rows * h * 4, Mem::kTemporaries, g.stream).value();
-    DeviceBuffer dw = g.alloc.Allocate(h * 4, Mem::kTemporaries, g.stream).value();
+    DeviceBuffer y = g.alloc.Allocate(rows * h * 4, MemCategory::kTemporaries, g.stream).value();
+    DeviceBuffer dinv = g.alloc.Allocate(rows * 4, MemCategory::kTemporaries, g.stream).value();
+    DeviceBuffer dx = g.alloc.Allocate(rows * h * 4, MemCategory::kTemporaries, g.stream).value();
+    DeviceBuffer dw = g.alloc.Allocate(h * 4, MemCategory::kTemporaries, g.stream).value();
     RmsNormForward(dx_.get(), dw_.get(), y.get(), dinv.as<float>(), rows, h, 1e-5f, dtype, g.stream);
     CheckClose(g.Download(y.get(), rows, h, dtype), y_cpu, tol, "rmsnorm y");
     RmsNormBackward(ddy.get(), dx_.get(), dw_.get(), dinv.as<float>(), nullptr, dx.get(), dw.as<float>(), rows, h, dtype, g.stream);
@@ -140,7 +140,7 @@ TEST_CASE("RoPE and its inverse match the CPU") {
   inv_freq.back() /= 8;  // scaled frequencies, as Llama 3.1's, come from the table too
   Mat x = Random(rows, heads * d, 4);
   DeviceBuffer dev = g.Upload(x, DType::kFp32);
-  DeviceBuffer table = g.alloc.Allocate(seq * d * 4, Mem::kTemporaries, g.stream).value();
+  DeviceBuffer table = g.alloc.Allocate(seq * d * 4, MemCategory::kTemporaries, g.stream).value();
   REQUIRE(RopeTable(table.as<float>(), seq, inv_freq, g.stream).ok());
   runtime::Rope(x, heads, d, seq, inv_freq, false);
   Rope(dev.get(), table.as<float>(), rows, heads, d, seq, false, DType::kFp32, g.stream);
@@ -177,10 +177,10 @@ TEST_CASE("Causal grouped-query attention through cuBLAS matches the CPU, forwar
     dims.head_dim = d;
     DeviceContext c{dims, dtype, batch, seq, g.blas, g.stream, &g.alloc};
     DeviceBuffer dq_ = g.Upload(q, dtype), dk_ = g.Upload(k, dtype), dv_ = g.Upload(v, dtype), ddout = g.Upload(dout, dtype);
-    DeviceBuffer p = c.Buffer(batch * heads * seq * seq, Mem::kTemporaries).value(), out = c.Buffer(T * heads * d, Mem::kTemporaries).value();
+    DeviceBuffer p = c.Buffer(batch * heads * seq * seq, MemCategory::kTemporaries).value(), out = c.Buffer(T * heads * d, MemCategory::kTemporaries).value();
     REQUIRE(DeviceAttentionForward(c, dq_.get(), dk_.get(), dv_.get(), p.get(), out.get()).ok());
-    DeviceBuffer gq = c.Buffer(T * heads * d, Mem::kTemporaries).value(), gk = c.Buffer(T * kv * d, Mem::kTemporaries).value();
-    DeviceBuffer gv = c.Buffer(T * kv * d, Mem::kTemporaries).value();
+    DeviceBuffer gq = c.Buffer(T * heads * d, MemCategory::kTemporaries).value(), gk = c.Buffer(T * kv * d, MemCategory::kTemporaries).value();
+    DeviceBuffer gv = c.Buffer(T * kv * d, MemCategory::kTemporaries).value();
     REQUIRE(DeviceAttentionBackward(c, dq_.get(), dk_.get(), dv_.get(), p.get(), ddout.get(), gq.get(), gk.get(), gv.get()).ok());
     const std::vector<std::tuple<const char*, Mat, const Mat*>> results = {
         {"attention out", g.Download(out.get(), T, heads * d, dtype), &out_cpu},
@@ -218,7 +218,7 @@ TEST_CASE("Bias broadcast and column sums (a bias's gradient) match the CPU, ove
     const int64_t cols = 72;
     const Mat x = Random(rows, cols, 12), bias = Random(1, cols, 13);
     DeviceBuffer dx = g.Upload(x, DType::kFp32), dbias = g.Upload(bias, DType::kFp32), out = g.Upload(x, DType::kFp32);
-    DeviceBuffer sums = g.alloc.Allocate(cols * 4, Mem::kTemporaries, g.stream).value();
+    DeviceBuffer sums = g.alloc.Allocate(cols * 4, MemCategory::kTemporaries, g.stream).value();
     BroadcastRows(dbias.get(), out.get(), rows, cols, DType::kFp32, g.stream);
     CheckClose(g.Download(out.get(), rows, cols, DType::kFp32), bias.replicate(rows, 1), kFp32, "broadcast rows");
     ColumnSums(dx.get(), sums.as<float>(), rows, cols, DType::kFp32, g.stream);
@@ -239,7 +239,7 @@ TEST_CASE("Cross-entropy matches the CPU: vocabularies below and above one pass 
       Mat dl_cpu;
       const float loss_cpu = CrossEntropy(logits, targets, dl_cpu);
       DeviceBuffer dl = g.Upload(logits, dtype);
-      DeviceBuffer ids = g.alloc.Allocate(rows * 4, Mem::kTemporaries, g.stream).value(), loss = g.alloc.Allocate(4, Mem::kTemporaries, g.stream).value();
+      DeviceBuffer ids = g.alloc.Allocate(rows * 4, MemCategory::kTemporaries, g.stream).value(), loss = g.alloc.Allocate(4, MemCategory::kTemporaries, g.stream).value();
       cudaMemcpyAsync(ids.get(), targets.data(), rows * 4, cudaMemcpyHostToDevice, g.stream);
       cudaMemsetAsync(loss.get(), 0, 4, g.stream);
       CrossEntropyInPlace(dl.get(), ids.as<int32_t>(), loss.as<float>(), rows, vocab, 1.0f / rows, dtype, g.stream);
@@ -274,12 +274,12 @@ TEST_CASE("Embedding forward and backward match the CPU, with repeated tokens, i
     Mat dtable_cpu = grad_before;
     MatMap dtable_map(dtable_cpu.data(), vocab, n);
     runtime::EmbeddingBackward(dout, ids_host, dtable_map);
-    DeviceBuffer ids = g.alloc.Allocate(rows * 4, Mem::kTemporaries, g.stream).value();
+    DeviceBuffer ids = g.alloc.Allocate(rows * 4, MemCategory::kTemporaries, g.stream).value();
     cudaMemcpyAsync(ids.get(), ids_host.data(), rows * 4, cudaMemcpyHostToDevice, g.stream);
     const TokenGroups groups = GroupTokens(ids_host);
     REQUIRE(groups.ids.size() == 13);
     const std::vector<int32_t> packed = groups.Packed();
-    DeviceBuffer dpacked = g.alloc.Allocate(static_cast<int64_t>(packed.size()) * 4, Mem::kTemporaries, g.stream).value();
+    DeviceBuffer dpacked = g.alloc.Allocate(static_cast<int64_t>(packed.size()) * 4, MemCategory::kTemporaries, g.stream).value();
     cudaMemcpyAsync(dpacked.get(), packed.data(), packed.size() * 4, cudaMemcpyHostToDevice, g.stream);
     DeviceBuffer dtable = g.Upload(table, dtype), out = g.Upload(dout, dtype), grad = g.Upload(grad_before, dtype);
     DeviceBuffer ddout = g.Upload(dout, dtype);
@@ -333,13 +333,13 @@ void CheckDeviceBlock(bool qkv_bias) {
     const double rel = fp32 ? kRelFp32 : kRelBf16;
     Gpu g;
     DeviceContext c{d, dtype, batch, seq, g.blas, g.stream, &g.alloc};
-    DeviceBuffer table = g.alloc.Allocate(seq * d.head_dim * 4, Mem::kTemporaries, g.stream).value();
+    DeviceBuffer table = g.alloc.Allocate(seq * d.head_dim * 4, MemCategory::kTemporaries, g.stream).value();
     REQUIRE(RopeTable(table.as<float>(), seq, d.rope_inv_freq, g.stream).ok());
     c.rope_table = table.as<float>();
     DeviceBuffer p = g.Upload(params, dtype), dx_in = g.Upload(x, dtype), ddy = g.Upload(dy, dtype), grads = g.Upload(Mat::Zero(1, d.BlockNumel()), dtype);
     // x and dy as the GPU holds them (rounded in bf16)
     const Mat x_gpu = g.Download(dx_in.get(), T, d.hidden, dtype), dy_gpu = g.Download(ddy.get(), T, d.hidden, dtype);
-    DeviceBuffer scratch = g.alloc.Allocate(d.hidden * 4, Mem::kTemporaries, g.stream).value();
+    DeviceBuffer scratch = g.alloc.Allocate(d.hidden * 4, MemCategory::kTemporaries, g.stream).value();
     DeviceBlockCache dc;
     auto y = DeviceBlockForward(c, p.get(), dx_in, &dc);
     REQUIRE(y.ok());
@@ -368,23 +368,23 @@ TEST_CASE("The caching allocator reuses blocks per stream, waits for other strea
   cudaStream_t other = nullptr;
   cudaStreamCreate(&other);
   {
-    DeviceBuffer a = g.alloc.Allocate(1000, Mem::kActivations, g.stream).value();
+    DeviceBuffer a = g.alloc.Allocate(1000, MemCategory::kActivations, g.stream).value();
     CHECK(g.alloc.allocated() == 1024);
-    CHECK(g.alloc.live(Mem::kActivations) == 1024);
+    CHECK(g.alloc.live(MemCategory::kActivations) == 1024);
     a.Release();
-    DeviceBuffer b = g.alloc.Allocate(1000, Mem::kGradients, g.stream).value();  // same block, no cudaMalloc
+    DeviceBuffer b = g.alloc.Allocate(1000, MemCategory::kGradients, g.stream).value();  // same block, no cudaMalloc
     CHECK(g.alloc.device_mallocs() == 1);
-    CHECK(g.alloc.live(Mem::kActivations) == 0);
-    CHECK(g.alloc.live(Mem::kGradients) == 1024);
-    DeviceBuffer c = g.alloc.Allocate(1000, Mem::kGradients, other).value();  // another stream's pool
+    CHECK(g.alloc.live(MemCategory::kActivations) == 0);
+    CHECK(g.alloc.live(MemCategory::kGradients) == 1024);
+    DeviceBuffer c = g.alloc.Allocate(1000, MemCategory::kGradients, other).value();  // another stream's pool
     CHECK(g.alloc.device_mallocs() == 2);
     b.Release({other});  // used on `other`: reusable once its event completes
     cudaStreamSynchronize(other);
-    DeviceBuffer d = g.alloc.Allocate(900, Mem::kTemporaries, g.stream).value();
+    DeviceBuffer d = g.alloc.Allocate(900, MemCategory::kTemporaries, g.stream).value();
     CHECK(g.alloc.device_mallocs() == 2);
     CHECK(g.alloc.peak_allocated() == 2048);
     g.alloc.set_limit(4096);
-    auto too_big = g.alloc.Allocate(1 << 20, Mem::kActivations, g.stream);
+    auto too_big = g.alloc.Allocate(1 << 20, MemCategory::kActivations, g.stream);
     REQUIRE_FALSE(too_big.ok());
     CHECK(too_big.error().message.find("out of memory") == 0);
   }
@@ -465,7 +465,7 @@ TEST_CASE("Training steps: fp32 losses equal the CPU engine's; allocated peak eq
       const GpuRuntimeMemory predicted = EstimateGpuRuntimeMemory(w);
       const GpuMemoryReport measured = gpu.value()->memory();
       CHECK(measured.peak_allocated_bytes == predicted.peak_bytes);
-      for (int c = 0; c < kMemKinds; ++c) CHECK(measured.at_peak[c] == predicted.at_peak[c]);
+      for (MemCategory c : kRuntimeCategories) CHECK(At(measured.at_peak, c) == At(predicted.at_peak, c));
       CHECK(gpu.value()->shard_stats().all_gather_count > 0);
     }
   }
@@ -517,7 +517,7 @@ TEST_CASE("The inf/NaN flag is set by an inf or a NaN anywhere, and only then") 
   Gpu g;
   Mat x = Random(1, 5000, 31);
   DeviceBuffer data = g.Upload(x, DType::kFp32);
-  DeviceBuffer flag = g.alloc.Allocate(4, Mem::kTemporaries, g.stream).value();
+  DeviceBuffer flag = g.alloc.Allocate(4, MemCategory::kTemporaries, g.stream).value();
   auto flagged = [&]() {
     cudaMemsetAsync(flag.get(), 0, 4, g.stream);
     FlagNonFinite(data.as<float>(), x.size(), flag.as<float>(), g.stream);

@@ -68,20 +68,20 @@ DeviceAllocator::Block* DeviceAllocator::TakeCached(int64_t size, cudaStream_t s
   return b;
 }
 
-Error DeviceAllocator::OutOfMemory(int64_t size, Mem category, const std::string& why) const {
+Error DeviceAllocator::OutOfMemory(int64_t size, MemCategory category, const std::string& why) const {
   int largest = 0;
-  for (int c = 1; c < kMemKinds; ++c) {
-    if (live_[c] > live_[largest]) largest = c;
+  for (MemCategory c : kRuntimeCategories) {
+    if (At(live_, c) > live_[largest]) largest = static_cast<int>(c);
   }
-  return Error::RunFailed(fmt::format("out of memory at {}: {:.2f} MiB of {} requested with {:.2f} MiB allocated ({}; largest category {} "
+  return Error::OutOfMemory(fmt::format("out of memory at {}: {:.2f} MiB of {} requested with {:.2f} MiB allocated ({}; largest category {} "
                                       "{:.2f} MiB)",
-                                      phase_, size / 1048576.0, MemKey(category), allocated_ / 1048576.0, why,
-                                      MemKey(static_cast<Mem>(largest)), live_[largest] / 1048576.0));
+                                      namer_(phase_), size / kMiB, MemCategoryKey(category), allocated_ / kMiB, why,
+                                      MemCategoryKey(static_cast<MemCategory>(largest)), live_[largest] / kMiB));
 }
 
-Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, Mem category, cudaStream_t stream) {
+Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, MemCategory category, cudaStream_t stream) {
   const int64_t size = RoundUp(std::max<int64_t>(bytes, 1));
-  if (limit_ > 0 && allocated_ + size > limit_) return OutOfMemory(size, category, fmt::format("--memory-limit {:.2f} MiB", limit_ / 1048576.0));
+  if (limit_ > 0 && allocated_ + size > limit_) return OutOfMemory(size, category, fmt::format("--memory-limit {:.2f} MiB", limit_ / kMiB));
   ProcessPending(false);
   Block* b = TakeCached(size, stream);
   if (b == nullptr) {
@@ -90,7 +90,7 @@ Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, Mem category, cuda
     if (code != cudaSuccess) {  // as PyTorch: wait for pending frees, return the cache, try once more
       cudaGetLastError();
       if (Status s = device_wait_(); !s.ok()) {
-        return Error::RunFailed(fmt::format("{} (the out-of-memory retry at {} waited for the device)", s.error().message, phase_));
+        return Error::RunFailed(fmt::format("{} (the out-of-memory retry at {} waited for the device)", s.error().message, namer_(phase_)));
       }
       ProcessPending(true);  // every event has completed: no wait
       b = TakeCached(size, stream);

@@ -23,6 +23,7 @@
 
 #include <cuda_runtime.h>
 
+#include "core/phase.h"
 #include "core/status.h"
 #include "runtime/cuda/cuda_check.h"
 #include "runtime/memory_ledger.h"
@@ -66,13 +67,15 @@ class DeviceAllocator {
 
   /// `bytes` (> 0) for use on `stream`, counted under `category`. RunFailed "out of memory ..."
   /// naming the phase and the largest category when the device (or the limit) is exhausted.
-  Result<DeviceBuffer> Allocate(int64_t bytes, Mem category, cudaStream_t stream);
+  Result<DeviceBuffer> Allocate(int64_t bytes, MemCategory category, cudaStream_t stream);
   /// Called by DeviceBuffer::Release.
   void Free(void* ptr, std::initializer_list<cudaStream_t> also_used_on);
 
-  /// Names what the engine is doing, for the peak's report (a string literal: it is kept by pointer,
-  /// as this is called around every unit's work).
-  void set_phase(const char* phase) { phase_ = phase; }
+  /// The phase the engine is in (core/phase.h), for the peak's report; numbers, as this is called
+  /// around every unit's work.
+  void set_phase(const Phase& phase) { phase_ = phase; }
+  /// Names a phase in messages (the engine's PhaseName of its workload).
+  void set_namer(std::function<std::string(const Phase&)> namer) { namer_ = std::move(namer); }
   /// How the out-of-memory retry waits for the device to finish its work before it returns the
   /// cache (cudaFree would wait for it anyway): the engine's waits, which poll NCCL for errors, so
   /// that a collective that can never finish ends the retry with NCCL's error instead of a hang.
@@ -88,9 +91,9 @@ class DeviceAllocator {
   int64_t reserved() const { return reserved_; }
   int64_t peak_reserved() const { return peak_reserved_; }
   int64_t device_mallocs() const { return mallocs_; }
-  const std::array<int64_t, kMemKinds>& at_peak() const { return at_peak_; }
-  const std::string& peak_phase() const { return peak_phase_; }
-  int64_t live(Mem category) const { return live_[static_cast<int>(category)]; }
+  const CategoryBytes& at_peak() const { return at_peak_; }
+  const Phase& peak_phase() const { return peak_phase_; }
+  int64_t live(MemCategory category) const { return live_[static_cast<int>(category)]; }
 
   static int64_t RoundUp(int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
@@ -100,22 +103,22 @@ class DeviceAllocator {
     int64_t size = 0;  // what cudaMalloc gave
     int64_t used = 0;  // the rounded request it serves now (counted as allocated)
     cudaStream_t stream = nullptr;
-    Mem category = Mem::kTemporaries;
+    MemCategory category = MemCategory::kTemporaries;
     std::vector<cudaEvent_t> pending;  // events on other streams that must complete before reuse
   };
   void ProcessPending(bool wait);
   Block* TakeCached(int64_t size, cudaStream_t stream);
-  Error OutOfMemory(int64_t size, Mem category, const std::string& why) const;
+  Error OutOfMemory(int64_t size, MemCategory category, const std::string& why) const;
 
   std::map<void*, Block> blocks_;                                        // every block cudaMalloc gave
   std::map<cudaStream_t, std::multimap<int64_t, Block*>> pools_;          // free blocks by stream and size
   std::deque<Block*> pending_;                                           // freed, waiting on events, in order
   EventPool events_{cudaEventDisableTiming};
-  std::array<int64_t, kMemKinds> live_{}, at_peak_{};
+  CategoryBytes live_{}, at_peak_{};
   int64_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0, limit_ = 0, mallocs_ = 0;
   std::function<Status()> device_wait_ = [] { return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); };
-  const char* phase_ = "initialisation";
-  std::string peak_phase_;
+  Phase phase_{StepPhase::kInitialisation}, peak_phase_{StepPhase::kInitialisation};
+  std::function<std::string(const Phase&)> namer_ = [](const Phase&) { return std::string("this phase"); };
 };
 
 }  // namespace fsdp::runtime::cuda
