@@ -18,6 +18,7 @@ struct TensorSpec {
   std::vector<int64_t> shape;   ///< as stored in the checkpoint (GPT-2 Conv1D weights are [in, out])
   int block = -1;               ///< decoder block index, -1 outside the blocks
   bool in_linear = false;       ///< owned by an nn.Linear (or GPT-2 Conv1D) module
+  bool trainable = true;        ///< requires_grad: gets a gradient and optimizer states (all of them in full training)
 
   int64_t numel() const;
   /// Owning module path: the name without its last component.

@@ -88,7 +88,7 @@ class Builder {
     Emit(a);
     if (FreesInBackward(c_, reduces)) Reshard(u);
     if (c_.backward_prefetch == BackwardPrefetch::kPost) Prefetch(backward_prefetch_target_[u]);
-    if (!reduces || w_.units[u].numel == 0) return;
+    if (!reduces || w_.units[u].grad_padded_numel == 0) return;  // nothing trainable: nothing to reduce
     Action r{ActionKind::kReduce};
     r.unit = u;
     r.reduce_scatter = Sharded();

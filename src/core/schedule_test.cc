@@ -4,21 +4,18 @@
 
 #include <string>
 
+#include "core/testing/hand_llama.h"
+
 namespace fsdp {
 namespace {
 
-// The hand llama of workload_test.cc: root (embedding, final norm, lm_head), layers.0, layers.1.
-constexpr const char* kHandLlama =
-    R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
-    R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})";
-
+// The hand llama (core/testing/hand_llama.h) on a test GPU of 8 per node.
 Workload Hand(FsdpConfig c) {
-  auto m = ModelFromHfConfig(ParseJson(kHandLlama, "hand.json").value(), "hand", "hand.json");
   HardwareSpec hw;
   hw.id = "test";
   hw.memory_bytes = 1LL << 30;
   hw.gpus_per_node = 8;
-  auto w = BuildWorkload(m.value(), hw, c);
+  auto w = BuildWorkload(testing::HandLlama(), hw, c);
   REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
   return w.value();
 }

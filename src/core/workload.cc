@@ -162,6 +162,12 @@ int64_t Workload::ShardNumelTotal() const {
   return total;
 }
 
+int64_t Workload::GradShardNumelTotal() const {
+  int64_t total = 0;
+  for (const auto& u : units) total += u.grad_shard_numel;
+  return total;
+}
+
 int64_t Workload::PaddedNumelTotal() const {
   int64_t total = 0;
   for (const auto& u : units) total += u.padded_numel;
@@ -243,6 +249,7 @@ void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
       w.tensor_unit[t] = u;
       w.tensor_offset[t] = unit.numel;
       unit.numel += w.model.tensors[t].numel();
+      if (w.model.tensors[t].trainable) unit.trainable_numel += w.model.tensors[t].numel();
     }
   }
 }
@@ -264,6 +271,16 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
     for (auto& u : w.units) {
       u.padded_numel = PaddedNumel(w.model, u.tensors, config, w.shard_world);
       u.shard_numel = u.padded_numel / w.shard_world;
+      if (u.trainable_numel == 0) {
+        u.grad_padded_numel = 0;
+      } else if (u.trainable_numel == u.numel || config.framework == Framework::kFsdp1) {
+        u.grad_padded_numel = u.padded_numel;
+      } else {
+        std::vector<int> trainable;
+        for (int t : u.tensors) if (w.model.tensors[t].trainable) trainable.push_back(t);
+        u.grad_padded_numel = PaddedNumel(w.model, trainable, config, w.shard_world);
+      }
+      u.grad_shard_numel = u.grad_padded_numel / w.shard_world;
     }
   }
   w.hardware = hardware;

@@ -37,6 +37,13 @@ struct WrapUnit {
   int64_t numel = 0;           ///< sum of its parameters' elements
   int64_t padded_numel = 0;    ///< unsharded size after alignment and padding to the shard group
   int64_t shard_numel = 0;     ///< per-rank shard: padded_numel / shard world size
+  int64_t trainable_numel = 0; ///< of numel, the parameters that require gradients
+  /// The gradient FSDP reduces for the unit, padded as the reduce-scatter input: FSDP1 the whole
+  /// flat parameter once any part of it is trainable (its gradient is one flat tensor), FSDP2 the
+  /// trainable parameters only (each padded on dim 0); 0 for a unit with nothing to train.
+  int64_t grad_padded_numel = 0;
+  /// Per rank: grad_padded_numel / shard world size. The sharded gradient and the optimizer states.
+  int64_t grad_shard_numel = 0;
 };
 
 /// A module-tree node reached by a compute segment. Forward segments visit nodes in post-order
@@ -89,6 +96,8 @@ struct Workload {
   int64_t TokensPerMicroBatch() const { return config.micro_batch * config.seq_len; }
   /// Sum of all units' shard_numel (elements each rank stores).
   int64_t ShardNumelTotal() const;
+  /// Sum of all units' grad_shard_numel (elements of each rank's gradients and optimizer states).
+  int64_t GradShardNumelTotal() const;
   /// Sum of all units' padded_numel.
   int64_t PaddedNumelTotal() const;
 };

@@ -141,80 +141,25 @@ TEST_CASE("wrap policies: none, linear and size-based") {
   CHECK(nested.units[0].numel == 128);
 }
 
-TEST_CASE("inconsistent configurations are rejected") {
+TEST_CASE("frozen parameters: FSDP1 still reduces the whole flat parameter, FSDP2 only the trainable ones") {
+  ModelSpec m = HandModel();
+  for (TensorSpec& t : m.tensors) t.trainable = t.name != "model.embed_tokens.weight";
   FsdpConfig c;
-  c.gpus = 12;
-  c.gpus_per_node = 8;
-  auto w = BuildWorkload(HandModel(), Gpu(), c);
-  REQUIRE_FALSE(w.ok());
-  CHECK(w.error().message == "--gpus 12 is not a whole number of nodes of 8 GPUs (--gpus-per-node)");
-
-  c.gpus = 16;
-  c.strategy = Strategy::kHybridShard;
-  c.shard_group_size = 6;
-  w = BuildWorkload(HandModel(), Gpu(), c);
-  REQUIRE_FALSE(w.ok());
-  CHECK(w.error().message == "HYBRID_SHARD shard group of 6 GPUs does not divide --gpus 16");
-
-  c.strategy = Strategy::kFullShard;
-  w = BuildWorkload(HandModel(), Gpu(), c);
-  REQUIRE_FALSE(w.ok());
-  CHECK(w.error().message.starts_with("--shard-group-size only applies to --strategy hybrid_shard"));
-
-  FsdpConfig d;
-  d.micro_batch = 0;
-  CHECK_FALSE(BuildWorkload(HandModel(), Gpu(), d).ok());
-  d.micro_batch = 1;
-  d.no_sync = true;
-  CHECK_FALSE(BuildWorkload(HandModel(), Gpu(), d).ok());
-  d.no_sync = false;
-  d.framework = Framework::kFsdp2;
-  d.strategy = Strategy::kNoShard;
-  CHECK_FALSE(BuildWorkload(HandModel(), Gpu(), d).ok());
-  FsdpConfig e;
-  e.seq_len = 0;
-  CHECK(BuildWorkload(HandModel(), Gpu(), e).value().config.seq_len == 64);  // min(4096, max positions)
-}
-
-TEST_CASE("wrap flag parsing") {
-  FsdpConfig c;
-  CHECK(ParseWrap("size:1e8", c).ok());
-  CHECK(c.wrap == WrapPolicy::kSize);
-  CHECK(c.wrap_min_params == 100'000'000);
-  CHECK_FALSE(ParseWrap("size:-3", c).ok());
-  CHECK_FALSE(ParseWrap("size:", c).ok());
-  CHECK_FALSE(ParseWrap("layer", c).ok());
-}
-
-}  // namespace
-}  // namespace fsdp
-
-namespace fsdp {
-namespace {
-
-TEST_CASE("FSDP1 on one GPU runs every strategy as NO_SHARD; FSDP2 and larger worlds keep theirs") {
-  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kHybridShard}) {
-    FsdpConfig c;
-    c.gpus = 1;
-    c.strategy = s;
-    if (s == Strategy::kHybridShard) c.shard_group_size = 1;
-    CHECK(ApplyFsdp1WorldOfOne(c));
-    CHECK(c.strategy == Strategy::kNoShard);
-    CHECK(c.shard_group_size == 0);
-  }
-  FsdpConfig no_shard;
-  no_shard.gpus = 1;
-  no_shard.strategy = Strategy::kNoShard;
-  CHECK_FALSE(ApplyFsdp1WorldOfOne(no_shard));
-  FsdpConfig two;
-  two.gpus = 2;
-  CHECK_FALSE(ApplyFsdp1WorldOfOne(two));
-  CHECK(two.strategy == Strategy::kFullShard);
-  FsdpConfig fsdp2;
-  fsdp2.gpus = 1;
-  fsdp2.framework = Framework::kFsdp2;
-  CHECK_FALSE(ApplyFsdp1WorldOfOne(fsdp2));
-  CHECK(fsdp2.strategy == Strategy::kFullShard);
+  c.gpus = 3;
+  Workload fsdp1 = BuildWorkload(m, Gpu(), c).value();
+  CHECK(fsdp1.units[0].trainable_numel == 136);  // norm 8 + lm_head 128
+  CHECK(fsdp1.units[0].grad_padded_numel == 264);
+  CHECK(fsdp1.units[0].grad_shard_numel == 88);
+  CHECK(fsdp1.units[1].grad_padded_numel == 594);
+  c.framework = Framework::kFsdp2;
+  Workload fsdp2 = BuildWorkload(m, Gpu(), c).value();
+  // norm [8] -> 9 rows on 3 ranks, lm_head [16, 8] -> 18 rows of 8: 153, 51 per rank
+  CHECK(fsdp2.units[0].grad_padded_numel == 9 + 144);
+  CHECK(fsdp2.units[0].grad_shard_numel == 51);
+  // FSDP2 pads every parameter of a block on dim 0: 9 + 72 + 48 + 48 + 72 + 9 + 3 x 144 = 690, 230 per rank
+  CHECK(fsdp2.GradShardNumelTotal() == 51 + 2 * 230);
+  for (TensorSpec& t : m.tensors) t.trainable = t.block != 1;  // layers.1 frozen whole
+  CHECK(BuildWorkload(m, Gpu(), c).value().units[2].grad_padded_numel == 0);
 }
 
 }  // namespace

@@ -48,7 +48,7 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
   cm.replica_group = ReplicaGroup(w);
   const FsdpConfig& c = w.config;
   const int64_t p = BytesPerElement(c.param_dtype), r = BytesPerElement(c.reduce_dtype), m = BytesPerElement(c.master_dtype);
-  const int64_t reductions = schedule.Reductions();
+  const int64_t step_reductions = schedule.Reductions();
   const bool no_shard = c.strategy == Strategy::kNoShard;
   CommVolume& v = cm.volume;
   CollectiveCache shard_cache(cm.shard_group, w.hardware), replica_cache(cm.replica_group, w.hardware);
@@ -59,37 +59,39 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
     if (unit.numel == 0) { cm.units.push_back(uc); continue; }
     const int64_t gathers_fwd = schedule.ForwardAllGathers(u), gathers_bwd = schedule.BackwardAllGathers(u);
     const int64_t gathers = gathers_fwd + gathers_bwd;
+    // only gradients are reduced: a unit with nothing to train has no reduction
+    const int64_t reductions = unit.grad_padded_numel > 0 ? step_reductions : 0;
     if (no_shard) {
-      uc.all_reduce = replica_cache.Get(Collective::kAllReduce, unit.numel * r);
+      uc.all_reduce = replica_cache.Get(Collective::kAllReduce, unit.numel * r);  // the flat gradient, unpadded
       v.all_reduce_bytes += reductions * unit.numel * r;
       v.all_reduce_count += uc.all_reduce.time_s > 0 ? reductions : 0;
       v.sent_bytes += static_cast<double>(reductions * unit.numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
     } else {
       uc.all_gather = shard_cache.Get(Collective::kAllGather, unit.padded_numel * p);
-      uc.reduce_scatter = shard_cache.Get(Collective::kReduceScatter, unit.padded_numel * r);
+      uc.reduce_scatter = shard_cache.Get(Collective::kReduceScatter, unit.grad_padded_numel * r);
       if (uc.all_gather.time_s > 0) {
         v.forward_all_gather_bytes += gathers_fwd * unit.padded_numel * p;
         v.forward_all_gather_count += gathers_fwd;
         v.backward_all_gather_bytes += gathers_bwd * unit.padded_numel * p;
         v.backward_all_gather_count += gathers_bwd;
-        v.reduce_scatter_bytes += reductions * unit.padded_numel * r;
+        v.reduce_scatter_bytes += reductions * unit.grad_padded_numel * r;
         v.reduce_scatter_count += reductions;
       }
       const double ag_factor = BusFactor(Collective::kAllGather, cm.shard_group.ranks);
-      v.sent_bytes += static_cast<double>(gathers * unit.padded_numel * p + reductions * unit.padded_numel * r) * ag_factor;
+      v.sent_bytes += static_cast<double>(gathers * unit.padded_numel * p + reductions * unit.grad_padded_numel * r) * ag_factor;
       if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
-        uc.all_reduce = replica_cache.Get(Collective::kAllReduce, unit.shard_numel * r);
-        v.all_reduce_bytes += reductions * unit.shard_numel * r;
+        uc.all_reduce = replica_cache.Get(Collective::kAllReduce, unit.grad_shard_numel * r);
+        v.all_reduce_bytes += reductions * unit.grad_shard_numel * r;
         v.all_reduce_count += reductions;
-        v.sent_bytes += static_cast<double>(reductions * unit.shard_numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
+        v.sent_bytes += static_cast<double>(reductions * unit.grad_shard_numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
       }
     }
     const int64_t copies_in = c.cpu_offload ? schedule.Unshards(u) : 0;
     if (c.cpu_offload) {
       uc.host_to_device_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
-      uc.device_to_host_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
+      uc.device_to_host_s = HostCopySeconds(unit.grad_shard_numel * m, w.hardware);
       v.host_to_device_bytes += copies_in * unit.shard_numel * m;
-      v.device_to_host_bytes += reductions * unit.shard_numel * m;
+      v.device_to_host_bytes += reductions * unit.grad_shard_numel * m;
     }
     v.total_comm_s += static_cast<double>(gathers) * uc.all_gather.time_s +
                       static_cast<double>(reductions) * (uc.reduce_scatter.time_s + uc.all_reduce.time_s + uc.device_to_host_s) +

@@ -19,6 +19,7 @@ constexpr double kFlashBackwardFactor = 2.5;
 
 struct NodeWork {
   double gemm_flops = 0;        // forward GEMMs of the node's own weights, per micro-batch
+  double frozen_gemm_flops = 0; // of those, the ones of weights without gradients: no weight-gradient GEMM in backward
   double attention_flops = 0;   // forward score and value products
   double traffic_bytes = 0;     // forward memory-bound traffic
 };
@@ -37,6 +38,7 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
       share = static_cast<double>(m.experts_per_token) / static_cast<double>(m.num_experts);
     }
     work.gemm_flops += 2.0 * static_cast<double>(ts.numel()) * tokens * share;
+    if (!ts.trainable) work.frozen_gemm_flops += 2.0 * static_cast<double>(ts.numel()) * tokens * share;
   }
   const bool flash = w.config.attention == Attention::kFlash;
   const double seq = static_cast<double>(w.config.seq_len);
@@ -45,7 +47,11 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
     work.attention_flops = 4.0 * keys * static_cast<double>(m.num_heads * m.head_dim) * tokens;
     work.traffic_bytes = traffic_per_saved_byte * static_cast<double>(block.FullBytes());
   } else if (n.role == ModuleNode::Role::kLmHead) {
-    if (n.tensors.empty()) work.gemm_flops += 2.0 * static_cast<double>(m.vocab_size * m.hidden_size) * tokens;  // tied
+    if (n.tensors.empty()) {  // tied: the embedding's weight
+      const double flops = 2.0 * static_cast<double>(m.vocab_size * m.hidden_size) * tokens;
+      work.gemm_flops += flops;
+      if (!m.tensors.front().trainable) work.frozen_gemm_flops += flops;
+    }
     work.traffic_bytes = traffic_per_saved_byte *
                          static_cast<double>(head.logits_bytes + head.loss_saved_bytes + head.loss_forward_transient_bytes);
   } else if (n.role == ModuleNode::Role::kFinalNorm) {
@@ -108,7 +114,7 @@ std::vector<bool> OpRecomputedMatmuls(const Workload& w) {
 }  // namespace
 
 double OptimizerSeconds(const Workload& w) {
-  const double elements = static_cast<double>(w.ShardNumelTotal());
+  const double elements = static_cast<double>(w.GradShardNumelTotal());
   const bool adam = w.config.optimizer == Optimizer::kAdamW || w.config.optimizer == Optimizer::kAdam;
   if (w.config.cpu_offload) return elements / kHostAdamElementsPerSecond * (adam ? 1.0 : kSgdBytesPerElement / kAdamBytesPerElement);
   const double bytes = elements * (adam ? kAdamBytesPerElement : kSgdBytesPerElement);
@@ -136,11 +142,13 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
     UnitCompute& u = cm.units[OwningUnit(w, id)];
     NodeCompute& own = cm.nodes[id];
     const double fwd_flops = work.gemm_flops + work.attention_flops;
-    const double bwd_flops = kBackwardGemmFactor * work.gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
+    // backward: the input gradient of every GEMM, the weight gradient of the trainable ones
+    const double bwd_gemm_flops = kBackwardGemmFactor * work.gemm_flops - work.frozen_gemm_flops;
+    const double bwd_flops = bwd_gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
     const double attn_bwd = (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
     const double fwd_s = work.gemm_flops / gemm_rate + work.attention_flops / attention_rate + work.traffic_bytes / mem_rate;
     own.forward_s = fwd_s;
-    own.backward_s = kBackwardGemmFactor * work.gemm_flops / gemm_rate + attn_bwd / attention_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
+    own.backward_s = bwd_gemm_flops / gemm_rate + attn_bwd / attention_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
     double recompute_flops = 0;
     const int block_index = EnclosingBlock(w, id);
     if (ac == Checkpointing::kFull && block_index >= 0 && BlockCheckpointed(w.config, block_index)) {

@@ -57,11 +57,11 @@ class StepPlayer {
   void PlayStep(CategoryBytes& host) {
     phases_.Enter(StepPhase::kStart);
     mem_.SetPhase(phases_.phase());
-    const int64_t shard_elems = w_.ShardNumelTotal();
-    const int64_t state_bytes = OptimizerStateBytesPerParam(c_.optimizer) * shard_elems;
+    const int64_t shard_elems = w_.ShardNumelTotal(), trainable_elems = w_.GradShardNumelTotal();
+    const int64_t state_bytes = OptimizerStateBytesPerParam(c_.optimizer) * trainable_elems;
     if (c_.cpu_offload) {
       host[static_cast<int>(Cat::kShardedParams)] = shard_elems * mb_;
-      host[static_cast<int>(Cat::kGradients)] = shard_elems * mb_;
+      host[static_cast<int>(Cat::kGradients)] = trainable_elems * mb_;
       host[static_cast<int>(Cat::kOptimizerStates)] = state_bytes;
     } else {
       for (const auto& u : w_.units) mem_.Alloc(Cat::kShardedParams, u.shard_numel * mb_);
@@ -235,7 +235,8 @@ class StepPlayer {
       BackwardActivations(v.node);
       return;
     }
-    for (int t : node.tensors) {
+    for (int t : node.tensors) {  // autograd's gradients of the parameters that require them
+      if (!w_.model.tensors[t].trainable) continue;
       unit_grad_pieces_[OwningUnit(v.node)].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
     }
     for (size_t i = transient_starts_.back(); i < transients_.size(); ++i) mem_.Free(transients_[i]);
@@ -310,7 +311,7 @@ class StepPlayer {
     const BlockId computed = std::exchange(reduce_grad_[u], kNoBlock);
     BlockId shard = Fsdp2() ? ReduceFsdp2(unit, computed) : ReduceFsdp1(unit, computed);
     if (rb_ != mb_) {
-      BlockId upcast = mem_.Alloc(Cat::kGradients, unit.shard_numel * mb_);
+      BlockId upcast = mem_.Alloc(Cat::kGradients, unit.grad_shard_numel * mb_);
       if (shard != computed) mem_.Free(shard);
       shard = upcast;
     }
@@ -325,16 +326,18 @@ class StepPlayer {
   // parameter's gradient (split_with_sizes backward); FSDP2 keeps per-parameter gradients.
   BlockId GatherUnitGrad(int u) {
     auto& pieces = unit_grad_pieces_[u];
+    const WrapUnit& unit = w_.units[u];
     BlockId grad = kNoBlock;
-    if (!Fsdp2() && pieces.size() > 1) {
-      grad = mem_.Alloc(Cat::kGradients, w_.units[u].numel * pb_);
-      for (BlockId& b : pieces) mem_.Free(b);
-    } else if (pieces.size() == 1) {
-      grad = pieces.front();
+    if (pieces.size() == 1 && (Fsdp2() || unit.tensors.size() == 1)) {
+      grad = pieces.front();  // one parameter: its gradient is the unit's
     } else if (!pieces.empty()) {
-      // FSDP2: account the per-parameter gradients as one block (they are freed together).
-      for (BlockId& b : pieces) mem_.Free(b);
-      grad = mem_.Alloc(Cat::kGradients, w_.units[u].numel * pb_);
+      // FSDP1 concatenates the views' gradients into the flat parameter's, whole-size even when
+      // part of it is frozen (use_orig_params); FSDP2's per-parameter gradients are accounted as
+      // one block (they are freed together)
+      const int64_t numel = Fsdp2() ? unit.trainable_numel : unit.numel;
+      if (Fsdp2()) for (BlockId& b : pieces) mem_.Free(b);
+      grad = mem_.Alloc(Cat::kGradients, numel * pb_);
+      if (!Fsdp2()) for (BlockId& b : pieces) mem_.Free(b);
     }
     pieces.clear();
     return grad;
@@ -367,9 +370,9 @@ class StepPlayer {
   // reduce-scatters it into a shard; the input is kept until the next post_backward.
   BlockId ReduceFsdp2(const WrapUnit& unit, BlockId grad) {
     mem_.Free(fsdp2_rs_deferred_);
-    BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * rb_);
+    BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.grad_padded_numel * rb_);
     mem_.Free(grad);
-    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * rb_);
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.grad_shard_numel * rb_);
     fsdp2_rs_deferred_ = input;
     return shard;
   }
@@ -390,7 +393,7 @@ class StepPlayer {
   void OptimizerStep() {
     if (!c_.cpu_offload && (c_.optimizer == Optimizer::kAdamW || c_.optimizer == Optimizer::kAdam)) {
       // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), one fp32 shard-size temporary.
-      BlockId temp = mem_.Alloc(Cat::kOptimizerStates, w_.ShardNumelTotal() * 4);
+      BlockId temp = mem_.Alloc(Cat::kOptimizerStates, w_.GradShardNumelTotal() * 4);
       mem_.Free(temp);
     }
     phases_.Enter(StepPhase::kAfterZeroGrad);
@@ -439,12 +442,14 @@ CheckpointMemory EstimateCheckpoint(const Workload& w) {
   ck.full_offload_gpu_extra_bytes = largest_unit * mb;
   ck.full_offload_host_rank0_bytes = params * mb;
   ck.full_offload_host_per_node_bytes = params * mb * w.config.gpus_per_node;
-  ck.full_optim_host_rank0_bytes = params * states;
+  int64_t trainable = 0;
+  for (const TensorSpec& t : w.model.tensors) trainable += t.trainable ? t.numel() : 0;
+  ck.full_optim_host_rank0_bytes = trainable * states;
   ck.sharded_gpu_extra_bytes = 0;
   ck.model_file_bytes = params * mb;
-  ck.optimizer_file_bytes = params * states;
+  ck.optimizer_file_bytes = trainable * states;
   const int64_t writers = w.config.strategy == Strategy::kNoShard ? 1 : w.shard_world;
-  ck.sharded_file_bytes_per_rank = CeilDiv(params * (mb + states), writers);
+  ck.sharded_file_bytes_per_rank = CeilDiv(params * mb + trainable * states, writers);
   return ck;
 }
 

@@ -114,6 +114,42 @@ TEST_CASE("AdamW adds 8 bytes per sharded element and a foreach temporary at the
   CHECK(Cat(EstimateMemory(Build(c), Exact()), MemCategory::kOptimizerStates) == 4 * 484);
 }
 
+TEST_CASE("a frozen parameter has no gradient and, under FSDP2, no optimizer state") {
+  FsdpConfig c = HandConfig();
+  c.framework = Framework::kFsdp2;
+  c.optimizer = Optimizer::kAdamW;
+  const Workload all = Build(c);
+  ModelSpec frozen_embedding = all.model;
+  for (TensorSpec& t : frozen_embedding.tensors) t.trainable = t.name != "model.embed_tokens.weight";
+  const Workload w = BuildWorkload(frozen_embedding, all.hardware, c).value();
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const MemoryEstimate m = EstimateMemory(w, exact), reference = EstimateMemory(all, exact);
+  // AdamW's 8 bytes per element of the trainable shards (FSDP2's per-parameter padding, workload_test):
+  // the root's 51 of its 99 and the blocks' 230 each
+  const auto states = [](const MemoryEstimate& e) {
+    int64_t most = 0;
+    for (const MemoryPoint& p : e.timeline) {
+      if (p.phase == "start of step") most = std::max(most, p.device[static_cast<int>(MemCategory::kOptimizerStates)]);
+    }
+    return most;
+  };
+  CHECK(states(m) == 8 * (51 + 2 * 230));
+  CHECK(states(reference) == 8 * (99 + 2 * 230));
+  // the embedding's backward allocates its gradient (128 fp32 elements) when it trains, nothing when frozen
+  const auto embedding_backward = [](const MemoryEstimate& e) {
+    for (size_t i = 1; i < e.timeline.size(); ++i) {
+      if (e.timeline[i].phase == "backward: model.embed_tokens") return static_cast<int>(i);
+    }
+    return -1;
+  };
+  const int first = embedding_backward(reference);
+  REQUIRE(first > 0);
+  const auto grads = [](const MemoryPoint& p) { return p.device[static_cast<int>(MemCategory::kGradients)]; };
+  CHECK(grads(reference.timeline[first]) - grads(reference.timeline[first - 1]) == 128 * 4);
+  CHECK(embedding_backward(m) == -1);
+}
+
 TEST_CASE("allocations are rounded to 512 bytes like PyTorch's caching allocator") {
   MemoryOptions o;  // rounding 512, no framework terms
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);

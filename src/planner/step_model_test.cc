@@ -29,70 +29,6 @@ FsdpConfig ThreeRanks() {
   return c;
 }
 
-TEST_CASE("collective inventory per step (FULL_SHARD, 3 ranks, fp32)") {
-  CommModel cm = EstimateComm(Build(ThreeRanks()));
-  const CommVolume& v = cm.volume;
-  // forward: root 264 + two blocks padded to 594, 4 bytes each; backward re-gathers the blocks only.
-  CHECK(v.forward_all_gather_count == 3);
-  CHECK(v.forward_all_gather_bytes == (264 + 594 + 594) * 4);
-  CHECK(v.backward_all_gather_count == 2);
-  CHECK(v.backward_all_gather_bytes == 2 * 594 * 4);
-  CHECK(v.reduce_scatter_count == 3);
-  CHECK(v.reduce_scatter_bytes == (264 + 594 + 594) * 4);
-  CHECK(v.all_reduce_count == 0);
-  CHECK(v.sent_bytes == doctest::Approx((5808.0 + 4752 + 5808) * 2 / 3));
-}
-
-TEST_CASE("collective inventory follows strategy, accumulation and no_sync") {
-  FsdpConfig c = ThreeRanks();
-  c.strategy = Strategy::kShardGradOp;
-  CHECK(EstimateComm(Build(c)).volume.backward_all_gather_count == 0);
-  c.strategy = Strategy::kNoShard;
-  CommVolume ddp = EstimateComm(Build(c)).volume;
-  CHECK(ddp.forward_all_gather_count == 0);
-  CHECK(ddp.all_reduce_count == 3);
-  CHECK(ddp.all_reduce_bytes == 1448 * 4);  // unpadded, reduce dtype
-  c.strategy = Strategy::kFullShard;
-  c.grad_accum = 4;
-  CommVolume accum = EstimateComm(Build(c)).volume;
-  CHECK(accum.forward_all_gather_count == 12);
-  CHECK(accum.reduce_scatter_count == 12);
-  c.no_sync = true;
-  CommVolume no_sync = EstimateComm(Build(c)).volume;
-  CHECK(no_sync.forward_all_gather_count == 12);
-  CHECK(no_sync.reduce_scatter_count == 3);
-  // SHARD_GRAD_OP under no_sync: FSDP1 keeps the parameters unsharded from one micro-batch to the
-  // next (_should_free_in_backward), so each unit is gathered once per step; FSDP2 reshards after
-  // every backward and gathers in every micro-batch
-  c.strategy = Strategy::kShardGradOp;
-  CommVolume zero2 = EstimateComm(Build(c)).volume;
-  CHECK(zero2.forward_all_gather_count == 3);
-  CHECK(zero2.forward_all_gather_bytes == (264 + 594 + 594) * 4);
-  CHECK(zero2.backward_all_gather_count == 0);
-  c.framework = Framework::kFsdp2;
-  const CommModel fsdp2 = EstimateComm(Build(c));
-  CHECK(fsdp2.volume.forward_all_gather_count == 12);
-  // the communication time counts the same: three more all-gathers per unit for FSDP2
-  double gather_s = 0;
-  for (const UnitComm& u : fsdp2.units) gather_s += u.all_gather.time_s;
-  CHECK(fsdp2.volume.total_comm_s - zero2.total_comm_s == doctest::Approx(3 * gather_s));
-  c.framework = Framework::kFsdp1;
-  c.no_sync = false;
-  CHECK(EstimateComm(Build(c)).volume.forward_all_gather_count == 12);
-}
-
-TEST_CASE("HYBRID_SHARD: reduce-scatter in the node, all-reduce of the shard across nodes") {
-  FsdpConfig c = ThreeRanks();
-  c.gpus = 16;
-  c.strategy = Strategy::kHybridShard;
-  CommModel cm = EstimateComm(Build(c));
-  CHECK(cm.shard_group.ranks == 8);
-  CHECK(cm.replica_group.ranks == 2);
-  CHECK(cm.replica_group.ranks_per_node == 1);
-  CHECK(cm.volume.all_reduce_count == 3);
-  CHECK(cm.volume.all_reduce_bytes == (33 + 74 + 74) * 4);  // shards of 264, 592 -> 592/8 = 74
-}
-
 // Known durations by role: embedding 0.25 s forward and backward, lm_head with the loss 0.75 s,
 // each block 2 s forward and 4 s backward; the optimizer 0.5 s.
 ComputeModel HandDurations(const Workload& w) {
@@ -149,41 +85,6 @@ TEST_CASE("invariants: compute <= step <= compute + all communication; infinite 
   CommModel comm = EstimateComm(w);
   for (auto& u : comm.units) u = UnitComm{};  // zero-time communication
   CHECK(EstimateStep(w, cm, comm).step_s == doctest::Approx(cm.compute_s_per_step));
-}
-
-TEST_CASE("activation traffic: the given bytes per saved byte in forward, twice that in backward") {
-  Workload w = Build(ThreeRanks());
-  const double mem_rate = w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency;
-  const ComputeModel none = EstimateCompute(w, 0.0), eager = EstimateCompute(w), fused = EstimateCompute(w, 5.0);
-  // Unit 1 is model.layers.0: its block saves 1120 bytes for 2 fp32 tokens (memory_model_test.cc).
-  CHECK(eager.units[1].forward_s - none.units[1].forward_s == doctest::Approx(kEagerTrafficPerSavedByte * 1120 / mem_rate));
-  CHECK(eager.units[1].backward_s - none.units[1].backward_s == doctest::Approx(2 * kEagerTrafficPerSavedByte * 1120 / mem_rate));
-  CHECK(fused.units[1].forward_s - none.units[1].forward_s == doctest::Approx(5.0 * 1120 / mem_rate));
-  CHECK(kEagerTrafficPerSavedByte == 10.0);
-}
-
-TEST_CASE("--ac-every 2 recomputes every second block only") {
-  FsdpConfig c = ThreeRanks();
-  c.checkpointing = Checkpointing::kFull;
-  const ComputeModel all = EstimateCompute(Build(c));
-  c.ac_every = 2;
-  const ComputeModel every2 = EstimateCompute(Build(c));
-  // units: 0 root, 1 model.layers.0, 2 model.layers.1; blocks 2, 4, ... counting from 1 rerun
-  CHECK(all.units[1].recompute_flops > 0);
-  CHECK(every2.units[1].recompute_flops == 0);
-  CHECK(every2.units[2].recompute_flops == all.units[2].recompute_flops);
-  CHECK(every2.units[2].recompute_flops == all.units[2].forward_flops);
-}
-
-TEST_CASE("--ac selective-op reruns every second matmul of a block (k, o, up) and, with eager attention, the attention core") {
-  FsdpConfig c = ThreeRanks();
-  c.checkpointing = Checkpointing::kSelectiveOp;
-  c.attention = Attention::kFlash;
-  // per block: the k (4 x 8), o (8 x 8) and up (16 x 8) weights, 2 tokens: 2 x 224 x 2 FLOPs; SDPA's output is kept
-  CHECK(EstimateCompute(Build(c)).units[1].recompute_flops == 896);
-  c.attention = Attention::kEager;
-  // plus the scores and probabilities x V: 4 x 2 keys x 8 (heads x head_dim) x 2 tokens
-  CHECK(EstimateCompute(Build(c)).units[1].recompute_flops == 896 + 128);
 }
 
 TEST_CASE("zero compute gives the communication time") {

@@ -68,6 +68,13 @@ AdamCorrections AdamBiasCorrections(const TrainOptions& o, int64_t steps_taken) 
   return {1.0f - std::pow(o.beta1, t), 1.0f - std::pow(o.beta2, t)};
 }
 
+Status CheckEveryParameterTrains(const Workload& w) {
+  for (const TensorSpec& t : w.model.tensors) {
+    if (!t.trainable) return Error::BadInput(fmt::format("fsdp-run trains every parameter; {} is frozen", t.name));
+  }
+  return {};
+}
+
 uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   const FsdpConfig& c = w.config;
   uint64_t h = 1469598103934665603ULL;
@@ -94,6 +101,7 @@ Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& 
     return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start as many ranks as --gpus)", w.config.gpus, world.size()));
   }
   if (Status s = CheckLossScalerOptions(o.loss_scaling); !s.ok()) return s.error();
+  if (Status s = CheckEveryParameterTrains(w); !s.ok()) return s.error();
   if (Status s = world.CheckSame(ConfigFingerprint(w, o), "configurations"); !s.ok()) return s.error();
   std::unique_ptr<FsdpEngine> e(new FsdpEngine(w, world, o));
   e->dims_ = dims.value();

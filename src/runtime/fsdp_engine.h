@@ -127,6 +127,10 @@ struct AdamCorrections {
 };
 AdamCorrections AdamBiasCorrections(const TrainOptions& options, int64_t steps_taken);
 
+/// fsdp-run's engines train every parameter: BadInput naming the first frozen one otherwise (a
+/// training mode with frozen weights is planned by fsdp-plan and fsdp-sim only).
+Status CheckEveryParameterTrains(const Workload& workload);
+
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).
 uint64_t ConfigFingerprint(const Workload& workload, const TrainOptions& options);
 

@@ -49,29 +49,46 @@ struct StreamInfo {
   int rank = 0;
 };
 
+/// Build, then run once: add streams, links and events, then ops (each naming a stream, the
+/// events it waits for and the event it records, all returned by this engine), then CPU threads
+/// whose programs launch those ops; Run() plays everything. Ids are dense indices in creation
+/// order. The engine never fails: an op waiting for an event no op records, or a collective some
+/// rank never launches, stays unstarted (start_ns and end_ns kNever) and a thread that synchronises
+/// on such an event never finishes (CpuFinish kNever); callers check. Single-threaded.
 class Engine {
  public:
-  /// `launch_overhead_ns`: CPU time per LaunchOp.
+  /// `launch_overhead_ns` (>= 0): CPU time each LaunchOp costs its thread.
   explicit Engine(TimeNs launch_overhead_ns) : launch_overhead_ns_(launch_overhead_ns) {}
 
+  /// A new in-order stream of `rank` (rank only labels it and groups it in reports).
   StreamId AddStream(std::string name, int rank);
+  /// A link whose `share_capacity` (1.0: one transfer at full speed) concurrent transfers share
+  /// equally; an op's bandwidth part runs on its link.
   int AddLink(double share_capacity = 1.0);
+  /// A new event, fired when the op recording it completes.
   EventId AddEvent();
+  /// Registers an op (not yet launched: a thread's LaunchOp enqueues it on its stream). `op.stream`,
+  /// `op.link` (-1: none) and the events in `op.waits` and `op.records` must come from this engine.
   OpId AddOp(Op op);
-  /// Declares a collective made of these ops (one per participating rank).
+  /// Declares a collective made of these ops (one per participating rank): none starts before all
+  /// are at the head of their streams with their waits fired; they then start together.
   int AddCollective(const std::vector<OpId>& ops);
-  /// Adds a CPU thread running `program`; returns its index.
+  /// Adds a CPU thread running `program` from time 0; returns its index.
   int AddCpuThread(std::vector<CpuAction> program);
 
-  /// Runs until every thread finished its program and every stream drained. Returns the time of
-  /// the last completion.
+  /// Runs until no event is left: every thread at the end of its program (or blocked for ever) and
+  /// every stream drained (or stuck). Deterministic: ties go by (time, insertion sequence).
+  /// Returns the time of the last completion. Call once.
   TimeNs Run();
 
+  /// After Run: the ops with their start and end times (kNever: never ran).
   const std::vector<Op>& ops() const { return ops_; }
   const std::vector<StreamInfo>& streams() const { return streams_; }
+  /// Heap events processed by Run (the simulator's cost measure).
   int64_t events_processed() const { return events_processed_; }
   /// Time each Marker key was reached (kNever if not).
   TimeNs MarkerTime(int key) const { return key < static_cast<int>(markers_.size()) ? markers_[key] : kNever; }
+  /// When thread `thread` finished its program (kNever: blocked for ever).
   TimeNs CpuFinish(int thread) const { return threads_[thread].finish_ns; }
   /// CPU time a thread spent blocked in SyncEvent.
   TimeNs CpuBlocked(int thread) const { return threads_[thread].blocked_ns; }

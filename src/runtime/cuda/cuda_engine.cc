@@ -705,6 +705,7 @@ Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& w, Comm& host
     return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start one rank per GPU, or use --virtual-world)", w.config.gpus, host.size()));
   }
   if (Status s = CheckLossScalerOptions(o.loss_scaling); !s.ok()) return s.error();
+  if (Status s = CheckEveryParameterTrains(w); !s.ok()) return s.error();
   if (Status s = host.CheckSame(ConfigFingerprint(w, o), "configurations"); !s.ok()) return s.error();
   auto engine = std::make_unique<cuda::CudaEngine>(w, host, o);
   if (Status s = engine->Init(virtual_world); !s.ok()) return s.error();

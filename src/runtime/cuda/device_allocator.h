@@ -9,7 +9,12 @@
 // the sum of the live requests rounded to 512 B (not the size of the cached block serving them)
 // and falls at Free() (a block waiting on another stream's event no longer counts, unlike
 // PyTorch, which counts it until the event completes): the series depends only on the order of
-// calls, not on GPU timing or on which cached block was reused. "reserved" is what cudaMalloc gave. The categories are recorded at the allocated peak, with the phase the engine named last.
+// calls, not on GPU timing or on which cached block was reused. "reserved" is what cudaMalloc gave.
+// The categories are recorded at the allocated peak, with the phase the engine named last.
+//
+// Contract: one allocator per device, used from one host thread; it must outlive every
+// DeviceBuffer it handed out (declare it before them); its destructor waits for pending events
+// and returns every block to the device.
 #pragma once
 
 #include <array>
@@ -65,10 +70,15 @@ class DeviceAllocator {
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
-  /// `bytes` (> 0) for use on `stream`, counted under `category`. RunFailed "out of memory ..."
-  /// naming the phase and the largest category when the device (or the limit) is exhausted.
+  /// `bytes` (> 0; 0 is served as 1) for use on `stream`, counted under `category`: a cached
+  /// block of that stream when one fits, else cudaMalloc. Errors: OutOfMemory ("out of memory at
+  /// <phase> ...", naming the largest category) when the device, after the retry that returns the
+  /// cache, or the limit is exhausted; RunFailed when the retry's wait for the device fails (a
+  /// collective NCCL reports broken). On error nothing is allocated.
   Result<DeviceBuffer> Allocate(int64_t bytes, MemCategory category, cudaStream_t stream);
-  /// Called by DeviceBuffer::Release.
+  /// Returns the block at `ptr` (from Allocate) to its stream's pool, at once when no other stream
+  /// used it, else once events recorded now on `also_used_on` have completed. Called by
+  /// DeviceBuffer::Release; `allocated` drops at once either way.
   void Free(void* ptr, std::initializer_list<cudaStream_t> also_used_on);
 
   /// The phase the engine is in (core/phase.h), for the peak's report; numbers, as this is called
@@ -83,18 +93,24 @@ class DeviceAllocator {
   void set_device_wait(std::function<Status()> wait) { device_wait_ = std::move(wait); }
   /// Rehearses an out-of-memory: allocated bytes may not exceed this (0: no limit).
   void set_limit(int64_t bytes) { limit_ = bytes; }
-  /// Returns every cached block to the device.
+  /// Returns every cached block (in the pools, not the pending ones) to the device with cudaFree,
+  /// which waits for the device; RunFailed naming the call if one fails.
   Status EmptyCache();
 
+  /// Bytes of the live requests (rounded to 512), now and at their highest.
   int64_t allocated() const { return allocated_; }
   int64_t peak_allocated() const { return peak_allocated_; }
+  /// Bytes cudaMalloc gave and not freed, now and at their highest.
   int64_t reserved() const { return reserved_; }
   int64_t peak_reserved() const { return peak_reserved_; }
+  /// cudaMalloc calls so far.
   int64_t device_mallocs() const { return mallocs_; }
+  /// Allocated bytes by category, and the phase, at the allocated peak.
   const CategoryBytes& at_peak() const { return at_peak_; }
   const Phase& peak_phase() const { return peak_phase_; }
   int64_t live(MemCategory category) const { return live_[static_cast<int>(category)]; }
 
+  /// PyTorch's kMinBlockSize rounding: the size a request of `bytes` is counted as.
   static int64_t RoundUp(int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
  private:

@@ -1,0 +1,146 @@
+#include "core/fsdp_config.h"
+
+#include <doctest/doctest.h>
+
+#include <cctype>
+#include <string>
+
+#include "core/testing/hand_llama.h"
+
+namespace fsdp {
+namespace {
+
+using testing::HandLlama;
+
+HardwareSpec Gpu() {
+  HardwareSpec hw;
+  hw.id = "test";
+  hw.memory_bytes = 1LL << 30;
+  hw.gpus_per_node = 8;
+  return hw;
+}
+
+TEST_CASE("inconsistent configurations are rejected") {
+  FsdpConfig c;
+  c.gpus = 12;
+  c.gpus_per_node = 8;
+  auto w = BuildWorkload(HandLlama(), Gpu(), c);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message == "--gpus 12 is not a whole number of nodes of 8 GPUs (--gpus-per-node)");
+
+  c.gpus = 16;
+  c.strategy = Strategy::kHybridShard;
+  c.shard_group_size = 6;
+  w = BuildWorkload(HandLlama(), Gpu(), c);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message == "HYBRID_SHARD shard group of 6 GPUs does not divide --gpus 16");
+
+  c.strategy = Strategy::kFullShard;
+  w = BuildWorkload(HandLlama(), Gpu(), c);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message.starts_with("--shard-group-size only applies to --strategy hybrid_shard"));
+
+  FsdpConfig d;
+  d.micro_batch = 0;
+  CHECK_FALSE(BuildWorkload(HandLlama(), Gpu(), d).ok());
+  d.micro_batch = 1;
+  d.no_sync = true;
+  CHECK_FALSE(BuildWorkload(HandLlama(), Gpu(), d).ok());
+  d.no_sync = false;
+  d.framework = Framework::kFsdp2;
+  d.strategy = Strategy::kNoShard;
+  CHECK_FALSE(BuildWorkload(HandLlama(), Gpu(), d).ok());
+  FsdpConfig e;
+  e.seq_len = 0;
+  CHECK(BuildWorkload(HandLlama(), Gpu(), e).value().config.seq_len == 64);  // min(4096, max positions)
+}
+
+TEST_CASE("wrap flag parsing") {
+  FsdpConfig c;
+  CHECK(ParseWrap("size:1e8", c).ok());
+  CHECK(c.wrap == WrapPolicy::kSize);
+  CHECK(c.wrap_min_params == 100'000'000);
+  CHECK_FALSE(ParseWrap("size:-3", c).ok());
+  CHECK_FALSE(ParseWrap("size:", c).ok());
+  CHECK_FALSE(ParseWrap("layer", c).ok());
+}
+
+TEST_CASE("FSDP1 on one GPU runs every strategy as NO_SHARD; FSDP2 and larger worlds keep theirs") {
+  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kHybridShard}) {
+    FsdpConfig c;
+    c.gpus = 1;
+    c.strategy = s;
+    if (s == Strategy::kHybridShard) c.shard_group_size = 1;
+    CHECK(ApplyFsdp1WorldOfOne(c));
+    CHECK(c.strategy == Strategy::kNoShard);
+    CHECK(c.shard_group_size == 0);
+  }
+  FsdpConfig no_shard;
+  no_shard.gpus = 1;
+  no_shard.strategy = Strategy::kNoShard;
+  CHECK_FALSE(ApplyFsdp1WorldOfOne(no_shard));
+  FsdpConfig two;
+  two.gpus = 2;
+  CHECK_FALSE(ApplyFsdp1WorldOfOne(two));
+  CHECK(two.strategy == Strategy::kFullShard);
+  FsdpConfig fsdp2;
+  fsdp2.gpus = 1;
+  fsdp2.framework = Framework::kFsdp2;
+  CHECK_FALSE(ApplyFsdp1WorldOfOne(fsdp2));
+  CHECK(fsdp2.strategy == Strategy::kFullShard);
+}
+
+TEST_CASE("names parse back to what they name; unknown names are refused with the choices") {
+  for (Strategy s : {Strategy::kFullShard, Strategy::kShardGradOp, Strategy::kNoShard, Strategy::kHybridShard}) {
+    std::string lower(StrategyName(s));
+    for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    REQUIRE(ParseStrategy(lower).ok());
+    CHECK(ParseStrategy(lower).value() == s);
+  }
+  for (Checkpointing a : {Checkpointing::kNone, Checkpointing::kSelective, Checkpointing::kSelectiveOp, Checkpointing::kFull}) {
+    CHECK(ParseCheckpointing(CheckpointingName(a)).value() == a);
+  }
+  for (Framework f : {Framework::kFsdp1, Framework::kFsdp2}) CHECK(ParseFramework(FrameworkName(f)).value() == f);
+  for (BackwardPrefetch p : {BackwardPrefetch::kPre, BackwardPrefetch::kPost, BackwardPrefetch::kNone}) {
+    CHECK(ParseBackwardPrefetch(BackwardPrefetchName(p)).value() == p);
+  }
+  for (Attention a : {Attention::kEager, Attention::kFlash}) CHECK(ParseAttention(AttentionName(a)).value() == a);
+  CHECK_FALSE(ParseStrategy("zero3").ok());
+  CHECK(ParseStrategy("zero3").error().message.find("zero3") != std::string::npos);
+  CHECK_FALSE(ParseOptimizer("lion").ok());
+  CHECK_FALSE(ParseFramework("fsdp3").ok());
+}
+
+TEST_CASE("shard group and replicas per strategy") {
+  FsdpConfig c;
+  c.gpus = 16;
+  c.gpus_per_node = 8;
+  REQUIRE(ResolveAndValidate(c, HandLlama(), Gpu()).ok());
+  CHECK(ShardWorldSize(c) == 16);
+  CHECK(ReplicaCount(c) == 1);
+  c.strategy = Strategy::kNoShard;
+  CHECK(ShardWorldSize(c) == 1);
+  CHECK(ReplicaCount(c) == 16);
+  c.strategy = Strategy::kHybridShard;
+  REQUIRE(ResolveAndValidate(c, HandLlama(), Gpu()).ok());
+  CHECK(c.shard_group_size == 8);  // one node by default
+  CHECK(ShardWorldSize(c) == 8);
+  CHECK(ReplicaCount(c) == 2);
+}
+
+TEST_CASE("which blocks run under activation checkpointing") {
+  FsdpConfig c;
+  CHECK_FALSE(BlockCheckpointed(c, 0));
+  c.checkpointing = Checkpointing::kSelective;
+  CHECK(BlockCheckpointed(c, 0));
+  c.checkpointing = Checkpointing::kFull;
+  c.ac_every = 3;  // blocks 2, 5, 8, ... counting from 0
+  CHECK_FALSE(BlockCheckpointed(c, 0));
+  CHECK_FALSE(BlockCheckpointed(c, 1));
+  CHECK(BlockCheckpointed(c, 2));
+  CHECK(BlockCheckpointed(c, 5));
+  CHECK(OpCheckpointingModelled(HandLlama()));
+}
+
+}  // namespace
+}  // namespace fsdp
