@@ -143,7 +143,7 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   }
   if (c.seq_len == 0) c.seq_len = std::min<int64_t>(4096, model.max_position_embeddings);
   if (Status s = CheckRange("--seq-len", c.seq_len, kMaxSeqLen); !s.ok()) return s;
-  if (model.family == ModelFamily::kGpt2 && c.seq_len > model.max_position_embeddings) {
+  if (!model.arch.names.positions.empty() && c.seq_len > model.max_position_embeddings) {
     return Error::BadInput(fmt::format("--seq-len {} exceeds {}'s {} learned positions (n_positions)", c.seq_len, model.id, model.max_position_embeddings));
   }
   if (Status s = CheckRange("--micro-batch", c.micro_batch, kMaxMicroBatch); !s.ok()) return s;
@@ -179,7 +179,7 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
 
 // torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are kept.
 bool OpCheckpointingModelled(const ModelSpec& m) {
-  return m.family != ModelFamily::kGpt2 && m.num_experts == 0 && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
+  return m.arch.norm == NormKind::kRms && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
 }
 
 bool BlockCheckpointed(const FsdpConfig& c, int block) {

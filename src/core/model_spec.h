@@ -5,12 +5,11 @@
 #include <string>
 #include <vector>
 
+#include "core/architecture.h"
 #include "core/json_io.h"
 #include "core/status.h"
 
 namespace fsdp {
-
-enum class ModelFamily { kLlama, kMistral, kMixtral, kQwen2, kGpt2 };
 
 /// One parameter tensor of the real checkpoint.
 struct TensorSpec {
@@ -19,6 +18,7 @@ struct TensorSpec {
   int block = -1;               ///< decoder block index, -1 outside the blocks
   bool in_linear = false;       ///< owned by an nn.Linear (or GPT-2 Conv1D) module
   bool trainable = true;        ///< requires_grad: gets a gradient and optimizer states (all of them in full training)
+  double active_share = 1.0;    ///< share of the tokens whose forward uses it (a routed expert's: top_k / experts)
 
   int64_t numel() const;
   /// Owning module path: the name without its last component.
@@ -40,7 +40,7 @@ struct RopeScaling {
 struct ModelSpec {
   std::string id;               ///< catalog id or the config file's stem
   std::string model_type;       ///< HF model_type
-  ModelFamily family = ModelFamily::kLlama;
+  Architecture arch;            ///< the family's layout (core/architecture.h), from core/families/
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;   ///< MLP inner size (GPT-2: n_inner or 4*n_embd)
@@ -57,9 +57,8 @@ struct ModelSpec {
   bool qkv_bias = false;        ///< bias on q/k/v projections
   bool o_bias = false;          ///< bias on the attention output projection
   bool mlp_bias = false;        ///< bias on MLP projections
-  int64_t num_experts = 0;      ///< Mixtral local experts (0 = dense MLP)
+  int64_t num_experts = 0;      ///< routed experts per MoE layer (0 = dense MLP)
   int64_t experts_per_token = 0;
-  bool layer_norm = false;      ///< LayerNorm with bias (GPT-2) instead of RMSNorm
   std::string activation;       ///< hidden_act / activation_function
   double attention_dropout = 0; ///< GPT-2 attn_pdrop, llama attention_dropout
   double residual_dropout = 0;  ///< GPT-2 resid_pdrop
@@ -72,14 +71,19 @@ struct ModelSpec {
   /// Parameters active per token (MoE: only experts_per_token experts count).
   int64_t ActiveParamsPerToken() const;
   /// Module path prefix of decoder blocks ("model.layers" or "transformer.h").
-  std::string BlockPrefix() const;
+  const std::string& BlockPrefix() const { return arch.names.blocks; }
 };
 
-/// Builds a ModelSpec from a parsed HF config.json. Supported model_type: llama, mistral, mixtral,
-/// qwen2, gpt2. Missing keys take the defaults of transformers' configuration_<type>.py; absurd or
-/// inconsistent values (hidden not divisible by heads, heads not divisible by kv heads, non-positive
-/// sizes) give BadInput naming `origin` and the key.
+/// Builds a ModelSpec from a parsed HF config.json through its family (core/families/: llama,
+/// mistral, mixtral, qwen2, gpt2). Missing keys take the defaults of transformers'
+/// configuration_<type>.py; absurd or inconsistent values (hidden not divisible by heads, heads not
+/// divisible by kv heads, non-positive sizes) give BadInput naming `origin` and the key.
 Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);
+
+/// The tensor inventory of a model whose hyper-parameters and architecture are set: embedding,
+/// learned positions, every block's modules in forward order (experts expanded in expert order),
+/// final norm, lm_head unless tied; HF names and checkpoint shapes.
+std::vector<TensorSpec> BuildInventory(const ModelSpec& model);
 
 /// Loads a catalog id (models/<id>.json), a path to a config.json, or a directory holding one (a
 /// downloaded model; its id is the directory's name).

@@ -182,6 +182,48 @@ TEST_CASE("tensor inventory uses HF names and shapes") {
   CHECK(mix.value().ActiveParamsPerToken() == 12'879'925'248);  // 46.7B total, 2 of 8 experts active
 }
 
+TEST_CASE("the inventory is derived from the Architecture alone") {
+  // A made-up architecture exercising every ParamOp feature: LayerNorm (weight and bias), learned
+  // positions, a Conv1D linear with a bias, a router and a run of two expert linears over 3
+  // experts of which 1 runs per token, and an untied head.
+  ModelSpec m;
+  m.vocab_size = 10;
+  m.hidden_size = 4;
+  m.num_layers = 2;
+  m.max_position_embeddings = 6;
+  m.arch.names = {"emb", "pos", "blocks", "final", "head"};
+  m.arch.norm = NormKind::kLayer;
+  m.arch.block = {{ParamOp::Kind::kNorm, "ln", 0, 4},
+                  {ParamOp::Kind::kLinear, "proj", 4, 5, true, true},
+                  {ParamOp::Kind::kRouter, "router", 4, 3},
+                  {ParamOp::Kind::kLinear, "experts.{}.up", 4, 7, false, false, 3, 1},
+                  {ParamOp::Kind::kLinear, "experts.{}.down", 7, 4, false, false, 3, 1}};
+  const std::vector<TensorSpec> t = BuildInventory(m);
+  std::vector<std::string> names;
+  for (const TensorSpec& x : t) names.push_back(x.name);
+  const std::vector<std::string> block0 = {"blocks.0.ln.weight", "blocks.0.ln.bias", "blocks.0.proj.weight", "blocks.0.proj.bias",
+                                           "blocks.0.router.weight", "blocks.0.experts.0.up.weight", "blocks.0.experts.0.down.weight",
+                                           "blocks.0.experts.1.up.weight", "blocks.0.experts.1.down.weight",
+                                           "blocks.0.experts.2.up.weight", "blocks.0.experts.2.down.weight"};
+  REQUIRE(names.size() == 2 + 2 * block0.size() + 3);
+  CHECK(names[0] == "emb.weight");
+  CHECK(names[1] == "pos.weight");
+  CHECK(std::vector<std::string>(names.begin() + 2, names.begin() + 2 + block0.size()) == block0);
+  CHECK(names[2 + block0.size()] == "blocks.1.ln.weight");
+  CHECK(std::vector<std::string>(names.end() - 3, names.end()) == std::vector<std::string>{"final.weight", "final.bias", "head.weight"});
+  CHECK(t[1].shape == std::vector<int64_t>{6, 4});
+  CHECK(t[4].shape == std::vector<int64_t>{4, 5});  // Conv1D stores [in, out]
+  CHECK(t[6].shape == std::vector<int64_t>{3, 4});  // router: [experts, hidden]
+  CHECK(t[7].shape == std::vector<int64_t>{7, 4});  // nn.Linear stores [out, in]
+  CHECK(t[7].active_share == doctest::Approx(1.0 / 3));
+  CHECK(t[6].active_share == 1.0);
+  CHECK((t[4].in_linear && !t[2].in_linear && t[6].in_linear && t[7].block == 0 && t[0].block == -1));
+  // numel: 10*4 + 6*4 + 2*(8 + 20 + 5 + 12 + 3*(28 + 28)) + 8 + 40
+  m.tensors = t;
+  CHECK(m.ParamsTotal() == 40 + 24 + 2 * (8 + 25 + 12 + 3 * 56) + 8 + 40);
+  CHECK(m.ActiveParamsPerToken() == 40 + 24 + 2 * (8 + 25 + 12 + 56) + 8 + 40);
+}
+
 TEST_CASE("bad model configs give one-line errors naming the problem") {
   auto no_type = FromText(R"({"hidden_size": 64})");
   REQUIRE_FALSE(no_type.ok());

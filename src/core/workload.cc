@@ -31,17 +31,17 @@ int EnsureNode(std::vector<ModuleNode>& nodes, std::map<std::string, int>& index
 }
 
 void AssignRoles(std::vector<ModuleNode>& nodes, const ModelSpec& model) {
-  const std::string prefix = model.BlockPrefix() + ".";
-  const bool gpt2 = model.family == ModelFamily::kGpt2;
+  const ModuleNames& names = model.arch.names;
+  const std::string prefix = names.blocks + ".";
   for (auto& n : nodes) {
     if (n.path.starts_with(prefix) && IsNumber(n.path.substr(prefix.size()))) {
       n.role = ModuleNode::Role::kBlock;
       n.block = std::stoi(n.path.substr(prefix.size()));
-    } else if (n.path == (gpt2 ? "transformer.wte" : "model.embed_tokens")) {
+    } else if (n.path == names.embedding) {
       n.role = ModuleNode::Role::kEmbedding;
-    } else if (n.path == (gpt2 ? "transformer.ln_f" : "model.norm")) {
+    } else if (n.path == names.final_norm) {
       n.role = ModuleNode::Role::kFinalNorm;
-    } else if (n.path == "lm_head") {
+    } else if (n.path == names.lm_head) {
       n.role = ModuleNode::Role::kLmHead;
     }
   }
@@ -56,7 +56,7 @@ std::vector<ModuleNode> BuildModuleTree(const ModelSpec& model) {
     nodes[node].tensors.push_back(t);
   }
   // A tied lm_head owns no parameter but still runs (and holds the logits): give it a node.
-  EnsureNode(nodes, index, "lm_head");
+  EnsureNode(nodes, index, model.arch.names.lm_head);
   AssignRoles(nodes, model);
   std::function<int64_t(int)> count = [&](int id) {
     int64_t n = 0;

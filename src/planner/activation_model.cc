@@ -1,9 +1,18 @@
 #include "planner/activation_model.h"
 
 #include <algorithm>
+#include <set>
+#include <string>
+
+#include <fmt/format.h>
 
 namespace fsdp {
 namespace {
+
+std::string_view LastComponent(std::string_view path) {
+  const size_t dot = path.rfind('.');
+  return dot == std::string_view::npos ? path : path.substr(dot + 1);
+}
 
 // Shapes of one micro-batch, in elements.
 struct Dims {
@@ -18,80 +27,146 @@ Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg) {
               m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token};
 }
 
-// Which RMSNorm of the model, for the names of its saved tensors.
-enum class Norm { kInput, kPostAttention, kFinal };
-
-// LlamaRMSNorm upcasts to fp32: pow() saves the fp32 input, rsqrt() its [T,1] result,
-// weight * x.to(dtype) the normalised input in the compute dtype (for the weight's gradient), and
-// the next linear its product, a second tensor of the same size (measured with
-// saved_tensors_hooks on transformers 5.24: docs/memory-model.md).
-void AddRmsNorm(std::vector<SavedTensor>& out, Norm which, const Dims& d) {
-  static constexpr std::string_view kNames[3][4] = {
-      {"input_layernorm.x_fp32", "input_layernorm.rsqrt", "input_layernorm.x_normalized", "input_layernorm.out"},
-      {"post_attention_layernorm.x_fp32", "post_attention_layernorm.rsqrt", "post_attention_layernorm.x_normalized",
-       "post_attention_layernorm.out"},
-      {"norm.x_fp32", "norm.rsqrt", "norm.x_normalized", "norm.out"}};
-  const auto& names = kNames[static_cast<int>(which)];
-  out.push_back({names[0], 4 * d.h * d.tokens});
-  out.push_back({names[1], 4 * d.tokens});
-  out.push_back({names[2], d.c * d.h * d.tokens});
-  out.push_back({names[3], d.c * d.h * d.tokens});
+// The norms a block runs, in forward order (core/families/: the input norm, then the
+// post-attention one), for the names of their saved tensors.
+std::vector<std::string_view> BlockNorms(const ModelSpec& m) {
+  std::vector<std::string_view> norms;
+  for (const ParamOp& op : m.arch.block) {
+    if (op.kind == ParamOp::Kind::kNorm) norms.push_back(op.module);
+  }
+  return norms;
 }
 
-void AddLlamaAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
-  const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
+// Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
+std::string_view Name(std::string_view module, std::string_view what) {
+  static std::set<std::string, std::less<>> names;
+  std::string name = fmt::format("{}.{}", module, what);
+  return *names.insert(std::move(name)).first;
+}
+
+// What a norm's forward saves. LlamaRMSNorm upcasts to fp32: pow() saves the fp32 input, rsqrt()
+// its [T,1] result, weight * x.to(dtype) the normalised input in the compute dtype (for the
+// weight's gradient) (saved_tensors_hooks on transformers 5.24: docs/memory-model.md). Native
+// LayerNorm saves its input and fp32 mean and rstd.
+void AddNorm(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d) {
+  if (kind == NormKind::kLayer) {
+    out.push_back({Name(module, "in"), d.c * d.h * d.tokens});
+    out.push_back({Name(module, "stats"), 8 * d.tokens});
+    return;
+  }
+  out.push_back({Name(module, "x_fp32"), 4 * d.h * d.tokens});
+  out.push_back({Name(module, "rsqrt"), 4 * d.tokens});
+  out.push_back({Name(module, "x_normalized"), d.c * d.h * d.tokens});
+}
+
+// A norm followed by the linear(s) that read its output, which save it (once, when several do).
+void AddNormAndLinearInput(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d) {
+  AddNorm(out, kind, module, d);
+  out.push_back({Name(module, "out"), d.c * d.h * d.tokens});
+}
+
+// The attention core between the projections. Eager: the softmax's output (HF Llama-style
+// eager_attention_forward runs it in fp32 and casts the probabilities back; GPT-2's runs in the
+// compute dtype) and dropout's mask and output. SDPA's flash/memory-efficient kernels save a fp32
+// log-sum-exp per row beside q, k, v and the output.
+void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
   const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
+  if (cfg.attention != Attention::kEager) {
+    out.push_back({m.arch.fused_qkv ? "attn.lse" : "self_attn.lse", 4 * d.heads * d.tokens});
+    return;
+  }
+  if (m.arch.softmax_fp32) {
+    out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
+    if (d.c != 4) out.push_back({"attn_core.probs", d.c * scores, true});
+  } else {
+    out.push_back({"attn_core.probs", d.c * scores, true});
+  }
+  if (m.attention_dropout > 0) {
+    out.push_back({"attn_core.dropout_mask", scores, true});
+    out.push_back({"attn_core.dropout_out", d.c * scores, true});
+  }
+}
+
+// Separate q/k/v projections with RoPE (Llama-style): q after RoPE is saved; eager attention
+// saves k and v as repeat_kv expands them to all heads (with as many kv heads as heads it returns
+// them as they are). The expansion runs inside HF's eager_attention_forward, so with GQA it
+// belongs to the core that selective checkpointing recomputes (SelectiveCheckpointInputs then
+// keeps k and v at kv-head width). SDPA saves k after RoPE and v at kv-head width; its output is
+// [B, s, a, d] underneath, so HF's transpose(1, 2).contiguous() copies nothing and o_proj saves
+// that same tensor (counted once, as o_proj_in).
+void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
   out.push_back({"self_attn.q_rope", d.c * q});
   if (cfg.attention == Attention::kEager) {
-    // repeat_kv expands k and v to all heads before the two matmuls save them (with as many kv
-    // heads as heads it returns k and v themselves). The expansion runs inside HF's
-    // eager_attention_forward, so with GQA it belongs to the core that selective checkpointing
-    // recomputes (SelectiveCheckpointInputs then keeps k and v at kv-head width).
     const bool gqa = d.kv_heads < d.heads;
     out.push_back({"self_attn.k_repeated", d.c * q, gqa});
     out.push_back({"self_attn.v_repeated", d.c * q, gqa});
-    out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
-    if (d.c != 4) out.push_back({"attn_core.probs", d.c * scores, true});
-    if (m.attention_dropout > 0) {
-      out.push_back({"attn_core.dropout_mask", scores, true});
-      out.push_back({"attn_core.dropout_out", d.c * scores, true});
-    }
+    AddAttentionCore(out, m, cfg, d);
   } else {
-    // SDPA flash/memory-efficient kernels save q, k, v, the output and a fp32 log-sum-exp per row.
-    // The output is [B, s, a, d] underneath, so HF's transpose(1, 2).contiguous() copies nothing and
-    // o_proj saves that same tensor (counted once, as o_proj_in).
     out.push_back({"self_attn.k_rope", d.c * kv});
     out.push_back({"self_attn.v", d.c * kv});
-    out.push_back({"self_attn.lse", 4 * d.heads * d.tokens});
+    AddAttentionCore(out, m, cfg, d);
   }
   out.push_back({"self_attn.o_proj_in", d.c * q});
 }
 
-void AddLlamaMlp(std::vector<SavedTensor>& out, const Dims& d) {
-  const int64_t x = d.c * d.inner * d.tokens;
-  if (d.experts == 0) {
-    out.push_back({"mlp.gate_out", x});
-    out.push_back({"mlp.act_out", x});
-    out.push_back({"mlp.up_out", x});
-    out.push_back({"mlp.down_in", x});
-    return;
-  }
-  // MixtralSparseMoeBlock: router logits, fp32 routing softmax, then for each of the top_k
-  // (token, expert) pairs the gathered input, w1/act/w3/product and w2's output.
-  const int64_t pairs = d.top_k * d.tokens;
-  out.push_back({"moe.router_logits", d.c * d.experts * d.tokens});
-  out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
-  out.push_back({"moe.expert_in", d.c * d.h * pairs});
-  out.push_back({"moe.w1_w3_act_prod", 4 * d.c * d.inner * pairs});
-  out.push_back({"moe.w2_out", d.c * d.h * pairs});
+// One fused q/k/v projection (GPT-2's c_attn) without RoPE: q, k and v are views of its output,
+// which stays saved.
+void AddFusedAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  out.push_back({"attn.qkv", d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens});
+  AddAttentionCore(out, m, cfg, d);
+  out.push_back({"attn.c_proj_in", d.c * d.h * d.tokens});
 }
 
-std::vector<SavedTensor> LlamaBlock(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+// The MLP after its norm. Gated (SwiGLU): gate's output (SiLU's input), SiLU's output, up's output
+// and down's input. Routed experts (MixtralSparseMoeBlock): router logits, fp32 routing softmax,
+// then for each of the top_k (token, expert) pairs the gathered input, w1/act/w3/product and w2's
+// output. Plain (GPT-2's fc + activation + proj): the activation's saved tensors (transformers'
+// NewGELUActivation is written in Python and saves input, tanh, 0.5*x and 1+tanh) and proj's input.
+void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d) {
+  const int64_t x = d.c * d.inner * d.tokens;
+  switch (m.arch.mlp) {
+    case MlpKind::kGated:
+      out.push_back({"mlp.gate_out", x});
+      out.push_back({"mlp.act_out", x});
+      out.push_back({"mlp.up_out", x});
+      out.push_back({"mlp.down_in", x});
+      return;
+    case MlpKind::kMoe: {
+      const int64_t pairs = d.top_k * d.tokens;
+      out.push_back({"moe.router_logits", d.c * d.experts * d.tokens});
+      out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
+      out.push_back({"moe.expert_in", d.c * d.h * pairs});
+      out.push_back({"moe.w1_w3_act_prod", 4 * d.c * d.inner * pairs});
+      out.push_back({"moe.w2_out", d.c * d.h * pairs});
+      return;
+    }
+    case MlpKind::kPlain:
+      if (m.activation == "gelu_new") {
+        out.push_back({"mlp.gelu_new_saved", 4 * x});
+      } else {
+        out.push_back({"mlp.act_in", x});
+      }
+      out.push_back({"mlp.c_proj_in", x});
+      return;
+  }
+}
+
+// A pre-norm decoder block: norm, attention, residual (dropout), norm, MLP, residual (dropout).
+// Residual dropout saves a bool mask of the hidden states.
+std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+  const std::vector<std::string_view> norms = BlockNorms(m);
   std::vector<SavedTensor> out;
-  AddRmsNorm(out, Norm::kInput, d);
-  AddLlamaAttention(out, m, cfg, d);
-  AddRmsNorm(out, Norm::kPostAttention, d);
-  AddLlamaMlp(out, d);
+  AddNormAndLinearInput(out, m.arch.norm, norms.at(0), d);
+  if (m.arch.fused_qkv) {
+    AddFusedAttention(out, m, cfg, d);
+  } else {
+    AddSplitAttention(out, m, cfg, d);
+  }
+  if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});
+  AddNormAndLinearInput(out, m.arch.norm, norms.at(1), d);
+  AddMlp(out, m, d);
+  if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", d.h * d.tokens});
   return out;
 }
 
@@ -100,7 +175,7 @@ std::vector<SavedTensor> LlamaBlock(const ModelSpec& m, const FsdpConfig& cfg, c
 // GQA k and v are kept at kv-head width where the matmuls would have saved their expansions.
 // GPT-2's q/k/v are views of c_attn's output, which stays saved.
 std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
-  if (m.family == ModelFamily::kGpt2 || cfg.attention != Attention::kEager || d.kv_heads >= d.heads) return {};
+  if (m.arch.fused_qkv || cfg.attention != Attention::kEager || d.kv_heads >= d.heads) return {};
   const int64_t kv = d.kv_heads * d.head_dim * d.tokens;
   return {{"attn_core.k_input", d.c * kv}, {"attn_core.v_input", d.c * kv}};
 }
@@ -139,40 +214,6 @@ bool KeptByOpCheckpointing(const SavedTensor& t, const FsdpConfig& cfg, const Di
   return t.name == "self_attn.v_repeated" && d.kv_heads >= d.heads;
 }
 
-// HF GPT2Block: native LayerNorm saves input + fp32 mean/rstd; Conv1D saves its input; the q/k/v
-// views keep the whole c_attn output alive; dropout saves a bool mask; NewGELUActivation is written
-// in Python and saves input, tanh, 0.5*x and 1+tanh.
-std::vector<SavedTensor> Gpt2Block(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
-  std::vector<SavedTensor> out;
-  const int64_t hT = d.h * d.tokens, iT = d.inner * d.tokens, scores = d.heads * d.seq * d.tokens;
-  out.push_back({"ln_1.in", d.c * hT});
-  out.push_back({"ln_1.stats", 8 * d.tokens});
-  out.push_back({"attn.c_attn_in", d.c * hT});
-  out.push_back({"attn.qkv", 3 * d.c * hT});
-  if (cfg.attention == Attention::kEager) {
-    out.push_back({"attn_core.probs", d.c * scores, true});
-    if (m.attention_dropout > 0) {
-      out.push_back({"attn_core.dropout_mask", scores, true});
-      out.push_back({"attn_core.dropout_out", d.c * scores, true});
-    }
-  } else {
-    out.push_back({"attn.lse", 4 * d.heads * d.tokens});  // its output is c_proj's input below
-  }
-  out.push_back({"attn.c_proj_in", d.c * hT});
-  if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", hT});
-  out.push_back({"ln_2.in", d.c * hT});
-  out.push_back({"ln_2.stats", 8 * d.tokens});
-  out.push_back({"mlp.c_fc_in", d.c * hT});
-  if (m.activation == "gelu_new") {
-    out.push_back({"mlp.gelu_new_saved", 4 * d.c * iT});
-  } else {
-    out.push_back({"mlp.act_in", d.c * iT});
-  }
-  out.push_back({"mlp.c_proj_in", d.c * iT});
-  if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", hT});
-  return out;
-}
-
 // What a block's backward has freed of its saved tensors when its softmax's backward runs:
 // everything the forward saved after the attention core (the output projection, the second norm,
 // the MLP) and the core's tensors other than the softmax's own output (dropout's mask and output;
@@ -197,9 +238,8 @@ int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::s
 // is what the block's forward saves (LlamaBlock / Gpt2Block).
 int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block) {
   const int64_t hT = d.h * d.tokens, scores = d.heads * d.seq * d.tokens;
-  const bool gpt2 = m.family == ModelFamily::kGpt2;
   int64_t attention = 0;
-  if (cfg.attention == Attention::kEager && gpt2) {
+  if (cfg.attention == Attention::kEager && !m.arch.softmax_fp32) {
     // GPT-2's softmax runs in c: the probabilities' gradient and the softmax input's (2 c a s per
     // token) and 3 c h of q/k/v gradients, while the probabilities are still saved. MemTracker on
     // one GPT2Block (transformers 5.24, bf16, 2048 tokens, no dropout): 138.4 MB beyond the saved
@@ -216,7 +256,7 @@ int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Di
     attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }
   const int64_t mlp_factor = d.experts > 0 ? d.top_k : 1;
-  const int64_t mlp = (gpt2 ? 4 : 3) * d.c * d.inner * d.tokens * mlp_factor;
+  const int64_t mlp = (m.arch.mlp == MlpKind::kPlain ? 4 : 3) * d.c * d.inner * d.tokens * mlp_factor;
   const int64_t norm = 12 * hT;
   return 2 * d.c * hT + std::max({attention, mlp, norm});
 }
@@ -238,7 +278,7 @@ int64_t HeadActivations::SavedBytes() const {
 BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cfg) {
   const Dims d = DimsOf(m, cfg);
   BlockActivations a;
-  a.full = m.family == ModelFamily::kGpt2 ? Gpt2Block(m, cfg, d) : LlamaBlock(m, cfg, d);
+  a.full = BlockSaved(m, cfg, d);
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
@@ -265,11 +305,14 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   const Dims d = DimsOf(m, cfg);
   const int64_t vT = m.vocab_size * d.tokens;
   HeadActivations head;
-  if (m.family == ModelFamily::kGpt2) {
-    if (m.embedding_dropout > 0) head.embedding.push_back({"embedding.dropout_mask", d.h * d.tokens});
-    head.final_norm = {{"ln_f.in", d.c * d.h * d.tokens}, {"ln_f.stats", 8 * d.tokens}};
+  if (m.embedding_dropout > 0) head.embedding.push_back({"embedding.dropout_mask", d.h * d.tokens});
+  // The final norm and lm_head's input (its output). GPT-2's ln_f is counted without the latter,
+  // as docs/memory-model.md measured it.
+  const std::string_view final_norm = LastComponent(m.arch.names.final_norm);
+  if (m.arch.norm == NormKind::kLayer) {
+    AddNorm(head.final_norm, m.arch.norm, final_norm, d);
   } else {
-    AddRmsNorm(head.final_norm, Norm::kFinal, d);
+    AddNormAndLinearInput(head.final_norm, m.arch.norm, final_norm, d);
   }
   // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
   // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the

@@ -33,10 +33,7 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
   for (int t : n.tensors) {
     const TensorSpec& ts = m.tensors[t];
     if (!ts.in_linear || ts.shape.size() != 2) continue;
-    double share = 1.0;
-    if (m.num_experts > 0 && ts.name.find(".experts.") != std::string::npos) {
-      share = static_cast<double>(m.experts_per_token) / static_cast<double>(m.num_experts);
-    }
+    const double share = ts.active_share;
     work.gemm_flops += 2.0 * static_cast<double>(ts.numel()) * tokens * share;
     if (!ts.trainable) work.frozen_gemm_flops += 2.0 * static_cast<double>(ts.numel()) * tokens * share;
   }
@@ -77,9 +74,7 @@ double MatmulParams(const ModelSpec& m) {
   double n = 0;
   for (const auto& t : m.tensors) {
     if (!t.in_linear || t.shape.size() != 2) continue;
-    double share = m.num_experts > 0 && t.name.find(".experts.") != std::string::npos
-                       ? static_cast<double>(m.experts_per_token) / static_cast<double>(m.num_experts) : 1.0;
-    n += static_cast<double>(t.numel()) * share;
+    n += static_cast<double>(t.numel()) * t.active_share;
   }
   if (m.tie_word_embeddings) n += static_cast<double>(m.vocab_size * m.hidden_size);
   return n;

@@ -14,16 +14,7 @@ std::string_view TorchDType(DType d) {
   return "?";
 }
 
-std::string_view ModelingModule(const ModelSpec& m) {
-  switch (m.family) {
-    case ModelFamily::kLlama: return "llama";
-    case ModelFamily::kMistral: return "mistral";
-    case ModelFamily::kMixtral: return "mixtral";
-    case ModelFamily::kQwen2: return "qwen2";
-    case ModelFamily::kGpt2: return "gpt2";
-  }
-  return "?";
-}
+std::string_view ModelingModule(const ModelSpec& m) { return m.model_type; }
 
 std::string Python(bool b) { return b ? "True" : "False"; }
 
@@ -292,16 +283,7 @@ std::string Lightning(const Workload& w) {
 
 }  // namespace
 
-std::string_view DecoderLayerClass(const ModelSpec& m) {
-  switch (m.family) {
-    case ModelFamily::kLlama: return "LlamaDecoderLayer";
-    case ModelFamily::kMistral: return "MistralDecoderLayer";
-    case ModelFamily::kMixtral: return "MixtralDecoderLayer";
-    case ModelFamily::kQwen2: return "Qwen2DecoderLayer";
-    case ModelFamily::kGpt2: return "GPT2Block";
-  }
-  return "?";
-}
+std::string_view DecoderLayerClass(const ModelSpec& m) { return m.arch.decoder_layer_class; }
 
 Result<ExportFormat> ParseExportFormat(std::string_view t) {
   if (t == "pytorch" || t == "fsdp1") return ExportFormat::kFsdp1;

@@ -66,8 +66,26 @@ Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& m, int64_t s
   return Error::BadInput(fmt::format("fsdp-run does not implement rope_scaling type '{}' ({})", s.type, m.id));
 }
 
+namespace {
+
+// The block the kernels below implement: RMSNorm, separate q/k/v/o projections, RMSNorm, SwiGLU,
+// RoPE positions, with the module names its weight offsets (LlamaDims::Offsets) follow.
+bool RunsLlamaBlock(const Architecture& a) {
+  static constexpr std::string_view kModules[] = {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                  "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                                                  "mlp.down_proj"};
+  if (a.norm != NormKind::kRms || a.mlp != MlpKind::kGated || a.fused_qkv || !a.names.positions.empty()) return false;
+  if (a.block.size() != std::size(kModules)) return false;
+  for (size_t i = 0; i < a.block.size(); ++i) {
+    if (a.block[i].module != kModules[i] || a.block[i].experts != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
-  if (m.family != ModelFamily::kLlama && m.family != ModelFamily::kMistral && m.family != ModelFamily::kQwen2) {
+  if (!RunsLlamaBlock(m.arch)) {
     return Error::BadInput(fmt::format("fsdp-run trains llama, mistral and qwen2 models; {} is {}", m.id, m.model_type));
   }
   if (m.o_bias || m.mlp_bias) {

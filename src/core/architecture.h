@@ -1,0 +1,52 @@
+// A decoder family as data: the modules a block holds, in forward order, with their shapes, and
+// the few facts of layout the rest of the tree needs (module names, norm and MLP kinds). A family
+// is one small file under core/families/ that reads its config.json keys and fills this in; the
+// tensor inventory, the module tree, FLOPs, communication sizes and fsdp-run's buffer offsets are
+// derived from it, so that nothing outside core/families/ names a family.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdp {
+
+/// One module of a decoder block that owns parameters.
+struct ParamOp {
+  enum class Kind { kNorm, kLinear, kRouter };
+  Kind kind = Kind::kLinear;
+  /// Module path inside the block ("self_attn.q_proj"); with experts, "{}" stands for the expert index.
+  std::string module;
+  int64_t in = 0;    ///< linear / router: input features
+  int64_t out = 0;   ///< linear / router: output features; norm: its dimension
+  bool bias = false;
+  bool conv1d = false;        ///< GPT-2's Conv1D: the weight is stored [in, out]
+  int64_t experts = 0;        ///< > 0: one copy per expert...
+  int64_t experts_per_token = 0;  ///< ...of which each token runs this many
+};
+
+enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)
+enum class MlpKind { kGated, kPlain, kMoe };  ///< SwiGLU gate/up/down, fc + activation + proj, routed experts
+
+/// Module paths outside the blocks (HF state-dict prefixes).
+struct ModuleNames {
+  std::string embedding = "model.embed_tokens";
+  std::string positions;                ///< learned position embeddings ("" for RoPE models)
+  std::string blocks = "model.layers";  ///< block i is blocks + "." + i
+  std::string final_norm = "model.norm";
+  std::string lm_head = "lm_head";
+};
+
+struct Architecture {
+  std::string decoder_layer_class;  ///< transformers' decoder layer class: the wrap policy's and the exports' unit
+  ModuleNames names;
+  NormKind norm = NormKind::kRms;
+  MlpKind mlp = MlpKind::kGated;
+  bool fused_qkv = false;           ///< one projection for q, k and v (GPT-2's c_attn)
+  /// eager attention's softmax runs in fp32 and is cast back (HF Llama-style eager_attention_forward),
+  /// rather than in the compute dtype (GPT-2's)
+  bool softmax_fp32 = true;
+  std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
+};
+
+}  // namespace fsdp

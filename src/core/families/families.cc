@@ -1,0 +1,19 @@
+// The family table: one entry per HF model_type fsdpkit loads (family.h).
+#include "core/families/family.h"
+
+namespace fsdp::families {
+
+Status ReadLlama(const JsonReader& r, ModelSpec& m);
+Status ReadMistral(const JsonReader& r, ModelSpec& m);
+Status ReadMixtral(const JsonReader& r, ModelSpec& m);
+Status ReadQwen2(const JsonReader& r, ModelSpec& m);
+Status ReadGpt2(const JsonReader& r, ModelSpec& m);
+
+const std::vector<Family>& Families() {
+  static const std::vector<Family> kFamilies = {
+      {"llama", ReadLlama}, {"mistral", ReadMistral}, {"mixtral", ReadMixtral}, {"qwen2", ReadQwen2}, {"gpt2", ReadGpt2},
+  };
+  return kFamilies;
+}
+
+}  // namespace fsdp::families

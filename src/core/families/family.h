@@ -1,0 +1,74 @@
+// The model families fsdpkit loads, one file each (llama.cc, mistral.cc, ...), registered in
+// families.cc: each reads its config.json keys with transformers' defaults
+// (configuration_<type>.py) into a ModelSpec's hyper-parameters and Architecture. The readers and
+// block pieces they share are here.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string_view>
+#include <vector>
+
+#include "core/json_io.h"
+#include "core/model_spec.h"
+#include "core/status.h"
+
+namespace fsdp::families {
+
+struct Family {
+  std::string_view model_type;  ///< HF model_type
+  /// Fills `model`'s hyper-parameters and architecture from the config (model_type, id already set);
+  /// BadInput naming the key for values out of range.
+  Status (*read)(const JsonReader& config, ModelSpec& model);
+};
+
+/// Every family, in the order error messages list them.
+const std::vector<Family>& Families();
+
+// ---- config readers (families/config_keys.cc) -----------------------------------------------
+
+/// Upper bounds that no real checkpoint comes near; beyond them a value is a typo.
+constexpr int64_t kMaxDim = 1 << 20;
+constexpr int64_t kMaxLayers = 10000;
+constexpr int64_t kMaxExperts = 4096;
+constexpr int64_t kMaxVocab = 16 << 20;
+constexpr int64_t kMaxPositions = int64_t{1} << 24;
+
+/// An integer key (or the first present of several aliases) with a default and a range 1..max_value.
+Result<int64_t> ReadDim(const JsonReader& r, std::initializer_list<const char*> keys, int64_t fallback, int64_t max_value);
+/// A dropout probability in [0, 1).
+Result<double> ReadProbability(const JsonReader& r, const char* key, double fallback);
+/// A real in (0, max_value].
+Result<double> ReadPositive(const JsonReader& r, const char* key, double fallback, double max_value);
+Result<bool> ReadFlag(const JsonReader& r, const char* key, bool fallback);
+
+/// Defaults of the keys every decoder has, where transformers' configuration files differ.
+struct DecoderDefaults {
+  int64_t vocab_size, hidden_size, intermediate_size, num_layers, num_heads;
+  int64_t num_kv_heads;  ///< 0: the same as the heads
+  int64_t max_position_embeddings;
+  bool tie_word_embeddings;
+  double rms_norm_eps;
+  double rope_theta;
+};
+/// vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+/// num_key_value_heads, head_dim (hidden / heads when absent), max_position_embeddings,
+/// tie_word_embeddings, rms_norm_eps, rope_theta and the RoPE scaling (rope_scaling or
+/// rope_parameters), hidden_act, attention_dropout: the keys of a Llama-style config.
+Status ReadDecoderKeys(const JsonReader& r, const DecoderDefaults& d, ModelSpec& m);
+/// hidden_act (default silu) and attention_dropout (default 0), after the family's own keys.
+Status ReadActivation(const JsonReader& r, ModelSpec& m);
+/// `sliding_window`: 4096 when absent (MistralConfig's and Qwen2Config's default), 0 (none) when null.
+Result<int64_t> ReadSlidingWindow(const JsonReader& r);
+/// BadInput unless the heads divide into the key/value heads (and, with no head_dim, hidden into heads).
+Status CheckHeads(const JsonReader& r, const ModelSpec& m);
+
+// ---- block pieces (families/config_keys.cc) --------------------------------------------------
+
+/// A Llama-style attention: the input RMSNorm, q/k/v/o projections (heads x head_dim, kv_heads x
+/// head_dim) with optional biases, the post-attention RMSNorm.
+void AddLlamaAttention(const ModelSpec& m, bool qkv_bias, bool o_bias, std::vector<ParamOp>& block);
+/// SwiGLU: gate_proj and up_proj (hidden -> intermediate), down_proj back.
+void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block);
+
+}  // namespace fsdp::families
