@@ -8,30 +8,6 @@
 
 namespace fsdp::runtime {
 
-int64_t LlamaDims::BlockNumel() const {
-  const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
-  return 2 * hidden + q * hidden + 2 * kv * hidden + hidden * q + 3 * inner * hidden + (qkv_bias ? q + 2 * kv : 0);
-}
-
-LlamaDims::BlockOffsets LlamaDims::Offsets() const {
-  const int64_t q = heads * head_dim, kv = kv_heads * head_dim;
-  const int64_t bias = qkv_bias ? 1 : 0;
-  BlockOffsets o;
-  o.in_norm = 0;
-  o.wq = hidden;
-  o.bq = qkv_bias ? o.wq + q * hidden : -1;
-  o.wk = o.wq + q * hidden + bias * q;
-  o.bk = qkv_bias ? o.wk + kv * hidden : -1;
-  o.wv = o.wk + kv * hidden + bias * kv;
-  o.bv = qkv_bias ? o.wv + kv * hidden : -1;
-  o.wo = o.wv + kv * hidden + bias * kv;
-  o.post_norm = o.wo + hidden * q;
-  o.wg = o.post_norm + hidden;
-  o.wu = o.wg + inner * hidden;
-  o.wd = o.wu + inner * hidden;
-  return o;
-}
-
 Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& m, int64_t seq_len) {
   const RopeScaling& s = m.rope_scaling;
   const auto dim = static_cast<double>(m.head_dim);
@@ -82,6 +58,28 @@ bool RunsLlamaBlock(const Architecture& a) {
   return true;
 }
 
+// Where block 0's tensors sit in its flat buffer, read off the inventory by their names; every
+// block has the same layout.
+void SetBlockLayout(const ModelSpec& m, LlamaDims& d) {
+  LlamaDims::BlockOffsets& o = d.offsets;
+  const std::pair<std::string_view, int64_t*> fields[] = {
+      {"input_layernorm.weight", &o.in_norm}, {"self_attn.q_proj.weight", &o.wq}, {"self_attn.q_proj.bias", &o.bq},
+      {"self_attn.k_proj.weight", &o.wk},     {"self_attn.k_proj.bias", &o.bk},   {"self_attn.v_proj.weight", &o.wv},
+      {"self_attn.v_proj.bias", &o.bv},       {"self_attn.o_proj.weight", &o.wo}, {"post_attention_layernorm.weight", &o.post_norm},
+      {"mlp.gate_proj.weight", &o.wg},        {"mlp.up_proj.weight", &o.wu},      {"mlp.down_proj.weight", &o.wd}};
+  const std::string prefix = m.arch.names.blocks + ".0.";
+  int64_t offset = 0;
+  for (const TensorSpec& t : m.tensors) {
+    if (t.block != 0) continue;
+    const std::string_view name = std::string_view(t.name).substr(prefix.size());
+    for (const auto& [field_name, field] : fields) {
+      if (name == field_name) *field = offset;
+    }
+    offset += t.numel();
+  }
+  d.block_numel = offset;
+}
+
 }  // namespace
 
 Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
@@ -98,11 +96,10 @@ Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   }
   auto inv_freq = RopeInverseFrequencies(m, seq_len);
   if (!inv_freq.ok()) return inv_freq.error();
-  LlamaDims d{m.vocab_size, m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_layers};
-  d.qkv_bias = m.qkv_bias;
-  d.rms_eps = static_cast<float>(m.norm_eps);
-  d.rope_inv_freq = std::move(inv_freq).value();
-  d.tied = m.tie_word_embeddings;
+  LlamaDims d{.vocab = m.vocab_size, .hidden = m.hidden_size, .inner = m.intermediate_size, .heads = m.num_heads,
+              .kv_heads = m.num_kv_heads, .head_dim = m.head_dim, .layers = m.num_layers, .qkv_bias = m.qkv_bias,
+              .rms_eps = static_cast<float>(m.norm_eps), .rope_inv_freq = std::move(inv_freq).value(), .tied = m.tie_word_embeddings, .offsets = {}, .block_numel = 0};
+  SetBlockLayout(m, d);
   return d;
 }
 

@@ -17,11 +17,13 @@ struct LlamaDims {
   float rms_eps = 1e-5f;
   std::vector<double> rope_inv_freq = {};  ///< RopeInverseFrequencies: head_dim / 2 values
   bool tied = false;
-  int64_t BlockNumel() const;
-  /// Offsets of a block's tensors in its flat buffer, in inventory order (each bias right after
-  /// its weight; -1 without biases).
-  struct BlockOffsets { int64_t in_norm, wq, bq, wk, bk, wv, bv, wo, post_norm, wg, wu, wd; };
-  BlockOffsets Offsets() const;
+  /// Offsets of a block's tensors in its flat buffer: where the inventory (BuildInventory, from the
+  /// family's Architecture) puts them (-1 for absent biases).
+  struct BlockOffsets { int64_t in_norm = -1, wq = -1, bq = -1, wk = -1, bk = -1, wv = -1, bv = -1, wo = -1, post_norm = -1, wg = -1, wu = -1, wd = -1; };
+  BlockOffsets offsets;
+  int64_t block_numel = 0;  ///< parameters of one block
+  int64_t BlockNumel() const { return block_numel; }
+  const BlockOffsets& Offsets() const { return offsets; }
 };
 
 /// RoPE's inverse frequencies (head_dim / 2) as transformers computes them for `model` trained at

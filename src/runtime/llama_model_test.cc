@@ -14,9 +14,19 @@ namespace {
 // One block with or without Qwen2's q/k/v biases against finite differences of sum(y * r).
 void CheckBlockGradients(bool qkv_bias) {
   CAPTURE(qkv_bias);
-  LlamaDims d{11, 8, 12, 4, 2, 2, 1};
-  d.qkv_bias = qkv_bias;
-  d.rope_inv_freq = RopeBaseFrequencies(10000.0, d.head_dim);
+  // vocab 11, hidden 8, inner 12, 4 heads of 2, 2 kv heads, 1 layer (Qwen2 has q/k/v biases)
+  auto config = ParseJson(fmt::format(R"({{"model_type": "{}", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 12,
+                                           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1}})",
+                                      qkv_bias ? "qwen2" : "llama"),
+                          "block.json");
+  REQUIRE(config.ok());
+  auto model = ModelFromHfConfig(config.value(), "block", "block.json");
+  REQUIRE(model.ok());
+  auto dims = DimsOf(model.value(), 3);
+  REQUIRE(dims.ok());
+  const LlamaDims& d = dims.value();
+  REQUIRE(d.head_dim == 2);
+  REQUIRE(d.qkv_bias == qkv_bias);
   std::mt19937 rng(7);
   std::normal_distribution<float> n(0.0f, 0.3f);
   std::vector<float> params(static_cast<size_t>(d.BlockNumel()));

@@ -316,8 +316,15 @@ void CheckDeviceBlock(bool qkv_bias) {
   auto model = LoadModel("tiny-llama");
   REQUIRE(model.ok());
   const int64_t batch = 2, seq = 16, T = batch * seq;
-  LlamaDims d = DimsOf(model.value(), seq).value();
-  d.qkv_bias = qkv_bias;
+  ModelSpec spec = model.value();
+  if (qkv_bias) {  // the architecture's q/k/v projections get biases; the inventory follows
+    for (ParamOp& op : spec.arch.block) op.bias = op.module == "self_attn.q_proj" || op.module == "self_attn.k_proj" || op.module == "self_attn.v_proj";
+    spec.qkv_bias = true;
+    spec.tensors = BuildInventory(spec);
+  }
+  const LlamaDims d = DimsOf(spec, seq).value();
+  REQUIRE(d.qkv_bias == qkv_bias);
+  REQUIRE(d.Offsets().bq == (qkv_bias ? d.Offsets().wq + d.heads * d.head_dim * d.hidden : -1));
   // Linear weights of std 0.1 (about 1/sqrt(hidden)) and norm weights near 1, as after training
   // starts: every path through the block then carries a gradient well above the tolerances.
   Mat params = Random(1, d.BlockNumel(), 15, 0.1f);
