@@ -93,7 +93,7 @@ for name, r in doc["runs"].items():
     m, p = r["measured"], r["predicted"]
     t = doc["runs"].get("torch_" + key, {}).get("measured", {})
     row = {
-        "fsdp_run_peak_bytes": m["memory"]["rank0_peak_allocated_bytes"],
+        "fsdp_run_peak_bytes": m["memory"]["rank0_peak_bytes"],
         "fsdp_run_predicted_peak_bytes": p["memory"]["peak_bytes"],
         "plan_pytorch_peak_bytes": p["pytorch_profile"]["allocated_peak_bytes"],
         "torch_max_allocated_bytes": t.get("memory", {}).get("max_allocated_bytes"),

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
+#include "cli/run_report.h"
 #include "core/json_io.h"
 #include "planner/comm_model.h"
 #include "planner/plan_report.h"
@@ -121,35 +122,6 @@ Json RunInputsJson(const RunFlags& f) {
   return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", lr}};
 }
 
-void PrintLossScaling(const runtime::LossScaler& scaler, std::ostream& out) {
-  if (!scaler.enabled()) return;
-  std::string skipped;
-  for (int64_t s : scaler.skipped_steps()) skipped += fmt::format("{}{}", skipped.empty() ? "" : ", ", s + 1);
-  fmt::print(out, "  loss scaling: dynamic, scale {:g} after {} steps, {}\n", scaler.scale(), scaler.steps(),
-             skipped.empty() ? "no step skipped" : fmt::format("skipped steps {} (inf/NaN gradients)", skipped));
-}
-
-Json LossScalingJson(const runtime::LossScaler& scaler) {
-  Json skipped = Json::array();
-  for (int64_t s : scaler.skipped_steps()) skipped.push_back(s + 1);
-  return Json{{"mode", std::string(runtime::LossScalingName(scaler.mode()))},
-              {"final_scale", scaler.scale()},
-              {"skipped_steps", skipped}};
-}
-
-double PercentError(double measured, double predicted) { return measured > 0 ? 100.0 * (predicted - measured) / measured : 0.0; }
-
-Json CommStatsJson(const runtime::CommStats& cs, int64_t group) {
-  auto busbw = [&](Collective c, int64_t bytes, double s) { return s > 0 ? bytes / s * BusFactor(c, group) : 0.0; };
-  return Json{{"group_size", group},
-              {"all_gather_bytes", cs.all_gather_bytes}, {"all_gather_count", cs.all_gather_count}, {"all_gather_s", cs.all_gather_s},
-              {"all_gather_busbw_bytes_per_s", busbw(Collective::kAllGather, cs.all_gather_bytes, cs.all_gather_s)},
-              {"reduce_scatter_bytes", cs.reduce_scatter_bytes}, {"reduce_scatter_count", cs.reduce_scatter_count},
-              {"reduce_scatter_s", cs.reduce_scatter_s}, {"reduce_scatter_busbw_bytes_per_s", busbw(Collective::kReduceScatter, cs.reduce_scatter_bytes, cs.reduce_scatter_s)},
-              {"all_reduce_bytes", cs.all_reduce_bytes}, {"all_reduce_count", cs.all_reduce_count}, {"all_reduce_s", cs.all_reduce_s},
-              {"all_reduce_busbw_bytes_per_s", busbw(Collective::kAllReduce, cs.all_reduce_bytes, cs.all_reduce_s)}};
-}
-
 Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value) {
   const float halves[2] = {static_cast<float>(value >> 24), static_cast<float>(value & 0xFFFFFF)};
   std::vector<float> all(2 * static_cast<size_t>(comm.size()));
@@ -157,6 +129,37 @@ Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value) {
   int64_t largest = 0;
   for (size_t r = 0; r < all.size(); r += 2) largest = std::max(largest, (static_cast<int64_t>(all[r]) << 24) | static_cast<int64_t>(all[r + 1]));
   return largest;
+}
+
+RunReport NewRunReport(const RunFlags& f, const Workload& w, const StepLog& log, int ranks) {
+  RunReport r;
+  r.model = w.model.id;
+  r.hardware = w.hardware.id;
+  r.ranks = ranks;
+  r.world = w.config.gpus;
+  r.virtual_world = f.virtual_world;
+  r.config = w.config;
+  r.inputs = RunInputsJson(f);
+  for (const auto& l : log.losses) r.measured.losses.push_back(l.get<double>());
+  for (const auto& t : log.times) r.measured.steps_s.push_back(t.get<double>());
+  return r;
+}
+
+void SetMeasuredComm(const runtime::CommStats& shard, const runtime::CommStats& replica, int64_t shard_group, int64_t world, RunMeasurement& m) {
+  m.shard = shard;
+  m.replica = replica;
+  m.shard_group = shard_group;
+  m.replica_group = world / std::max<int64_t>(1, shard_group);
+}
+
+void SetPredictedComm(const Workload& w, const RunMeasurement& m, int64_t steps, RunPrediction& p) {
+  const CommVolume v = EstimateComm(w).volume;
+  const double n = static_cast<double>(steps);
+  if (m.shard_group > 1) {
+    p.all_gather_bytes = static_cast<double>(v.forward_all_gather_bytes + v.backward_all_gather_bytes) * n;
+    p.reduce_scatter_bytes = static_cast<double>(v.reduce_scatter_bytes) * n;
+  }
+  if (m.replica_group > 1) p.all_reduce_bytes = static_cast<double>(v.all_reduce_bytes) * n;
 }
 
 Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
@@ -245,46 +248,34 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     }
     return log.error();
   }
-  const Json& losses = log.value().losses;
-  const Json& times = log.value().times;
-  const double total_s = log.value().total_s;
   // every rank's peak (the largest is reported), gathered on rank 0
   const runtime::MemoryLedger& mem = engine.value()->memory();
   auto largest_peak = MaxOverRanks(comm, mem.peak_bytes());
   if (!largest_peak.ok()) return largest_peak.error();
   if (comm.rank() != 0) return {};
-  const double step_s = total_s / static_cast<double>(f.steps);
-  fmt::print(out, "{} on {} rank(s), {}: losses", workload.model.id, comm.size(), StrategyName(workload.config.strategy));
-  for (const auto& l : losses) fmt::print(out, " {:.6f}", l.get<double>());
-  fmt::print(out, "; mean step {:.3f} s\n", step_s);
-  PrintLossScaling(engine.value()->loss_scaler(), out);
-  fmt::print(out, "  rank 0 peak heap {:.2f} MiB at {}:", mem.peak_bytes() / kMiB, PhaseName(workload, mem.peak_phase()));
-  Json categories = Json::object();
-  for (MemCategory c : kRuntimeCategories) {
-    fmt::print(out, " {} {:.2f}", MemCategoryKey(c), At(mem.at_peak(), c) / kMiB);
-    categories[std::string(MemCategoryKey(c)) + "_bytes"] = At(mem.at_peak(), c);
-  }
-  fmt::print(out, " MiB\n");
-  // predicted (planner's profile of this engine) vs measured
+  const runtime::FsdpEngine& e = *engine.value();
+  RunReport r = NewRunReport(f, workload, log.value(), comm.size());
+  RunMeasurement& m = r.measured;
+  const double steps = static_cast<double>(f.steps);
+  m.step_s = log.value().total_s / steps;
+  m.step_basis = fmt::format("mean of {} step{}", f.steps, f.steps == 1 ? "" : "s");
+  m.forward_s = e.times().forward_s / steps;
+  m.backward_s = e.times().backward_s / steps;
+  m.optimizer_s = e.times().optimizer_s / steps;
+  m.peak_bytes = largest_peak.value();
+  m.rank0 = {mem.peak_bytes(), PhaseName(workload, mem.peak_phase()), mem.at_peak()};
+  SetMeasuredComm(e.shard_stats(), e.replica_stats(), e.shard_world(), workload.config.gpus, m);
+  m.loss_scaler = e.loss_scaler();
+  // predicted: the planner's profile of this engine; its time model with a calibrated CPU file
+  RunPrediction& p = r.predicted;
   const MemoryEstimate predicted = EstimateRuntimeMemory(workload);
-  fmt::print(out, "  {:<18}{:>14}{:>14}{:>9}\n", "rank 0 at peak", "measured MiB", "predicted MiB", "error");
-  Json predicted_categories = Json::object();
+  p.memory = {predicted.peak_bytes, predicted.peak_phase, predicted.peak};
   for (MemCategory c : kRuntimeCategories) {
-    if (c == MemCategory::kTemporaries) continue;
-    const double m = At(mem.at_peak(), c) / kMiB, p = At(predicted.peak, c) / kMiB;
-    predicted_categories[std::string(MemCategoryKey(c)) + "_bytes"] = At(predicted.peak, c);
-    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", MemCategoryKey(c), m, p, PercentError(m, p));
+    if (c != MemCategory::kTemporaries) p.categories_compared.push_back(c);  // the engine's scratch is not modelled
   }
-  fmt::print(out, "  {:<18}{:>14.3f}{:>14}\n", "temporaries", At(mem.at_peak(), MemCategory::kTemporaries) / kMiB, "-");
-  fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%\n", "peak", mem.peak_bytes() / kMiB, predicted.peak_bytes / kMiB,
-             PercentError(static_cast<double>(mem.peak_bytes()), static_cast<double>(predicted.peak_bytes)));
-  Json predicted_time = {{"step_s", nullptr}, {"note", "pass --gpu with a hardware file from fsdp-run calibrate"}};
   if (workload.hardware.architecture == "cpu") {
-    const double predicted_step = EstimateRuntimeStepSeconds(workload);
-    const double measured_step = total_s / static_cast<double>(f.steps);
-    predicted_time = {{"step_s", predicted_step}};
-    fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (seconds, calibrated {})\n", "step time", measured_step, predicted_step,
-               PercentError(measured_step, predicted_step), workload.hardware.id);
+    p.step_s = EstimateRuntimeStepSeconds(workload);
+    p.time_basis = fmt::format("calibrated {}", workload.hardware.id);
     // fsdp-sim on the same engine profile: collectives blocking on the compute stream, no CPU launch cost
     Workload engine_view = workload;
     engine_view.config.attention = Attention::kEager;
@@ -294,50 +285,16 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
     sim_options.launch_overhead_s = 0;
     sim_options.compute_override = EstimateCompute(engine_view, kFusedEngineTrafficPerSavedByte);
     auto simulated = sim::Simulate(engine_view, sim_options);
-    if (simulated.ok()) {
-      predicted_time["sim_step_s"] = simulated.value().step_s;
-      fmt::print(out, "  {:<18}{:>14.3f}{:>14.3f}{:>8.1f}%   (fsdp-sim)\n", "step time", measured_step, simulated.value().step_s,
-                 PercentError(measured_step, simulated.value().step_s));
-    }
+    if (simulated.ok()) p.sim_step_s = simulated.value().step_s;
+  } else {
+    p.no_time_note = "pass --gpu with a hardware file from fsdp-run calibrate";
   }
-  const runtime::CommStats& cs = engine.value()->shard_stats();
   Workload fp32 = workload;
   fp32.config.param_dtype = fp32.config.reduce_dtype = DType::kFp32;  // the engine moves fp32 words
-  const CommVolume volume = EstimateComm(fp32).volume;
-  const double steps = static_cast<double>(f.steps);
-  const runtime::FsdpEngine::PhaseTimes& t = engine.value()->times();
-  const int64_t n = engine.value()->shard_world();
-  auto busbw = [&](int64_t bytes, double seconds, double factor) { return seconds > 0 ? bytes / seconds * factor / kGB : 0.0; };
-  const double ag_factor = BusFactor(Collective::kAllGather, n);
-  fmt::print(out, "  all-gathers {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s), reduce-scatters {} x {:.3f} MB ({:.3f} s, busbw {:.2f} GB/s)\n",
-             cs.all_gather_count, cs.all_gather_bytes / kMB, cs.all_gather_s, busbw(cs.all_gather_bytes, cs.all_gather_s, ag_factor),
-             cs.reduce_scatter_count, cs.reduce_scatter_bytes / kMB, cs.reduce_scatter_s, busbw(cs.reduce_scatter_bytes, cs.reduce_scatter_s, ag_factor));
-  if (n > 1) {
-    fmt::print(out, "  predicted collective bytes: all-gathers {:.3f} MB, reduce-scatters {:.3f} MB\n",
-               static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps / kMB,
-               static_cast<double>(volume.reduce_scatter_bytes) * steps / kMB);
-  }
-  if (!f.json_path.empty()) {
-    Json comm_json = CommStatsJson(cs, n);
-    comm_json["predicted_all_gather_bytes"] = static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * steps;
-    comm_json["predicted_reduce_scatter_bytes"] = static_cast<double>(volume.reduce_scatter_bytes) * steps;
-    Json doc = {{"model", workload.model.id},
-                {"predicted", {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"categories", predicted_categories}}},
-                               {"time", predicted_time}}},
-                {"ranks", comm.size()},
-                {"config", ConfigToJson(workload.config)},
-                {"inputs", RunInputsJson(f)},
-                {"measured",
-                 {{"loss", losses},
-                  {"loss_scaling", LossScalingJson(engine.value()->loss_scaler())},
-                  {"memory", {{"peak_bytes", largest_peak.value()}, {"rank0_peak_bytes", mem.peak_bytes()},
-                              {"rank0_peak_phase", PhaseName(workload, mem.peak_phase())}, {"rank0_categories", categories}}},
-                  {"time", {{"step_s", step_s}, {"steps_s", times}, {"forward_s", t.forward_s / f.steps}, {"backward_s", t.backward_s / f.steps},
-                            {"optimizer_s", t.optimizer_s / f.steps}}},
-                  {"comm", comm_json}}}};
-    return sim::WriteText(f.json_path, doc.dump(2) + "\n");
-  }
-  return {};
+  SetPredictedComm(fp32, m, f.steps, p);
+  PrintRunReport(r, out);
+  if (f.json_path.empty()) return {};
+  return sim::WriteText(f.json_path, RunReportJson(r).dump(2) + "\n");
 }
 
 Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {

@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/plan_cli.h"
+#include "cli/run_report.h"
 #include "core/json_io.h"
 #include "runtime/comm.h"
 #include "runtime/fsdp_engine.h"
@@ -49,19 +50,6 @@ Result<PreparedRun> PrepareRun(const RunFlags& flags, PlanFlags plan);
 /// What fsdp-run trained from, for --out: {"init_from", "tokens"} (paths or null), "seed", "lr".
 Json RunInputsJson(const RunFlags& flags);
 
-/// The loss scaling of a run, when it has one: a report line ("  loss scaling: dynamic, scale
-/// 32768 after 3 steps, skipped steps 1 (inf/NaN gradients)") and {"mode", "final_scale",
-/// "skipped_steps" (1-based)} for --out.
-void PrintLossScaling(const runtime::LossScaler& scaler, std::ostream& out);
-Json LossScalingJson(const runtime::LossScaler& scaler);
-
-/// 100 * (predicted - measured) / measured; 0 when nothing was measured.
-double PercentError(double measured, double predicted);
-
-/// A communicator's collectives as JSON: bytes (nccl-tests sizes), counts, seconds and bus
-/// bandwidth for all-gather, reduce-scatter and all-reduce over a group of `group` ranks.
-Json CommStatsJson(const runtime::CommStats& stats, int64_t group);
-
 /// The largest `value` (0 <= value < 2^48) over the ranks of `comm`, exactly (the host Comm moves
 /// floats: the value travels as two 24-bit halves).
 Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value);
@@ -71,6 +59,14 @@ struct StepLog {
   Json losses = Json::array(), times = Json::array();
   double total_s = 0;
 };
+/// A report's header and what every engine measures alike: the model, hardware, ranks, world,
+/// configuration, inputs, losses and step times (run_report.h).
+RunReport NewRunReport(const RunFlags& flags, const Workload& workload, const StepLog& log, int ranks);
+/// The shard group's and the replica group's collectives of rank 0 (`world` ranks in all).
+void SetMeasuredComm(const runtime::CommStats& shard, const runtime::CommStats& replica, int64_t shard_group, int64_t world, RunMeasurement& m);
+/// fsdp-plan's collective bytes for `steps` steps of `workload` (in the dtypes the engine moves), in
+/// the groups of more than one rank.
+void SetPredictedComm(const Workload& workload, const RunMeasurement& m, int64_t steps, RunPrediction& p);
 /// Runs --steps steps of `step` under the --timeout watchdog, with the fault injections and the
 /// progress line on stderr (rank 0).
 Result<StepLog> RunSteps(const RunFlags& flags, int rank, const std::function<Result<float>(int64_t)>& step);

@@ -50,63 +50,24 @@ double Median(std::vector<double> v) {
   return n == 0 ? 0 : n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-Json MemoryTable(const runtime::GpuMemoryReport& m, const GpuRuntimeMemory& p, std::ostream& out) {
-  fmt::print(out, "  {:<22}{:>14}{:>14}{:>9}\n", "allocated at peak", "measured MiB", "predicted MiB", "error");
-  Json measured = Json::object(), predicted = Json::object();
-  for (MemCategory c : kRuntimeCategories) {
-    const std::string key(MemCategoryKey(c));
-    const double mm = At(m.at_peak, c) / kMiB, pp = At(p.at_peak, c) / kMiB;
-    measured[key + "_bytes"] = At(m.at_peak, c);
-    predicted[key + "_bytes"] = At(p.at_peak, c);
-    fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%\n", key, mm, pp, PercentError(mm, pp));
-  }
-  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (measured at {}, predicted at {})\n", "peak allocated", m.peak_allocated_bytes / kMiB,
-             p.peak_bytes / kMiB, PercentError(static_cast<double>(m.peak_allocated_bytes), static_cast<double>(p.peak_bytes)), m.peak_phase,
-             p.peak_phase);
-  fmt::print(out, "  {:<22}{:>14.2f}   ({} cudaMalloc calls)\n", "peak reserved", m.peak_reserved_bytes / kMiB, m.device_mallocs);
-  return Json{{"measured", measured}, {"predicted", predicted}};
+// The CUDA context, cuBLAS and NCCL as the device saw them, against fsdp-plan's framework terms.
+ComparisonTable FrameworkTable(const runtime::GpuMemoryReport& m, const FrameworkOverheads& o) {
+  const int64_t predicted_nccl = m.nccl_communicators * o.nccl_bytes_per_communicator;
+  auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / kMiB; };
+  return {"framework (device)", "MiB", "fsdp-plan", 1,
+          {{"CUDA context", mib(m.context_bytes), mib(o.cuda_context_bytes), ""},
+           {"cuBLAS workspace", mib(m.cublas_bytes), mib(o.cublas_workspace_bytes), ""},
+           {"NCCL", mib(m.nccl_bytes), mib(predicted_nccl),
+            fmt::format("({} communicator{}; a virtual world has none)", m.nccl_communicators, m.nccl_communicators == 1 ? "" : "s")},
+           {"device in use (max)", mib(m.device_used_bytes), std::nullopt, ""}}};
 }
 
-// The CUDA context, cuBLAS and NCCL as the device saw them, against fsdp-plan's framework terms.
-Json FrameworkTable(const runtime::GpuMemoryReport& m, const MemoryEstimate& torch_profile, std::ostream& out) {
-  const FrameworkOverheads& o = torch_profile.overheads;
-  fmt::print(out, "  {:<22}{:>14}{:>14}\n", "framework (device)", "measured MiB", "fsdp-plan MiB");
-  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "CUDA context", m.context_bytes / kMiB, o.cuda_context_bytes / kMiB);
-  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}\n", "cuBLAS workspace", m.cublas_bytes / kMiB, o.cublas_workspace_bytes / kMiB);
-  const int64_t predicted_nccl = m.nccl_communicators * o.nccl_bytes_per_communicator;
-  fmt::print(out, "  {:<22}{:>14.1f}{:>14.1f}   ({} communicator{}; a virtual world has none)\n", "NCCL", m.nccl_bytes / kMiB,
-             predicted_nccl / kMiB, m.nccl_communicators, m.nccl_communicators == 1 ? "" : "s");
-  fmt::print(out, "  {:<22}{:>14.1f}\n", "device in use (max)", m.device_used_bytes / kMiB);
+Json FrameworkJson(const runtime::GpuMemoryReport& m, const FrameworkOverheads& o) {
   return Json{{"context_bytes", m.context_bytes}, {"cublas_bytes", m.cublas_bytes}, {"nccl_bytes", m.nccl_bytes},
               {"device_used_bytes", m.device_used_bytes}, {"device_total_bytes", m.device_total_bytes},
               {"predicted_context_bytes", o.cuda_context_bytes}, {"predicted_cublas_bytes", o.cublas_workspace_bytes},
               {"predicted_nccl_bytes_per_communicator", o.nccl_bytes_per_communicator},
-              {"nccl_communicators", m.nccl_communicators}, {"predicted_nccl_bytes", predicted_nccl}};
-}
-
-// The collectives of the shard group (all-gathers, reduce-scatters) and of the replica group
-// (HYBRID_SHARD's and NO_SHARD's gradient all-reduces), measured and predicted for the steps run.
-Json CommReport(const runtime::GpuEngine& engine, const Workload& w, int64_t steps, bool virtual_world, std::ostream& out) {
-  const runtime::CommStats& cs = engine.shard_stats();
-  const runtime::CommStats& rs = engine.replica_stats();
-  const int64_t replicas = w.config.gpus / std::max<int64_t>(1, engine.shard_world());
-  auto per = [](int64_t bytes, int64_t count) { return bytes / 1e6 / static_cast<double>(std::max<int64_t>(1, count)); };
-  fmt::print(out, "  all-gathers {} x {:.2f} MB in {:.4f} s, reduce-scatters {} x {:.2f} MB in {:.4f} s{}\n", cs.all_gather_count,
-             per(cs.all_gather_bytes, cs.all_gather_count), cs.all_gather_s, cs.reduce_scatter_count,
-             per(cs.reduce_scatter_bytes, cs.reduce_scatter_count), cs.reduce_scatter_s,
-             virtual_world ? " (device copies standing in for collectives)" : "");
-  if (rs.all_reduce_count > 0) {
-    fmt::print(out, "  gradient all-reduces across {} replicas: {} x {:.2f} MB in {:.4f} s\n", replicas, rs.all_reduce_count,
-               per(rs.all_reduce_bytes, rs.all_reduce_count), rs.all_reduce_s);
-  }
-  Json j = {{"shard", CommStatsJson(cs, engine.shard_world())}, {"replica", CommStatsJson(rs, replicas)}};
-  // fsdp-plan counts no collective in a group of one rank; the engine still calls them (as copies)
-  const CommVolume volume = EstimateComm(w).volume;
-  const double n = static_cast<double>(steps);
-  j["predicted_all_gather_bytes"] = engine.shard_world() > 1 ? Json(static_cast<double>(volume.forward_all_gather_bytes + volume.backward_all_gather_bytes) * n) : Json();
-  j["predicted_reduce_scatter_bytes"] = engine.shard_world() > 1 ? Json(static_cast<double>(volume.reduce_scatter_bytes) * n) : Json();
-  j["predicted_all_reduce_bytes"] = replicas > 1 ? Json(static_cast<double>(volume.all_reduce_bytes) * n) : Json();
-  return j;
+              {"nccl_communicators", m.nccl_communicators}, {"predicted_nccl_bytes", m.nccl_communicators * o.nccl_bytes_per_communicator}};
 }
 
 // --gpu, or the catalog entry of the GPU this rank runs on.
@@ -123,82 +84,58 @@ std::vector<T> SteadySteps(const std::vector<T>& per_step) {
   return per_step.size() > 1 ? std::vector<T>(per_step.begin() + 1, per_step.end()) : per_step;
 }
 
-// Rank 0's report: losses, step time, memory against the engine's replay and fsdp-plan's
-// PyTorch profile, framework memory, step time against fsdp-plan and fsdp-sim, collectives.
-Status ReportGpuRun(const RunFlags& f, const Workload& w, const runtime::GpuEngine& engine, const StepLog& log, const GpuRuntimeMemory& predicted,
-                    int64_t largest_peak, int ranks, std::ostream& out) {
-  std::vector<double> steps;
-  for (const auto& t : log.times) steps.push_back(t.get<double>());
-  const double step_s = Median(SteadySteps(steps));
-  const int64_t world = f.virtual_world > 0 ? f.virtual_world : ranks;
-  const double tokens_per_gpu = static_cast<double>(w.config.micro_batch * w.config.seq_len * w.config.grad_accum) / step_s;
-  fmt::print(out, "{} on {} ({}{} ranks), {}, {}/{}: losses", w.model.id, engine.device_name(), f.virtual_world > 0 ? "rank 0 of a virtual world of " : "",
-             world, StrategyName(w.config.strategy), DTypeName(w.config.param_dtype), DTypeName(w.config.reduce_dtype));
-  for (const auto& l : log.losses) fmt::print(out, " {:.4f}", l.get<double>());
-  fmt::print(out, "\n");
-  PrintLossScaling(engine.loss_scaler(), out);
-  fmt::print(out, "  step {:.4f} s ({}), {:.0f} tokens/s per GPU\n", step_s, steps.size() > 1 ? fmt::format("median of steps 2..{}", steps.size()) : "step 1 only",
-             tokens_per_gpu);
+// Rank 0's report: the GPU engine's measurements against its replay and fsdp-plan's step model
+// and fsdp-sim on this GPU's hardware file (charging the engine's fused kernels' activation
+// traffic); beside them fsdp-plan's PyTorch profile and PyTorch eager step, for reference.
+RunReport GpuRunReport(const RunFlags& f, const Workload& w, const runtime::GpuEngine& engine, const StepLog& log, const GpuRuntimeMemory& replay,
+                       int64_t largest_peak, int ranks) {
+  RunReport r = NewRunReport(f, w, log, ranks);
+  r.device = "cuda";
+  r.device_name = engine.device_name();
+  RunMeasurement& m = r.measured;
+  m.step_s = Median(SteadySteps(m.steps_s));
+  m.step_basis = m.steps_s.size() > 1 ? fmt::format("median of steps 2..{}", m.steps_s.size()) : "step 1 only";
+  const runtime::GpuPhaseTimes t = engine.times();
+  m.forward_s = Median(SteadySteps(t.forward_s));
+  m.backward_s = Median(SteadySteps(t.backward_s));
+  m.optimizer_s = Median(SteadySteps(t.optimizer_s));
+  const std::vector<int64_t> steady_waits = SteadySteps(t.host_waits);
+  m.host_waits_per_step = steady_waits.empty() ? 0 : *std::max_element(steady_waits.begin(), steady_waits.end());
   const runtime::GpuMemoryReport mem = engine.memory();
-  Json memory_json = MemoryTable(mem, predicted, out);
-  const MemoryEstimate torch_profile = EstimateMemory(w);  // fsdp-plan's PyTorch FSDP profile, for reference
-  fmt::print(out, "  {:<22}{:>14.2f}{:>14.2f}{:>8.1f}%   (fsdp-plan's PyTorch {} profile: max_memory_allocated)\n", "peak allocated",
-             mem.peak_allocated_bytes / kMiB, torch_profile.allocated_peak_bytes / kMiB,
-             PercentError(static_cast<double>(mem.peak_allocated_bytes), static_cast<double>(torch_profile.allocated_peak_bytes)),
-             w.config.framework == Framework::kFsdp2 ? "FSDP2" : "FSDP1");
-  Json framework_json = FrameworkTable(mem, torch_profile, out);
-  // fsdp-plan's step model and fsdp-sim on this GPU's hardware file, charging the engine's fused
-  // kernels' activation traffic; and, for reference, the same model of PyTorch eager
+  m.peak_bytes = largest_peak;
+  m.rank0 = {mem.peak_allocated_bytes, mem.peak_phase, mem.at_peak};
+  m.rank0_reserved_bytes = mem.peak_reserved_bytes;
+  m.device_mallocs = mem.device_mallocs;
+  SetMeasuredComm(engine.shard_stats(), engine.replica_stats(), engine.shard_world(), w.config.gpus, m);
+  m.collectives_are_copies = f.virtual_world > 0;
+  m.loss_scaler = engine.loss_scaler();
+
+  RunPrediction& p = r.predicted;
+  p.memory = {replay.peak_bytes, replay.peak_phase, replay.at_peak};
+  p.categories_compared.assign(kRuntimeCategories.begin(), kRuntimeCategories.end());
   const TimeEstimate time = EstimateTime(w, kFusedEngineTrafficPerSavedByte);
-  const StepEstimate torch_step = EstimateStep(w, EstimateCompute(w), time.comm);
+  p.step_s = time.step.step_s;
+  p.time_basis = fmt::format("fsdp-plan, fsdp-run's kernels, {}", w.hardware.id);
   sim::SimOptions sim_options;
   sim_options.compute_override = time.compute;
-  auto simulated = sim::Simulate(w, sim_options);
-  const double sim_s = simulated.ok() ? simulated.value().step_s : 0.0;
-  fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-plan, fsdp-run's kernels, {})\n", "step time s", step_s, time.step.step_s,
-             PercentError(step_s, time.step.step_s), w.hardware.id);
-  if (simulated.ok()) fmt::print(out, "  {:<22}{:>14.4f}{:>14.4f}{:>8.1f}%   (fsdp-sim)\n", "step time s", step_s, sim_s, PercentError(step_s, sim_s));
-  fmt::print(out, "  {:<22}{:>14}{:>14.4f}           (fsdp-plan's PyTorch eager step, for tools/torch_reference.py)\n", "step time s", "-",
-             torch_step.step_s);
-  const runtime::GpuPhaseTimes t = engine.times();
-  const double forward_s = Median(SteadySteps(t.forward_s)), backward_s = Median(SteadySteps(t.backward_s)),
-               optimizer_s = Median(SteadySteps(t.optimizer_s));
-  const std::vector<int64_t> steady_waits = SteadySteps(t.host_waits);
-  const int64_t host_waits = steady_waits.empty() ? 0 : *std::max_element(steady_waits.begin(), steady_waits.end());
-  fmt::print(out, "  GPU time per step: forward {:.4f} s, backward {:.4f} s, optimizer {:.4f} s (CUDA events, same steps); host waits per step: at most {}\n",
-             forward_s, backward_s, optimizer_s, host_waits);
-  Json comm_json = CommReport(engine, w, f.steps, f.virtual_world > 0, out);
-  if (f.json_path.empty()) return {};
-  Json doc = {{"model", w.model.id},
-              {"device", "cuda"},
-              {"device_name", engine.device_name()},
-              {"hardware", w.hardware.id},
-              {"ranks", ranks},
-              {"virtual_world", f.virtual_world},
-              {"config", ConfigToJson(w.config)},
-              {"inputs", RunInputsJson(f)},
-              {"predicted",
-               {{"memory", {{"peak_bytes", predicted.peak_bytes}, {"peak_phase", predicted.peak_phase}, {"categories", memory_json["predicted"]}}},
-                {"pytorch_profile",
-                 {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes},
-                  {"peak_bytes", torch_profile.peak_bytes},
-                  {"step_s", torch_step.step_s},
-                  {"tokens_per_s_per_gpu", torch_step.tokens_per_s_per_gpu}}},
-                {"time", {{"step_s", time.step.step_s}, {"sim_step_s", sim_s}, {"tokens_per_s_per_gpu", time.step.tokens_per_s_per_gpu}}}}},
-              {"measured",
-               {{"loss", log.losses},
-                {"loss_scaling", LossScalingJson(engine.loss_scaler())},
-                {"memory",
-                 {{"peak_bytes", largest_peak},
-                  {"rank0_peak_allocated_bytes", mem.peak_allocated_bytes},
-                  {"rank0_peak_reserved_bytes", mem.peak_reserved_bytes},
-                  {"rank0_peak_phase", mem.peak_phase},
-                  {"rank0_categories", memory_json["measured"]},
-                  {"framework", framework_json}}},
-                {"time", {{"step_s", step_s}, {"steps_s", log.times}, {"forward_s", forward_s}, {"backward_s", backward_s}, {"optimizer_s", optimizer_s}, {"host_waits_per_step", host_waits}}},
-                {"tokens_per_s_per_gpu", tokens_per_gpu},
-                {"comm", comm_json}}}};
-  return sim::WriteText(f.json_path, doc.dump(2) + "\n");
+  if (auto simulated = sim::Simulate(w, sim_options); simulated.ok()) p.sim_step_s = simulated.value().step_s;
+  SetPredictedComm(w, m, f.steps, p);
+
+  const MemoryEstimate torch_profile = EstimateMemory(w);  // fsdp-plan's PyTorch FSDP profile
+  const StepEstimate torch_step = EstimateStep(w, EstimateCompute(w), time.comm);
+  r.extra_memory_rows.push_back({"peak (PyTorch profile)", static_cast<double>(mem.peak_allocated_bytes) / kMiB,
+                                 static_cast<double>(torch_profile.allocated_peak_bytes) / kMiB,
+                                 fmt::format("(fsdp-plan's PyTorch {} profile: max_memory_allocated)",
+                                             w.config.framework == Framework::kFsdp2 ? "FSDP2" : "FSDP1")});
+  r.extra_tables.push_back(FrameworkTable(mem, torch_profile.overheads));
+  r.extra_time_rows.push_back({"step time", std::nullopt, torch_step.step_s, "(fsdp-plan's PyTorch eager step, for tools/torch_reference.py)"});
+  r.measured_memory_extra = {{"framework", FrameworkJson(mem, torch_profile.overheads)}};
+  r.predicted_extra = {{"pytorch_profile",
+                        {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes},
+                         {"peak_bytes", torch_profile.peak_bytes},
+                         {"step_s", torch_step.step_s},
+                         {"tokens_per_s_per_gpu", torch_step.tokens_per_s_per_gpu}}}};
+  return r;
 }
 
 }  // namespace
@@ -271,7 +208,10 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
   auto largest_peak = MaxOverRanks(comm, mem.peak_allocated_bytes);
   if (!largest_peak.ok()) return largest_peak.error();
   if (comm.rank() != 0) return {};
-  return ReportGpuRun(f, w, *engine.value(), log.value(), predicted, largest_peak.value(), comm.size(), out);
+  const RunReport report = GpuRunReport(f, w, *engine.value(), log.value(), predicted, largest_peak.value(), comm.size());
+  PrintRunReport(report, out);
+  if (f.json_path.empty()) return {};
+  return sim::WriteText(f.json_path, RunReportJson(report).dump(2) + "\n");
 }
 
 }  // namespace fsdp

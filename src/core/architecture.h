@@ -23,6 +23,7 @@ struct ParamOp {
   bool conv1d = false;        ///< GPT-2's Conv1D: the weight is stored [in, out]
   int64_t experts = 0;        ///< > 0: one copy per expert...
   int64_t experts_per_token = 0;  ///< ...of which each token runs this many
+  bool trainable = true;      ///< requires_grad (TensorSpec::trainable of its tensors)
 };
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)

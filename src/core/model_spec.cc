@@ -12,23 +12,25 @@
 namespace fsdp {
 namespace {
 
-void AddTensor(std::vector<TensorSpec>& out, std::string name, std::vector<int64_t> shape, int block, bool in_linear, double share = 1.0) {
-  out.push_back(TensorSpec{std::move(name), std::move(shape), block, in_linear, true, share});
+void AddTensor(std::vector<TensorSpec>& out, std::string name, std::vector<int64_t> shape, int block, bool in_linear, double share = 1.0,
+               bool trainable = true) {
+  out.push_back(TensorSpec{std::move(name), std::move(shape), block, in_linear, trainable, share});
 }
 
-void AddNorm(std::vector<TensorSpec>& out, NormKind kind, const std::string& module, int64_t dim, int block) {
-  AddTensor(out, module + ".weight", {dim}, block, false);
-  if (kind == NormKind::kLayer) AddTensor(out, module + ".bias", {dim}, block, false);
+void AddNorm(std::vector<TensorSpec>& out, NormKind kind, const std::string& module, int64_t dim, int block, bool trainable = true) {
+  AddTensor(out, module + ".weight", {dim}, block, false, 1.0, trainable);
+  if (kind == NormKind::kLayer) AddTensor(out, module + ".bias", {dim}, block, false, 1.0, trainable);
 }
 
 void AddOp(std::vector<TensorSpec>& out, const Architecture& a, const ParamOp& op, const std::string& module, int block) {
   if (op.kind == ParamOp::Kind::kNorm) {
-    AddNorm(out, a.norm, module, op.out, block);
+    AddNorm(out, a.norm, module, op.out, block, op.trainable);
     return;
   }
   const double share = op.experts > 0 ? static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts) : 1.0;
-  AddTensor(out, module + ".weight", op.conv1d ? std::vector<int64_t>{op.in, op.out} : std::vector<int64_t>{op.out, op.in}, block, true, share);
-  if (op.bias) AddTensor(out, module + ".bias", {op.out}, block, true, share);
+  AddTensor(out, module + ".weight", op.conv1d ? std::vector<int64_t>{op.in, op.out} : std::vector<int64_t>{op.out, op.in}, block, true, share,
+            op.trainable);
+  if (op.bias) AddTensor(out, module + ".bias", {op.out}, block, true, share, op.trainable);
 }
 
 // A block's modules; a run of expert modules is expanded expert by expert (experts.0.w1, .w3, .w2,

@@ -197,7 +197,7 @@ TEST_CASE("the inventory is derived from the Architecture alone") {
                   {ParamOp::Kind::kLinear, "proj", 4, 5, true, true},
                   {ParamOp::Kind::kRouter, "router", 4, 3},
                   {ParamOp::Kind::kLinear, "experts.{}.up", 4, 7, false, false, 3, 1},
-                  {ParamOp::Kind::kLinear, "experts.{}.down", 7, 4, false, false, 3, 1}};
+                  {ParamOp::Kind::kLinear, "experts.{}.down", 7, 4, false, false, 3, 1, false}};
   const std::vector<TensorSpec> t = BuildInventory(m);
   std::vector<std::string> names;
   for (const TensorSpec& x : t) names.push_back(x.name);
@@ -217,6 +217,7 @@ TEST_CASE("the inventory is derived from the Architecture alone") {
   CHECK(t[7].shape == std::vector<int64_t>{7, 4});  // nn.Linear stores [out, in]
   CHECK(t[7].active_share == doctest::Approx(1.0 / 3));
   CHECK(t[6].active_share == 1.0);
+  CHECK((t[7].trainable && !t[8].trainable && t[4].trainable));  // the frozen op's tensors only
   CHECK((t[4].in_linear && !t[2].in_linear && t[6].in_linear && t[7].block == 0 && t[0].block == -1));
   // numel: 10*4 + 6*4 + 2*(8 + 20 + 5 + 12 + 3*(28 + 28)) + 8 + 40
   m.tensors = t;

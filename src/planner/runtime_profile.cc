@@ -20,7 +20,7 @@ using Cat = MemCategory;
 class RuntimePlayer {
  public:
   RuntimePlayer(const Workload& w, MemoryTracker& mem)
-      : w_(w), schedule_(BuildSchedule(w)), mem_(mem), full_(w.units.size(), kNoBlock), grad_(w.units.size(), kNoBlock),
+      : w_(w), schedule_(BuildSchedule(w)), mem_(mem), phases_(w), full_(w.units.size(), kNoBlock), grad_(w.units.size(), kNoBlock),
         shard_grad_(w.units.size(), kNoBlock), saved_(static_cast<size_t>(w.model.num_layers), kNoBlock) {
     const ModelSpec& m = w.model;
     tokens_ = w.TokensPerMicroBatch();
@@ -34,23 +34,28 @@ class RuntimePlayer {
   }
 
   void Play() {
+    mem_.SetPhase(Phase{StepPhase::kInitialisation});
     for (const auto& u : w_.units) {
       mem_.Alloc(Cat::kShardedParams, u.shard_numel * 4);
       mem_.Alloc(Cat::kOptimizerStates, 2 * u.shard_numel * 4);
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
+      phases_.StartMicroBatch(static_cast<int>(micro));
       for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
     }
   }
 
  private:
+  // In the phases FsdpEngine gives its ledger: the same tracker on the same actions.
   void Play(const Action& a) {
+    if (phases_.Enter(a)) mem_.SetPhase(phases_.phase());
     switch (a.kind) {
       case ActionKind::kUnshard: Unshard(a.unit, a.prefetch); break;
       case ActionKind::kWaitUnshard: Wait(a.unit); break;
       case ActionKind::kForward:
       case ActionKind::kBackward:
         for (const NodeVisit& v : schedule_.Visits(schedule_.segments()[a.segment])) {
+          if (phases_.Enter(v, a.kind == ActionKind::kForward)) mem_.SetPhase(phases_.phase());
           if (a.kind == ActionKind::kForward) Forward(v.node);
           else if (v.enter) Backward(v.node);
         }
@@ -128,6 +133,7 @@ class RuntimePlayer {
   const Workload& w_;
   Schedule schedule_;
   MemoryTracker& mem_;
+  PhaseTracker phases_;
   std::vector<BlockId> full_, grad_, shard_grad_, saved_;
   BlockId x_ = kNoBlock, head_ = kNoBlock;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
@@ -156,6 +162,7 @@ MemoryEstimate EstimateRuntimeMemory(const Workload& w) {
   e.peak = mem.device_peak();
   e.peak_bytes = TotalBytes(e.peak);
   e.allocated_peak_bytes = mem.allocated_peak();
+  e.peak_phase = PhaseName(w, mem.device_peak_phase());
   return e;
 }
 

@@ -15,8 +15,8 @@ int main(int argc, char** argv) {
   const double predicted = j["predicted"]["memory"]["peak_bytes"].get<double>();
   const double error = std::fabs(predicted - measured) / measured;
   const auto& c = j["measured"]["comm"];
-  const double ag = c["all_gather_bytes"].get<double>(), ag_pred = c["predicted_all_gather_bytes"].get<double>();
-  const double rs = c["reduce_scatter_bytes"].get<double>(), rs_pred = c["predicted_reduce_scatter_bytes"].get<double>();
+  const double ag = c["shard"]["all_gather_bytes"].get<double>(), ag_pred = c["predicted_all_gather_bytes"].get<double>();
+  const double rs = c["shard"]["reduce_scatter_bytes"].get<double>(), rs_pred = c["predicted_reduce_scatter_bytes"].get<double>();
   std::printf("peak measured %.0f predicted %.0f (%.2f%%); all-gather %.0f vs %.0f; reduce-scatter %.0f vs %.0f bytes\n", measured, predicted,
               100 * error, ag, ag_pred, rs, rs_pred);
   if (error > 0.03) { std::fprintf(stderr, "peak memory off by %.2f%% (> 3%%)\n", 100 * error); return 1; }

@@ -17,6 +17,6 @@ python3 - "$out/gpu.json" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1]))
 m, p = r["measured"]["memory"], r["predicted"]["memory"]
-print("GPU engine peak allocated", m["rank0_peak_allocated_bytes"], "replay", p["peak_bytes"])
-sys.exit(0 if m["rank0_peak_allocated_bytes"] == p["peak_bytes"] and m["rank0_categories"] == p["categories"] else 1)
+print("GPU engine peak allocated", m["rank0_peak_bytes"], "replay", p["peak_bytes"])
+sys.exit(0 if m["rank0_peak_bytes"] == p["peak_bytes"] and m["rank0_categories"] == p["categories"] else 1)
 PY
