@@ -3,15 +3,6 @@
 #include <fmt/format.h>
 
 namespace fsdp {
-namespace {
-
-// Phases are named after units and after the modules that hold activations.
-bool NamesPhase(const Workload& w, int node) {
-  return w.nodes[node].unit >= 0 || w.nodes[node].role != ModuleNode::Role::kOther;
-}
-
-}  // namespace
-
 std::string PhaseName(const Workload& w, const Phase& p) {
   static constexpr const char* kWhat[] = {"initialisation",    "start of step", "forward: unshard",         "forward:",      "end of forward",
                                           "backward: unshard", "backward:",     "backward: reduce-scatter", "optimizer step", "after zero_grad"};
@@ -37,12 +28,6 @@ bool PhaseTracker::Enter(const Action& a) {
     case ActionKind::kOptimizer: phase_ = Phase{StepPhase::kOptimizer, -1, phase_.micro, phase_.action}; return true;
     default: return false;
   }
-}
-
-bool PhaseTracker::Enter(const NodeVisit& v, bool forward) {
-  if (!NamesPhase(w_, v.node)) return false;
-  phase_ = Phase{forward ? StepPhase::kForward : StepPhase::kBackward, v.node, phase_.micro, phase_.action};
-  return true;
 }
 
 void PhaseTracker::Enter(StepPhase kind) { phase_ = Phase{kind, -1, phase_.micro, phase_.action}; }

@@ -52,8 +52,15 @@ class PhaseTracker {
   /// Counts a schedule action and enters the phase it opens, if any; true when it opened one.
   /// kEndForward's phase opens here too: a caller with work to do before it calls this after.
   bool Enter(const Action& action);
-  /// Enters the phase a segment's visit opens, if any (forward: every visit; backward: both ends).
-  bool Enter(const NodeVisit& visit, bool forward);
+  /// Enters the phase a segment's visit opens, if any (forward: every visit; backward: both ends):
+  /// phases are named after units and after the modules that hold activations. Inline: the
+  /// planner's search calls it for every visit of every configuration.
+  bool Enter(const NodeVisit& visit, bool forward) {
+    const ModuleNode& n = w_.nodes[visit.node];
+    if (n.unit < 0 && n.role == ModuleNode::Role::kOther) return false;
+    phase_ = Phase{forward ? StepPhase::kForward : StepPhase::kBackward, visit.node, phase_.micro, phase_.action};
+    return true;
+  }
   /// Enters a phase of no node (kInitialisation, kStart, kAfterZeroGrad).
   void Enter(StepPhase kind);
   const Phase& phase() const { return phase_; }

@@ -432,9 +432,12 @@ int64_t CommunicatorCount(const Workload& w) {
 CheckpointMemory EstimateCheckpoint(const Workload& w) {
   CheckpointMemory ck;
   const int64_t mb = BytesPerElement(w.config.master_dtype);
-  const int64_t params = w.model.ParamsTotal();
-  int64_t largest_unit = 0;
-  for (const auto& u : w.units) largest_unit = std::max(largest_unit, u.padded_numel);
+  int64_t params = 0, trainable = 0, largest_unit = 0;  // the units partition the parameters
+  for (const auto& u : w.units) {
+    params += u.numel;
+    trainable += u.trainable_numel;
+    largest_unit = std::max(largest_unit, u.padded_numel);
+  }
   const int64_t states = OptimizerStateBytesPerParam(w.config.optimizer);
   // FULL_STATE_DICT all-gathers each unit in full precision (_full_prec_full_param_padded) and
   // clones its parameters: to the GPU (accumulating the whole model) or to the CPU.
@@ -442,8 +445,6 @@ CheckpointMemory EstimateCheckpoint(const Workload& w) {
   ck.full_offload_gpu_extra_bytes = largest_unit * mb;
   ck.full_offload_host_rank0_bytes = params * mb;
   ck.full_offload_host_per_node_bytes = params * mb * w.config.gpus_per_node;
-  int64_t trainable = 0;
-  for (const TensorSpec& t : w.model.tensors) trainable += t.trainable ? t.numel() : 0;
   ck.full_optim_host_rank0_bytes = trainable * states;
   ck.sharded_gpu_extra_bytes = 0;
   ck.model_file_bytes = params * mb;

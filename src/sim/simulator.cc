@@ -66,13 +66,29 @@ std::string SegmentLabel(const Workload& w, const Schedule& schedule, const Comp
   return parts.empty() ? label : fmt::format("{} ({})", label, parts);
 }
 
+// What every rank's compute segment runs alike: its seconds, its kernel launches, its label.
+struct SegmentOps {
+  std::vector<double> seconds;
+  std::vector<int> kernels;
+  std::vector<std::string> labels;
+};
+
+SegmentOps SegmentOpsOf(const Workload& w, const Schedule& schedule, const std::vector<double>& seconds, int kernels_per_block) {
+  SegmentOps ops{seconds, {}, {}};
+  for (const ComputeSegment& seg : schedule.segments()) {
+    ops.kernels.push_back(SegmentKernels(w, schedule, seg, kernels_per_block));
+    ops.labels.push_back(SegmentLabel(w, schedule, seg));
+  }
+  return ops;
+}
+
 // Builds the ops and the CPU program of one rank from the schedule (docs/simulator.md).
 class RankBuilder {
  public:
   RankBuilder(const Workload& w, const SimOptions& o, const ComputeModel& cm, const std::vector<UnitComm>& coll, const Schedule& schedule,
-              const std::vector<double>& segment_s, Engine& e, int rank, std::vector<OpId>& collective_ops, std::vector<char>& kinds,
+              const SegmentOps& segments, Engine& e, int rank, std::vector<OpId>& collective_ops, std::vector<char>& kinds,
               std::vector<ActionPlace>* places)
-      : w_(w), o_(o), cm_(cm), coll_(coll), schedule_(schedule), segment_s_(segment_s), e_(e), rank_(rank), collective_ops_(collective_ops),
+      : w_(w), o_(o), cm_(cm), coll_(coll), schedule_(schedule), segments_(segments), e_(e), rank_(rank), collective_ops_(collective_ops),
         kinds_(kinds), places_(places), rng_(o.seed * 1000003ULL + static_cast<uint64_t>(rank)), gather_event_(w.units.size(), kNoEvent) {
     const std::string r = fmt::format("rank {} ", rank);
     compute_ = e.AddStream(r + "compute", rank);
@@ -89,10 +105,6 @@ class RankBuilder {
     link_ = e.AddLink();
     auto slow = o.slow_ranks.find(rank);
     compute_factor_ = o.compute_scale * (slow == o.slow_ranks.end() ? 1.0 : slow->second);
-    for (const ComputeSegment& seg : schedule.segments()) {
-      segment_kernels_.push_back(SegmentKernels(w, schedule, seg, o.kernels_per_block));
-      segment_labels_.push_back(SegmentLabel(w, schedule, seg));
-    }
   }
 
   std::vector<CpuAction> Build() {
@@ -200,14 +212,14 @@ class RankBuilder {
   }
 
   void ComputeSegmentOp(const Action& a) {
-    IssueKernels(segment_kernels_[a.segment]);
+    IssueKernels(segments_.kernels[a.segment]);
     const ComputeSegment& seg = schedule_.segments()[a.segment];
     bool recomputes = false;
     if (!seg.forward) {
       for (const NodeVisit& v : schedule_.Visits(seg)) recomputes = recomputes || (v.enter && cm_.nodes[v.node].recompute_s > 0);
     }
     const char* what = seg.forward ? "FWD" : recomputes ? "BWD+RECOMPUTE" : "BWD";
-    LaunchCompute(Make(compute_, fmt::format("{} {}", what, segment_labels_[a.segment]), segment_s_[a.segment] * compute_factor_ * Jitter(), 0, {}),
+    LaunchCompute(Make(compute_, fmt::format("{} {}", what, segments_.labels[a.segment]), segments_.seconds[a.segment] * compute_factor_ * Jitter(), 0, {}),
                   'C');
   }
 
@@ -255,7 +267,7 @@ class RankBuilder {
   const ComputeModel& cm_;
   const std::vector<UnitComm>& coll_;
   const Schedule& schedule_;
-  const std::vector<double>& segment_s_;
+  const SegmentOps& segments_;
   Engine& e_;
   int rank_;
   std::vector<OpId>& collective_ops_;
@@ -265,8 +277,6 @@ class RankBuilder {
   StreamId compute_ = 0, ag_stream_ = 0, rs_stream_ = 0, h2d_ = -1, d2h_ = -1;
   int link_ = 0;
   double compute_factor_ = 1.0;
-  std::vector<int> segment_kernels_;
-  std::vector<std::string> segment_labels_;
   std::vector<CpuAction> program_;
   std::vector<EventId> gather_event_;   // per unit: its pending all-gather
   std::vector<EventId> compute_waits_;     // events the next compute-stream op waits for
@@ -394,14 +404,14 @@ Result<SimResult> Simulate(const Workload& workload, const SimOptions& o) {
   const std::vector<UnitComm> coll = o.collective_override ? *o.collective_override : EstimateComm(w, schedule).units;
   if (coll.size() != w.units.size()) return Error::BadInput("collective override needs one entry per unit");
   if (cm.segments_s.size() != schedule.segments().size()) return Error::BadInput("compute override needs one time per compute segment");
-  const std::vector<double>& segment_s = cm.segments_s;
+  const SegmentOps segments = SegmentOpsOf(w, schedule, cm.segments_s, o.kernels_per_block);
   Engine e(Ns(o.launch_overhead_s));
   const int64_t ranks = std::max<int64_t>(1, o.ranks);
   std::vector<std::vector<OpId>> collective_ops(ranks);
   std::vector<char> kinds;
   std::vector<ActionPlace> places;
   for (int64_t r = 0; r < ranks; ++r) {
-    RankBuilder b(w, o, cm, coll, schedule, segment_s, e, static_cast<int>(r), collective_ops[r], kinds, r == 0 ? &places : nullptr);
+    RankBuilder b(w, o, cm, coll, schedule, segments, e, static_cast<int>(r), collective_ops[r], kinds, r == 0 ? &places : nullptr);
     e.AddCpuThread(b.Build());
   }
   if (ranks > 1) {
