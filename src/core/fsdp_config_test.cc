@@ -12,47 +12,39 @@ namespace {
 
 using testing::HandLlama;
 
-HardwareSpec Gpu() {
-  HardwareSpec hw;
-  hw.id = "test";
-  hw.memory_bytes = 1LL << 30;
-  hw.gpus_per_node = 8;
-  return hw;
-}
-
 TEST_CASE("inconsistent configurations are rejected") {
   FsdpConfig c;
   c.gpus = 12;
   c.gpus_per_node = 8;
-  auto w = BuildWorkload(HandLlama(), Gpu(), c);
+  auto w = BuildWorkload(HandLlama(), testing::GibGpu(), c);
   REQUIRE_FALSE(w.ok());
   CHECK(w.error().message == "--gpus 12 is not a whole number of nodes of 8 GPUs (--gpus-per-node)");
 
   c.gpus = 16;
   c.strategy = Strategy::kHybridShard;
   c.shard_group_size = 6;
-  w = BuildWorkload(HandLlama(), Gpu(), c);
+  w = BuildWorkload(HandLlama(), testing::GibGpu(), c);
   REQUIRE_FALSE(w.ok());
   CHECK(w.error().message == "HYBRID_SHARD shard group of 6 GPUs does not divide --gpus 16");
 
   c.strategy = Strategy::kFullShard;
-  w = BuildWorkload(HandLlama(), Gpu(), c);
+  w = BuildWorkload(HandLlama(), testing::GibGpu(), c);
   REQUIRE_FALSE(w.ok());
   CHECK(w.error().message.starts_with("--shard-group-size only applies to --strategy hybrid_shard"));
 
   FsdpConfig d;
   d.micro_batch = 0;
-  CHECK_FALSE(BuildWorkload(HandLlama(), Gpu(), d).ok());
+  CHECK_FALSE(BuildWorkload(HandLlama(), testing::GibGpu(), d).ok());
   d.micro_batch = 1;
   d.no_sync = true;
-  CHECK_FALSE(BuildWorkload(HandLlama(), Gpu(), d).ok());
+  CHECK_FALSE(BuildWorkload(HandLlama(), testing::GibGpu(), d).ok());
   d.no_sync = false;
   d.framework = Framework::kFsdp2;
   d.strategy = Strategy::kNoShard;
-  CHECK_FALSE(BuildWorkload(HandLlama(), Gpu(), d).ok());
+  CHECK_FALSE(BuildWorkload(HandLlama(), testing::GibGpu(), d).ok());
   FsdpConfig e;
   e.seq_len = 0;
-  CHECK(BuildWorkload(HandLlama(), Gpu(), e).value().config.seq_len == 64);  // min(4096, max positions)
+  CHECK(BuildWorkload(HandLlama(), testing::GibGpu(), e).value().config.seq_len == 64);  // min(4096, max positions)
 }
 
 TEST_CASE("wrap flag parsing") {
@@ -115,14 +107,14 @@ TEST_CASE("shard group and replicas per strategy") {
   FsdpConfig c;
   c.gpus = 16;
   c.gpus_per_node = 8;
-  REQUIRE(ResolveAndValidate(c, HandLlama(), Gpu()).ok());
+  REQUIRE(ResolveAndValidate(c, HandLlama(), testing::GibGpu()).ok());
   CHECK(ShardWorldSize(c) == 16);
   CHECK(ReplicaCount(c) == 1);
   c.strategy = Strategy::kNoShard;
   CHECK(ShardWorldSize(c) == 1);
   CHECK(ReplicaCount(c) == 16);
   c.strategy = Strategy::kHybridShard;
-  REQUIRE(ResolveAndValidate(c, HandLlama(), Gpu()).ok());
+  REQUIRE(ResolveAndValidate(c, HandLlama(), testing::GibGpu()).ok());
   CHECK(c.shard_group_size == 8);  // one node by default
   CHECK(ShardWorldSize(c) == 8);
   CHECK(ReplicaCount(c) == 2);

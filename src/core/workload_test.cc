@@ -2,6 +2,8 @@
 
 #include <doctest/doctest.h>
 
+#include "core/testing/hand_llama.h"
+
 namespace fsdp {
 namespace {
 
@@ -20,16 +22,8 @@ ModelSpec HandModel(const char* text = kHandLlama) {
   return m.value();
 }
 
-HardwareSpec Gpu() {
-  HardwareSpec hw;
-  hw.id = "test";
-  hw.memory_bytes = 1LL << 30;
-  hw.gpus_per_node = 8;
-  return hw;
-}
-
 Workload Build(FsdpConfig c, const char* text = kHandLlama) {
-  auto w = BuildWorkload(HandModel(text), Gpu(), c);
+  auto w = BuildWorkload(HandModel(text), testing::GibGpu(), c);
   REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
   return w.value();
 }
@@ -146,20 +140,20 @@ TEST_CASE("frozen parameters: FSDP1 still reduces the whole flat parameter, FSDP
   for (TensorSpec& t : m.tensors) t.trainable = t.name != "model.embed_tokens.weight";
   FsdpConfig c;
   c.gpus = 3;
-  Workload fsdp1 = BuildWorkload(m, Gpu(), c).value();
+  Workload fsdp1 = BuildWorkload(m, testing::GibGpu(), c).value();
   CHECK(fsdp1.units[0].trainable_numel == 136);  // norm 8 + lm_head 128
   CHECK(fsdp1.units[0].grad_padded_numel == 264);
   CHECK(fsdp1.units[0].grad_shard_numel == 88);
   CHECK(fsdp1.units[1].grad_padded_numel == 594);
   c.framework = Framework::kFsdp2;
-  Workload fsdp2 = BuildWorkload(m, Gpu(), c).value();
+  Workload fsdp2 = BuildWorkload(m, testing::GibGpu(), c).value();
   // norm [8] -> 9 rows on 3 ranks, lm_head [16, 8] -> 18 rows of 8: 153, 51 per rank
   CHECK(fsdp2.units[0].grad_padded_numel == 9 + 144);
   CHECK(fsdp2.units[0].grad_shard_numel == 51);
   // FSDP2 pads every parameter of a block on dim 0: 9 + 72 + 48 + 48 + 72 + 9 + 3 x 144 = 690, 230 per rank
   CHECK(fsdp2.GradShardNumelTotal() == 51 + 2 * 230);
   for (TensorSpec& t : m.tensors) t.trainable = t.block != 1;  // layers.1 frozen whole
-  CHECK(BuildWorkload(m, Gpu(), c).value().units[2].grad_padded_numel == 0);
+  CHECK(BuildWorkload(m, testing::GibGpu(), c).value().units[2].grad_padded_numel == 0);
 }
 
 }  // namespace

@@ -24,6 +24,15 @@ inline ModelSpec HandLlama() {
   return m.value();
 }
 
+/// A bare GPU: 1 GiB, 8 per node, no other figures (for checks that read neither time nor bandwidth).
+inline HardwareSpec GibGpu() {
+  HardwareSpec hw;
+  hw.id = "test";
+  hw.memory_bytes = 1LL << 30;
+  hw.gpus_per_node = 8;
+  return hw;
+}
+
 /// The hand llama under `config` on a catalog GPU (a100-80gb-sxm unless named).
 inline Workload HandWorkload(const FsdpConfig& config, const char* gpu = "a100-80gb-sxm") {
   auto hw = LoadHardware(gpu);
