@@ -143,7 +143,7 @@ double DdpStepSeconds(const Workload& w) {
 }
 
 std::string Ms(double seconds) { return fmt::format("{:.1f} ms", seconds * 1e3); }
-std::string Gb(double bytes) { return fmt::format("{:.2f} GB", bytes / 1e9); }
+std::string Gb(double bytes) { return fmt::format("{:.2f} GB", bytes / kGB); }
 
 void PrintTime(const Workload& w, const TimeEstimate& t, double ddp_step_s, std::ostream& out) {
   const CommVolume& v = t.comm.volume;

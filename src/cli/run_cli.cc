@@ -310,8 +310,8 @@ Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   if (comm.rank() != 0) return {};
   const Json& j = hw.value();
   fmt::print(out, "GEMM {:.1f} GFLOP/s, copy {:.2f} GB/s, all-gather bus bandwidth {:.2f} GB/s over {} rank(s)\n",
-             j["peak_flops"]["fp32"].get<double>() / 1e9, j["memory_bandwidth_bytes_per_s"].get<double>() / 1e9,
-             j["intra_node_link"]["bandwidth_bytes_per_s"].get<double>() * 0.8 / 1e9, comm.size());
+             j["peak_flops"]["fp32"].get<double>() / 1e9, j["memory_bandwidth_bytes_per_s"].get<double>() / kGB,
+             j["intra_node_link"]["bandwidth_bytes_per_s"].get<double>() * 0.8 / kGB, comm.size());
   const std::string path = f.json_path.empty() ? "calibrated-cpu.json" : f.json_path;
   if (Status s = sim::WriteText(path, j.dump(2) + "\n"); !s.ok()) return s;
   fmt::print(out, "wrote {} (use it with --gpu {})\n", path, path);
