@@ -2,19 +2,25 @@
 
 #include <cstdio>
 #include <iostream>
+#include <string_view>
 
 #include <fmt/format.h>
 
 #include "core/dtype.h"
+#include "core/json_io.h"
 #include "core/vocabulary.h"
 
 namespace fsdp {
 
-int ReportError(const std::string& tool, const Error& error) {
+int ReportError(const std::string& tool, const Error& error, bool json_stdout) {
   // one write per line, so that lines of several MPI ranks sharing stderr do not interleave
   const std::string line = tool + ": error: " + error.message + "\n";
   std::fwrite(line.data(), 1, line.size(), stderr);
   std::fflush(stderr);
+  if (json_stdout) {
+    const char* kind = error.kind == Error::Kind::kBadInput ? "bad_input" : error.kind == Error::Kind::kOutOfMemory ? "out_of_memory" : "run_failed";
+    std::cout << DumpJson(Json{{"error", {{"kind", kind}, {"message", error.message}}}}, 2) << "\n" << std::flush;
+  }
   return error.kind == Error::Kind::kBadInput ? kExitBadInput : kExitRunFailed;
 }
 
@@ -31,8 +37,9 @@ int ParseOrExitCode(CLI::App& app, int argc, char** argv, const std::string& too
   } catch (const CLI::ParseError& e) {
     std::string what = e.what();
     for (char& ch : what) if (ch == '\n') ch = ' ';
-    std::cerr << tool << ": error: " << what << " (see --help)\n";
-    return kExitBadInput;
+    bool json = false;
+    for (int i = 1; i < argc; ++i) json = json || std::string_view(argv[i]) == "--json";
+    return ReportError(tool, Error::BadInput(what + " (see --help)"), json);
   }
 }
 

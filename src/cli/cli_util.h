@@ -15,10 +15,13 @@ constexpr int kExitRunFailed = 1;
 constexpr int kExitBadInput = 2;
 
 /// Prints "<tool>: error: <message>" on stderr and returns the exit code for the error's kind.
-int ReportError(const std::string& tool, const Error& error);
+/// With `json_stdout` (the user asked for --json) it also prints {"error": {"kind", "message"}} on
+/// stdout, so that a program reading the output reads JSON whatever happened.
+int ReportError(const std::string& tool, const Error& error, bool json_stdout = false);
 
 /// Parses argv with CLI11. Returns -1 when parsing succeeded; otherwise the exit code to return
-/// (0 after --help, 2 after a usage error, which is reported in one line).
+/// (0 after --help, 2 after a usage error, which is reported in one line, and as JSON on stdout
+/// too when argv holds --json).
 int ParseOrExitCode(CLI::App& app, int argc, char** argv, const std::string& tool);
 
 /// Formats bytes as GiB with two decimals ("12.34").

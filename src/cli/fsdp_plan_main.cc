@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
     fsdp::FinishPlanFlags(app, flags);
     status = flags.model.empty() ? fsdp::RunDefaultScenario(flags, std::cout) : fsdp::RunPlan(flags, std::cout);
   }
-  if (!status.ok()) return fsdp::ReportError("fsdp-plan", status.error());
+  const bool json = recommend->parsed() ? recommend_flags.json : advise->parsed() ? advise_flags.json : flags.json;
+  if (!status.ok()) return fsdp::ReportError("fsdp-plan", status.error(), json);
   return fsdp::kExitOk;
 }

@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   CLI::App* calibrate = app.add_subcommand("calibrate", "measure this machine (GEMM FLOP/s, memory bandwidth, collectives) into a hardware JSON (--out)");
   fsdp::AddRunFlags(*calibrate, calibrate_flags);
   if (int code = fsdp::ParseOrExitCode(app, argc, argv, "fsdp-run"); code >= 0) return code;
+  fsdp::StartRunDeadline(calibrate->parsed() ? calibrate_flags.timeout_s : flags.timeout_s);
   if (calibrate->parsed()) {
     fsdp::FinishPlanFlags(*calibrate, calibrate_flags.plan);
     if (calibrate_flags.plan.model.empty()) calibrate_flags.plan.model = "tiny-llama";

@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
     fsdp::FinishPlanFlags(app, flags.plan);
     status = fsdp::RunSim(flags, std::cout);
   }
-  if (!status.ok()) return fsdp::ReportError("fsdp-sim", status.error());
+  const bool json = whatif->parsed() ? whatif_flags.plan.json : !compare->parsed() && flags.plan.json;
+  if (!status.ok()) return fsdp::ReportError("fsdp-sim", status.error(), json);
   return fsdp::kExitOk;
 }

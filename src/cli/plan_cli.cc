@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "cli/cli_util.h"
+#include "core/limits.h"
 #include "core/workload.h"
 #include "planner/memory_model.h"
 #include "planner/export.h"
@@ -29,7 +30,9 @@ Result<FrameworkOverheads> OverheadsFromFlags(const PlanFlags& f, const Workload
   FrameworkOverheads o = FrameworkOverheadsFor(w);
   auto non_negative = [](std::optional<int64_t> v, const char* flag, int64_t& out) -> Status {
     if (!v) return {};
-    if (*v < 0) return Error::BadInput(fmt::format("{} must be >= 0, got {}", flag, *v));
+    if (*v < 0 || static_cast<double>(*v) > limits::kOverheadBytes.max) {
+      return Error::BadInput(fmt::format("{} must be between 0 and {:.3g} bytes, got {}", flag, limits::kOverheadBytes.max, *v));
+    }
     out = *v;
     return {};
   };
@@ -89,6 +92,12 @@ void PrintTimeline(const MemoryEstimate& m, std::ostream& out) {
     int64_t high = 0;
     size_t j = i;
     for (; j < m.timeline.size() && m.timeline[j].phase == m.timeline[i].phase; ++j) high = std::max(high, TotalBytes(m.timeline[j].device));
+    // the replay skips micro-batches that repeat the one before them byte for byte
+    if (i > 0 && m.timeline[i].micro > m.timeline[i - 1].micro + 1) {
+      const int first = m.timeline[i - 1].micro + 2, last = m.timeline[i].micro;
+      fmt::print(out, "  {}\n", first == last ? fmt::format("(micro-batch {} repeats micro-batch {})", first, first - 1)
+                                                : fmt::format("(micro-batches {} to {} repeat micro-batch {})", first, last, first - 1));
+    }
     fmt::print(out, "  {:<60}{:>10}\n", m.timeline[i].phase, Gib(high));
     i = j;
   }
@@ -161,6 +170,10 @@ void PrintTime(const Workload& w, const TimeEstimate& t, double ddp_step_s, std:
   fmt::print(out, "  {:.0f} tokens/s per GPU, {:.0f} TFLOP/s per GPU, MFU {:.1f}% ({} peak {:.0f} TFLOP/s x matmul efficiency {:.2f})\n",
              s.tokens_per_s_per_gpu, s.tflops_per_gpu, 100 * s.mfu, DTypeName(w.config.param_dtype),
              w.hardware.PeakFlops(w.config.param_dtype) / 1e12, w.hardware.matmul_efficiency);
+  if (s.mfu_capped) {
+    fmt::print(out, "  MFU capped at 100%: PaLM's 6N + 12Lsd counts the masked half of causal attention, which flash attention skips; "
+                    "the GPU executes {:.1f}% of its peak\n", 100 * s.hfu);
+  }
   std::vector<std::pair<double, int>> waits;
   for (int u = 0; u < static_cast<int>(s.unit_exposed_s.size()); ++u) if (s.unit_exposed_s[u] > 0) waits.emplace_back(s.unit_exposed_s[u], u);
   std::sort(waits.rbegin(), waits.rend());
@@ -225,6 +238,7 @@ void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {
   flags.gpu_given = app.count("--gpu") > 0;
   flags.gpus_given = app.count("--gpus") > 0;
   flags.attention_given = app.count("--attention") > 0;
+  flags.model_given = app.count("--model") > 0;
 }
 
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
@@ -254,7 +268,11 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
   if (!flags.export_format.empty()) {
     auto format = ParseExportFormat(flags.export_format);
     if (!format.ok()) return format.error();
-    out << ExportConfig(w, format.value());
+    if (flags.json) {
+      out << DumpJson(Json{{"export", {{"format", flags.export_format}, {"code", ExportConfig(w, format.value())}}}}, 2) << "\n";
+    } else {
+      out << ExportConfig(w, format.value());
+    }
     return {};
   }
   const TimeEstimate time = EstimateTime(w);
@@ -267,7 +285,7 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
       for (const auto& p : m.timeline) points.push_back({{"phase", p.phase}, {"bytes", TotalBytes(p.device)}});
       j["memory"]["timeline"] = points;
     }
-    out << j.dump(2) << "\n";
+    out << DumpJson(j, 2) << "\n";
     return {};
   }
   PrintHeader(w, out);
@@ -286,6 +304,7 @@ struct ScenarioColumn {
 };
 
 Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
+  if (base.model_given) return Error::BadInput("--model needs a catalog id or a path, got ''");
   PlanFlags flags = base;
   if (!flags.gpu_given) flags.gpu = "a100-80gb-sxm";
   if (!flags.gpus_given) flags.config.gpus = 4;
@@ -326,7 +345,7 @@ Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
     }
   }
   if (flags.json) {
-    out << Json{{"scenario", "ddp-vs-fsdp"}, {"plans", rows}}.dump(2) << "\n";
+    out << DumpJson(Json{{"scenario", "ddp-vs-fsdp"}, {"plans", rows}}, 2) << "\n";
     return {};
   }
   fmt::print(out, "\n  * does not fit in the card's memory. \"+ AC full\": FULL_SHARD with activation checkpointing;\n"

@@ -1,10 +1,12 @@
 #include "cli/recommend_cli.h"
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
+#include <fmt/ranges.h>
 
 #include "cli/cli_util.h"
 #include "core/catalog.h"
@@ -18,7 +20,8 @@
 namespace fsdp {
 namespace {
 
-Status ParsePrices(const std::vector<std::string>& prices, std::map<std::string, double>& out) {
+// --price GPU_ID=USD for GPUs of the search (`searched`): an id it does not search is a typo.
+Status ParsePrices(const std::vector<std::string>& prices, const std::vector<HardwareSpec>& searched, std::map<std::string, double>& out) {
   for (const auto& p : prices) {
     auto eq = p.find('=');
     char* end = nullptr;
@@ -26,7 +29,15 @@ Status ParsePrices(const std::vector<std::string>& prices, std::map<std::string,
     if (eq == std::string::npos || end == p.c_str() + eq + 1 || *end != '\0' || !(usd >= 0) || usd > 1e4) {
       return Error::BadInput(fmt::format("--price expects GPU_ID=USD_PER_GPU_HOUR (e.g. h100-sxm=2.5), got '{}'", p));
     }
-    out[p.substr(0, eq)] = usd;
+    const std::string id = p.substr(0, eq);
+    std::vector<std::string> ids;
+    for (const HardwareSpec& hw : searched) ids.push_back(hw.id);
+    if (std::find(ids.begin(), ids.end(), id) == ids.end()) {
+      const auto close = ClosestIds(id, ids);
+      return Error::BadInput(fmt::format("--price: '{}' is not a GPU of this search{}", id,
+                                         close.empty() ? "" : fmt::format(" (did you mean {}?)", fmt::join(close, ", "))));
+    }
+    out[id] = usd;
   }
   return {};
 }
@@ -39,7 +50,8 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
     if (!hw.ok()) return hw.error();
     o.gpu_types.push_back(hw.value());
   }
-  if (Status s = ParsePrices(f.prices, o.price_per_gpu_hour); !s.ok()) return s.error();
+  if (Status s = ParsePrices(f.prices, o.gpu_types, o.price_per_gpu_hour); !s.ok()) return s.error();
+  if (f.top < 1 || f.top > 1000) return Error::BadInput(fmt::format("--top must be between 1 and 1000, got {}", f.top));
   if (f.gpus_max < 1 || f.gpus_max > 100000) return Error::BadInput(fmt::format("--gpus-max must be between 1 and 100000, got {}", f.gpus_max));
   o.gpus_max = f.gpus_max;
   o.gpus_min = f.gpus_min;
@@ -128,7 +140,8 @@ class Progress {
 }  // namespace
 
 void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
-  app.add_option("--model", f.model, "catalog id, or a HuggingFace config.json or the directory holding it")->required();
+  // not ->required(): CLI11 would report a missing --model before an unknown flag
+  app.add_option("--model", f.model, "catalog id, or a HuggingFace config.json or the directory holding it");
   app.add_option("--gpu-types", f.gpu_types, "comma-separated GPU ids to consider (default: the whole catalog)");
   app.add_option("--seq-len", f.seq_len, "sequence length (default: min(4096, max positions))");
   app.add_option("--global-batch-tokens", f.global_batch_tokens, "tokens per optimizer step (default 4194304)");
@@ -149,6 +162,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
 }
 
 Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
+  if (f.model.empty()) return Error::BadInput("--model is required");
   auto model = LoadModel(f.model);
   if (!model.ok()) return model.error();
   auto options = OptionsFromFlags(f, model.value());
@@ -169,7 +183,7 @@ Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
     for (const auto& c : r.top) j["top"].push_back(CandidateJson(c));
     for (const auto& c : r.pareto) j["pareto"].push_back(CandidateJson(c));
     for (const auto& c : r.best_rejected) j["best_rejected"].push_back(CandidateJson(c));
-    out << j.dump(2) << "\n";
+    out << DumpJson(j, 2) << "\n";
     return {};
   }
   fmt::print(out, "{}: {} configurations evaluated, {} feasible; global batch {} sequences of {} tokens; objective {}\n\n", model.value().id,
@@ -202,9 +216,18 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   auto w = BuildWorkload(model.value(), hw.value(), config.value());
   if (!w.ok()) return w.error();
   const MemoryEstimate m = EstimateMemory(AsPyTorchRuns(w.value()));
-  fmt::print(out, "{} on {} x {}: peak {} GiB of {} GiB ({})\n", model.value().id, config.value().gpus, hw.value().id, Gib(m.peak_bytes),
+  if (!flags.json) fmt::print(out, "{} on {} x {}: peak {} GiB of {} GiB ({})\n", model.value().id, config.value().gpus, hw.value().id, Gib(m.peak_bytes),
              Gib(m.capacity_bytes), m.fits ? "fits" : fmt::format("does not fit by {} GiB", Gib(-m.headroom_bytes)));
   std::vector<Advice> advice = AdviseFit(w.value());
+  if (flags.json) {
+    Json changes = Json::array();
+    for (const Advice& a : advice) {
+      changes.push_back({{"change", a.change}, {"fits", a.fits}, {"peak_bytes", a.peak_bytes}, {"step_s", a.step_s}, {"slowdown_pct", a.slowdown_pct}});
+    }
+    out << DumpJson(Json{{"model", model.value().id}, {"gpu", hw.value().id}, {"gpus", config.value().gpus}, {"peak_bytes", m.peak_bytes},
+                         {"capacity_bytes", m.capacity_bytes}, {"fits", m.fits}, {"changes", changes}}, 2) << "\n";
+    return {};
+  }
   if (m.fits) fmt::print(out, "It already fits; changes that also fit, by their cost in tokens/s per GPU:\n");
   else fmt::print(out, "Smallest changes that make it fit, by their cost in tokens/s per GPU:\n");
   if (advice.empty()) {

@@ -6,19 +6,27 @@
 #include <mutex>
 #include <thread>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
+#include <memory>
+#include <string_view>
+
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
 #include "cli/run_report.h"
+#include "cli/token_file.h"
 #include "core/json_io.h"
+#include "planner/plan_report.h"
 #include "planner/comm_model.h"
 #include "planner/plan_report.h"
 #include "planner/runtime_profile.h"
 #include "runtime/calibrate.h"
 #include "runtime/fsdp_engine.h"
+#include "runtime/loss_scaler.h"
 #include "sim/sim_report.h"
 #include "sim/simulator.h"
 
@@ -26,12 +34,13 @@ namespace fsdp {
 
 namespace {
 
-// Stops the process when a step outlives its deadline: the collectives of a rank whose peer died
-// or hangs would otherwise wait for ever. Exit code 1, one line naming the step.
-class StepWatchdog {
+// Stops the process when a stage of the run (start-up, a step, the final report) outlives
+// --timeout: the collectives of a rank whose peer died or hangs would otherwise wait for ever.
+// Exit code 1, one line naming the stage.
+class Deadline {
  public:
-  StepWatchdog(double timeout_s, int rank) : timeout_(timeout_s), rank_(rank), thread_([this] { Watch(); }) {}
-  ~StepWatchdog() {
+  Deadline(double timeout_s, int rank) : timeout_(timeout_s), rank_(rank), thread_([this] { Watch(); }) {}
+  ~Deadline() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       done_ = true;
@@ -39,9 +48,9 @@ class StepWatchdog {
     cv_.notify_all();
     thread_.join();
   }
-  void Arm(int64_t step) {
+  void Arm(std::string stage) {
     std::lock_guard<std::mutex> lock(mu_);
-    step_ = step;
+    stage_ = std::move(stage);
     deadline_ = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_));
     cv_.notify_all();
   }
@@ -50,9 +59,9 @@ class StepWatchdog {
   void Watch() {
     std::unique_lock<std::mutex> lock(mu_);
     while (!done_) {
-      if (step_ > 0 && std::chrono::steady_clock::now() > deadline_) {
-        const std::string line = fmt::format("fsdp-run (rank {}): error: step {} did not finish within --timeout {} s (a peer rank died or hangs)\n",
-                                             rank_, step_, timeout_);
+      if (!stage_.empty() && std::chrono::steady_clock::now() > deadline_) {
+        const std::string line = fmt::format("fsdp-run (rank {}): error: {} did not finish within --timeout {} s (a peer rank died or hangs)\n",
+                                             rank_, stage_, timeout_);
         std::fwrite(line.data(), 1, line.size(), stderr);
         std::fflush(stderr);
         std::_Exit(1);
@@ -65,28 +74,95 @@ class StepWatchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
-  int64_t step_ = 0;
+  std::string stage_;
   std::chrono::steady_clock::time_point deadline_{};
   std::thread thread_;
 };
 
-Result<std::vector<int32_t>> ReadTokens(const std::string& path, int64_t vocab) {
-  std::ifstream in(path);
-  if (!in) return Error::BadInput(fmt::format("{}: cannot open token file", path));
-  std::vector<int32_t> tokens;
-  for (std::string word; in >> word;) {
-    char* end = nullptr;
-    const long v = std::strtol(word.c_str(), &end, 10);
-    if (*end != '\0' || v < 0 || v >= vocab) {
-      return Error::BadInput(fmt::format("{}: token {} '{}' is not an id between 0 and {}", path, tokens.size() + 1, word, vocab - 1));
-    }
-    tokens.push_back(static_cast<int32_t>(v));
-  }
-  if (tokens.size() < 2) return Error::BadInput(fmt::format("{}: needs at least 2 tokens", path));
-  return tokens;
+std::unique_ptr<Deadline>& RunDeadline() {
+  static std::unique_ptr<Deadline> deadline;
+  return deadline;
 }
 
+// This process's rank as the MPI launcher numbers it (0 without one): known before MPI_Init.
+int LauncherRank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK"}) {
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  }
+  return 0;
+}
+
+// Ranks sharing this host's memory: the launcher's local size (all ranks without one).
+int RanksOnThisHost(const runtime::Comm& comm) {
+  if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(v));
+  return comm.size();
+}
+
+// FNV-1a, 64-bit.
+uint64_t Fnv1a(std::string_view bytes, uint64_t h = 1469598103934665603ULL) {
+  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ULL;
+  return h;
+}
+
+// Everything of the model config that changes what a rank computes.
+Json ModelFingerprintJson(const ModelSpec& m) {
+  Json tensors = Json::array();
+  for (const TensorSpec& t : m.tensors) tensors.push_back({t.name, t.shape, t.trainable});
+  const RopeScaling& r = m.rope_scaling;
+  return Json{{"model_type", m.model_type}, {"norm_eps", m.norm_eps}, {"rope_theta", m.rope_theta},
+              {"rope_scaling", {r.type, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_positions}},
+              {"heads", {m.num_heads, m.num_kv_heads, m.head_dim}}, {"sliding_window", m.sliding_window}, {"activation", m.activation},
+              {"dropout", {m.attention_dropout, m.residual_dropout, m.embedding_dropout}}, {"experts", {m.num_experts, m.experts_per_token}},
+              {"tie_word_embeddings", m.tie_word_embeddings}, {"tensors", tensors}};
+}
+
+
 }  // namespace
+
+void StartRunDeadline(double timeout_s) {
+  if (!(timeout_s > 0 && timeout_s <= kMaxTimeoutS)) return;  // PrepareRun reports the bad value
+  RunDeadline() = std::make_unique<Deadline>(timeout_s, LauncherRank());
+  RunDeadline()->Arm("start-up (MPI_Init, reading the model, checkpoint and tokens, the cross-rank check)");
+}
+
+void ArmRunDeadline(const std::string& stage) {
+  if (RunDeadline()) RunDeadline()->Arm(stage);
+}
+
+uint64_t RunFingerprint(const RunFlags& f, const PreparedRun& run) {
+  const runtime::TrainOptions& o = run.options;
+  Json j = {{"config", ConfigToJson(run.workload.config)},
+            {"model", ModelFingerprintJson(run.workload.model)},
+            {"run", {f.steps, f.seed, f.lr, f.memory_limit_mib, f.device, f.virtual_world, f.hang_rank, f.fail_rank, f.fail_step}},
+            {"loss_scaling", {static_cast<int>(o.loss_scaling.mode), o.loss_scaling.init_scale, o.loss_scaling.growth_interval}},
+            {"checkpoint", o.checkpoint ? o.checkpoint->Fingerprint() : 0}};
+  uint64_t h = Fnv1a(DumpJson(j));
+  const auto* tokens = reinterpret_cast<const char*>(o.tokens.data());
+  return Fnv1a(std::string_view(tokens, o.tokens.size() * sizeof(int32_t)), h);
+}
+
+Status CheckRanksAgree(const RunFlags& f, const PreparedRun& run, runtime::Comm& comm) {
+  return comm.CheckSame(RunFingerprint(f, run), "flags, model configs or token files (every value that changes what a rank runs)");
+}
+
+Status CheckLossesFinite(const StepLog& log, const runtime::TrainOptions& o) {
+  if (o.loss_scaling.mode != runtime::LossScaling::kNone) return {};  // the scaler skips non-finite steps
+  for (size_t i = 0; i < log.losses.size(); ++i) {
+    const double loss = log.losses[i].get<double>();
+    if (!std::isfinite(loss)) return Error::RunFailed(fmt::format("step {}: the loss is {} (training diverged; no loss scaling to skip the step)", i + 1, loss));
+  }
+  return {};
+}
+
+Status CheckHostMemory(const Workload& w, int ranks_on_host) {
+  const double physical = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  const double per_rank = static_cast<double>(EstimateRuntimeMemory(w).peak_bytes);
+  if (physical > 0 && per_rank * ranks_on_host > physical) {
+    return Error::BadInput(fmt::format("the run needs about {:.2f} GiB per rank (predicted peak) x {} rank(s) on this host, more than its {:.2f} GiB: "
+                                       "lower --seq-len, --micro-batch or the model size", per_rank / kGiB, ranks_on_host, physical / kGiB));
+  }
+  return {};
+}
 
 void AddRunFlags(CLI::App& app, RunFlags& f) {
   AddPlanFlags(app, f.plan);
@@ -165,10 +241,12 @@ void SetPredictedComm(const Workload& w, const RunMeasurement& m, int64_t steps,
 Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (f.steps < 1 || f.steps > 1000000) return Error::BadInput(fmt::format("--steps must be between 1 and 1000000, got {}", f.steps));
   if (!(f.lr > 0) || f.lr > 1) return Error::BadInput(fmt::format("--lr must be in (0, 1], got {}", f.lr));
-  if (!(f.memory_limit_mib >= 0 && f.memory_limit_mib <= 1e9)) {
-    return Error::BadInput(fmt::format("--memory-limit must be positive MiB (at most 1e9), got {}", f.memory_limit_mib));
+  if (!(f.memory_limit_mib == 0 || (f.memory_limit_mib >= 1 && f.memory_limit_mib <= 1e9))) {
+    return Error::BadInput(fmt::format("--memory-limit must be between 1 and 1e9 MiB (0: no limit), got {}", f.memory_limit_mib));
   }
-  if (!(f.timeout_s > 0 && f.timeout_s <= 1e7)) return Error::BadInput(fmt::format("--timeout must be positive seconds (at most 1e7), got {}", f.timeout_s));
+  if (!(f.timeout_s > 0 && f.timeout_s <= kMaxTimeoutS)) {
+    return Error::BadInput(fmt::format("--timeout must be positive seconds (at most {:.0e}), got {}", kMaxTimeoutS, f.timeout_s));
+  }
   if (plan.config.gpus_per_node == 0) plan.config.gpus_per_node = plan.config.gpus;  // one "node" unless told
   plan.fsdp1_world_of_one = false;  // the engine runs the strategy it is given, on one rank too
   auto w = WorkloadFromFlags(plan);
@@ -198,7 +276,7 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     run.options.checkpoint = std::make_shared<const runtime::Checkpoint>(std::move(checkpoint).value());
   }
   if (!f.tokens_path.empty()) {
-    auto tokens = ReadTokens(f.tokens_path, run.workload.model.vocab_size);
+    auto tokens = ReadTokenFile(f.tokens_path, run.workload.model.vocab_size);
     if (!tokens.ok()) return tokens.error();
     run.options.tokens = std::move(tokens).value();
   }
@@ -207,9 +285,8 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
 
 Result<StepLog> RunSteps(const RunFlags& f, int rank, const std::function<Result<float>(int64_t)>& step_fn) {
   StepLog log;
-  StepWatchdog watchdog(f.timeout_s, rank);
   for (int64_t step = 0; step < f.steps; ++step) {
-    watchdog.Arm(step + 1);
+    ArmRunDeadline(fmt::format("step {}", step + 1));
     if (rank == f.hang_rank && step == f.fail_step) {
       std::cerr << fmt::format("fsdp-run (rank {}): injected hang at step {}\n", rank, step + 1);
       std::this_thread::sleep_for(std::chrono::hours(1));
@@ -227,6 +304,7 @@ Result<StepLog> RunSteps(const RunFlags& f, int rank, const std::function<Result
     log.times.push_back(s);
     if (rank == 0 && !f.quiet) std::cerr << fmt::format("fsdp-run: step {}/{} loss {:.6f} {:.3f} s\n", step + 1, f.steps, loss.value(), s);
   }
+  ArmRunDeadline("the final report (every rank's peak, the predictions)");
   return log;
 }
 
@@ -236,11 +314,16 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   if (f.virtual_world != 0) return Error::BadInput("--virtual-world needs --device cuda");
   auto prepared = PrepareRun(f, f.plan);
   if (!prepared.ok()) return prepared.error();
+  if (Status s = CheckRanksAgree(f, prepared.value(), comm); !s.ok()) return s;
   const Workload& workload = prepared.value().workload;
+  if (Status s = CheckHostMemory(workload, RanksOnThisHost(comm)); !s.ok()) return s;
   auto engine = runtime::FsdpEngine::Create(workload, comm, prepared.value().options);
   if (!engine.ok()) return engine.error();
   if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * kMiB));
   auto log = RunSteps(f, comm.rank(), [&](int64_t step) { return engine.value()->Step(step); });
+  if (log.ok()) {
+    if (Status s = CheckLossesFinite(log.value(), prepared.value().options); !s.ok()) return s;
+  }
   if (!log.ok()) {
     if (f.memory_limit_mib > 0 && log.error().kind == Error::Kind::kOutOfMemory) {
       const MemoryEstimate predicted = EstimateRuntimeMemory(workload);
@@ -294,7 +377,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   SetPredictedComm(fp32, m, f.steps, p);
   PrintRunReport(r, out);
   if (f.json_path.empty()) return {};
-  return sim::WriteText(f.json_path, RunReportJson(r).dump(2) + "\n");
+  return sim::WriteText(f.json_path, DumpJson(RunReportJson(r), 2) + "\n");
 }
 
 Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
@@ -303,17 +386,27 @@ Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   auto model = LoadModel(f.plan.model);
   if (!model.ok()) return model.error();
   runtime::CalibrationOptions o;
+  if (f.plan.config.seq_len < 0 || f.plan.config.seq_len > 65536) {
+    return Error::BadInput(fmt::format("calibrate --seq-len must be between 1 and 65536, got {}", f.plan.config.seq_len));
+  }
+  if (f.plan.config.micro_batch < 1 || f.plan.config.micro_batch > 1024) {
+    return Error::BadInput(fmt::format("calibrate --micro-batch must be between 1 and 1024, got {}", f.plan.config.micro_batch));
+  }
   o.seq_len = f.plan.config.seq_len > 0 ? f.plan.config.seq_len : 256;
   o.tokens = f.plan.config.micro_batch * o.seq_len;
   auto hw = runtime::Calibrate(model.value(), comm, o);
   if (!hw.ok()) return hw.error();
   if (comm.rank() != 0) return {};
   const Json& j = hw.value();
+  // what it measured must be a hardware file the tools accept (a timer that read 0 is not)
+  if (auto check = HardwareFromJson(j, "calibrated", "calibrate's measurement"); !check.ok()) {
+    return Error::RunFailed(fmt::format("the calibration measured nonsense: {}", check.error().message));
+  }
   fmt::print(out, "GEMM {:.1f} GFLOP/s, copy {:.2f} GB/s, all-gather bus bandwidth {:.2f} GB/s over {} rank(s)\n",
              j["peak_flops"]["fp32"].get<double>() / 1e9, j["memory_bandwidth_bytes_per_s"].get<double>() / kGB,
              j["intra_node_link"]["bandwidth_bytes_per_s"].get<double>() * 0.8 / kGB, comm.size());
   const std::string path = f.json_path.empty() ? "calibrated-cpu.json" : f.json_path;
-  if (Status s = sim::WriteText(path, j.dump(2) + "\n"); !s.ok()) return s;
+  if (Status s = sim::WriteText(path, DumpJson(j, 2) + "\n"); !s.ok()) return s;
   fmt::print(out, "wrote {} (use it with --gpu {})\n", path, path);
   return {};
 }

@@ -39,6 +39,15 @@ struct RunFlags {
 
 void AddRunFlags(CLI::App& app, RunFlags& flags);
 
+/// Largest --timeout, seconds.
+constexpr double kMaxTimeoutS = 1e7;
+/// --timeout over the whole run: from this call (in main, before MPI_Init) each stage (start-up,
+/// every step, the final report) must finish within timeout_s, or the process exits 1 with one line
+/// naming the stage. A rank that never joins thus ends the job in bounded time. No-op for a bad value.
+void StartRunDeadline(double timeout_s);
+/// A new stage begins: its clock restarts (no-op before StartRunDeadline).
+void ArmRunDeadline(const std::string& stage);
+
 /// The workload and training options of a run, after checking --steps, --lr, --memory-limit,
 /// --timeout and reading --tokens.
 struct PreparedRun {
@@ -46,6 +55,19 @@ struct PreparedRun {
   runtime::TrainOptions options;
 };
 Result<PreparedRun> PrepareRun(const RunFlags& flags, PlanFlags plan);
+
+/// A hash of everything that changes what a rank runs: the whole FsdpConfig (wrap, strategy, node
+/// layout, prefetch, no_sync, dtypes, ...), the model config's contents, steps, seed, lr, memory
+/// limit, loss scaling, fault injections, the checkpoint's fingerprint and the token ids.
+uint64_t RunFingerprint(const RunFlags& flags, const PreparedRun& run);
+/// BadInput on every rank when the ranks' RunFingerprint differ; call before any other collective.
+Status CheckRanksAgree(const RunFlags& flags, const PreparedRun& run, runtime::Comm& comm);
+/// RunFailed naming the step when a loss is not finite and no loss scaler skips such steps.
+struct StepLog;
+Status CheckLossesFinite(const StepLog& log, const runtime::TrainOptions& options);
+/// BadInput when the planner's predicted peak per rank times the ranks on this host exceeds its
+/// physical memory: checked before the engine allocates anything.
+Status CheckHostMemory(const Workload& workload, int ranks_on_host);
 
 /// What fsdp-run trained from, for --out: {"init_from", "tokens"} (paths or null), "seed", "lr".
 Json RunInputsJson(const RunFlags& flags);

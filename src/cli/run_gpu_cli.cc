@@ -164,7 +164,7 @@ Status RunCalibrateGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out
              j["efficiency"].value("matmul", 0.0), j["efficiency"].value("attention", 0.0), j["efficiency"].value("memory_bandwidth", 0.0),
              j.contains("measured_collectives") ? fmt::format(", NCCL over {} ranks", comm.size()) : "");
   const std::string out_path = f.json_path.empty() ? "calibrated-" + std::filesystem::path(gpu).stem().string() + ".json" : f.json_path;
-  if (Status s = sim::WriteText(out_path, j.dump(2) + "\n"); !s.ok()) return s;
+  if (Status s = sim::WriteText(out_path, DumpJson(j, 2) + "\n"); !s.ok()) return s;
   fmt::print(out, "wrote {} (use it with --gpu {})\n", out_path, out_path);
   return {};
 }
@@ -191,12 +191,16 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
   }
   auto prepared = PrepareRun(f, plan);
   if (!prepared.ok()) return prepared.error();
+  if (Status s = CheckRanksAgree(f, prepared.value(), comm); !s.ok()) return s;
   const Workload& w = prepared.value().workload;
   auto engine = runtime::CreateGpuEngine(w, comm, prepared.value().options, f.virtual_world);
   if (!engine.ok()) return engine.error();
   if (f.memory_limit_mib > 0) engine.value()->set_memory_limit(static_cast<int64_t>(f.memory_limit_mib * kMiB));
   const GpuRuntimeMemory predicted = EstimateGpuRuntimeMemory(w);
   auto log = RunSteps(f, comm.rank(), [&](int64_t step) { return engine.value()->Step(step); });
+  if (log.ok()) {
+    if (Status s = CheckLossesFinite(log.value(), prepared.value().options); !s.ok()) return s;
+  }
   if (!log.ok()) {
     if (log.error().kind == Error::Kind::kOutOfMemory) {
       return Error::RunFailed(fmt::format("{}; predicted peak {:.2f} MiB at {}", log.error().message, predicted.peak_bytes / kMiB,
@@ -211,7 +215,7 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
   const RunReport report = GpuRunReport(f, w, *engine.value(), log.value(), predicted, largest_peak.value(), comm.size());
   PrintRunReport(report, out);
   if (f.json_path.empty()) return {};
-  return sim::WriteText(f.json_path, RunReportJson(report).dump(2) + "\n");
+  return sim::WriteText(f.json_path, DumpJson(RunReportJson(report), 2) + "\n");
 }
 
 }  // namespace fsdp

@@ -55,17 +55,24 @@ Status Apply(const std::string& param, const std::string& value, SimFlags& f) {
     if (!numeric || !(number > 0)) return Error::BadInput(fmt::format("--vary {}: '{}' is not a positive number", param, value));
     return {};
   };
+  // gpus, micro-batch, seq-len: a whole number an int64 holds (the config's own range check follows)
+  auto need_count = [&]() -> Status {
+    if (!numeric || !(number >= 1 && number <= 1e12) || number != std::floor(number)) {
+      return Error::BadInput(fmt::format("--vary {}: '{}' is not a whole number between 1 and 1e12", param, value));
+    }
+    return {};
+  };
   if (param == "bandwidth") {
     if (Status s = need_number(); !s.ok()) return s;
     f.options.bandwidth_override = number;
   } else if (param == "gpus") {
-    if (Status s = need_number(); !s.ok()) return s;
+    if (Status s = need_count(); !s.ok()) return s;
     f.plan.config.gpus = static_cast<int64_t>(number);
   } else if (param == "micro-batch") {
-    if (Status s = need_number(); !s.ok()) return s;
+    if (Status s = need_count(); !s.ok()) return s;
     f.plan.config.micro_batch = static_cast<int64_t>(number);
   } else if (param == "seq-len") {
-    if (Status s = need_number(); !s.ok()) return s;
+    if (Status s = need_count(); !s.ok()) return s;
     f.plan.config.seq_len = static_cast<int64_t>(number);
   } else if (param == "strategy") {
     f.plan.strategy = value;
@@ -101,13 +108,13 @@ Status RunSim(SimFlags f, std::ostream& out) {
   auto r = SimulateFlags(f);
   if (!r.ok()) return r.error();
   if (!f.trace_path.empty()) {
-    if (Status s = sim::WriteText(f.trace_path, sim::ChromeTrace(r.value()).dump()); !s.ok()) return s;
+    if (Status s = sim::WriteText(f.trace_path, DumpJson(sim::ChromeTrace(r.value()))); !s.ok()) return s;
   }
   if (!f.report_path.empty()) {
     if (Status s = sim::WriteText(f.report_path, sim::HtmlReport(w.value(), r.value())); !s.ok()) return s;
   }
   if (f.plan.json) {
-    out << sim::SimResultToJson(w.value(), r.value()).dump(2) << "\n";
+    out << DumpJson(sim::SimResultToJson(w.value(), r.value()), 2) << "\n";
   } else {
     PrintSummary(w.value(), r.value(), out);
   }
@@ -138,32 +145,30 @@ Status RunWhatIf(SimFlags f, std::ostream& out) {
       rows.push_back({params.size() > 1 ? std::vector<std::string>{a, b} : std::vector<std::string>{a}, std::move(r).value()});
     }
   }
-  out << sim::WhatIfTable(params, rows);
+  if (f.plan.json) {
+    Json table = Json::array();
+    for (const sim::WhatIfRow& row : rows) {
+      const sim::SimResult& r = row.result;
+      table.push_back({{"values", row.values}, {"step_s", r.step_s}, {"compute_s", r.compute_s}, {"exposed_comm_s", r.exposed_comm_s},
+                       {"overlap_pct", r.overlap_pct}, {"peak_bytes", r.peak_bytes}});
+    }
+    out << DumpJson(Json{{"params", params}, {"rows", table}}, 2) << "\n";
+  } else {
+    out << sim::WhatIfTable(params, rows);
+  }
   if (!f.chart_path.empty()) return sim::WriteText(f.chart_path, sim::WhatIfHtml(params, rows));
   return {};
 }
 
 Status RunCompare(const std::vector<std::string>& files, std::ostream& out) {
   if (files.size() != 2) return Error::BadInput("compare takes two result files written by fsdp-sim --json");
-  Json docs[2];
+  sim::SimSummary summaries[2];
   for (int i = 0; i < 2; ++i) {
-    auto j = LoadJsonFile(files[i]);
-    if (!j.ok()) return j.error();
-    if (!j.value().contains("time") || !j.value()["time"].contains("step_s") || !j.value().contains("memory")) {
-      return Error::BadInput(fmt::format("{}: not an fsdp-sim --json result (no time.step_s)", files[i]));
-    }
-    docs[i] = j.value();
+    FSDP_ASSIGN_OR_RETURN(const Json j, LoadJsonFile(files[i]));
+    FSDP_ASSIGN(summaries[i], sim::SimSummaryFromJson(j, files[i]));
   }
-  fmt::print(out, "{:<22}{:>16}{:>16}{:>14}\n", "", files[0].substr(files[0].find_last_of('/') + 1), files[1].substr(files[1].find_last_of('/') + 1), "delta");
-  auto row = [&](const char* label, double a, double b, double scale, const char* unit) {
-    const double pct = a != 0 ? 100.0 * (b - a) / a : 0.0;
-    fmt::print(out, "{:<22}{:>13.2f} {:<2}{:>13.2f} {:<2}{:>+13.1f}%\n", label, a * scale, unit, b * scale, unit, pct);
-  };
-  for (const char* key : {"step_s", "compute_s", "comm_s", "exposed_comm_s"}) {
-    row(key, docs[0]["time"][key].get<double>(), docs[1]["time"][key].get<double>(), 1e3, "ms");
-  }
-  row("overlap_pct", docs[0]["time"]["overlap_pct"].get<double>(), docs[1]["time"]["overlap_pct"].get<double>(), 1, "%");
-  row("peak memory", docs[0]["memory"]["peak_bytes"].get<double>(), docs[1]["memory"]["peak_bytes"].get<double>(), 1 / kGiB, "Gi");
+  auto base_name = [](const std::string& path) { return path.substr(path.find_last_of('/') + 1); };
+  out << sim::CompareTable(base_name(files[0]), summaries[0], base_name(files[1]), summaries[1]);
   return {};
 }
 

@@ -15,24 +15,23 @@ Status ReadLinks(const JsonReader& r, HardwareSpec& hw) {
   auto link = r.Object("intra_node_link");
   if (!link.ok()) return link.error();
   FSDP_ASSIGN(hw.intra_node_link, link.value().String("type"));
-  FSDP_ASSIGN(hw.intra_node_bandwidth_bytes_per_s, link.value().NonNegativeNumber("bandwidth_bytes_per_s"));
+  FSDP_ASSIGN(hw.intra_node_bandwidth_bytes_per_s, link.value().NumberIn("bandwidth_bytes_per_s", {0, limits::kBytesPerS.max, "bytes/s"}));
   auto switched = link.value().OptionalBool("switched");
   if (!switched.ok()) return switched.error();
   hw.intra_node_switched = switched.value().value_or(false);
-  if (hw.intra_node_link != "none" && hw.intra_node_bandwidth_bytes_per_s <= 0) {
-    return link.value().KeyError("bandwidth_bytes_per_s", fmt::format("link '{}' needs a positive bandwidth", hw.intra_node_link));
-  }
+  // a real link needs a real bandwidth; "none" (one GPU per node) may say 0
+  if (hw.intra_node_link != "none") FSDP_ASSIGN(hw.intra_node_bandwidth_bytes_per_s, link.value().NumberIn("bandwidth_bytes_per_s", limits::kBytesPerS));
   auto pcie = r.Object("pcie");
   if (!pcie.ok()) return pcie.error();
   int64_t generation = 0;
-  FSDP_ASSIGN(generation, pcie.value().IntAtLeast("generation", 1));
+  FSDP_ASSIGN(generation, pcie.value().IntIn("generation", 1, 100));
   hw.pcie_generation = static_cast<int>(generation);
-  FSDP_ASSIGN(hw.pcie_bandwidth_bytes_per_s, pcie.value().PositiveNumber("bandwidth_bytes_per_s"));
+  FSDP_ASSIGN(hw.pcie_bandwidth_bytes_per_s, pcie.value().NumberIn("bandwidth_bytes_per_s", limits::kBytesPerS));
   auto node = r.Object("node");
   if (!node.ok()) return node.error();
-  FSDP_ASSIGN(hw.gpus_per_node, node.value().IntAtLeast("gpus_per_node", 1));
-  FSDP_ASSIGN(hw.inter_node_bandwidth_per_gpu_bytes_per_s, node.value().PositiveNumber("inter_node_bandwidth_per_gpu_bytes_per_s"));
-  FSDP_ASSIGN(hw.inter_node_latency_s, node.value().NonNegativeNumber("inter_node_latency_s"));
+  FSDP_ASSIGN(hw.gpus_per_node, node.value().IntIn("gpus_per_node", 1, limits::kMaxGpus));
+  FSDP_ASSIGN(hw.inter_node_bandwidth_per_gpu_bytes_per_s, node.value().NumberIn("inter_node_bandwidth_per_gpu_bytes_per_s", limits::kBytesPerS));
+  FSDP_ASSIGN(hw.inter_node_latency_s, node.value().NumberIn("inter_node_latency_s", limits::kLatencyS));
   return {};
 }
 
@@ -44,11 +43,11 @@ Status ReadMeasuredCollectives(const JsonReader& r, HardwareSpec& hw) {
     if (!row.is_object()) return r.KeyError("measured_collectives", "expected objects");
     JsonReader rr(row, r.origin() + ": measured_collectives");
     HardwareSpec::MeasuredCollective m;
-    FSDP_ASSIGN(m.ranks, rr.IntAtLeast("ranks", 2));
-    FSDP_ASSIGN(m.bytes, rr.IntAtLeast("bytes", 1));
-    FSDP_ASSIGN(m.all_gather_s, rr.PositiveNumber("all_gather_s"));
-    FSDP_ASSIGN(m.reduce_scatter_s, rr.PositiveNumber("reduce_scatter_s"));
-    FSDP_ASSIGN(m.all_reduce_s, rr.PositiveNumber("all_reduce_s"));
+    FSDP_ASSIGN(m.ranks, rr.IntIn("ranks", 2, limits::kMaxGpus));
+    FSDP_ASSIGN(m.bytes, rr.IntIn("bytes", 1, static_cast<int64_t>(limits::kDeviceBytes.max)));
+    FSDP_ASSIGN(m.all_gather_s, rr.NumberIn("all_gather_s", limits::kMeasuredSeconds));
+    FSDP_ASSIGN(m.reduce_scatter_s, rr.NumberIn("reduce_scatter_s", limits::kMeasuredSeconds));
+    FSDP_ASSIGN(m.all_reduce_s, rr.NumberIn("all_reduce_s", limits::kMeasuredSeconds));
     hw.measured_collectives.push_back(m);
   }
   std::sort(hw.measured_collectives.begin(), hw.measured_collectives.end(),
@@ -82,33 +81,29 @@ Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, c
   if (!arch.ok()) return arch.error();
   hw.architecture = arch.value().value_or("");
   double memory = 0;
-  FSDP_ASSIGN(memory, r.PositiveNumber("memory_bytes"));
+  FSDP_ASSIGN(memory, r.NumberIn("memory_bytes", limits::kDeviceBytes));
   hw.memory_bytes = static_cast<int64_t>(memory);
   auto flops = r.Object("peak_flops");
   if (!flops.ok()) return flops.error();
-  FSDP_ASSIGN(hw.peak_flops_bf16, flops.value().PositiveNumber("bf16"));
-  FSDP_ASSIGN(hw.peak_flops_fp16, flops.value().PositiveNumber("fp16"));
-  FSDP_ASSIGN(hw.peak_flops_fp32, flops.value().PositiveNumber("fp32"));
-  FSDP_ASSIGN(hw.memory_bandwidth_bytes_per_s, r.PositiveNumber("memory_bandwidth_bytes_per_s"));
+  FSDP_ASSIGN(hw.peak_flops_bf16, flops.value().NumberIn("bf16", limits::kFlopsPerS));
+  FSDP_ASSIGN(hw.peak_flops_fp16, flops.value().NumberIn("fp16", limits::kFlopsPerS));
+  FSDP_ASSIGN(hw.peak_flops_fp32, flops.value().NumberIn("fp32", limits::kFlopsPerS));
+  FSDP_ASSIGN(hw.memory_bandwidth_bytes_per_s, r.NumberIn("memory_bandwidth_bytes_per_s", limits::kBytesPerS));
   if (Status s = ReadLinks(r, hw); !s.ok()) return s.error();
   double context = 0;
-  FSDP_ASSIGN(context, r.NonNegativeNumber("cuda_context_bytes"));
+  FSDP_ASSIGN(context, r.NumberIn("cuda_context_bytes", limits::kOverheadBytes));
   hw.cuda_context_bytes = static_cast<int64_t>(context);
-  auto price = r.OptionalNumber("price_per_gpu_hour_usd");
-  if (!price.ok()) return price.error();
-  hw.price_per_gpu_hour_usd = price.value().value_or(0.0);
-  if (hw.price_per_gpu_hour_usd < 0) return r.KeyError("price_per_gpu_hour_usd", "must be >= 0");
+  if (r.json().contains("price_per_gpu_hour_usd") && !r.json()["price_per_gpu_hour_usd"].is_null()) {
+    FSDP_ASSIGN(hw.price_per_gpu_hour_usd, r.NumberIn("price_per_gpu_hour_usd", limits::kUsdPerGpuHour));
+  }
   auto eff = r.Object("efficiency");
   if (!eff.ok()) return eff.error();
-  FSDP_ASSIGN(hw.matmul_efficiency, eff.value().PositiveNumber("matmul"));
-  FSDP_ASSIGN(hw.memory_efficiency, eff.value().PositiveNumber("memory_bandwidth"));
+  FSDP_ASSIGN(hw.matmul_efficiency, eff.value().NumberIn("matmul", limits::kShare));
+  FSDP_ASSIGN(hw.memory_efficiency, eff.value().NumberIn("memory_bandwidth", limits::kShare));
   auto attention = eff.value().OptionalNumber("attention");
   if (!attention.ok()) return attention.error();
   hw.attention_efficiency = attention.value().value_or(0.0);
   if (hw.attention_efficiency < 0 || hw.attention_efficiency > 1) return eff.value().KeyError("attention", "an efficiency is a share of the peak, between 0 and 1");
-  if (hw.matmul_efficiency > 1 || hw.memory_efficiency > 1) {
-    return eff.value().KeyError(hw.matmul_efficiency > 1 ? "matmul" : "memory_bandwidth", "an efficiency is a share of the peak, at most 1");
-  }
   if (Status s = ReadMeasuredCollectives(r, hw); !s.ok()) return s.error();
   return hw;
 }
@@ -121,21 +116,28 @@ Result<HardwareSpec> LoadHardware(const std::string& id_or_path) {
   return HardwareFromJson(json.value(), std::filesystem::path(path.value()).stem().string(), path.value());
 }
 
+Result<ClusterSpec> ClusterFromJson(const Json& json, const std::string& id, const std::string& origin) {
+  if (!json.is_object()) return Error::BadInput(fmt::format("{}: expected a JSON object describing a cluster", origin));
+  JsonReader r(json, origin);
+  ClusterSpec c;
+  c.id = id;
+  FSDP_ASSIGN(c.gpu, r.String("gpu"));
+  FSDP_ASSIGN(c.gpus_per_node, r.IntIn("gpus_per_node", 1, limits::kMaxGpus));
+  FSDP_ASSIGN(c.nodes, r.IntIn("nodes", 1, limits::kMaxGpus));
+  if (c.nodes > limits::kMaxGpus / c.gpus_per_node) {
+    return Error::BadInput(fmt::format("{}: nodes {} x gpus_per_node {} is more than {} GPUs", origin, c.nodes, c.gpus_per_node, limits::kMaxGpus));
+  }
+  FSDP_ASSIGN(c.inter_node_bandwidth_per_gpu_bytes_per_s, r.NumberIn("inter_node_bandwidth_per_gpu_bytes_per_s", limits::kBytesPerS));
+  FSDP_ASSIGN(c.inter_node_latency_s, r.NumberIn("inter_node_latency_s", limits::kLatencyS));
+  return c;
+}
+
 Result<ClusterSpec> LoadCluster(const std::string& id_or_path) {
   auto path = ResolveCatalogPath("hardware/clusters", "cluster", id_or_path);
   if (!path.ok()) return path.error();
   auto json = LoadJsonFile(path.value());
   if (!json.ok()) return json.error();
-  if (!json.value().is_object()) return Error::BadInput(fmt::format("{}: expected a JSON object describing a cluster", path.value()));
-  JsonReader r(json.value(), path.value());
-  ClusterSpec c;
-  c.id = std::filesystem::path(path.value()).stem().string();
-  FSDP_ASSIGN(c.gpu, r.String("gpu"));
-  FSDP_ASSIGN(c.gpus_per_node, r.IntAtLeast("gpus_per_node", 1));
-  FSDP_ASSIGN(c.nodes, r.IntAtLeast("nodes", 1));
-  FSDP_ASSIGN(c.inter_node_bandwidth_per_gpu_bytes_per_s, r.PositiveNumber("inter_node_bandwidth_per_gpu_bytes_per_s"));
-  FSDP_ASSIGN(c.inter_node_latency_s, r.NonNegativeNumber("inter_node_latency_s"));
-  return c;
+  return ClusterFromJson(json.value(), std::filesystem::path(path.value()).stem().string(), path.value());
 }
 
 void ApplyCluster(const ClusterSpec& cluster, HardwareSpec& hw) {

@@ -56,6 +56,9 @@ struct ClusterSpec {
   int64_t Gpus() const { return gpus_per_node * nodes; }
 };
 
+/// Parses a cluster JSON document; BadInput naming origin and key (nodes x GPUs per node is at
+/// most limits::kMaxGpus).
+Result<ClusterSpec> ClusterFromJson(const Json& json, const std::string& id, const std::string& origin);
 /// Loads hardware/clusters/<id>.json or a path; BadInput naming the file and key.
 Result<ClusterSpec> LoadCluster(const std::string& id_or_path);
 

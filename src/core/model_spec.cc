@@ -8,6 +8,7 @@
 
 #include "core/catalog.h"
 #include "core/families/family.h"
+#include "core/limits.h"
 
 namespace fsdp {
 namespace {
@@ -79,6 +80,29 @@ std::vector<TensorSpec> BuildInventory(const ModelSpec& m) {
   return out;
 }
 
+InventorySize CountInventory(const ModelSpec& m) {
+  const Architecture& a = m.arch;
+  const double h = static_cast<double>(m.hidden_size);
+  auto norm = [&](double dim) { return a.norm == NormKind::kLayer ? InventorySize{2, 2 * dim} : InventorySize{1, dim}; };
+  InventorySize block;
+  for (const ParamOp& op : a.block) {
+    InventorySize one = op.kind == ParamOp::Kind::kNorm
+                            ? norm(static_cast<double>(op.out))
+                            : InventorySize{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
+    const double copies = op.experts > 0 ? static_cast<double>(op.experts) : 1.0;
+    block.tensors += one.tensors * copies;
+    block.params += one.params * copies;
+  }
+  const double layers = static_cast<double>(m.num_layers);
+  const double vocab = static_cast<double>(m.vocab_size);
+  InventorySize total{block.tensors * layers + 1, block.params * layers + vocab * h};
+  if (!a.names.positions.empty()) { total.tensors += 1; total.params += static_cast<double>(m.max_position_embeddings) * h; }
+  total.tensors += norm(h).tensors;
+  total.params += norm(h).params;
+  if (!m.tie_word_embeddings) { total.tensors += 1; total.params += vocab * h; }
+  return total;
+}
+
 int64_t TensorSpec::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -119,6 +143,12 @@ Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, c
   m.id = id;
   m.model_type = type.value();
   if (Status s = family.value()->read(r, m); !s.ok()) return s.error();
+  const InventorySize size = CountInventory(m);
+  if (size.tensors > limits::kMaxTensors || size.params > limits::kMaxParams) {
+    return Error::BadInput(fmt::format("{}: {} layers of {} would have {:.3g} parameter tensors and {:.3g} parameters; the most a model may have "
+                                       "is {:.0e} tensors and {:.0e} parameters", origin, m.num_layers, m.model_type, size.tensors, size.params,
+                                       limits::kMaxTensors, limits::kMaxParams));
+  }
   m.tensors = BuildInventory(m);
   return m;
 }

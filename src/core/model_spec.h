@@ -85,6 +85,14 @@ Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, c
 /// final norm, lm_head unless tied; HF names and checkpoint shapes.
 std::vector<TensorSpec> BuildInventory(const ModelSpec& model);
 
+/// How many parameter tensors and parameters BuildInventory would build, counted in doubles from
+/// the architecture without building them (ModelFromHfConfig refuses models past limits::kMaxTensors
+/// or limits::kMaxParams).
+struct InventorySize {
+  double tensors = 0, params = 0;
+};
+InventorySize CountInventory(const ModelSpec& model);
+
 /// Loads a catalog id (models/<id>.json), a path to a config.json, or a directory holding one (a
 /// downloaded model; its id is the directory's name).
 Result<ModelSpec> LoadModel(const std::string& id_or_path);

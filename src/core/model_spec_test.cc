@@ -293,5 +293,23 @@ TEST_CASE("unknown catalog ids suggest the closest ones") {
   CHECK(missing.error().message == "model file 'no/such/config.json' does not exist");
 }
 
+TEST_CASE("CountInventory counts what BuildInventory builds, for every catalog model") {
+  for (const char* id : {"tiny-llama", "gpt2", "mixtral-8x7b", "qwen2.5-7b", "llama-3.1-8b", "mistral-7b"}) {
+    CAPTURE(id);
+    const ModelSpec m = LoadModel(id).value();
+    const InventorySize size = CountInventory(m);
+    CHECK(size.tensors == static_cast<double>(m.tensors.size()));
+    CHECK(size.params == static_cast<double>(m.ParamsTotal()));
+  }
+}
+
+TEST_CASE("a config that would build more than 1e6 tensors is refused before building them") {
+  auto json = ParseJson(R"({"model_type": "mixtral", "num_local_experts": 4096, "num_hidden_layers": 10000})", "m.json").value();
+  auto m = ModelFromHfConfig(json, "m", "m.json");
+  REQUIRE_FALSE(m.ok());
+  CHECK(m.error().message == "m.json: 10000 layers of mixtral would have 1.23e+08 parameter tensors and 7.22e+15 parameters; "
+                             "the most a model may have is 1e+06 tensors and 1e+15 parameters");
+}
+
 }  // namespace
 }  // namespace fsdp

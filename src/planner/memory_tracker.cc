@@ -12,11 +12,19 @@ MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline)
 BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes) {
   if (bytes <= 0) return kNoBlock;
   int64_t rounded = RoundUp(bytes, rounding_);
-  blocks_.push_back(Block{category, rounded});
+  BlockId id;
+  if (free_slots_.empty()) {
+    id = static_cast<BlockId>(blocks_.size());
+    blocks_.push_back(Block{category, rounded});
+  } else {
+    id = free_slots_.back();
+    free_slots_.pop_back();
+    blocks_[id] = Block{category, rounded};
+  }
   live_[static_cast<int>(category)] += rounded;
   allocated_total_ += rounded;
   Changed();
-  return static_cast<BlockId>(blocks_.size() - 1);
+  return id;
 }
 
 void MemoryTracker::Recategorize(BlockId block, MemCategory category) {
@@ -34,6 +42,7 @@ void MemoryTracker::Free(BlockId& block) {
   live_[static_cast<int>(b.category)] -= b.bytes;
   allocated_total_ -= b.bytes;
   b.bytes = 0;
+  free_slots_.push_back(block);
   block = kNoBlock;
   Changed();
 }
@@ -45,6 +54,12 @@ void MemoryTracker::FreeToPending(BlockId& block, Pool pool) {
   pending_bytes_[static_cast<int>(b.category)] += b.bytes;
   pending_total_ += b.bytes;
   Free(block);
+}
+
+CategoryBytes MemoryTracker::DeviceNow() const {
+  CategoryBytes now = live_;
+  for (size_t c = 0; c < now.size(); ++c) now[c] += pending_bytes_[c];
+  return now;
 }
 
 void MemoryTracker::Release(Pool, const Block& block) {

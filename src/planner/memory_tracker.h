@@ -51,6 +51,11 @@ class MemoryTracker {
   void ReleaseAllPending(Pool pool);
   void ReleaseAllPending();
 
+  /// Device bytes now (allocated + pending) by category, and the pending buffers per pool: what a
+  /// replay compares to see that the state repeats.
+  CategoryBytes DeviceNow() const;
+  std::vector<size_t> PendingCounts() const { return {pending_[0].size(), pending_[1].size()}; }
+
   int64_t allocated_peak() const { return allocated_peak_; }
   const Phase& allocated_peak_phase() const { return allocated_peak_phase_; }
   /// Device view (allocated + pending) at its peak, by category.
@@ -71,6 +76,7 @@ class MemoryTracker {
   bool record_;
   Phase phase_;
   std::vector<Block> blocks_;
+  std::vector<BlockId> free_slots_;  // entries of blocks_ freed, reused by Alloc: memory follows the live blocks
   CategoryBytes live_{};
   std::deque<Block> pending_[kPoolCount];
   CategoryBytes pending_bytes_{};

@@ -78,6 +78,8 @@ void AddTimeToJson(const TimeEstimate& t, double ddp_step_s, Json& plan) {
                {"tokens_per_s_per_gpu", s.tokens_per_s_per_gpu},
                {"tflops_per_gpu", s.tflops_per_gpu},
                {"mfu", s.mfu},
+               {"mfu_capped", s.mfu_capped},
+               {"hfu", s.hfu},
                {"model_flops_per_token", t.compute.model_flops_per_token},
                {"executed_flops_per_step", t.compute.executed_flops_per_step}};
   if (ddp_step_s > 0) {

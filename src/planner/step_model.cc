@@ -49,7 +49,11 @@ class StepTimer {
     const double tokens = static_cast<double>(w_.TokensPerMicroBatch() * w_.config.grad_accum);
     e_.tokens_per_s_per_gpu = tokens / e_.step_s;
     e_.tflops_per_gpu = cm_.model_flops_per_token * e_.tokens_per_s_per_gpu / 1e12;
-    e_.mfu = e_.tflops_per_gpu * 1e12 / w_.hardware.PeakFlops(w_.config.param_dtype);
+    const double peak = w_.hardware.PeakFlops(w_.config.param_dtype);
+    e_.mfu = e_.tflops_per_gpu * 1e12 / peak;
+    e_.mfu_capped = e_.mfu > 1;
+    e_.mfu = std::min(e_.mfu, 1.0);
+    e_.hfu = cm_.executed_flops_per_step / e_.step_s / peak;
     return e_;
   }
 

@@ -20,7 +20,12 @@ struct StepEstimate {
   double forward_s = 0, backward_s = 0, optimizer_s = 0;  ///< wall time of each phase (summed over micro-batches)
   double tokens_per_s_per_gpu = 0;
   double tflops_per_gpu = 0;      ///< model FLOPs (6N + 12Lsad per token) per second, in TFLOP/s
-  double mfu = 0;                 ///< model FLOPs utilisation of the param_dtype peak
+  /// Model FLOPs utilisation of the param_dtype peak, at most 1: PaLM's 12 L s a d attention term
+  /// counts the masked half that causal (flash) attention skips, so at long sequences the
+  /// convention's figure passes the peak; it is then reported as 1 with mfu_capped set.
+  double mfu = 0;
+  bool mfu_capped = false;
+  double hfu = 0;                 ///< hardware FLOPs utilisation: what the GPU executes (recomputation, attention as run) over the peak
   std::vector<double> unit_exposed_s;  ///< per unit: compute-stream time spent waiting for its all-gather
 };
 

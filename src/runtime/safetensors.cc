@@ -65,7 +65,10 @@ std::string ShapeText(const std::vector<int64_t>& shape) {
 // data section of `data_bytes` bytes.
 Status ParseEntry(const std::string& file, const std::string& name, const Json& j, int64_t data_start, int64_t data_bytes, std::string& dtype,
                   std::vector<int64_t>& shape, int64_t& offset, int64_t& bytes) {
-  auto bad = [&](const std::string& what) { return Error::BadInput(fmt::format("{}: tensor '{}': {}", file, name, what)); };
+  auto bad = [&](const std::string& what) {
+    const std::string shown = name.size() > 80 ? name.substr(0, 80) + "..." : name;
+    return Error::BadInput(fmt::format("{}: tensor '{}': {}", file, shown, what));
+  };
   if (!j.is_object() || !j.contains("dtype") || !j["dtype"].is_string() || !j.contains("shape") || !j["shape"].is_array() ||
       !j.contains("data_offsets") || !j["data_offsets"].is_array() || j["data_offsets"].size() != 2) {
     return bad("expected {\"dtype\": string, \"shape\": [...], \"data_offsets\": [begin, end]}");
@@ -97,24 +100,51 @@ Status ParseEntry(const std::string& file, const std::string& name, const Json& 
 
 }  // namespace
 
+namespace {
+
+uint64_t HeaderLength(std::string_view head) {
+  uint64_t header_bytes = 0;
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | static_cast<unsigned char>(head[i]);  // little-endian
+  return header_bytes;
+}
+
+}  // namespace
+
 Status Checkpoint::AddFile(const std::string& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) return Error::BadInput(fmt::format("checkpoint file '{}' cannot be read", file));
   std::error_code ec;
   const auto file_bytes = static_cast<uint64_t>(std::filesystem::file_size(file, ec));
   if (ec) return Error::BadInput(fmt::format("checkpoint file '{}' cannot be read: {}", file, ec.message()));
-  unsigned char length_bytes[8] = {};
-  if (file_bytes < 8 || !in.read(reinterpret_cast<char*>(length_bytes), 8)) {
+  std::string head(8, '\0');
+  if (file_bytes < 8 || !in.read(head.data(), 8)) {
     return Error::BadInput(fmt::format("{}: not a safetensors file (shorter than its 8-byte header length)", file));
   }
-  uint64_t header_bytes = 0;
-  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | length_bytes[i];  // little-endian
+  const uint64_t header_bytes = HeaderLength(head);
+  if (header_bytes <= kMaxHeaderBytes && header_bytes <= file_bytes - 8) {
+    head.resize(8 + header_bytes);
+    if (!in.read(head.data() + 8, static_cast<std::streamsize>(header_bytes))) return Error::BadInput(fmt::format("{}: truncated header", file));
+  }
+  return AddHead(file, head, file_bytes);
+}
+
+Result<Checkpoint> Checkpoint::FromHead(const std::string& file, std::string_view head, uint64_t file_bytes) {
+  Checkpoint c;
+  c.origin_ = file;
+  if (Status s = c.AddHead(file, head, file_bytes); !s.ok()) return s.error();
+  return c;
+}
+
+Status Checkpoint::AddHead(const std::string& file, std::string_view head, uint64_t file_bytes) {
+  if (file_bytes < 8 || head.size() < 8) {
+    return Error::BadInput(fmt::format("{}: not a safetensors file (shorter than its 8-byte header length)", file));
+  }
+  const uint64_t header_bytes = HeaderLength(head);
   if (header_bytes > kMaxHeaderBytes || header_bytes > file_bytes - 8) {
     return Error::BadInput(fmt::format("{}: not a safetensors file (header length {} in a {}-byte file)", file, header_bytes, file_bytes));
   }
-  std::string header(header_bytes, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(header_bytes))) return Error::BadInput(fmt::format("{}: truncated header", file));
-  auto json = ParseJson(header, file);
+  if (head.size() < 8 + header_bytes) return Error::BadInput(fmt::format("{}: truncated header", file));
+  auto json = ParseJson(std::string(head.substr(8, header_bytes)), file);
   if (!json.ok()) return json.error();
   if (!json.value().is_object()) return Error::BadInput(fmt::format("{}: the header is not a JSON object", file));
   const auto data_start = static_cast<int64_t>(8 + header_bytes);
@@ -215,6 +245,9 @@ Status Checkpoint::Read(const std::string& name, const std::vector<int64_t>& sha
       uint16_t h;
       std::memcpy(&h, p, 2);
       out[i] = e.dtype == "BF16" ? Bf16ToFloat(h) : F16ToFloat(h);
+    }
+    if (!std::isfinite(out[i])) {
+      return Error::BadInput(fmt::format("{}: tensor '{}' holds {} at element {}: a checkpoint to train from must be finite", e.file, name, out[i], i));
     }
   }
   return {};

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/status.h"
@@ -20,6 +21,10 @@ class Checkpoint {
   /// only. BadInput naming the file for a missing file, a header that is not valid JSON or whose
   /// offsets, shapes or dtypes are inconsistent with the file.
   static Result<Checkpoint> Open(const std::string& path);
+
+  /// The checkpoint of one file from its first bytes: `head` holds the 8-byte header length and
+  /// the JSON header (what AddFile reads), `file_bytes` is the whole file's size. Open's errors.
+  static Result<Checkpoint> FromHead(const std::string& file, std::string_view head, uint64_t file_bytes);
 
   bool Has(const std::string& name) const { return tensors_.count(name) != 0; }
   /// Number of tensors in the checkpoint.
@@ -44,6 +49,7 @@ class Checkpoint {
     int64_t bytes = 0;
   };
   Status AddFile(const std::string& file);
+  Status AddHead(const std::string& file, std::string_view head, uint64_t file_bytes);
   std::string origin_;  ///< the path given to Open, for messages
   std::map<std::string, Entry> tensors_;
 };

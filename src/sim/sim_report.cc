@@ -173,6 +173,39 @@ std::string WhatIfHtml(const std::vector<std::string>& params, const std::vector
                      Escape(names), svg, Escape(WhatIfTable(params, rows)));
 }
 
+Result<SimSummary> SimSummaryFromJson(const Json& document, const std::string& origin) {
+  if (!document.is_object() || !document.contains("time") || !document.contains("memory")) {
+    return Error::BadInput(fmt::format("{}: not an fsdp-sim --json result (no time and memory objects)", origin));
+  }
+  const JsonReader r(document, origin);
+  FSDP_ASSIGN_OR_RETURN(const JsonReader time, r.Object("time"));
+  FSDP_ASSIGN_OR_RETURN(const JsonReader memory, r.Object("memory"));
+  SimSummary s;
+  FSDP_ASSIGN(s.step_s, time.NonNegativeNumber("step_s"));
+  FSDP_ASSIGN(s.compute_s, time.NonNegativeNumber("compute_s"));
+  FSDP_ASSIGN(s.comm_s, time.NonNegativeNumber("comm_s"));
+  FSDP_ASSIGN(s.exposed_comm_s, time.NonNegativeNumber("exposed_comm_s"));
+  FSDP_ASSIGN(s.overlap_pct, time.NonNegativeNumber("overlap_pct"));
+  if (s.overlap_pct > 100) return time.KeyError("overlap_pct", fmt::format("must be at most 100, got {}", s.overlap_pct));
+  FSDP_ASSIGN(s.peak_bytes, memory.NonNegativeNumber("peak_bytes"));
+  return s;
+}
+
+std::string CompareTable(const std::string& name_a, const SimSummary& a, const std::string& name_b, const SimSummary& b) {
+  std::string out = fmt::format("{:<22}{:>16}{:>16}{:>14}\n", "", name_a, name_b, "delta");
+  auto row = [&](const char* label, double x, double y, double scale, const char* unit) {
+    const std::string delta = x != 0 ? fmt::format("{:+.1f}%", 100.0 * (y - x) / x) : (y == 0 ? "+0.0%" : "new");
+    out += fmt::format("{:<22}{:>13.2f} {:<2}{:>13.2f} {:<2}{:>14}\n", label, x * scale, unit, y * scale, unit, delta);
+  };
+  row("step_s", a.step_s, b.step_s, 1e3, "ms");
+  row("compute_s", a.compute_s, b.compute_s, 1e3, "ms");
+  row("comm_s", a.comm_s, b.comm_s, 1e3, "ms");
+  row("exposed_comm_s", a.exposed_comm_s, b.exposed_comm_s, 1e3, "ms");
+  row("overlap_pct", a.overlap_pct, b.overlap_pct, 1, "%");
+  row("peak memory", a.peak_bytes, b.peak_bytes, 1 / kGiB, "Gi");
+  return out;
+}
+
 Status WriteText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);
   if (!out) return Error::BadInput(fmt::format("cannot write '{}': {}", path, std::strerror(errno)));

@@ -30,6 +30,18 @@ struct WhatIfRow {
 std::string WhatIfTable(const std::vector<std::string>& params, const std::vector<WhatIfRow>& rows);
 std::string WhatIfHtml(const std::vector<std::string>& params, const std::vector<WhatIfRow>& rows);
 
+/// The figures `fsdp-sim compare` sets side by side, read back from a SimResultToJson document.
+struct SimSummary {
+  double step_s = 0, compute_s = 0, comm_s = 0, exposed_comm_s = 0;
+  double overlap_pct = 0;   ///< 0..100
+  double peak_bytes = 0;
+};
+/// BadInput "<origin>: not an fsdp-sim --json result (...)" for a document without the keys, or
+/// "<origin>: time: key 'step_s': ..." for a value that is not a finite number in range.
+Result<SimSummary> SimSummaryFromJson(const Json& document, const std::string& origin);
+/// The comparison table: one row per figure, the two values and b's change relative to a.
+std::string CompareTable(const std::string& name_a, const SimSummary& a, const std::string& name_b, const SimSummary& b);
+
 /// Writes `text` to `path`; BadInput naming the path when it cannot be written.
 Status WriteText(const std::string& path, const std::string& text);
 

@@ -11,6 +11,7 @@
 #include "planner/collective_model.h"
 #include "planner/comm_model.h"
 #include "planner/compute_model.h"
+#include "core/limits.h"
 #include "core/schedule.h"
 
 namespace fsdp::sim {
@@ -288,8 +289,9 @@ class RankBuilder {
 };
 
 Status Validate(const Workload& w, const SimOptions& o) {
-  if (!(o.bandwidth_override >= 0) || !std::isfinite(o.bandwidth_override)) {
-    return Error::BadInput(fmt::format("bandwidth must be a positive number of bytes/s, got {}", o.bandwidth_override));
+  if (o.bandwidth_override != 0 && !(o.bandwidth_override >= limits::kBytesPerS.min && o.bandwidth_override <= limits::kBytesPerS.max)) {
+    return Error::BadInput(fmt::format("bandwidth must be a positive number of bytes/s between {:.3g} and {:.3g}, got {}", limits::kBytesPerS.min,
+                                       limits::kBytesPerS.max, o.bandwidth_override));
   }
   if (!(o.launch_overhead_s >= 0) || o.launch_overhead_s > 1) return Error::BadInput(fmt::format("launch overhead must be between 0 and 1 s, got {}", o.launch_overhead_s));
   if (!(o.latency_scale >= 0) || !(o.compute_scale >= 0)) return Error::BadInput("latency and compute scales must be >= 0");
@@ -303,6 +305,26 @@ Status Validate(const Workload& w, const SimOptions& o) {
     if (!(factor > 0) || factor > 100) return Error::BadInput(fmt::format("slow rank {} factor must be in (0, 100], got {}", rank, factor));
   }
   return {};
+}
+
+// Simulated seconds of the step with every operation end to end: no schedule of it can end later.
+double SerialSeconds(const Workload& w, const SimOptions& o, const Schedule& schedule, const ComputeModel& cm, const std::vector<UnitComm>& coll) {
+  double slowest = 1;
+  for (const auto& [rank, factor] : o.slow_ranks) slowest = std::max(slowest, factor);
+  double compute_s = 0;
+  for (double s : cm.segments_s) compute_s += s;
+  compute_s = compute_s * static_cast<double>(schedule.micro_batches()) * slowest * (1 + o.jitter) * o.compute_scale + cm.optimizer_s;
+  double comm_s = 0;
+  const double reductions = static_cast<double>(schedule.Reductions());
+  for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
+    const UnitComm& c = coll[u];
+    const double gathers = static_cast<double>(schedule.ForwardAllGathers(u) + schedule.BackwardAllGathers(u));
+    comm_s += gathers * (c.all_gather.time_s + c.all_gather.latency_s * o.latency_scale) +
+              static_cast<double>(schedule.Unshards(u)) * c.host_to_device_s +
+              reductions * (c.reduce_scatter.time_s + c.all_reduce.time_s + (c.reduce_scatter.latency_s + c.all_reduce.latency_s) * o.latency_scale +
+                            c.device_to_host_s);
+  }
+  return compute_s + comm_s;
 }
 
 // Length of the union of [start, end) intervals.
@@ -399,11 +421,23 @@ Result<SimResult> Simulate(const Workload& workload, const SimOptions& o) {
     w.hardware.pcie_bandwidth_bytes_per_s = std::max(w.hardware.pcie_bandwidth_bytes_per_s, o.bandwidth_override);
   }
   const Schedule schedule = BuildSchedule(w);
+  double actions = 0;
+  for (int p = 0; p < schedule.program_count(); ++p) actions += static_cast<double>(schedule.ProgramRuns(p)) * static_cast<double>(schedule.Program(p).size());
+  actions *= static_cast<double>(std::max<int64_t>(1, o.ranks));
+  if (actions > limits::kMaxSimulatedActions) {
+    return Error::BadInput(fmt::format("simulating {} micro-batch(es) x {} rank(s) plays {:.3g} schedule actions, more than the {:.0e} fsdp-sim "
+                                       "plays: lower --grad-accum (fsdp-plan handles any) or drop --per-rank",
+                                       schedule.micro_batches(), std::max<int64_t>(1, o.ranks), actions, limits::kMaxSimulatedActions));
+  }
   const ComputeModel cm = o.compute_override ? *o.compute_override : EstimateCompute(w);
   if (cm.nodes.size() != w.nodes.size()) return Error::BadInput("compute override needs one entry per module node");
   const std::vector<UnitComm> coll = o.collective_override ? *o.collective_override : EstimateComm(w, schedule).units;
   if (coll.size() != w.units.size()) return Error::BadInput("collective override needs one entry per unit");
   if (cm.segments_s.size() != schedule.segments().size()) return Error::BadInput("compute override needs one time per compute segment");
+  if (const double serial_s = SerialSeconds(w, o, schedule, cm, coll); !(serial_s <= limits::kMaxSimulatedSeconds)) {
+    return Error::BadInput(fmt::format("the step's operations add up to {:.3g} s of simulated time, past the simulator's {:.0e} s: "
+                                       "check the GPU's FLOP/s and bandwidths (--gpu, --bandwidth)", serial_s, limits::kMaxSimulatedSeconds));
+  }
   const SegmentOps segments = SegmentOpsOf(w, schedule, cm.segments_s, o.kernels_per_block);
   Engine e(Ns(o.launch_overhead_s));
   const int64_t ranks = std::max<int64_t>(1, o.ranks);

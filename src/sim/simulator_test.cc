@@ -1,3 +1,4 @@
+#include "core/limits.h"
 #include "sim/simulator.h"
 
 #include <doctest/doctest.h>
@@ -112,11 +113,11 @@ TEST_CASE("infinite bandwidth and no latency give the compute time; no compute g
   c.seq_len = 2048;
   Workload w = Real("llama-2-7b", c);
   SimOptions fast = NoCpu();
-  fast.bandwidth_override = 1e30;
+  fast.bandwidth_override = limits::kBytesPerS.max;  // 1 PB/s: an all-gather of a block takes ~0.4 us
   fast.latency_scale = 0;
   auto r = Simulate(w, fast);
   REQUIRE(r.ok());
-  CHECK(r.value().step_s == doctest::Approx(r.value().compute_s).epsilon(1e-6));
+  CHECK(r.value().step_s == doctest::Approx(r.value().compute_s).epsilon(1e-5));
   SimOptions idle = NoCpu();
   idle.compute_scale = 0;
   auto z = Simulate(w, idle);
@@ -267,6 +268,25 @@ TEST_CASE("memory on the simulated clock: the peak sits inside the ops of the ph
     // and the root's head runs after the last block, in forward and in backward before the first
     CHECK(ForwardStart(r.value(), "FWD root (norm, lm_head + loss)") > ForwardStart(r.value(), "FWD model.layers.31"));
   }
+}
+
+TEST_CASE("a step past the simulator's clock or its action budget is refused, not looped on") {
+  FsdpConfig c;
+  c.gpus = 8;
+  c.grad_accum = 1000;
+  Workload w = Real("llama-3.1-405b", c);
+  SimOptions slow;
+  slow.bandwidth_override = limits::kBytesPerS.min;  // 1 MB/s
+  auto r = Simulate(w, slow);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.error().message.find("of simulated time, past the simulator's 1e+08 s") != std::string::npos);
+  FsdpConfig many;
+  many.gpus = 8;
+  many.seq_len = 16;
+  many.grad_accum = 1000000;
+  auto big = Simulate(Real("tiny-llama", many), SimOptions{});
+  REQUIRE_FALSE(big.ok());
+  CHECK(big.error().message.starts_with("simulating 1000000 micro-batch(es) x 1 rank(s) plays 7.9e+07 schedule actions"));
 }
 
 }  // namespace
