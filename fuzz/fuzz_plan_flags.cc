@@ -1,0 +1,39 @@
+// fsdp-plan's command line: one argument per input line, parsed by the tool's own flag table and
+// run; an accepted plan's text may not show nan or inf.
+#include <cstdint>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/plan_cli.h"
+#include "fuzz/fuzz_common.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace fsdp;
+  static const bool ready = (fuzz::UseSourceCatalog(), true);
+  (void)ready;
+  std::vector<std::string> args = {"fsdp-plan"};
+  std::string arg;
+  for (size_t i = 0; i < size && args.size() < 40; ++i) {
+    if (data[i] == '\n') { args.push_back(arg); arg.clear(); } else { arg += static_cast<char>(data[i]); }
+  }
+  if (!arg.empty()) args.push_back(arg);
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  CLI::App app;
+  PlanFlags flags;
+  AddPlanFlags(app, flags);
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::ParseError&) {
+    return 0;
+  }
+  FinishPlanFlags(app, flags);
+  if (flags.model.empty() || flags.timeline) return 0;  // the default scenario is fixed; timelines are long
+  std::ostringstream out;
+  if (!RunPlan(flags, out).ok()) return 0;
+  static const std::regex bad(R"(\b-?(nan|inf)\b)");
+  fuzz::Require(!std::regex_search(out.str(), bad), "no nan or inf in an accepted plan");
+  return 0;
+}
