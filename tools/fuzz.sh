@@ -52,7 +52,7 @@ case $mode in
     seconds=${3:-5}
     status=0
     for h in "${HARNESSES[@]}"; do
-      if run "$h" -max_total_time="$seconds"; then echo "$h: ok, $(runs_of "$h") executions"
+      if run "$h" -max_total_time="$seconds" -seed=1; then echo "$h: ok, $(runs_of "$h") executions"
       else echo "$h: FAILED (log $DIR/logs/$h.log)"; tail -20 "$DIR/logs/$h.log"; status=1; fi
     done
     exit $status ;;
