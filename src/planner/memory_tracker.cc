@@ -12,19 +12,13 @@ MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline)
 BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes) {
   if (bytes <= 0) return kNoBlock;
   int64_t rounded = RoundUp(bytes, rounding_);
-  BlockId id;
-  if (free_slots_.empty()) {
-    id = static_cast<BlockId>(blocks_.size());
-    blocks_.push_back(Block{category, rounded});
-  } else {
-    id = free_slots_.back();
-    free_slots_.pop_back();
-    blocks_[id] = Block{category, rounded};
-  }
+  // ids are never reused: the replay compares handles to tell whether a reduction returned the
+  // block it was given (MemoryModel's Reduce), which a reused id would fake
+  blocks_.push_back(Block{category, rounded});
   live_[static_cast<int>(category)] += rounded;
   allocated_total_ += rounded;
   Changed();
-  return id;
+  return static_cast<BlockId>(blocks_.size() - 1);
 }
 
 void MemoryTracker::Recategorize(BlockId block, MemCategory category) {
@@ -42,7 +36,6 @@ void MemoryTracker::Free(BlockId& block) {
   live_[static_cast<int>(b.category)] -= b.bytes;
   allocated_total_ -= b.bytes;
   b.bytes = 0;
-  free_slots_.push_back(block);
   block = kNoBlock;
   Changed();
 }

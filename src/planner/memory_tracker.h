@@ -76,7 +76,6 @@ class MemoryTracker {
   bool record_;
   Phase phase_;
   std::vector<Block> blocks_;
-  std::vector<BlockId> free_slots_;  // entries of blocks_ freed, reused by Alloc: memory follows the live blocks
   CategoryBytes live_{};
   std::deque<Block> pending_[kPoolCount];
   CategoryBytes pending_bytes_{};
