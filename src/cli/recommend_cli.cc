@@ -70,14 +70,17 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
     o.global_batch_seqs = tokens / o.base.seq_len;
   }
   if (f.budget_per_hour) {
-    if (!(*f.budget_per_hour > 0)) return Error::BadInput(fmt::format("--budget-per-hour must be positive, got {}", *f.budget_per_hour));
+    if (!(*f.budget_per_hour > 0 && *f.budget_per_hour <= 1e9)) {
+      return Error::BadInput(fmt::format("--budget-per-hour must be between 0 and 1e9 USD, got {}", *f.budget_per_hour));
+    }
     o.budget_per_hour = f.budget_per_hour;
   }
   auto objective = ParseObjective(f.objective);
   if (!objective.ok()) return objective.error();
   o.objective = objective.value();
   if (f.tokens) {
-    if (!(*f.tokens > 0)) return Error::BadInput(fmt::format("--tokens must be positive, got {}", *f.tokens));
+    // 1e18 tokens is ~100,000 x a frontier model's training set
+    if (!(*f.tokens > 0 && *f.tokens <= 1e18)) return Error::BadInput(fmt::format("--tokens must be between 0 and 1e18, got {}", *f.tokens));
     o.train_tokens = *f.tokens;
   }
   auto fw = ParseFramework(f.framework);
