@@ -22,6 +22,8 @@ namespace {
 
 // --price GPU_ID=USD for GPUs of the search (`searched`): an id it does not search is a typo.
 Status ParsePrices(const std::vector<std::string>& prices, const std::vector<HardwareSpec>& searched, std::map<std::string, double>& out) {
+  std::vector<std::string> ids;
+  for (const HardwareSpec& hw : searched) ids.push_back(hw.id);
   for (const auto& p : prices) {
     auto eq = p.find('=');
     char* end = nullptr;
@@ -30,8 +32,6 @@ Status ParsePrices(const std::vector<std::string>& prices, const std::vector<Har
       return Error::BadInput(fmt::format("--price expects GPU_ID=USD_PER_GPU_HOUR (e.g. h100-sxm=2.5), got '{}'", p));
     }
     const std::string id = p.substr(0, eq);
-    std::vector<std::string> ids;
-    for (const HardwareSpec& hw : searched) ids.push_back(hw.id);
     if (std::find(ids.begin(), ids.end(), id) == ids.end()) {
       const auto close = ClosestIds(id, ids);
       return Error::BadInput(fmt::format("--price: '{}' is not a GPU of this search{}", id,

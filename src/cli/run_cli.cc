@@ -19,6 +19,7 @@
 
 #include "cli/run_report.h"
 #include "cli/token_file.h"
+#include "core/hash.h"
 #include "core/json_io.h"
 #include "planner/plan_report.h"
 #include "planner/comm_model.h"
@@ -96,12 +97,6 @@ int LauncherRank() {
 int RanksOnThisHost(const runtime::Comm& comm) {
   if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) return std::max(1, std::atoi(v));
   return comm.size();
-}
-
-// FNV-1a, 64-bit.
-uint64_t Fnv1a(std::string_view bytes, uint64_t h = 1469598103934665603ULL) {
-  for (unsigned char c : bytes) h = (h ^ c) * 1099511628211ULL;
-  return h;
 }
 
 // Everything of the model config that changes what a rank computes.

@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "core/hash.h"
 #include "core/json_io.h"
 
 namespace fsdp::runtime {
@@ -200,11 +201,8 @@ Result<Checkpoint> Checkpoint::Open(const std::string& path) {
 }
 
 uint64_t Checkpoint::Fingerprint() const {
-  uint64_t h = 1469598103934665603ULL;  // FNV-1a
-  auto mix = [&](const std::string& text) {
-    for (unsigned char ch : text) h = (h ^ ch) * 1099511628211ULL;
-    h = (h ^ 0xFF) * 1099511628211ULL;  // separator
-  };
+  uint64_t h = kFnv1aOffsetBasis;
+  auto mix = [&](const std::string& text) { h = Fnv1a("\xFF", Fnv1a(text, h)); };  // 0xFF separates the fields
   for (const auto& [name, e] : tensors_) {  // std::map: the same order on every rank
     mix(name);
     mix(e.dtype);
