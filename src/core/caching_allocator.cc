@@ -1,0 +1,728 @@
+#include "core/caching_allocator.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <functional>
+
+#include <fmt/format.h>
+
+#include "core/dtype.h"
+
+namespace fsdp {
+namespace {
+
+constexpr int64_t kMiB = 1 << 20;
+
+// ConfigTokenizer / lexArgs: ',' ':' '[' ']' are tokens of their own, spaces are dropped.
+std::vector<std::string> LexAllocatorConfig(std::string_view text) {
+  std::vector<std::string> tokens;
+  std::string word;
+  for (char c : text) {
+    if (c == ',' || c == ':' || c == '[' || c == ']') {
+      if (!word.empty()) tokens.push_back(std::exchange(word, {}));
+      tokens.emplace_back(1, c);
+    } else if (c != ' ') {
+      word += c;
+    }
+  }
+  if (!word.empty()) tokens.push_back(word);
+  return tokens;
+}
+
+bool IsPowerOfTwo(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+int Log2Floor(uint64_t v) { return 63 - std::countl_zero(v); }
+
+// A non-negative integer token, as stoi/stoul would read it but refusing junk and overflow.
+std::optional<int64_t> ParseCount(const std::string& s) {
+  if (s.empty() || s.size() > 15 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  return std::stoll(s);
+}
+
+class ConfigParser {
+ public:
+  explicit ConfigParser(std::string_view text) : tokens_(LexAllocatorConfig(text)) {}
+
+  Result<AllocatorConfig> Parse(std::string_view text) {
+    AllocatorConfig c;
+    c.text = std::string(text);
+    for (i_ = 0; i_ < tokens_.size(); ++i_) {
+      const std::string key = tokens_[i_];
+      Status s = Key(key, c);
+      if (!s.ok()) return s.error();
+      if (i_ + 1 < tokens_.size() && !Expect(",")) return Bad(fmt::format("expected ',' after the value of {}", key));
+    }
+    return c;
+  }
+
+ private:
+  Error Bad(const std::string& what) const { return Error::BadInput(fmt::format("--alloc-conf: {}", what)); }
+  bool Expect(const char* token) { return ++i_ < tokens_.size() && tokens_[i_] == token; }
+  std::optional<std::string> Value() {
+    if (!Expect(":") || ++i_ >= tokens_.size()) return std::nullopt;
+    return tokens_[i_];
+  }
+
+  Status Bool(const std::string& key, bool& out) {
+    auto v = Value();
+    if (!v || (*v != "True" && *v != "False")) return Bad(fmt::format("{} takes True or False", key));
+    out = *v == "True";
+    return Status::Ok();
+  }
+
+  Status Megabytes(const std::string& key, int64_t& out) {
+    auto v = Value();
+    auto mb = v ? ParseCount(*v) : std::nullopt;
+    if (!mb) return Bad(fmt::format("{} takes a whole number of MiB, got '{}'", key, v.value_or("")));
+    // parseMaxSplitSize: at least kLargeBuffer / 1 MiB
+    if (*mb < alloc::kLargeBuffer / kMiB) return Bad(fmt::format("{} too small, must be >= {}, got {}", key, alloc::kLargeBuffer / kMiB, *mb));
+    out = *mb * kMiB;
+    return Status::Ok();
+  }
+
+  Status Threshold(AllocatorConfig& c) {
+    auto v = Value();
+    char* end = nullptr;
+    const double t = v ? std::strtod(v->c_str(), &end) : 0.0;
+    if (!v || end == v->c_str() || *end != '\0' || !(t > 0.0 && t < 1.0)) {
+      return Bad(fmt::format("garbage_collection_threshold must be in (0.0, 1.0), got '{}'", v.value_or("")));
+    }
+    c.garbage_collection_threshold = t;
+    return Status::Ok();
+  }
+
+  // parseRoundUpPower2Divisions: one power of two for every size, or [MiB:divisions,...,>:divisions].
+  Status Divisions(AllocatorConfig& c) {
+    auto v = Value();
+    if (!v) return Bad("roundup_power2_divisions needs a value");
+    auto divisions_of = [&](const std::string& s) -> std::optional<int64_t> {
+      auto d = ParseCount(s);
+      if (!d || (*d != 0 && !IsPowerOfTwo(*d))) return std::nullopt;
+      return d;
+    };
+    if (*v != "[") {
+      auto d = divisions_of(*v);
+      if (!d || *d == 0) return Bad(fmt::format("roundup_power2_divisions must be a power of 2, got '{}'", *v));
+      c.roundup_power2_divisions.fill(*d);
+      return Status::Ok();
+    }
+    bool first = true;
+    size_t last_index = 0;
+    while (++i_ < tokens_.size() && tokens_[i_] != "]") {
+      const std::string interval = tokens_[i_];
+      auto d = (Expect(":") && ++i_ < tokens_.size()) ? divisions_of(tokens_[i_]) : std::nullopt;
+      if (!d) return Bad(fmt::format("roundup_power2_divisions: divisions for '{}' must be 0 or a power of 2", interval));
+      if (interval == ">") {
+        std::fill(c.roundup_power2_divisions.begin() + static_cast<long>(last_index), c.roundup_power2_divisions.end(), *d);
+      } else {
+        auto mb = ParseCount(interval);
+        if (!mb || !IsPowerOfTwo(*mb)) return Bad(fmt::format("roundup_power2_divisions: interval '{}' must be a power of 2 (MiB)", interval));
+        const size_t index = std::min<size_t>(static_cast<size_t>(Log2Floor(static_cast<uint64_t>(*mb))), alloc::kRoundupIntervals - 1);
+        if (first) std::fill(c.roundup_power2_divisions.begin(), c.roundup_power2_divisions.begin() + static_cast<long>(index), *d);
+        first = false;
+        c.roundup_power2_divisions[index] = *d;
+        last_index = index;
+      }
+      if (i_ + 1 < tokens_.size() && tokens_[i_ + 1] != "]" && !Expect(",")) return Bad("roundup_power2_divisions: expected ',' between intervals");
+    }
+    if (i_ >= tokens_.size()) return Bad("roundup_power2_divisions: missing ']'");
+    return Status::Ok();
+  }
+
+  Status Key(const std::string& key, AllocatorConfig& c) {
+    bool ignored = false;
+    if (key == "max_split_size_mb") return Megabytes(key, c.max_split_size_bytes);
+    if (key == "max_non_split_rounding_mb") return Megabytes(key, c.max_non_split_rounding_bytes);
+    if (key == "garbage_collection_threshold") return Threshold(c);
+    if (key == "roundup_power2_divisions") return Divisions(c);
+    if (key == "expandable_segments") return Bool(key, c.expandable_segments);
+    if (key == "release_lock_on_cudamalloc" || key == "pinned_use_cuda_host_register" || key == "pinned_use_background_threads" ||
+        key == "graph_capture_record_stream_reuse") {
+      return Bool(key, ignored);
+    }
+    if (key == "pinned_num_register_threads" || key == "pinned_reserve_segment_size_mb") {
+      auto v = Value();
+      if (!v || !ParseCount(*v)) return Bad(fmt::format("{} takes a whole number, got '{}'", key, v.value_or("")));
+      return Status::Ok();
+    }
+    if (key == "backend") {
+      auto v = Value();
+      if (v && *v == "native") return Status::Ok();
+      if (v && *v == "cudaMallocAsync") return Bad("backend:cudaMallocAsync is CUDA's stream-ordered allocator, which fsdp-plan does not model; use backend:native");
+      return Bad(fmt::format("unknown allocator backend '{}' (options: native, cudaMallocAsync)", v.value_or("")));
+    }
+    return Bad(fmt::format("unrecognized key '{}' (known: max_split_size_mb, max_non_split_rounding_mb, "
+                           "garbage_collection_threshold, roundup_power2_divisions, expandable_segments, backend, "
+                           "release_lock_on_cudamalloc, pinned_use_cuda_host_register, pinned_num_register_threads, "
+                           "pinned_use_background_threads, pinned_reserve_segment_size_mb, graph_capture_record_stream_reuse)",
+                           key));
+  }
+
+  std::vector<std::string> tokens_;
+  size_t i_ = 0;
+};
+
+}  // namespace
+
+Result<AllocatorConfig> ParseAllocatorConfig(std::string_view text) {
+  if (text.size() > 4096) return Error::BadInput(fmt::format("--alloc-conf: {} characters, more than 4096", text.size()));
+  return ConfigParser(text).Parse(text);
+}
+
+// ---- counting backend --------------------------------------------------------------------------
+std::optional<uint64_t> CountingDeviceMemory::Malloc(int64_t bytes) {
+  if (bytes > limit_ - used_) return std::nullopt;
+  used_ += bytes;
+  const uint64_t a = next_address_;
+  next_address_ += static_cast<uint64_t>(bytes);
+  return a;
+}
+void CountingDeviceMemory::Free(uint64_t, int64_t bytes) { used_ -= bytes; }
+uint64_t CountingDeviceMemory::ReserveAddressRange(int64_t bytes) {
+  const uint64_t a = next_address_;
+  next_address_ += static_cast<uint64_t>(bytes);
+  return a;
+}
+bool CountingDeviceMemory::Map(uint64_t, int64_t bytes) {
+  if (bytes > limit_ - used_) return false;
+  used_ += bytes;
+  return true;
+}
+void CountingDeviceMemory::Unmap(uint64_t, int64_t bytes) { used_ -= bytes; }
+
+// ---- the policy --------------------------------------------------------------------------------
+struct CachingAllocator::Block {
+  int stream = 0;
+  int64_t size = 0;
+  Pool* pool = nullptr;
+  uint64_t address = 0;
+  bool allocated = false;
+  bool mapped = true;          // expandable segments: backed by pages
+  bool awaiting = false;       // freed with recorded streams, events not yet passed
+  std::vector<int> stream_uses;
+  int prev = -1, next = -1;    // neighbours in the segment when split
+  int expandable = -1;         // index into expandable_, -1 for a cudaMalloc segment
+  int64_t gc_count_base = 0;
+  bool alive = false;
+  bool is_split() const { return prev >= 0 || next >= 0; }
+};
+
+// BlockComparatorSize (stream, size, address) and BlockComparatorAddress (stream, address).
+struct CachingAllocator::Pool {
+  struct BySize {
+    const std::vector<Block>* b;
+    bool operator()(int x, int y) const {
+      const Block &l = (*b)[x], &r = (*b)[y];
+      if (l.stream != r.stream) return l.stream < r.stream;
+      if (l.size != r.size) return l.size < r.size;
+      return l.address < r.address;
+    }
+  };
+  struct ByAddress {
+    const std::vector<Block>* b;
+    bool operator()(int x, int y) const {
+      const Block &l = (*b)[x], &r = (*b)[y];
+      if (l.stream != r.stream) return l.stream < r.stream;
+      return l.address < r.address;
+    }
+  };
+  Pool(bool small_pool, const std::vector<Block>* b) : small(small_pool), blocks(BySize{b}), unmapped(ByAddress{b}) {}
+  bool small;
+  std::set<int, BySize> blocks;
+  std::set<int, ByAddress> unmapped;
+  int64_t get_free_blocks_call_count = 0;
+};
+
+struct CachingAllocator::Expandable {
+  int stream = 0;
+  bool small = false;
+  uint64_t base = 0;
+  int64_t page_bytes = 0;  // 2 MiB small pool, 20 MiB large pool
+  int64_t range_bytes = 0;
+};
+
+CachingAllocator::CachingAllocator(const AllocatorConfig& config, DeviceMemory& memory, double memory_fraction)
+    : config_(config), memory_(memory) {
+  small_ = std::make_unique<Pool>(true, &blocks_);
+  large_ = std::make_unique<Pool>(false, &blocks_);
+  if (memory_fraction > 0.0 && memory_fraction < 1.0) {  // setMemoryFraction
+    set_fraction_ = true;
+    allowed_memory_maximum_ = static_cast<int64_t>(memory_fraction * static_cast<double>(memory.TotalBytes()));
+  }
+}
+
+CachingAllocator::~CachingAllocator() = default;
+
+int CachingAllocator::NewBlock(int stream, int64_t size, Pool* pool, uint64_t address) {
+  int id;
+  if (!free_ids_.empty()) {
+    id = free_ids_.back();
+    free_ids_.pop_back();
+  } else {
+    id = static_cast<int>(blocks_.size());
+    blocks_.emplace_back();
+  }
+  Block& b = blocks_[id];
+  b = Block{};
+  b.stream = stream;
+  b.size = size;
+  b.pool = pool;
+  b.address = address;
+  b.alive = true;
+  return id;
+}
+
+void CachingAllocator::DeleteBlock(int id) {
+  blocks_[id].alive = false;
+  free_ids_.push_back(id);
+}
+
+void CachingAllocator::InsertFree(int id) {
+  Block& b = blocks_[id];
+  b.gc_count_base = b.pool->get_free_blocks_call_count;  // insert_into_blocks
+  b.pool->blocks.insert(id);
+}
+void CachingAllocator::EraseFree(int id) { blocks_[id].pool->blocks.erase(id); }
+
+void CachingAllocator::AddReserved(int64_t bytes) {
+  total_allocated_memory_ += bytes;
+  stats_.reserved_bytes += bytes;
+  if (stats_.reserved_bytes > stats_.reserved_peak_bytes) {
+    stats_.reserved_peak_bytes = stats_.reserved_bytes;
+    stats_.allocated_at_reserved_peak_bytes = stats_.allocated_bytes;
+  }
+}
+
+void CachingAllocator::AddAllocated(int64_t bytes) {
+  stats_.allocated_bytes += bytes;
+  stats_.allocated_peak_bytes = std::max(stats_.allocated_peak_bytes, stats_.allocated_bytes);
+  if (stats_.reserved_bytes == stats_.reserved_peak_bytes) {
+    stats_.allocated_at_reserved_peak_bytes = std::max(stats_.allocated_at_reserved_peak_bytes, stats_.allocated_bytes);
+  }
+}
+
+// roundup_power2_next_division and round_size.
+int64_t CachingAllocator::RoundSize(int64_t size) const {
+  if (size < alloc::kMinBlockSize) return alloc::kMinBlockSize;
+  const int log_size = Log2Floor(static_cast<uint64_t>(size));
+  const int index = std::clamp(log_size - 20, 0, alloc::kRoundupIntervals - 1);  // AllocatorConfig::roundup_power2_divisions
+  const int64_t divisions = config_.roundup_power2_divisions[index];
+  if (divisions > 1 && size > alloc::kMinBlockSize * divisions) {
+    if (IsPowerOfTwo(size)) return size;
+    const int64_t floor = int64_t{1} << log_size;
+    const int64_t step = floor >> Log2Floor(static_cast<uint64_t>(divisions));
+    if (step == 0) return floor << 1;
+    const int64_t rounded_floor = size & ~(step - 1);
+    return rounded_floor == size ? size : rounded_floor + step;
+  }
+  return RoundUp(size, alloc::kMinBlockSize);
+}
+
+CachingAllocator::Pool& CachingAllocator::PoolFor(int64_t size) { return size <= alloc::kSmallSize ? *small_ : *large_; }
+
+// get_allocation_size
+static int64_t AllocationSize(int64_t size) {
+  if (size <= alloc::kSmallSize) return alloc::kSmallBuffer;
+  if (size < alloc::kMinLargeAlloc) return alloc::kLargeBuffer;
+  return RoundUp(size, alloc::kRoundLarge);
+}
+
+CachingAllocator::Handle CachingAllocator::Malloc(int64_t orig_size, int stream) {
+  const int64_t size = RoundSize(orig_size);
+  Pool& pool = PoolFor(size);
+  const int64_t alloc_size = AllocationSize(size);
+  int found = -1;
+  bool ok = GetFreeBlock(pool, stream, size, found);
+  if (!ok) {
+    if (set_fraction_ && config_.garbage_collection_threshold > 0.0) GarbageCollect();
+    ok = AllocBlock(pool, stream, size, alloc_size, false, found) ||
+         (ReleaseAvailableCachedBlocks(pool, stream, size) && AllocBlock(pool, stream, size, alloc_size, false, found)) ||
+         (ReleaseCachedBlocks(), AllocBlock(pool, stream, size, alloc_size, true, found));
+  }
+  if (!ok) {
+    ++stats_.num_ooms;
+    return kNoHandle;
+  }
+  return AllocFoundBlock(found, size, ShouldSplit(blocks_[found], size));
+}
+
+// get_free_block: best fit on the same stream, within the max_split_size rules.
+bool CachingAllocator::GetFreeBlock(Pool& pool, int stream, int64_t size, int& found) {
+  if (set_fraction_ && config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
+  const int key = NewBlock(stream, size, nullptr, 0);  // search key: (stream, size, address 0)
+  auto it = pool.blocks.lower_bound(key);
+  DeleteBlock(key);
+  if (it == pool.blocks.end() || blocks_[*it].stream != stream) return false;
+  if (blocks_[*it].expandable >= 0) {
+    if (config_.expandable_segments) {
+      // Sized as what the block can grow into: a free block followed by unmapped space.
+      auto expandable_size = [&](int b) {
+        const Block& x = blocks_[b];
+        return x.size + (x.next >= 0 && !blocks_[x.next].mapped ? blocks_[x.next].size : 0);
+      };
+      auto next = std::next(it);
+      while (blocks_[*it].expandable >= 0 && next != pool.blocks.end() && blocks_[*next].stream == stream &&
+             expandable_size(*next) < expandable_size(*it)) {
+        it = next++;
+      }
+    } else {
+      do ++it;
+      while (it != pool.blocks.end() && blocks_[*it].expandable >= 0 && blocks_[*it].stream == stream);
+      if (it == pool.blocks.end() || blocks_[*it].stream != stream) return false;
+    }
+  }
+  const int64_t block_size = blocks_[*it].size;
+  const int64_t max_split = config_.max_split_size_bytes;
+  if (size < max_split && block_size >= max_split) return false;  // no oversize block for a small request
+  if (size >= max_split && block_size >= size + config_.max_non_split_rounding_bytes) return false;
+  found = *it;
+  pool.blocks.erase(it);
+  return true;
+}
+
+// garbage_collect_cached_blocks: frees unsplit large cached blocks older than the average.
+void CachingAllocator::GarbageCollect() {
+  const auto threshold = static_cast<int64_t>(config_.garbage_collection_threshold * static_cast<double>(allowed_memory_maximum_));
+  if (total_allocated_memory_ <= threshold) return;
+  const int64_t target = total_allocated_memory_ - threshold;
+  auto age = [&](int b) { return large_->get_free_blocks_call_count - blocks_[b].gc_count_base; };
+  int64_t total_age = 0, freeable = 0, reclaimed = 0;
+  for (int b : large_->blocks) {
+    if (!blocks_[b].is_split() && blocks_[b].expandable < 0) {
+      total_age += age(b);
+      ++freeable;
+    }
+  }
+  bool freed = true;
+  while (reclaimed < target && freed && freeable > 0) {
+    const double age_threshold = static_cast<double>(total_age) / static_cast<double>(freeable);
+    freed = false;
+    for (auto it = large_->blocks.begin(); it != large_->blocks.end();) {
+      const int b = *it++;
+      if (!blocks_[b].is_split() && blocks_[b].expandable < 0 && static_cast<double>(age(b)) >= age_threshold) {
+        freed = true;
+        reclaimed += blocks_[b].size;
+        total_age -= age(b);
+        --freeable;
+        ReleaseBlock(b);
+      }
+    }
+  }
+}
+
+// alloc_block: a new segment (cudaMalloc of alloc_size) or, with expandable segments, new pages.
+bool CachingAllocator::AllocBlock(Pool& pool, int stream, int64_t size, int64_t alloc_size, bool retry, int& found) {
+  if (retry) ++stats_.num_alloc_retries;
+  if (set_fraction_ && total_allocated_memory_ + alloc_size > allowed_memory_maximum_) return false;
+  if (config_.expandable_segments) {
+    found = TryAllocateExpandable(pool, stream, size);
+    return found >= 0;
+  }
+  auto address = memory_.Malloc(alloc_size);
+  if (!address) return false;
+  found = NewBlock(stream, alloc_size, &pool, *address);
+  ++stats_.segments;
+  ++stats_.num_device_alloc;
+  AddReserved(alloc_size);
+  return true;
+}
+
+// release_available_cached_blocks: with max_split_size set, frees oversize cached blocks of the
+// stream, the smallest one large enough or else the largest ones until enough is freed.
+bool CachingAllocator::ReleaseAvailableCachedBlocks(Pool& pool, int stream, int64_t size) {
+  const int64_t max_split = config_.max_split_size_bytes;
+  if (max_split == alloc::kNoMaxSplit) return false;
+  const int64_t key_size = std::max(size, max_split);
+  const int key = NewBlock(stream, key_size, nullptr, 0);
+  auto it = pool.blocks.lower_bound(key);
+  DeleteBlock(key);
+  if (it != pool.blocks.end() && blocks_[*it].stream == stream) {
+    if (blocks_[*it].expandable >= 0) return false;
+    ReleaseBlock(*it);
+    return true;
+  }
+  if (it == pool.blocks.begin()) return false;
+  int64_t released = 0;
+  --it;
+  while (released < key_size && blocks_[*it].size >= max_split && blocks_[*it].stream == stream && blocks_[*it].expandable < 0) {
+    const int cur = *it;
+    released += blocks_[cur].size;
+    const bool at_begin = it == pool.blocks.begin();
+    if (!at_begin) --it;
+    ReleaseBlock(cur);
+    if (at_begin) break;
+  }
+  return released >= key_size;
+}
+
+// release_cached_blocks: waits for every outstanding event, then frees all unsplit cached blocks.
+void CachingAllocator::ReleaseCachedBlocks() {
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    if (blocks_[b].alive && blocks_[b].awaiting) EventsPassed(static_cast<Handle>(b));
+  }
+  ReleaseBlocks(*large_);
+  ReleaseBlocks(*small_);
+}
+
+void CachingAllocator::ReleaseBlocks(Pool& pool) {
+  std::vector<int> to_unmap;
+  for (auto it = pool.blocks.begin(); it != pool.blocks.end();) {
+    const int b = *it++;
+    if (blocks_[b].expandable >= 0) to_unmap.push_back(b);
+    else if (!blocks_[b].is_split()) ReleaseBlock(b);
+  }
+  for (int b : to_unmap) UnmapBlock(b);
+}
+
+void CachingAllocator::ReleaseBlock(int id) {
+  Block& b = blocks_[id];
+  memory_.Free(b.address, b.size);
+  ++stats_.num_device_free;
+  --stats_.segments;
+  total_allocated_memory_ -= b.size;
+  stats_.reserved_bytes -= b.size;
+  b.pool->blocks.erase(id);
+  DeleteBlock(id);
+}
+
+// unmap_block: returns the whole pages inside a free expandable block to the device.
+void CachingAllocator::UnmapBlock(int id) {
+  const Expandable& es = *expandable_[blocks_[id].expandable];
+  const uint64_t start = blocks_[id].address, end = start + static_cast<uint64_t>(blocks_[id].size);
+  const uint64_t page = static_cast<uint64_t>(es.page_bytes);
+  const uint64_t first = es.base + (start - es.base + page - 1) / page * page;  // segmentRight
+  const uint64_t last = es.base + (end - es.base) / page * page;                // segmentLeft
+  if (first >= last) return;
+  Pool& pool = *blocks_[id].pool;
+  pool.blocks.erase(id);
+  if (first > start) {  // prev? -> before_free -> block
+    const int before = NewBlock(blocks_[id].stream, static_cast<int64_t>(first - start), &pool, start);
+    blocks_[before].expandable = blocks_[id].expandable;
+    blocks_[before].prev = blocks_[id].prev;
+    if (blocks_[id].prev >= 0) blocks_[blocks_[id].prev].next = before;
+    blocks_[before].next = id;
+    blocks_[id].prev = before;
+    InsertFree(before);
+  }
+  if (end > last) {  // block -> after_free -> next?
+    const int after = NewBlock(blocks_[id].stream, static_cast<int64_t>(end - last), &pool, last);
+    blocks_[after].expandable = blocks_[id].expandable;
+    blocks_[after].next = blocks_[id].next;
+    if (blocks_[id].next >= 0) blocks_[blocks_[id].next].prev = after;
+    blocks_[after].prev = id;
+    blocks_[id].next = after;
+    InsertFree(after);
+  }
+  const int64_t unmapped = static_cast<int64_t>(last - first);
+  memory_.Unmap(first, unmapped);
+  blocks_[id].address = first;
+  blocks_[id].size = unmapped;
+  blocks_[id].mapped = false;
+  TryMerge(id, blocks_[id].prev, pool);
+  TryMerge(id, blocks_[id].next, pool);
+  pool.unmapped.insert(id);
+  total_allocated_memory_ -= unmapped;
+  stats_.reserved_bytes -= unmapped;
+  ++stats_.num_device_free;
+}
+
+bool CachingAllocator::ShouldSplit(const Block& block, int64_t size) const {
+  const int64_t remaining = block.size - size;
+  if (block.pool->small || config_.expandable_segments) return remaining >= alloc::kMinBlockSize;
+  return size < config_.max_split_size_bytes && remaining > alloc::kSmallSize;
+}
+
+// alloc_found_block: the block's front `size` bytes are handed out, the rest stays cached.
+int CachingAllocator::AllocFoundBlock(int id, int64_t size, bool split) {
+  if (split) {
+    const int remaining = id;
+    id = NewBlock(blocks_[remaining].stream, size, blocks_[remaining].pool, blocks_[remaining].address);
+    Block& b = blocks_[id];
+    Block& r = blocks_[remaining];
+    b.expandable = r.expandable;
+    b.prev = r.prev;
+    if (b.prev >= 0) blocks_[b.prev].next = id;
+    b.next = remaining;
+    r.prev = id;
+    r.address += static_cast<uint64_t>(size);
+    r.size -= size;
+    InsertFree(remaining);
+  }
+  blocks_[id].allocated = true;
+  stats_.active_bytes += blocks_[id].size;
+  AddAllocated(blocks_[id].size);
+  return id;
+}
+
+void CachingAllocator::RecordStream(Handle id, int stream) {
+  Block& b = blocks_[id];
+  if (stream == b.stream) return;  // uses on the allocation stream need no event
+  if (std::find(b.stream_uses.begin(), b.stream_uses.end(), stream) == b.stream_uses.end()) b.stream_uses.push_back(stream);
+}
+
+void CachingAllocator::Free(Handle id) {
+  Block& b = blocks_[id];
+  b.allocated = false;
+  stats_.allocated_bytes -= b.size;
+  if (!b.stream_uses.empty()) {  // insert_events: back to the pool once every recorded stream passes
+    b.stream_uses.clear();
+    b.awaiting = true;
+    return;
+  }
+  FreeBlock(id);
+}
+
+void CachingAllocator::EventsPassed(Handle id) {
+  if (id < 0 || !blocks_[id].awaiting) return;
+  blocks_[id].awaiting = false;
+  FreeBlock(id);
+}
+
+// free_block: merges with free neighbours and returns the block to its pool.
+void CachingAllocator::FreeBlock(int id) {
+  Pool& pool = *blocks_[id].pool;
+  stats_.active_bytes -= blocks_[id].size;
+  TryMerge(id, blocks_[id].prev, pool);
+  TryMerge(id, blocks_[id].next, pool);
+  InsertFree(id);
+}
+
+// try_merge_blocks: src (a free neighbour of dst) is absorbed into dst.
+int64_t CachingAllocator::TryMerge(int dst, int src, Pool& pool) {
+  if (src < 0) return 0;
+  Block& s = blocks_[src];
+  Block& d = blocks_[dst];
+  if (s.allocated || s.awaiting || d.mapped != s.mapped) return 0;
+  if (d.prev == src) {  // [src dst]
+    d.address = s.address;
+    d.prev = s.prev;
+    if (d.prev >= 0) blocks_[d.prev].next = dst;
+  } else {  // [dst src]
+    d.next = s.next;
+    if (d.next >= 0) blocks_[d.next].prev = dst;
+  }
+  const int64_t subsumed = s.size;
+  d.size += subsumed;
+  if (s.mapped) pool.blocks.erase(src); else pool.unmapped.erase(src);
+  DeleteBlock(src);
+  return subsumed;
+}
+
+// ---- expandable segments (Note [Expandable Segments]) ----------------------------------------
+// find_expandable_block: the lowest address in a segment of this stream and pool where free and
+// unmapped blocks together hold `size`, else a new segment spanning 1 1/8 of the device.
+int CachingAllocator::FindExpandableBlock(Pool& pool, int stream, int64_t size) {
+  auto allocatable = [&](int b) { return b >= 0 && !blocks_[b].allocated && !blocks_[b].awaiting; };
+  auto has_room = [&](int b) {
+    int64_t bytes = 0;
+    while (bytes < size && allocatable(b)) {
+      bytes += blocks_[b].size;
+      b = blocks_[b].next;
+    }
+    return bytes >= size;
+  };
+  for (int c : pool.unmapped) {
+    if (blocks_[c].stream != stream) continue;
+    if (allocatable(blocks_[c].prev)) c = blocks_[c].prev;
+    if (has_room(c)) return c;
+  }
+  auto es = std::make_unique<Expandable>();
+  es->stream = stream;
+  es->small = pool.small;
+  es->page_bytes = pool.small ? alloc::kSmallBuffer : alloc::kLargeBuffer;
+  const int64_t total = memory_.TotalBytes();
+  es->range_bytes = CeilDiv(total + total / 8, es->page_bytes) * es->page_bytes;
+  es->base = memory_.ReserveAddressRange(es->range_bytes);
+  const int candidate = NewBlock(stream, es->range_bytes, &pool, es->base);
+  blocks_[candidate].mapped = false;
+  blocks_[candidate].expandable = static_cast<int>(expandable_.size());
+  expandable_.push_back(std::move(es));
+  pool.unmapped.insert(candidate);
+  return candidate;
+}
+
+// map_block: backs the front of an unmapped block with whole pages and merges it with the free
+// block before it.
+bool CachingAllocator::MapBlock(int id, int64_t size) {
+  const Expandable& es = *expandable_[blocks_[id].expandable];
+  const uint64_t start = blocks_[id].address;
+  const int64_t mapped = CeilDiv(size, es.page_bytes) * es.page_bytes;  // segmentRight of the end
+  if (!memory_.Map(start, mapped)) return false;
+  Pool& pool = *blocks_[id].pool;
+  pool.unmapped.erase(id);
+  blocks_[id].mapped = true;
+  if (mapped < blocks_[id].size) {  // to_map -> remaining -> next?
+    const int rest = NewBlock(blocks_[id].stream, blocks_[id].size - mapped, &pool, start + static_cast<uint64_t>(mapped));
+    blocks_[rest].mapped = false;
+    blocks_[rest].expandable = blocks_[id].expandable;
+    blocks_[rest].next = blocks_[id].next;
+    if (blocks_[id].next >= 0) blocks_[blocks_[id].next].prev = rest;
+    blocks_[rest].prev = id;
+    blocks_[id].next = rest;
+    blocks_[id].size = mapped;
+    pool.unmapped.insert(rest);
+  }
+  TryMerge(id, blocks_[id].prev, pool);
+  TryMerge(id, blocks_[id].next, pool);
+  InsertFree(id);
+  ++stats_.num_device_alloc;
+  AddReserved(mapped);
+  return true;
+}
+
+// try_allocate_expandable_block: maps pages in front of (or after) the candidate until it holds
+// `size`; each mapped block absorbs the free block before it (map_block's try_merge_blocks).
+int CachingAllocator::TryAllocateExpandable(Pool& pool, int stream, int64_t size) {
+  int candidate = FindExpandableBlock(pool, stream, size);
+  if (!blocks_[candidate].mapped && !MapBlock(candidate, std::min(blocks_[candidate].size, size))) return -1;
+  while (blocks_[candidate].size < size) {
+    const int next = blocks_[candidate].next;
+    if (!MapBlock(next, std::min(size - blocks_[candidate].size, blocks_[next].size))) return -1;
+    candidate = next;
+  }
+  pool.blocks.erase(candidate);
+  return candidate;
+}
+
+void CachingAllocator::EmptyCache() { ReleaseCachedBlocks(); }
+
+void CachingAllocator::ResetPeaks() {
+  stats_.allocated_peak_bytes = stats_.allocated_bytes;
+  stats_.reserved_peak_bytes = stats_.reserved_bytes;
+  stats_.allocated_at_reserved_peak_bytes = stats_.allocated_bytes;
+}
+
+int64_t CachingAllocator::BlockBytes(Handle id) const { return blocks_[id].size; }
+
+std::vector<SegmentView> CachingAllocator::Snapshot() const {
+  std::vector<SegmentView> out;
+  std::vector<int> heads;
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    const Block& b = blocks_[i];
+    if (!b.alive || !b.mapped || b.pool == nullptr) continue;
+    if (b.prev >= 0 && blocks_[b.prev].mapped) continue;  // one view per contiguous mapped range
+    heads.push_back(static_cast<int>(i));
+  }
+  std::sort(heads.begin(), heads.end(), [&](int x, int y) {
+    const Block &l = blocks_[x], &r = blocks_[y];
+    if (l.stream != r.stream) return l.stream < r.stream;
+    if (l.pool->small != r.pool->small) return l.pool->small;
+    return l.address < r.address;
+  });
+  for (int h : heads) {
+    SegmentView s;
+    s.stream = blocks_[h].stream;
+    s.small_pool = blocks_[h].pool->small;
+    s.expandable = blocks_[h].expandable >= 0;
+    const uint64_t base = blocks_[h].address;
+    for (int b = h; b >= 0 && blocks_[b].mapped; b = blocks_[b].next) {
+      const Block& x = blocks_[b];
+      s.blocks.push_back(BlockView{static_cast<int64_t>(x.address - base), x.size, x.allocated, x.awaiting});
+      s.bytes += x.size;
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,189 @@
+// PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, DeviceCachingAllocator), as
+// a policy over a swappable device-memory backend: the planner replays a step's allocations on a
+// backend that only counts bytes against a capacity, fsdp-run's GPU engine on one that calls
+// cudaMalloc. Reserved bytes (what the GPU runs out of) are the backend's; allocated bytes the
+// blocks handed out. Every rule below names the PyTorch function it follows; docs/memory-model.md
+// ("The caching allocator") walks through them with a worked layout.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/status.h"
+
+namespace fsdp {
+
+/// The allocator's constants (CUDACachingAllocator.cpp, top of file).
+namespace alloc {
+constexpr int64_t kMinBlockSize = 512;             ///< every request is rounded to a multiple
+constexpr int64_t kSmallSize = 1 << 20;            ///< requests up to 1 MiB use the small pool
+constexpr int64_t kSmallBuffer = 2 << 20;          ///< small-pool segments (and expandable pages) are 2 MiB
+constexpr int64_t kMinLargeAlloc = 10 << 20;       ///< requests under 10 MiB take a 20 MiB segment
+constexpr int64_t kLargeBuffer = 20 << 20;         ///< large-pool segment for small-large requests (and expandable pages)
+constexpr int64_t kRoundLarge = 2 << 20;           ///< larger requests get a segment rounded to 2 MiB
+constexpr int kRoundupIntervals = 16;              ///< roundup_power2_divisions intervals: 1 MiB .. 32 GiB and above
+constexpr int64_t kNoMaxSplit = std::numeric_limits<int64_t>::max();
+}  // namespace alloc
+
+/// PYTORCH_CUDA_ALLOC_CONF as c10/core/AllocatorConfig.cpp and c10/cuda/CUDAAllocatorConfig.cpp
+/// parse it. Keys that do not change device memory (release_lock_on_cudamalloc, pinned_*,
+/// graph_capture_record_stream_reuse) are accepted and ignored.
+struct AllocatorConfig {
+  int64_t max_split_size_bytes = alloc::kNoMaxSplit;             ///< max_split_size_mb
+  int64_t max_non_split_rounding_bytes = alloc::kLargeBuffer;    ///< max_non_split_rounding_mb
+  std::array<int64_t, alloc::kRoundupIntervals> roundup_power2_divisions{};  ///< per power-of-two interval from 1 MiB; 0 off
+  double garbage_collection_threshold = 0.0;                     ///< only acts with a memory fraction set
+  bool expandable_segments = false;
+  std::string text;                                              ///< as given (for reports)
+};
+
+/// Parses a PYTORCH_CUDA_ALLOC_CONF string ("" is the default). An unknown key, a malformed value
+/// or one PyTorch rejects (max_split_size_mb < 20, a threshold outside (0, 1), divisions not a power
+/// of two) is an error naming it; backend:cudaMallocAsync is refused (a different allocator).
+Result<AllocatorConfig> ParseAllocatorConfig(std::string_view text);
+
+/// Where segments come from: cudaMalloc/cudaFree, or cuMemAddressReserve/cuMemMap for expandable
+/// segments. Addresses are opaque integers to the policy.
+class DeviceMemory {
+ public:
+  virtual ~DeviceMemory() = default;
+  /// cudaMalloc of `bytes`; nullopt when the device is out of memory.
+  virtual std::optional<uint64_t> Malloc(int64_t bytes) = 0;
+  virtual void Free(uint64_t address, int64_t bytes) = 0;
+  /// Virtual address range for an expandable segment (cuMemAddressReserve); nothing is backed yet.
+  virtual uint64_t ReserveAddressRange(int64_t bytes) = 0;
+  /// Backs [address, address + bytes) with physical pages (cuMemCreate + cuMemMap); false when out of memory.
+  virtual bool Map(uint64_t address, int64_t bytes) = 0;
+  virtual void Unmap(uint64_t address, int64_t bytes) = 0;
+  /// Total device memory (cudaGetDeviceProperties().totalGlobalMem): sizes the expandable ranges.
+  virtual int64_t TotalBytes() const = 0;
+};
+
+/// A backend that only counts: `limit_bytes` of memory the allocator may reserve (the card's
+/// capacity less what lives outside the allocator), fake addresses. What the planner replays on.
+class CountingDeviceMemory final : public DeviceMemory {
+ public:
+  CountingDeviceMemory(int64_t limit_bytes, int64_t total_bytes) : limit_(limit_bytes), total_(total_bytes) {}
+  std::optional<uint64_t> Malloc(int64_t bytes) override;
+  void Free(uint64_t address, int64_t bytes) override;
+  uint64_t ReserveAddressRange(int64_t bytes) override;
+  bool Map(uint64_t address, int64_t bytes) override;
+  void Unmap(uint64_t address, int64_t bytes) override;
+  int64_t TotalBytes() const override { return total_; }
+  int64_t used_bytes() const { return used_; }
+
+ private:
+  int64_t limit_, total_, used_ = 0;
+  uint64_t next_address_ = uint64_t{1} << 40;
+};
+
+/// The allocator's statistics (torch.cuda.memory_stats names).
+struct AllocatorStats {
+  int64_t allocated_bytes = 0, allocated_peak_bytes = 0;  ///< allocated_bytes.all.current / .peak
+  int64_t reserved_bytes = 0, reserved_peak_bytes = 0;    ///< reserved_bytes.all.current / .peak
+  int64_t active_bytes = 0;                               ///< allocated + freed blocks awaiting their events
+  int64_t segments = 0;                                   ///< segment.all.current (expandable: mapped ranges not counted)
+  int64_t num_alloc_retries = 0;                          ///< mallocs that freed the cache and retried
+  int64_t num_ooms = 0;
+  int64_t num_device_alloc = 0, num_device_free = 0;      ///< cudaMalloc/map and cudaFree/unmap calls
+  /// At the reserved peak: allocated bytes then (fragmentation = reserved_peak - this).
+  int64_t allocated_at_reserved_peak_bytes = 0;
+};
+
+/// One block of a segment as torch.cuda.memory_snapshot() shows it.
+struct BlockView {
+  int64_t offset = 0;  ///< from the segment's start
+  int64_t bytes = 0;
+  bool allocated = false;
+  bool awaiting_events = false;  ///< freed, its recorded streams not yet passed
+};
+struct SegmentView {
+  int stream = 0;
+  bool small_pool = false;
+  bool expandable = false;
+  int64_t bytes = 0;  ///< mapped bytes
+  std::vector<BlockView> blocks;
+};
+
+/// DeviceCachingAllocator for one device. Streams are small integers (0 the default stream).
+class CachingAllocator {
+ public:
+  using Handle = int;
+  static constexpr Handle kNoHandle = -1;
+
+  /// `memory_fraction` in (0, 1]: torch.cuda.set_per_process_memory_fraction (1: not set).
+  CachingAllocator(const AllocatorConfig& config, DeviceMemory& memory, double memory_fraction = 1.0);
+  ~CachingAllocator();
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  /// malloc(): a block of at least `bytes` usable on `stream`, or kNoHandle when even after freeing
+  /// the cache the device is out of memory (PyTorch raises OutOfMemoryError; num_ooms counts it).
+  Handle Malloc(int64_t bytes, int stream);
+  /// recordStream(): the block is used on another stream too; its free waits for that stream.
+  void RecordStream(Handle block, int stream);
+  /// free(): a block with recorded streams waits for their events (EventsPassed), others go back
+  /// to their pool at once, merged with free neighbours.
+  void Free(Handle block);
+  /// The GPU has passed the events recorded at a block's free (process_events for that block).
+  void EventsPassed(Handle block);
+  /// emptyCache(): returns every unsplit cached block (and empty expandable pages) to the device.
+  void EmptyCache();
+  /// resetPeakStats().
+  void ResetPeaks();
+
+  const AllocatorStats& stats() const { return stats_; }
+  /// Rounded size of a live block (what allocated_bytes counts for it).
+  int64_t BlockBytes(Handle block) const;
+  /// round_size(): the size a request of `bytes` is rounded to.
+  int64_t RoundSize(int64_t bytes) const;
+  /// Segments with their blocks, ordered by stream, pool and address.
+  std::vector<SegmentView> Snapshot() const;
+
+ private:
+  struct Block;
+  struct Pool;
+  struct Expandable;
+  Pool& PoolFor(int64_t size);
+  bool GetFreeBlock(Pool& pool, int stream, int64_t size, int& found);
+  bool AllocBlock(Pool& pool, int stream, int64_t size, int64_t alloc_size, bool retry, int& found);
+  bool ReleaseAvailableCachedBlocks(Pool& pool, int stream, int64_t size);
+  void ReleaseCachedBlocks();
+  void ReleaseBlocks(Pool& pool);
+  void ReleaseBlock(int block);
+  void UnmapBlock(int block);
+  void GarbageCollect();
+  int AllocFoundBlock(int block, int64_t size, bool split);
+  bool ShouldSplit(const Block& block, int64_t size) const;
+  void FreeBlock(int block);
+  int64_t TryMerge(int dst, int src, Pool& pool);
+  int TryAllocateExpandable(Pool& pool, int stream, int64_t size);
+  int FindExpandableBlock(Pool& pool, int stream, int64_t size);
+  bool MapBlock(int block, int64_t size);
+  int NewBlock(int stream, int64_t size, Pool* pool, uint64_t address);
+  void DeleteBlock(int block);
+  void InsertFree(int block);
+  void EraseFree(int block);
+  void AddReserved(int64_t bytes);
+  void AddAllocated(int64_t bytes);
+
+  AllocatorConfig config_;
+  DeviceMemory& memory_;
+  std::vector<Block> blocks_;
+  std::vector<int> free_ids_;
+  std::unique_ptr<Pool> small_, large_;
+  std::vector<std::unique_ptr<Expandable>> expandable_;
+  int64_t allowed_memory_maximum_ = 0;  ///< set_fraction: a cap below the device's total
+  bool set_fraction_ = false;
+  int64_t total_allocated_memory_ = 0;  ///< reserved, as DeviceCachingAllocator counts it
+  AllocatorStats stats_;
+};
+
+}  // namespace fsdp

@@ -1,0 +1,212 @@
+#include "core/caching_allocator.h"
+
+#include <doctest/doctest.h>
+
+#include <string>
+
+namespace fsdp {
+namespace {
+
+constexpr int64_t MiB = 1 << 20;
+constexpr int64_t GiB = int64_t{1} << 30;
+
+AllocatorConfig Conf(const std::string& text) {
+  auto c = ParseAllocatorConfig(text);
+  REQUIRE_MESSAGE(c.ok(), (c.ok() ? "" : c.error().message));
+  return c.value();
+}
+
+// One segment's blocks as "size/A" (allocated), "size/F" (free) or "size/E" (awaiting events), in MiB
+// or bytes below 1 MiB.
+std::string Layout(const SegmentView& s) {
+  std::string out;
+  for (const BlockView& b : s.blocks) {
+    if (!out.empty()) out += " ";
+    out += b.bytes % MiB == 0 ? std::to_string(b.bytes / MiB) + "M" : std::to_string(b.bytes);
+    out += b.allocated ? "/A" : b.awaiting_events ? "/E" : "/F";
+  }
+  return out;
+}
+
+TEST_CASE("round_size: 512-byte multiples, or power-of-two divisions when configured") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator plain(Conf(""), memory);
+  CHECK(plain.RoundSize(1) == 512);
+  CHECK(plain.RoundSize(512) == 512);
+  CHECK(plain.RoundSize(513) == 1024);
+  CHECK(plain.RoundSize(1258291) == 1258496);  // 2458 x 512
+  CachingAllocator four(Conf("roundup_power2_divisions:4"), memory);
+  CHECK(four.RoundSize(1258291) == 1310720);   // 1.2 MiB -> 1.25 MiB (1 MiB + 1/4 of 1 MiB)
+  CHECK(four.RoundSize(2 * MiB) == 2 * MiB);    // a power of two stays
+  CHECK(four.RoundSize(1500) == 1536);          // not above 512 x 4: plain rounding
+}
+
+TEST_CASE("small requests share a 2 MiB segment, split at 512-byte granularity") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator a(Conf(""), memory);
+  a.Malloc(1000, 0);
+  a.Malloc(3000, 0);
+  CHECK(a.stats().reserved_bytes == 2 * MiB);
+  CHECK(a.stats().allocated_bytes == 1024 + 3072);
+  auto snap = a.Snapshot();
+  REQUIRE(snap.size() == 1);
+  CHECK(snap[0].small_pool);
+  CHECK(Layout(snap[0]) == "1024/A 3072/A 2093056/F");
+}
+
+TEST_CASE("requests between 1 and 10 MiB split a 20 MiB segment; a remainder of 1 MiB or less is not split off") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator a(Conf(""), memory);
+  a.Malloc(3 * MiB, 0);
+  a.Malloc(16 * MiB, 0);  // best fit: the 17 MiB remainder; 1 MiB left is not > kSmallSize
+  CHECK(a.stats().reserved_bytes == 20 * MiB);
+  CHECK(a.stats().allocated_bytes == 20 * MiB);
+  CHECK(Layout(a.Snapshot()[0]) == "3M/A 17M/A");
+  a.Malloc(11 * MiB + 1, 0);  // >= 10 MiB: its own segment rounded to 2 MiB, 12 MiB, unsplit
+  CHECK(a.stats().reserved_bytes == 32 * MiB);
+  CHECK(a.stats().allocated_bytes == 32 * MiB);
+}
+
+TEST_CASE("a freed block merges with its free neighbours") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator a(Conf(""), memory);
+  auto x = a.Malloc(3 * MiB, 0);
+  auto y = a.Malloc(3 * MiB, 0);
+  CHECK(Layout(a.Snapshot()[0]) == "3M/A 3M/A 14M/F");
+  a.Free(x);
+  CHECK(Layout(a.Snapshot()[0]) == "3M/F 3M/A 14M/F");
+  a.Free(y);
+  CHECK(Layout(a.Snapshot()[0]) == "20M/F");
+  CHECK(a.stats().allocated_bytes == 0);
+  CHECK(a.stats().reserved_bytes == 20 * MiB);
+  a.EmptyCache();
+  CHECK(a.stats().reserved_bytes == 0);
+}
+
+TEST_CASE("cached blocks serve only the stream that allocated them") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator a(Conf(""), memory);
+  a.Free(a.Malloc(12 * MiB, 0));
+  a.Malloc(12 * MiB, 1);
+  CHECK(a.stats().reserved_bytes == 24 * MiB);
+  a.Malloc(12 * MiB, 0);  // stream 0's cached block
+  CHECK(a.stats().reserved_bytes == 24 * MiB);
+}
+
+TEST_CASE("record_stream defers the free until the recorded stream's event has passed") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator a(Conf(""), memory);
+  auto x = a.Malloc(12 * MiB, 0);
+  a.RecordStream(x, 1);
+  a.Free(x);
+  CHECK(a.stats().allocated_bytes == 0);
+  CHECK(Layout(a.Snapshot()[0]) == "12M/E");
+  auto y = a.Malloc(12 * MiB, 0);  // x is not reusable yet: a second segment
+  CHECK(a.stats().reserved_bytes == 24 * MiB);
+  a.EventsPassed(x);
+  a.Free(y);
+  a.Malloc(12 * MiB, 0);
+  a.Malloc(12 * MiB, 0);
+  CHECK(a.stats().reserved_bytes == 24 * MiB);
+  CHECK(a.stats().num_alloc_retries == 0);
+}
+
+TEST_CASE("max_split_size_mb: oversize blocks are neither split nor given to small requests") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator a(Conf("max_split_size_mb:20"), memory);
+  auto big = a.Malloc(30 * MiB, 0);
+  a.Free(big);
+  auto small = a.Malloc(12 * MiB, 0);  // 12 < 20 and the cached 30 MiB block is oversize: new segment
+  CHECK(a.stats().reserved_bytes == 42 * MiB);
+  a.Free(small);
+  a.Malloc(25 * MiB, 0);  // 25 >= 20 and 30 < 25 + 20: the whole 30 MiB block, unsplit
+  CHECK(a.stats().reserved_bytes == 42 * MiB);
+  CHECK(a.stats().allocated_bytes == 30 * MiB);
+}
+
+TEST_CASE("out of memory: the cache is freed and the allocation retried once, then it fails") {
+  CountingDeviceMemory memory(40 * MiB, GiB);
+  CachingAllocator a(Conf(""), memory);
+  a.Free(a.Malloc(12 * MiB, 0));
+  auto b = a.Malloc(30 * MiB, 0);  // 12 + 30 > 40: release the cached 12 MiB segment, retry
+  CHECK(b != CachingAllocator::kNoHandle);
+  CHECK(a.stats().num_alloc_retries == 1);
+  CHECK(a.stats().reserved_bytes == 30 * MiB);
+  CHECK(a.stats().reserved_peak_bytes == 30 * MiB);
+  auto c = a.Malloc(12 * MiB, 0);  // nothing cached to free: the retry fails too
+  CHECK(c == CachingAllocator::kNoHandle);
+  CHECK(a.stats().num_alloc_retries == 2);
+  CHECK(a.stats().num_ooms == 1);
+}
+
+TEST_CASE("expandable segments grow one segment per stream by 20 MiB pages") {
+  CountingDeviceMemory memory(80 * GiB, 80 * GiB);
+  CachingAllocator a(Conf("expandable_segments:True"), memory);
+  auto x = a.Malloc(3 * MiB, 0);
+  CHECK(a.stats().reserved_bytes == 20 * MiB);
+  auto y = a.Malloc(30 * MiB, 0);  // the free 17 MiB tail plus one more page: 37 MiB, 30 of it handed out
+  CHECK(a.stats().reserved_bytes == 40 * MiB);
+  auto snap = a.Snapshot();
+  REQUIRE(snap.size() == 1);
+  CHECK(snap[0].expandable);
+  CHECK(Layout(snap[0]) == "3M/A 30M/A 7M/F");
+  a.Free(x);
+  a.Free(y);
+  a.EmptyCache();
+  CHECK(a.stats().reserved_bytes == 0);
+  // The same requests without expandable segments: a 20 MiB and a 30 MiB segment.
+  CachingAllocator b(Conf(""), memory);
+  b.Malloc(3 * MiB, 0);
+  b.Malloc(30 * MiB, 0);
+  CHECK(b.stats().reserved_bytes == 50 * MiB);
+}
+
+TEST_CASE("garbage_collection_threshold frees cached blocks older than the average once over the threshold") {
+  CountingDeviceMemory memory(100 * MiB, 100 * MiB);
+  // a fraction of 0.5 allows 50 MiB; the threshold 0.5 of that is 25 MiB
+  CachingAllocator a(Conf("garbage_collection_threshold:0.5"), memory, 0.5);
+  a.Free(a.Malloc(12 * MiB, 0));   // large-pool search 1; cached with age base 1
+  a.Free(a.Malloc(14 * MiB, 0));   // search 2; base 2
+  a.Malloc(16 * MiB, 0);           // search 3: ages 2 and 1, mean 1.5: the 12 MiB block goes
+  CHECK(a.stats().reserved_bytes == 30 * MiB);
+  CachingAllocator b(Conf(""), memory);
+  b.Free(b.Malloc(12 * MiB, 0));
+  b.Free(b.Malloc(14 * MiB, 0));
+  b.Malloc(16 * MiB, 0);
+  CHECK(b.stats().reserved_bytes == 42 * MiB);
+}
+
+TEST_CASE("fragmentation: reserved minus the most allocated while reserved is at its peak") {
+  CountingDeviceMemory memory(GiB, GiB);
+  CachingAllocator a(Conf(""), memory);
+  auto x = a.Malloc(12 * MiB, 0);
+  a.Free(x);
+  a.Malloc(8 * MiB, 0);  // best fit: the cached 12 MiB block, split (4 MiB left); allocated 8 MiB
+  CHECK(a.stats().reserved_peak_bytes == 12 * MiB);
+  CHECK(a.stats().allocated_at_reserved_peak_bytes == 12 * MiB);
+}
+
+TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
+  AllocatorConfig c = Conf("expandable_segments:True, max_split_size_mb:128,garbage_collection_threshold:0.6");
+  CHECK(c.expandable_segments);
+  CHECK(c.max_split_size_bytes == 128 * MiB);
+  CHECK(c.garbage_collection_threshold == doctest::Approx(0.6));
+  // '>' fills from the last interval given, that one included (parseRoundUpPower2Divisions)
+  AllocatorConfig r = Conf("roundup_power2_divisions:[256:1,512:2,>:4]");
+  CHECK(r.roundup_power2_divisions[0] == 1);
+  CHECK(r.roundup_power2_divisions[8] == 1);
+  CHECK(r.roundup_power2_divisions[9] == 4);
+  CHECK(r.roundup_power2_divisions[15] == 4);
+  CHECK(Conf("backend:native,release_lock_on_cudamalloc:True").max_split_size_bytes == alloc::kNoMaxSplit);
+  for (const char* bad : {"foo:1", "max_split_size_mb:10", "max_split_size_mb:x", "expandable_segments:yes",
+                          "garbage_collection_threshold:1.5", "roundup_power2_divisions:3", "roundup_power2_divisions:[256:3]",
+                          "roundup_power2_divisions:[256:1", "backend:cudaMallocAsync", "expandable_segments:True max_split_size_mb:64",
+                          "max_split_size_mb"}) {
+    auto p = ParseAllocatorConfig(bad);
+    CHECK_MESSAGE(!p.ok(), bad);
+    if (!p.ok()) CHECK(p.error().message.rfind("--alloc-conf: ", 0) == 0);
+  }
+}
+
+}  // namespace
+}  // namespace fsdp
