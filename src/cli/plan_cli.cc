@@ -39,6 +39,7 @@ Result<FrameworkOverheads> OverheadsFromFlags(const PlanFlags& f, const Workload
   if (Status s = non_negative(f.cuda_context_bytes, "--cuda-context-bytes", o.cuda_context_bytes); !s.ok()) return s.error();
   if (Status s = non_negative(f.nccl_bytes, "--nccl-bytes", o.nccl_bytes_per_communicator); !s.ok()) return s.error();
   if (Status s = non_negative(f.cublas_workspace_bytes, "--cublas-workspace-bytes", o.cublas_workspace_bytes); !s.ok()) return s.error();
+  if (f.cublas_workspace_bytes) o.cublas_workspace_blocks = o.cublas_workspace_bytes > 0 ? std::vector<int64_t>{o.cublas_workspace_bytes} : std::vector<int64_t>{};
   if (f.fragmentation) {
     if (!(*f.fragmentation >= 0 && *f.fragmentation < 1)) {
       return Error::BadInput(fmt::format("--fragmentation must be in [0, 1), got {}", *f.fragmentation));
@@ -72,9 +73,19 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
   fmt::print(out, "  {:<24}{:>10}{:>11}   ({})\n", "peak", Gib(m.peak_bytes), Percent(m.peak_bytes, m.capacity_bytes), m.peak_phase);
   fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_allocated, {})\n", "tensors only", Gib(m.allocated_peak_bytes),
              Percent(m.allocated_peak_bytes, m.capacity_bytes), m.allocated_peak_phase);
+  if (m.overheads.caching_allocator) {
+    fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_reserved, {}{})\n", "reserved", Gib(m.reserved_peak_bytes),
+               Percent(m.reserved_peak_bytes, m.capacity_bytes), m.reserved_peak_phase,
+               m.overheads.allocator.text.empty() ? "" : "; PYTORCH_CUDA_ALLOC_CONF=" + m.overheads.allocator.text);
+    fmt::print(out, "  {:<24}{:>10}{:>11}   (reserved - allocated when reserved peaks; allocator retries: {})\n", "fragmentation",
+               Gib(m.fragmentation_bytes), Percent(m.fragmentation_bytes, m.capacity_bytes), m.alloc_retries);
+  }
   if (m.host_bytes > 0) fmt::print(out, "  {:<24}{:>10}            (pinned host memory per GPU; x{} per node)\n", "host (CPU offload)", Gib(m.host_bytes), w.config.gpus_per_node);
+  if (m.allocator_out_of_memory) {
+    fmt::print(out, "\nthe caching allocator runs out of memory even after freeing its cache and retrying\n");
+  }
   if (m.fits) {
-    fmt::print(out, "\nfits: yes, {} GiB headroom on a {} GiB card\n", Gib(m.headroom_bytes), Gib(m.capacity_bytes));
+    fmt::print(out, "\nfits: yes, {} GiB headroom on a {} GiB card (reserved + CUDA context + NCCL)\n", Gib(m.headroom_bytes), Gib(m.capacity_bytes));
   } else {
     fmt::print(out, "\nfits: NO, short by {} GiB on a {} GiB card\n", Gib(-m.headroom_bytes), Gib(m.capacity_bytes));
   }
@@ -228,7 +239,8 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--cuda-context-bytes", f.cuda_context_bytes, "override the CUDA context size");
   app.add_option("--nccl-bytes", f.nccl_bytes, "override NCCL buffer bytes per communicator");
   app.add_option("--cublas-workspace-bytes", f.cublas_workspace_bytes, "override the cuBLAS workspace");
-  app.add_option("--fragmentation", f.fragmentation, "allocator fragmentation as a fraction of the peak (default 0)");
+  app.add_option("--fragmentation", f.fragmentation, "an extra reserve as a fraction of the caching allocator's reserved peak (default 0)");
+  app.add_option("--alloc-conf", f.config.alloc_conf, "PYTORCH_CUDA_ALLOC_CONF, verbatim (e.g. expandable_segments:True)");
   app.add_flag("--json", f.json, "print one JSON object (schema: docs/cli.md)");
   app.add_flag("--timeline", f.timeline, "also print the memory after each phase of the step");
   app.add_option("--export", f.export_format, "print the configuration as code: pytorch (FSDP1) | fsdp2 | accelerate | lightning");
@@ -254,6 +266,7 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   if (!(s = Assign(c.optimizer, ParseOptimizer(f.optimizer))).ok()) return s.error();
   if (!(s = Assign(c.framework, ParseFramework(f.framework))).ok()) return s.error();
   if (!(s = Assign(c.backward_prefetch, ParseBackwardPrefetch(f.backward_prefetch))).ok()) return s.error();
+  if (auto alloc = ParseAllocatorConfig(c.alloc_conf); !alloc.ok()) return alloc.error();
   c.limit_all_gathers = !f.no_limit_all_gathers;
   if (c.framework == Framework::kFsdp2 && f.no_limit_all_gathers) {
     return Error::BadInput("--no-limit-all-gathers is an FSDP1 option; FSDP2 has no all-gather rate limiter");

@@ -13,6 +13,7 @@ namespace fsdp {
 namespace {
 
 constexpr int64_t kMiB = 1 << 20;
+constexpr int kSearchKey = 0;
 
 // ConfigTokenizer / lexArgs: ',' ':' '[' ']' are tokens of their own, spaces are dropped.
 std::vector<std::string> LexAllocatorConfig(std::string_view text) {
@@ -245,6 +246,7 @@ CachingAllocator::CachingAllocator(const AllocatorConfig& config, DeviceMemory& 
     : config_(config), memory_(memory) {
   small_ = std::make_unique<Pool>(true, &blocks_);
   large_ = std::make_unique<Pool>(false, &blocks_);
+  blocks_.emplace_back();  // block 0: the search key of lower_bound (stream, size, address 0)
   if (memory_fraction > 0.0 && memory_fraction < 1.0) {  // setMemoryFraction
     set_fraction_ = true;
     allowed_memory_maximum_ = static_cast<int64_t>(memory_fraction * static_cast<double>(memory.TotalBytes()));
@@ -349,9 +351,9 @@ CachingAllocator::Handle CachingAllocator::Malloc(int64_t orig_size, int stream)
 // get_free_block: best fit on the same stream, within the max_split_size rules.
 bool CachingAllocator::GetFreeBlock(Pool& pool, int stream, int64_t size, int& found) {
   if (set_fraction_ && config_.garbage_collection_threshold > 0.0) ++pool.get_free_blocks_call_count;
-  const int key = NewBlock(stream, size, nullptr, 0);  // search key: (stream, size, address 0)
-  auto it = pool.blocks.lower_bound(key);
-  DeleteBlock(key);
+  blocks_[kSearchKey].stream = stream;
+  blocks_[kSearchKey].size = size;
+  auto it = pool.blocks.lower_bound(kSearchKey);
   if (it == pool.blocks.end() || blocks_[*it].stream != stream) return false;
   if (blocks_[*it].expandable >= 0) {
     if (config_.expandable_segments) {
@@ -433,9 +435,9 @@ bool CachingAllocator::ReleaseAvailableCachedBlocks(Pool& pool, int stream, int6
   const int64_t max_split = config_.max_split_size_bytes;
   if (max_split == alloc::kNoMaxSplit) return false;
   const int64_t key_size = std::max(size, max_split);
-  const int key = NewBlock(stream, key_size, nullptr, 0);
-  auto it = pool.blocks.lower_bound(key);
-  DeleteBlock(key);
+  blocks_[kSearchKey].stream = stream;
+  blocks_[kSearchKey].size = key_size;
+  auto it = pool.blocks.lower_bound(kSearchKey);
   if (it != pool.blocks.end() && blocks_[*it].stream == stream) {
     if (blocks_[*it].expandable >= 0) return false;
     ReleaseBlock(*it);
@@ -457,7 +459,7 @@ bool CachingAllocator::ReleaseAvailableCachedBlocks(Pool& pool, int stream, int6
 
 // release_cached_blocks: waits for every outstanding event, then frees all unsplit cached blocks.
 void CachingAllocator::ReleaseCachedBlocks() {
-  for (size_t b = 0; b < blocks_.size(); ++b) {
+  for (size_t b = 1; b < blocks_.size(); ++b) {
     if (blocks_[b].alive && blocks_[b].awaiting) EventsPassed(static_cast<Handle>(b));
   }
   ReleaseBlocks(*large_);

@@ -103,6 +103,7 @@ struct BlockView {
   int64_t bytes = 0;
   bool allocated = false;
   bool awaiting_events = false;  ///< freed, its recorded streams not yet passed
+  bool operator==(const BlockView&) const = default;
 };
 struct SegmentView {
   int stream = 0;
@@ -110,6 +111,7 @@ struct SegmentView {
   bool expandable = false;
   int64_t bytes = 0;  ///< mapped bytes
   std::vector<BlockView> blocks;
+  bool operator==(const SegmentView&) const = default;
 };
 
 /// DeviceCachingAllocator for one device. Streams are small integers (0 the default stream).

@@ -60,6 +60,8 @@ struct FsdpConfig {
   /// backward, the optimizer step and the next forward, until `outputs` is rebound. false: the loop
   /// keeps only the loss (HF Trainer, Lightning, torchtitan).
   bool loop_holds_outputs = false;
+  /// PYTORCH_CUDA_ALLOC_CONF, verbatim (core/caching_allocator.h parses it; "" is PyTorch's default).
+  std::string alloc_conf;
 };
 
 std::string_view StrategyName(Strategy s);        ///< "FULL_SHARD", ...

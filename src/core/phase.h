@@ -49,6 +49,8 @@ class PhaseTracker {
   explicit PhaseTracker(const Workload& workload) : w_(workload) {}
   /// Starts micro-batch `micro`.
   void StartMicroBatch(int micro) { phase_.micro = micro; }
+  /// Starts a new step: the action count begins again.
+  void StartStep() { phase_ = Phase{}; }
   /// Counts a schedule action and enters the phase it opens, if any; true when it opened one.
   /// kEndForward's phase opens here too: a caller with work to do before it calls this after.
   bool Enter(const Action& action);

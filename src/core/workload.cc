@@ -138,14 +138,15 @@ void CollectPostOrder(const Workload& w, int id, std::vector<int>& order) {
 
 }  // namespace
 
+int64_t Fsdp2ShardNumel(const TensorSpec& tensor, int64_t world) {
+  const int64_t rest = tensor.numel() / tensor.shape[0];
+  return RoundUp(tensor.shape[0], world) / world * rest;
+}
+
 int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world) {
   if (config.framework == Framework::kFsdp2) {
     int64_t total = 0;
-    for (int t : tensors) {
-      const auto& shape = model.tensors[t].shape;
-      int64_t rest = model.tensors[t].numel() / shape[0];
-      total += RoundUp(shape[0], world) * rest;
-    }
+    for (int t : tensors) total += Fsdp2ShardNumel(model.tensors[t], world) * world;
     return total;
   }
   // FSDP1 FlatParamHandle: with use_orig_params each parameter starts at a 16-byte boundary of the

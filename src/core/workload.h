@@ -28,6 +28,10 @@ struct ModuleNode {
 };
 
 /// One FSDP unit (FSDP1 FlatParameter / FSDP2 parameter group).
+/// FSDP2's shard of one parameter (Shard(0) on a group of `world`): dim 0 padded to a multiple of
+/// the world, divided by it (_fsdp_param.py FSDPParam._init_sharded_param).
+int64_t Fsdp2ShardNumel(const TensorSpec& tensor, int64_t world);
+
 struct WrapUnit {
   std::string name;            ///< module path, "root" for the root unit
   int node = 0;                ///< ModuleNode the unit wraps

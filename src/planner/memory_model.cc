@@ -1,6 +1,7 @@
 #include "planner/memory_model.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
 
 #include <fmt/format.h>
@@ -54,42 +55,101 @@ class StepPlayer {
     mixed_ = c_.param_dtype != c_.master_dtype;
   }
 
-  void PlayStep(CategoryBytes& host) {
+  /// Plays the steps: with the caching allocator two of them (the first creates the optimizer
+  /// states, as Adam does lazily at its first step(), and leaves the segments the second reuses),
+  /// the peaks taken over the second; without it one step entered at steady state.
+  void Play(CategoryBytes& host, const std::vector<int64_t>& cublas_workspace_blocks) {
+    const bool first_step_too = mem_.allocator() != nullptr;
     phases_.Enter(StepPhase::kStart);
     mem_.SetPhase(phases_.phase());
+    AllocShardedState(host, /*optimizer_states=*/!first_step_too);
+    for (int64_t bytes : cublas_workspace_blocks) mem_.Alloc(Cat::kFramework, bytes);
+    if (first_step_too) {
+      states_allocated_ = false;
+      PlayMicroBatches();
+      phases_.StartStep();
+      phases_.Enter(StepPhase::kStart);
+      mem_.SetPhase(phases_.phase());
+      mem_.ResetPeaks();
+    } else if (c_.loop_holds_outputs) {
+      // A loop that keeps `outputs` enters the step holding the previous micro-batch's logits.
+      held_logits_ = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
+    }
+    PlayMicroBatches();
+  }
+
+ private:
+  // Sharded parameters (FSDP1: one flat shard per unit; FSDP2: one shard per parameter) and, at
+  // steady state, the optimizer states; under CPU offload all of it lives in host memory.
+  void AllocShardedState(CategoryBytes& host, bool optimizer_states) {
     const int64_t shard_elems = w_.ShardNumelTotal(), trainable_elems = w_.GradShardNumelTotal();
-    const int64_t state_bytes = OptimizerStateBytesPerParam(c_.optimizer) * trainable_elems;
     if (c_.cpu_offload) {
       host[static_cast<int>(Cat::kShardedParams)] = shard_elems * mb_;
       host[static_cast<int>(Cat::kGradients)] = trainable_elems * mb_;
-      host[static_cast<int>(Cat::kOptimizerStates)] = state_bytes;
-    } else {
-      for (const auto& u : w_.units) mem_.Alloc(Cat::kShardedParams, u.shard_numel * mb_);
-      mem_.Alloc(Cat::kOptimizerStates, state_bytes);
+      host[static_cast<int>(Cat::kOptimizerStates)] = OptimizerStateBytesPerParam(c_.optimizer) * trainable_elems;
+      return;
     }
-    // A loop that keeps `outputs` enters the step holding the previous micro-batch's logits.
-    if (c_.loop_holds_outputs) held_logits_ = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
-    // Micro-batches that run the previous one's program from the state it ended in repeat it byte
-    // for byte: once two in a row end in the same state, the rest before the last are skipped
-    // (their peaks equal the first's, which the tracker has), so 10^6 micro-batches cost three.
+    for (const auto& u : w_.units) {
+      if (Fsdp2()) {
+        for (int t : u.tensors) mem_.Alloc(Cat::kShardedParams, Fsdp2ShardNumel(w_.model.tensors[t], w_.shard_world) * mb_);
+      } else {
+        mem_.Alloc(Cat::kShardedParams, u.shard_numel * mb_);
+      }
+    }
+    if (optimizer_states) AllocOptimizerStates();
+  }
+
+  // The optimizer's per-parameter states in the order Adam's _init_group creates them (exp_avg then
+  // exp_avg_sq of each parameter), and the shard each one has: FSDP1 a unit's flat gradient shard,
+  // FSDP2 each trainable parameter's.
+  std::vector<int64_t> StateShardNumels() const {
+    std::vector<int64_t> numels;
+    for (const auto& u : w_.units) {
+      if (u.grad_shard_numel == 0) continue;
+      if (!Fsdp2()) {
+        numels.push_back(u.grad_shard_numel);
+        continue;
+      }
+      for (int t : u.tensors) {
+        if (w_.model.tensors[t].trainable) numels.push_back(Fsdp2ShardNumel(w_.model.tensors[t], w_.shard_world));
+      }
+    }
+    return numels;
+  }
+
+  void AllocOptimizerStates() {
+    const int64_t per_param = OptimizerStateBytesPerParam(c_.optimizer);  // fp32 states: 4 bytes each
+    for (int64_t numel : StateShardNumels()) {
+      for (int64_t s = 0; s < per_param / 4; ++s) mem_.Alloc(Cat::kOptimizerStates, numel * 4);
+    }
+    states_allocated_ = true;
+  }
+
+  // Micro-batches that run the previous one's program from the state it ended in repeat it byte
+  // for byte: once two in a row end in the same state, the rest before the last are skipped
+  // (their peaks equal the first's, which the tracker has), so 10^6 micro-batches cost three.
+  // With the caching allocator the state includes its segment layout.
+  void PlayMicroBatches() {
     const int64_t last = c_.grad_accum - 1;
     CategoryBytes previous_end{};
     std::vector<size_t> previous_pending;
+    std::vector<SegmentView> previous_layout;
     for (int64_t micro = 0; micro <= last; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));
       for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
       const CategoryBytes end = mem_.DeviceNow();
       std::vector<size_t> pending = mem_.PendingCounts();
-      if (micro >= 1 && micro + 1 < last && end == previous_end && pending == previous_pending &&
+      std::vector<SegmentView> layout = mem_.allocator() ? mem_.allocator()->Snapshot() : std::vector<SegmentView>{};
+      if (micro >= 1 && micro + 1 < last && end == previous_end && pending == previous_pending && layout == previous_layout &&
           schedule_.ProgramOf(micro + 1) == schedule_.ProgramOf(micro) && schedule_.ProgramOf(micro) == schedule_.ProgramOf(micro - 1)) {
         micro = last - 1;
       }
       previous_end = end;
       previous_pending = std::move(pending);
+      previous_layout = std::move(layout);
     }
   }
 
- private:
   // The phase each action opens, except the end of the forward's: after its free.
   void Play(const Action& a) {
     if (a.kind != ActionKind::kEndForward) {
@@ -136,13 +196,16 @@ class StepPlayer {
     if (Fsdp2WorldOfOne()) return;  // no all-gather: the copy-out casts the shards (WaitUnshard)
     if (!Sharded()) {
       // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard).
-      if (mixed_ || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_);
+      if (mixed_ || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard);
       return;
     }
     // All-gather input: the param_dtype copy of the shard (and an fp32 staging copy under offload).
-    BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * mb_) : kNoBlock;
+    // FSDP1 casts (and copies from the host) on its pre-unshard stream, all-gathers on the unshard
+    // stream; FSDP2 does both on its all-gather copy-in stream.
+    const Stream cast_stream = Fsdp2() ? Stream::kUnshard : Stream::kPreUnshard;
+    BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * mb_, cast_stream) : kNoBlock;
     // FSDP2's all_gather_copy_in writes the input into a view of the output: no separate buffer.
-    BlockId input = (mixed_ && !Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_) : kNoBlock;
+    BlockId input = (mixed_ && !Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_, cast_stream) : kNoBlock;
     mem_.Free(staging);
     if (a.rate_limited) {
       // Under the rate limiter the CPU issues an all-gather only once the GPU has passed the
@@ -152,14 +215,14 @@ class StepPlayer {
       while (mem_.PendingCount(Pool::kAllGather) >= 2) mem_.ReleaseOldestPending(Pool::kAllGather);
     }
     if (Fsdp2()) {
-      BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_);
+      BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_, Stream::kUnshard);
       mem_.Free(input);
       if (fsdp2_deferred_ != kNoBlock && a.forward) mem_.Free(fsdp2_deferred_);
       unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_);
       if (a.forward) fsdp2_deferred_ = flat; else mem_.Free(flat);
       return;
     }
-    unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_);
+    unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_, Stream::kUnshard);
     mem_.Free(input);
   }
 
@@ -325,7 +388,7 @@ class StepPlayer {
     const BlockId computed = std::exchange(reduce_grad_[u], kNoBlock);
     BlockId shard = Fsdp2() ? ReduceFsdp2(unit, computed) : ReduceFsdp1(unit, computed);
     if (rb_ != mb_) {
-      BlockId upcast = mem_.Alloc(Cat::kGradients, unit.grad_shard_numel * mb_);
+      BlockId upcast = mem_.Alloc(Cat::kGradients, unit.grad_shard_numel * mb_, Stream::kReduce);
       if (shard != computed) mem_.Free(shard);
       shard = upcast;
     }
@@ -367,14 +430,14 @@ class StepPlayer {
   // `computed` (autograd's gradient) is not freed here; intermediate copies are.
   BlockId ReduceFsdp1(const WrapUnit& unit, BlockId computed) {
     BlockId current = computed;
-    if (rb_ != pb_) current = mem_.Alloc(Cat::kGradients, unit.numel * rb_);
+    if (rb_ != pb_) current = mem_.Alloc(Cat::kGradients, unit.numel * rb_, Stream::kReduce);
     if (!Sharded()) return current;
     if (unit.padded_numel != unit.numel) {
-      BlockId padded = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * rb_);
+      BlockId padded = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * rb_, Stream::kReduce);
       if (current != computed) mem_.Free(current);
       current = padded;
     }
-    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * rb_);
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * rb_, Stream::kReduce);
     if (current != computed) mem_.Free(current);
     return shard;
   }
@@ -386,7 +449,7 @@ class StepPlayer {
     mem_.Free(fsdp2_rs_deferred_);
     BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.grad_padded_numel * rb_);
     mem_.Free(grad);
-    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.grad_shard_numel * rb_);
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.grad_shard_numel * rb_, Stream::kReduce);
     fsdp2_rs_deferred_ = input;
     return shard;
   }
@@ -405,10 +468,12 @@ class StepPlayer {
   }
 
   void OptimizerStep() {
+    if (!c_.cpu_offload && !states_allocated_) AllocOptimizerStates();
     if (!c_.cpu_offload && (c_.optimizer == Optimizer::kAdamW || c_.optimizer == Optimizer::kAdam)) {
-      // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), one fp32 shard-size temporary.
-      BlockId temp = mem_.Alloc(Cat::kOptimizerStates, w_.GradShardNumelTotal() * 4);
-      mem_.Free(temp);
+      // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), an fp32 temporary per state.
+      std::vector<BlockId> temps;
+      for (int64_t numel : StateShardNumels()) temps.push_back(mem_.Alloc(Cat::kOptimizerStates, numel * 4));
+      for (BlockId& t : temps) mem_.Free(t);
     }
     phases_.Enter(StepPhase::kAfterZeroGrad);
     mem_.SetPhase(phases_.phase());
@@ -424,6 +489,7 @@ class StepPlayer {
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   bool mixed_ = true;
+  bool states_allocated_ = true;  ///< the optimizer states exist (false until the first step's optimizer.step())
   PhaseTracker phases_;
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
   std::vector<BlockId> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
@@ -489,23 +555,55 @@ FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {
   int64_t per_thread = kCublasWorkspaceOlder;
   if (arch == "hopper" || arch == "blackwell") per_thread = kCublasWorkspaceSm90;
   if (arch == "cdna3") per_thread = kHipblasWorkspaceGfx94x;
-  o.cublas_workspace_bytes = arch == "cpu" ? 0 : kBlasThreads * (per_thread + kCublasLtWorkspace);
+  if (arch != "cpu") {
+    for (int64_t t = 0; t < kBlasThreads; ++t) o.cublas_workspace_blocks.insert(o.cublas_workspace_blocks.end(), {per_thread, kCublasLtWorkspace});
+  }
+  o.cublas_workspace_bytes = kBlasThreads * (arch == "cpu" ? 0 : per_thread + kCublasLtWorkspace);
+  if (auto alloc = ParseAllocatorConfig(w.config.alloc_conf); alloc.ok()) o.allocator = alloc.value();  // validated with the flags
   return o;
 }
 
-MemoryEstimate EstimateTensorMemory(const Workload& w, int64_t rounding_bytes, bool record_timeline) {
-  return EstimateTensorMemory(w, BuildSchedule(w), rounding_bytes, record_timeline);
+ReplayOptions ReplayOptionsFor(const FrameworkOverheads& o, bool record_timeline) {
+  ReplayOptions r;
+  r.rounding_bytes = o.allocation_rounding_bytes;
+  r.record_timeline = record_timeline;
+  r.allocator = o.allocator;
+  r.caching_allocator = o.caching_allocator;
+  r.cublas_workspace_blocks = o.cublas_workspace_blocks;
+  return r;
 }
 
-MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule, int64_t rounding_bytes, bool record_timeline) {
+MemoryEstimate EstimateTensorMemory(const Workload& w, const ReplayOptions& options) {
+  return EstimateTensorMemory(w, BuildSchedule(w), options);
+}
+
+MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule, const ReplayOptions& options) {
   MemoryEstimate e;
-  MemoryTracker mem(rounding_bytes, record_timeline);
-  StepPlayer(w, schedule, mem).PlayStep(e.host);
+  std::unique_ptr<MemoryTracker> tracker =
+      options.caching_allocator ? std::make_unique<MemoryTracker>(options.rounding_bytes, options.record_timeline, options.allocator,
+                                                                  options.reserve_limit_bytes, options.device_bytes)
+                                : std::make_unique<MemoryTracker>(options.rounding_bytes, options.record_timeline);
+  MemoryTracker& mem = *tracker;
+  StepPlayer(w, schedule, mem).Play(e.host, options.cublas_workspace_blocks);
   e.allocated_peak_bytes = mem.allocated_peak();
   e.allocated_peak_phase = PhaseName(w, mem.allocated_peak_phase());
+  e.pending_free_bytes_at_peak = mem.pending_at_peak();
   e.peak = mem.device_peak();
   e.peak_phase = PhaseName(w, mem.device_peak_phase());
-  e.pending_free_bytes_at_peak = mem.pending_at_peak();
+  e.reserved_peak_bytes = TotalBytes(e.peak);
+  e.reserved_peak_phase = e.peak_phase;
+  if (const CachingAllocator* allocator = mem.allocator()) {
+    const AllocatorStats& a = allocator->stats();
+    e.reserved_peak_bytes = a.reserved_peak_bytes;
+    e.reserved_peak_phase = PhaseName(w, mem.reserved_peak_phase());
+    e.fragmentation_bytes = a.reserved_peak_bytes - a.allocated_at_reserved_peak_bytes;
+    e.alloc_retries = a.num_alloc_retries;
+    e.allocator_out_of_memory = mem.out_of_memory();
+    if (mem.reserved_peak_in_first_step()) e.reserved_peak_phase = "first step, " + e.reserved_peak_phase;
+    // At the peak: the tensors at their steady-state peak and, as framework overhead, the rest of
+    // the reserve (cached and unallocated then; reserved never falls below the tensors).
+    e.peak[static_cast<int>(Cat::kFramework)] += std::max<int64_t>(0, e.reserved_peak_bytes - TotalBytes(e.peak));
+  }
   e.host_bytes = TotalBytes(e.host);
   e.checkpoint = EstimateCheckpoint(w);
   for (TrackedPoint& p : mem.TakeTimeline()) {
@@ -514,36 +612,55 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
   return e;
 }
 
-MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors, bool with_timeline) {
-  MemoryEstimate e;
-  e.peak = tensors.peak;
-  e.peak_phase = tensors.peak_phase;
-  e.allocated_peak_bytes = tensors.allocated_peak_bytes;
-  e.allocated_peak_phase = tensors.allocated_peak_phase;
-  e.pending_free_bytes_at_peak = tensors.pending_free_bytes_at_peak;
-  e.host = tensors.host;
-  e.host_bytes = tensors.host_bytes;
-  e.checkpoint = tensors.checkpoint;
-  if (with_timeline) e.timeline = tensors.timeline;
+int64_t OutsideAllocatorBytes(const Workload& w, const FrameworkOverheads& o) {
+  return o.cuda_context_bytes + CommunicatorCount(w) * o.nccl_bytes_per_communicator;
+}
+
+bool NeedsReplayOnCard(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors) {
+  const int64_t reserve_limit = w.hardware.memory_bytes - OutsideAllocatorBytes(w, o);
+  return o.caching_allocator && tensors.reserved_peak_bytes > reserve_limit && tensors.allocated_peak_bytes <= reserve_limit;
+}
+
+MemoryEstimate ReplayOnCard(const Workload& w, const FrameworkOverheads& o, bool with_timeline) {
+  ReplayOptions limited = ReplayOptionsFor(o, with_timeline);
+  limited.reserve_limit_bytes = w.hardware.memory_bytes - OutsideAllocatorBytes(w, o);
+  limited.device_bytes = w.hardware.memory_bytes;
+  return EstimateTensorMemory(w, limited);
+}
+
+MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors, bool with_timeline,
+                                 const MemoryEstimate* on_card) {
+  MemoryEstimate e = tensors;
+  if (!with_timeline) e.timeline.clear();
   e.overheads = o;
-  // The cuBLAS workspaces live in the caching allocator from the first GEMM on: a constant under
-  // every point of the step, so adding them to the peak is the same as allocating them first.
-  e.allocated_peak_bytes += o.cublas_workspace_bytes;
-  CategoryBytes& peak = e.peak;
-  peak[static_cast<int>(Cat::kFramework)] += o.cublas_workspace_bytes;
-  const int64_t fragmentation = static_cast<int64_t>(o.fragmentation_fraction * static_cast<double>(TotalBytes(peak)));
-  peak[static_cast<int>(Cat::kFramework)] += o.cuda_context_bytes + CommunicatorCount(w) * o.nccl_bytes_per_communicator + fragmentation;
-  for (auto& p : e.timeline) p.device[static_cast<int>(Cat::kFramework)] += o.cublas_workspace_bytes;
-  e.peak_bytes = TotalBytes(peak);
+  const int64_t outside = OutsideAllocatorBytes(w, o);
   e.capacity_bytes = w.hardware.memory_bytes;
+  if (NeedsReplayOnCard(w, o, tensors)) {
+    // Over the card on an unlimited replay, but not hopeless: PyTorch would free its cache and
+    // retry. Replay on the card's memory to see whether that saves it.
+    MemoryEstimate replay = on_card ? *on_card : ReplayOnCard(w, o, with_timeline);
+    if (!replay.allocator_out_of_memory) {
+      replay.host = tensors.host;
+      replay.host_bytes = tensors.host_bytes;
+      if (!with_timeline) replay.timeline.clear();
+      e = std::move(replay);
+      e.overheads = o;
+      e.capacity_bytes = w.hardware.memory_bytes;
+    } else {
+      e.alloc_retries = replay.alloc_retries;
+      e.allocator_out_of_memory = true;
+    }
+  }
+  const auto extra = static_cast<int64_t>(o.fragmentation_fraction * static_cast<double>(e.reserved_peak_bytes));
+  e.peak[static_cast<int>(Cat::kFramework)] += outside + extra;
+  e.peak_bytes = TotalBytes(e.peak);
   e.headroom_bytes = e.capacity_bytes - e.peak_bytes;
   e.fits = e.headroom_bytes >= 0;
   return e;
 }
 
 MemoryEstimate EstimateMemory(const Workload& w, const MemoryOptions& options) {
-  return AddFrameworkTerms(w, options.overheads,
-                           EstimateTensorMemory(w, options.overheads.allocation_rounding_bytes, options.record_timeline));
+  return AddFrameworkTerms(w, options.overheads, EstimateTensorMemory(w, ReplayOptionsFor(options.overheads, options.record_timeline)));
 }
 
 MemoryEstimate EstimateMemory(const Workload& w) {

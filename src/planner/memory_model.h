@@ -4,11 +4,13 @@
 #pragma once
 
 #include <array>
+#include <limits>
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "core/caching_allocator.h"
 #include "core/phase.h"
 #include "core/schedule.h"
 #include "core/vocabulary.h"
@@ -21,9 +23,14 @@ namespace fsdp {
 struct FrameworkOverheads {
   int64_t cuda_context_bytes = 0;             ///< outside PyTorch's allocator
   int64_t nccl_bytes_per_communicator = 0;    ///< NCCL channel buffers, outside PyTorch's allocator
-  int64_t cublas_workspace_bytes = 0;         ///< allocated through the caching allocator
-  double fragmentation_fraction = 0.0;        ///< reserved-but-unallocated share of the allocated peak
-  int64_t allocation_rounding_bytes = 512;    ///< caching-allocator block rounding (kMinBlockSize)
+  int64_t cublas_workspace_bytes = 0;         ///< allocated through the caching allocator (sum of the blocks below)
+  std::vector<int64_t> cublas_workspace_blocks;  ///< the workspaces as allocated: per BLAS thread, cuBLAS's then cuBLASLt's
+  double fragmentation_fraction = 0.0;        ///< an extra reserve, as a share of the reserved peak (default 0: none)
+  int64_t allocation_rounding_bytes = 512;    ///< block rounding of the tensor view (kMinBlockSize)
+  AllocatorConfig allocator;                  ///< PYTORCH_CUDA_ALLOC_CONF (--alloc-conf)
+  /// false: no caching allocator, the tensors alone are the peak (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
+  /// at 512-byte rounding); the hand-counted tests of the tensor replay use it.
+  bool caching_allocator = true;
 };
 
 /// Defaults for a workload: context from the hardware file, NCCL buffers from NCCL's default
@@ -59,6 +66,14 @@ struct MemoryEstimate {
   std::string peak_phase;            ///< when the peak happens
   int64_t allocated_peak_bytes = 0;  ///< tensors only: torch.cuda.max_memory_allocated()
   std::string allocated_peak_phase;
+  /// The caching allocator's replay (docs/memory-model.md, "The caching allocator"): the steady-state
+  /// step's torch.cuda.max_memory_reserved(), when it is reached, reserved minus the allocated blocks
+  /// then, and the mallocs that had to free the cache and retry on this card (num_alloc_retries).
+  int64_t reserved_peak_bytes = 0;
+  std::string reserved_peak_phase;
+  int64_t fragmentation_bytes = 0;
+  int64_t alloc_retries = 0;
+  bool allocator_out_of_memory = false;  ///< a malloc failed even after freeing the cache
   int64_t pending_free_bytes_at_peak = 0;  ///< freed unsharded buffers still in use by the GPU at the peak
   int64_t capacity_bytes = 0;
   bool fits = false;
@@ -79,17 +94,38 @@ struct MemoryOptions {
 /// (optimizer states exist, gradients were set to None by zero_grad) and returns the memory.
 MemoryEstimate EstimateMemory(const Workload& workload, const MemoryOptions& options);
 
-/// The tensors alone (no framework terms; capacity and fits not set): what depends on the model and
-/// configuration but not on the GPU type, so that a search can reuse it across GPU types.
-MemoryEstimate EstimateTensorMemory(const Workload& workload, int64_t rounding_bytes, bool record_timeline);
-/// The same on a schedule already built for `workload` (BuildSchedule), as a search reuses one.
-MemoryEstimate EstimateTensorMemory(const Workload& workload, const Schedule& schedule, int64_t rounding_bytes, bool record_timeline);
+/// What the replay takes besides the workload.
+struct ReplayOptions {
+  int64_t rounding_bytes = 512;
+  bool record_timeline = false;
+  AllocatorConfig allocator;
+  bool caching_allocator = true;                 ///< FrameworkOverheads::caching_allocator
+  std::vector<int64_t> cublas_workspace_blocks;  ///< held by the allocator from the first GEMM on
+  /// What the allocator may reserve; unlimited, the replay does not depend on the card (a search
+  /// reuses it across GPU types of one BLAS workspace size).
+  int64_t reserve_limit_bytes = std::numeric_limits<int64_t>::max() / 4;
+  int64_t device_bytes = int64_t{80} << 30;      ///< sizes expandable segments' address ranges only
+};
 
-/// Adds the framework terms (cuBLAS workspaces, CUDA context, NCCL buffers, fragmentation) to a
-/// tensor estimate and compares the peak with the workload's GPU.
+/// The tensors and the allocator (no outside-allocator terms; capacity and fits not set).
+MemoryEstimate EstimateTensorMemory(const Workload& workload, const Schedule& schedule, const ReplayOptions& options);
+MemoryEstimate EstimateTensorMemory(const Workload& workload, const ReplayOptions& options);
+/// The replay options of a plan with these overheads (unlimited reserve).
+ReplayOptions ReplayOptionsFor(const FrameworkOverheads& overheads, bool record_timeline);
+
+/// Adds the terms outside the allocator (CUDA context, NCCL buffers, the extra reserve) to a
+/// replay and judges fits on the reserved peak plus them. When the unlimited replay's reserve does
+/// not fit but its tensors do, replays again on the card's memory: freeing the cache and retrying
+/// (alloc_retries) may save it, as it does in PyTorch.
 /// `with_timeline` false skips copying the timeline (searches do not keep it).
+/// `on_card`: the result of ReplayOnCard when a caller has it (a search caches it).
 MemoryEstimate AddFrameworkTerms(const Workload& workload, const FrameworkOverheads& overheads, const MemoryEstimate& tensors,
-                                 bool with_timeline = true);
+                                 bool with_timeline = true, const MemoryEstimate* on_card = nullptr);
+/// CUDA context and NCCL buffers: the device memory outside PyTorch's allocator.
+int64_t OutsideAllocatorBytes(const Workload& workload, const FrameworkOverheads& overheads);
+/// Whether AddFrameworkTerms replays on the card's memory for these tensors, and that replay.
+bool NeedsReplayOnCard(const Workload& workload, const FrameworkOverheads& overheads, const MemoryEstimate& tensors);
+MemoryEstimate ReplayOnCard(const Workload& workload, const FrameworkOverheads& overheads, bool with_timeline);
 
 /// Same with FrameworkOverheadsFor(workload).
 MemoryEstimate EstimateMemory(const Workload& workload);

@@ -40,9 +40,11 @@ FsdpConfig HandConfig() {
   return c;
 }
 
+// The tensor replay alone, unrounded (the caching allocator is tested below and in core).
 MemoryOptions Exact() {
   MemoryOptions o;
   o.overheads.allocation_rounding_bytes = 1;
+  o.overheads.caching_allocator = false;
   return o;
 }
 
@@ -162,6 +164,7 @@ TEST_CASE("framework terms add to the device peak but not to the tensors") {
   o.overheads.cuda_context_bytes = 1000;
   o.overheads.nccl_bytes_per_communicator = 300;
   o.overheads.cublas_workspace_bytes = 64;
+  o.overheads.cublas_workspace_blocks = {64};
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);
   CHECK(m.allocated_peak_bytes == 14144 + 64);
   CHECK(m.peak_bytes == 17824 + 64 + 1000 + 300);
@@ -358,6 +361,68 @@ TEST_CASE("full state dict checkpoint memory") {
   CHECK(m.checkpoint.full_offload_gpu_extra_bytes == 594 * 4);
   CHECK(m.checkpoint.full_offload_host_rank0_bytes == 1448 * 4);
   CHECK(m.checkpoint.sharded_file_bytes_per_rank == (1448 * 12 + 2) / 3);
+}
+
+}  // namespace
+}  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// The caching allocator on the hand llama: every request is under 1 MiB, so each stream that
+// allocates holds one 2 MiB small-pool segment (CUDACachingAllocator's kSmallBuffer).
+MemoryOptions WithAllocator() {
+  MemoryOptions o = Exact();
+  o.overheads.caching_allocator = true;
+  return o;
+}
+
+Workload OnCard(FsdpConfig c, int64_t capacity_bytes) {
+  Workload w = Build(c);
+  w.hardware.memory_bytes = capacity_bytes;
+  return w;
+}
+
+TEST_CASE("reserved memory: one 2 MiB segment per stream that allocates") {
+  constexpr int64_t kSegment = 2 << 20;
+  // FSDP1 in fp32: the compute stream, the unshard stream (all-gather outputs), the post-backward
+  // stream (reduce-scatter outputs); no low-precision shard, so nothing on the pre-unshard stream
+  MemoryEstimate fp32 = EstimateMemory(OnCard(HandConfig(), int64_t{1} << 30), WithAllocator());
+  CHECK(fp32.reserved_peak_bytes == 3 * kSegment);
+  CHECK(fp32.allocated_peak_bytes == 14144);  // the tensors are what they were
+  CHECK(fp32.peak_bytes == 3 * kSegment);     // no context or NCCL terms in Exact()
+  CHECK(fp32.alloc_retries == 0);
+  CHECK(fp32.fits);
+  // bf16 parameters add the pre-unshard stream's cast of the shard (_mp_shard)
+  FsdpConfig bf16 = HandConfig();
+  bf16.param_dtype = DType::kBf16;
+  CHECK(EstimateMemory(OnCard(bf16, int64_t{1} << 30), WithAllocator()).reserved_peak_bytes == 4 * kSegment);
+  // FSDP2: its all-gather copy-in stream, the compute stream and the reduce-scatter stream
+  FsdpConfig fsdp2 = HandConfig();
+  fsdp2.framework = Framework::kFsdp2;
+  CHECK(EstimateMemory(OnCard(fsdp2, int64_t{1} << 30), WithAllocator()).reserved_peak_bytes == 3 * kSegment);
+}
+
+TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {
+  // 20,000 bytes hold the tensors (17,824 at the peak) but not one 2 MiB segment: PyTorch's malloc
+  // fails, frees the (empty) cache, retries once and raises
+  MemoryEstimate m = EstimateMemory(OnCard(HandConfig(), 20000), WithAllocator());
+  CHECK_FALSE(m.fits);
+  CHECK(m.allocator_out_of_memory);
+  CHECK(m.alloc_retries == 1);
+  CHECK(m.peak_bytes == 6 << 20);  // what an unlimited card reserves
+  // three segments and the tensors' bytes on top fit: no retry needed
+  MemoryEstimate roomy = EstimateMemory(OnCard(HandConfig(), 6 << 20), WithAllocator());
+  CHECK(roomy.fits);
+  CHECK(roomy.headroom_bytes == 0);
+}
+
+TEST_CASE("the first step's optimizer states are allocated once: the second step reserves no more than the first left") {
+  FsdpConfig c = HandConfig();
+  c.optimizer = Optimizer::kAdamW;
+  MemoryEstimate m = EstimateMemory(OnCard(c, int64_t{1} << 30), WithAllocator());
+  CHECK(m.reserved_peak_bytes == 3 * (2 << 20));
+  CHECK(m.reserved_peak_phase.rfind("first step, ", 0) == 0);  // nothing grew in the steady-state step
 }
 
 }  // namespace

@@ -9,15 +9,44 @@ MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline)
   blocks_.reserve(1024);
 }
 
-BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes) {
+MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline, const AllocatorConfig& config, int64_t limit_bytes,
+                             int64_t device_bytes)
+    : MemoryTracker(rounding_bytes, record_timeline) {
+  device_memory_ = std::make_unique<CountingDeviceMemory>(limit_bytes, device_bytes);
+  allocator_ = std::make_unique<CachingAllocator>(config, *device_memory_);
+}
+
+MemoryTracker::~MemoryTracker() = default;
+
+// The stream that uses a pool's buffers after they are freed: FSDP1 record_stream()s an all-gather
+// output to the compute stream at its reshard, autograd's gradient to the post-backward stream.
+static Stream UserOf(MemoryTracker::Pool pool) {
+  return pool == MemoryTracker::Pool::kAllGather ? Stream::kCompute : Stream::kReduce;
+}
+
+BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream) {
   if (bytes <= 0) return kNoBlock;
   int64_t rounded = RoundUp(bytes, rounding_);
+  CachingAllocator::Handle handle = CachingAllocator::kNoHandle;
+  int64_t reserved_peak_before = 0;
+  if (allocator_ && !oom_) {  // PyTorch raises at the first failed malloc: the replay stops there
+    reserved_peak_before = allocator_->stats().reserved_peak_bytes;
+    handle = allocator_->Malloc(bytes, static_cast<int>(stream));
+    if (handle == CachingAllocator::kNoHandle && !oom_) {
+      oom_ = true;
+      oom_phase_ = phase_;
+    }
+  }
   // ids are never reused: the replay compares handles to tell whether a reduction returned the
   // block it was given (MemoryModel's Reduce), which a reused id would fake
-  blocks_.push_back(Block{category, rounded});
+  blocks_.push_back(Block{category, rounded, handle});
   live_[static_cast<int>(category)] += rounded;
   allocated_total_ += rounded;
   Changed();
+  if (allocator_ && allocator_->stats().reserved_peak_bytes > reserved_peak_before) {
+    reserved_peak_phase_ = phase_;
+    reserved_peak_before_reset_ = false;
+  }
   return static_cast<BlockId>(blocks_.size() - 1);
 }
 
@@ -36,6 +65,7 @@ void MemoryTracker::Free(BlockId& block) {
   live_[static_cast<int>(b.category)] -= b.bytes;
   allocated_total_ -= b.bytes;
   b.bytes = 0;
+  if (allocator_ && b.handle != CachingAllocator::kNoHandle) allocator_->Free(b.handle);
   block = kNoBlock;
   Changed();
 }
@@ -43,6 +73,7 @@ void MemoryTracker::Free(BlockId& block) {
 void MemoryTracker::FreeToPending(BlockId& block, Pool pool) {
   if (block == kNoBlock) return;
   const Block& b = blocks_[block];
+  if (allocator_ && b.handle != CachingAllocator::kNoHandle) allocator_->RecordStream(b.handle, static_cast<int>(UserOf(pool)));
   pending_[static_cast<int>(pool)].push_back(b);
   pending_bytes_[static_cast<int>(b.category)] += b.bytes;
   pending_total_ += b.bytes;
@@ -58,6 +89,21 @@ CategoryBytes MemoryTracker::DeviceNow() const {
 void MemoryTracker::Release(Pool, const Block& block) {
   pending_bytes_[static_cast<int>(block.category)] -= block.bytes;
   pending_total_ -= block.bytes;
+  if (allocator_) allocator_->EventsPassed(block.handle);
+}
+
+void MemoryTracker::ResetPeaks() {
+  allocated_peak_ = allocated_total_;
+  allocated_peak_phase_ = phase_;
+  device_peak_ = DeviceNow();
+  device_peak_total_ = allocated_total_ + pending_total_;
+  device_peak_phase_ = phase_;
+  pending_at_peak_ = pending_total_;
+  timeline_.clear();
+  if (allocator_) {
+    allocator_->ResetPeaks();
+    reserved_peak_before_reset_ = true;
+  }
 }
 
 void MemoryTracker::ReleaseOldestPending(Pool pool) {

@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "core/caching_allocator.h"
 #include "core/phase.h"
 #include "planner/memory_model.h"
 
@@ -22,16 +24,29 @@ struct TrackedPoint {
 using BlockId = int;
 constexpr BlockId kNoBlock = -1;
 
+/// The CUDA streams FSDP allocates on (the caching allocator keeps one cache per stream).
+enum class Stream {
+  kCompute = 0,     ///< the default stream: activations, autograd's gradients, optimizer
+  kUnshard = 1,     ///< FSDP1's unshard stream (all-gather outputs); FSDP2's all-gather copy-in stream
+  kPreUnshard = 2,  ///< FSDP1's pre-unshard stream (the low-precision shard, the offload staging copy)
+  kReduce = 3,      ///< FSDP1's post-backward stream; FSDP2's reduce-scatter stream (outputs and upcasts)
+};
+
 class MemoryTracker {
  public:
   /// `rounding_bytes`: every allocation is rounded up to a multiple (PyTorch: 512).
   MemoryTracker(int64_t rounding_bytes, bool record_timeline);
+  /// The same, each allocation also replayed on PyTorch's caching allocator with `config`, which may
+  /// reserve at most `limit_bytes` (the card less what lives outside the allocator) of a device of
+  /// `device_bytes`.
+  MemoryTracker(int64_t rounding_bytes, bool record_timeline, const AllocatorConfig& config, int64_t limit_bytes, int64_t device_bytes);
+  ~MemoryTracker();
 
   /// Names what the step is doing; peaks report the phase they happened in.
   void SetPhase(Phase phase) { phase_ = phase; }
   const Phase& phase() const { return phase_; }
 
-  BlockId Alloc(MemCategory category, int64_t bytes);
+  BlockId Alloc(MemCategory category, int64_t bytes, Stream stream = Stream::kCompute);
   /// Moves a live block to another category (a reduce-scatter output that becomes the sharded gradient).
   void Recategorize(BlockId block, MemCategory category);
   /// Frees a block (kNoBlock is ignored) and sets the handle to kNoBlock.
@@ -63,11 +78,23 @@ class MemoryTracker {
   const Phase& device_peak_phase() const { return device_peak_phase_; }
   int64_t pending_at_peak() const { return pending_at_peak_; }
   std::vector<TrackedPoint> TakeTimeline() { return std::move(timeline_); }
+  /// Starts the peaks (and the timeline) over, as torch.cuda.reset_peak_memory_stats() between steps.
+  void ResetPeaks();
+
+  /// The caching allocator's view (null without one): its statistics, the phase in which reserved
+  /// memory reached its peak, and whether a malloc failed.
+  const CachingAllocator* allocator() const { return allocator_.get(); }
+  const Phase& reserved_peak_phase() const { return reserved_peak_phase_; }
+  /// Reserved memory has not grown since ResetPeaks: its peak was reached before (phase from then).
+  bool reserved_peak_in_first_step() const { return reserved_peak_before_reset_; }
+  bool out_of_memory() const { return oom_; }
+  const Phase& out_of_memory_phase() const { return oom_phase_; }
 
  private:
   struct Block {
     MemCategory category;
     int64_t bytes;
+    CachingAllocator::Handle handle = CachingAllocator::kNoHandle;
   };
   void Release(Pool pool, const Block& block);
   void Changed();
@@ -88,6 +115,12 @@ class MemoryTracker {
   Phase device_peak_phase_;
   int64_t pending_at_peak_ = 0;
   std::vector<TrackedPoint> timeline_;
+  std::unique_ptr<CountingDeviceMemory> device_memory_;
+  std::unique_ptr<CachingAllocator> allocator_;
+  Phase reserved_peak_phase_;
+  bool reserved_peak_before_reset_ = false;
+  bool oom_ = false;
+  Phase oom_phase_;
 };
 
 }  // namespace fsdp

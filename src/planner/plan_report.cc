@@ -113,7 +113,8 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"backward_prefetch", BackwardPrefetchName(c.backward_prefetch)},
           {"limit_all_gathers", c.limit_all_gathers},
           {"use_orig_params", c.use_orig_params},
-          {"loop_holds_outputs", c.loop_holds_outputs}};
+          {"loop_holds_outputs", c.loop_holds_outputs},
+          {"alloc_conf", c.alloc_conf}};
 }
 
 Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
@@ -122,6 +123,10 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
                   {"allocated_peak_bytes", m.allocated_peak_bytes},
                   {"allocated_peak_phase", m.allocated_peak_phase},
                   {"pending_free_bytes_at_peak", m.pending_free_bytes_at_peak},
+                  {"reserved_peak_bytes", m.reserved_peak_bytes},
+                  {"reserved_peak_phase", m.reserved_peak_phase},
+                  {"fragmentation_bytes", m.fragmentation_bytes},
+                  {"alloc_retries", m.alloc_retries},
                   {"categories", CategoriesToJson(m.peak)}};
   Json host = {{"total_bytes", m.host_bytes}, {"categories", CategoriesToJson(m.host)}};
   return {{"model",

@@ -86,7 +86,7 @@ class Searcher {
     Workload& w = workloads_[wi];
     if (Status st = Reconfigure(w, hw, c); !st.ok()) return Reject(cand, Candidate::Reason::kInvalid, st.error().message);
     cand.config = w.config;
-    const MemoryEstimate mem = AddFrameworkTerms(w, FrameworkOverheadsFor(w), TensorMemory(w, wi), /*with_timeline=*/false);
+    const MemoryEstimate mem = Memory(w, wi);
     cand.peak_bytes = mem.peak_bytes;
     cand.capacity_bytes = mem.capacity_bytes;
     ComputeModel& compute = UnitCompute(w, g, wi);
@@ -131,19 +131,46 @@ class Searcher {
     return 0;
   }
 
-  // Tensor memory depends on the shard world size, not on the GPU count (NO_SHARD and HYBRID_SHARD
-  // keep it across counts) nor on HYBRID_SHARD vs FULL_SHARD (the replica all-reduce is in place).
-  const MemoryEstimate& TensorMemory(Workload& w, size_t wi) {
+  // Tensor memory and the unlimited allocator replay depend on the shard world size, not on the
+  // GPU count (NO_SHARD and HYBRID_SHARD keep it across counts) nor on HYBRID_SHARD vs FULL_SHARD
+  // (the replica all-reduce is in place); of the GPU type only on its cuBLAS workspace size.
+  // Screens with the tensors alone (reserved memory is never below them, so a configuration whose
+  // tensors do not fit cannot fit) and replays the caching allocator for the rest.
+  MemoryEstimate Memory(Workload& w, size_t wi) {
+    FrameworkOverheads o = FrameworkOverheadsFor(w);
+    o.caching_allocator = false;
+    MemoryEstimate lower = AddFrameworkTerms(w, o, TensorMemory(w, wi, false), /*with_timeline=*/false);
+    if (!lower.fits) return lower;
+    o.caching_allocator = true;
+    const MemoryEstimate& tensors = TensorMemory(w, wi, true);
+    if (!NeedsReplayOnCard(w, o, tensors)) return AddFrameworkTerms(w, o, tensors, /*with_timeline=*/false);
+    // the replay on the card depends on what the allocator may reserve there, not on the rest of the card
+    const auto key = std::make_pair(last_key_, w.hardware.memory_bytes - OutsideAllocatorBytes(w, o));
+    auto it = on_card_cache_.find(key);
+    if (it == on_card_cache_.end()) {
+      FsdpConfig& c = w.config;
+      const int64_t saved_accum = c.grad_accum;
+      c.grad_accum = std::min<int64_t>(c.grad_accum, 2);
+      it = on_card_cache_.emplace(key, ReplayOnCard(w, o, false)).first;
+      c.grad_accum = saved_accum;
+    }
+    return AddFrameworkTerms(w, o, tensors, /*with_timeline=*/false, &it->second);
+  }
+
+  const MemoryEstimate& TensorMemory(Workload& w, size_t wi, bool caching_allocator) {
     FsdpConfig& c = w.config;
     const int64_t accum = std::min<int64_t>(c.grad_accum, 2);
     const Strategy strategy = c.strategy == Strategy::kHybridShard ? Strategy::kFullShard : c.strategy;
-    MemoryKey key{static_cast<int>(wi), w.shard_world, 0, static_cast<int>(strategy), static_cast<int>(c.checkpointing),
-                  c.micro_batch, c.cpu_offload, accum};
+    FrameworkOverheads o = FrameworkOverheadsFor(w);
+    o.caching_allocator = caching_allocator;
+    MemoryKey key{static_cast<int>(wi) * 2 + caching_allocator, w.shard_world, o.cublas_workspace_bytes, static_cast<int>(strategy),
+                  static_cast<int>(c.checkpointing), c.micro_batch, c.cpu_offload, accum};
+    last_key_ = key;
     auto it = memory_cache_.find(key);
     if (it != memory_cache_.end()) return it->second;
     const int64_t saved_accum = c.grad_accum;
     c.grad_accum = accum;
-    MemoryEstimate tensors = EstimateTensorMemory(w, CachedSchedule(w, wi), FrameworkOverheads{}.allocation_rounding_bytes, false);
+    MemoryEstimate tensors = EstimateTensorMemory(w, CachedSchedule(w, wi), ReplayOptionsFor(o, false));
     c.grad_accum = saved_accum;
     return memory_cache_.emplace(key, std::move(tensors)).first->second;
   }
@@ -181,6 +208,8 @@ class Searcher {
   std::vector<Checkpointing> checkpoint_modes_;  // the modes searched for this model and attention
   std::vector<Workload> workloads_;
   std::map<MemoryKey, MemoryEstimate> memory_cache_;
+  MemoryKey last_key_{};  ///< of the last TensorMemory call
+  std::map<std::pair<MemoryKey, int64_t>, MemoryEstimate> on_card_cache_;
   std::map<std::tuple<size_t, size_t, int64_t, int>, ComputeModel> compute_cache_;
   std::map<std::tuple<size_t, int, bool, bool, bool, int64_t>, Schedule> schedule_cache_;
 };
@@ -327,6 +356,12 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   }
   for (int64_t s = c.seq_len / 2; s >= 512 && s >= c.seq_len / 4; s /= 2) add(fmt::format("--seq-len {}", s), [&](FsdpConfig& n) { n.seq_len = s; });
   if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
+  // The allocator's own settings: expandable segments give back most of what fragmentation takes
+  // (the per-stream cache and the holes left between differently sized blocks).
+  if (auto alloc = ParseAllocatorConfig(c.alloc_conf); alloc.ok() && !alloc.value().expandable_segments) {
+    const std::string conf = c.alloc_conf.empty() ? "expandable_segments:True" : c.alloc_conf + ",expandable_segments:True";
+    add(fmt::format("--alloc-conf {}", conf), [&](FsdpConfig& n) { n.alloc_conf = conf; });
+  }
   if (c.checkpointing == Checkpointing::kFull && c.ac_every > 1) add("--ac-every 1", [](FsdpConfig& n) { n.ac_every = 1; });
   if (c.checkpointing == Checkpointing::kNone && c.attention == Attention::kEager) add("--ac selective", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kSelective; });
   if (c.checkpointing == Checkpointing::kNone && OpCheckpointingModelled(model)) {
