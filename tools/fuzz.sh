@@ -9,7 +9,7 @@ set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 mode=${1:-smoke}
 DIR=${2:-$SRC/build-fuzz}
-HARNESSES=(fuzz_model_config fuzz_hardware fuzz_sim_compare fuzz_safetensors fuzz_tokens fuzz_plan_flags)
+HARNESSES=(fuzz_model_config fuzz_hardware fuzz_sim_compare fuzz_safetensors fuzz_tokens fuzz_plan_flags fuzz_alloc_conf)
 
 build() {
   command -v clang++ >/dev/null || { echo "fuzz.sh: clang++ not found (apt-get install clang)" >&2; exit 1; }
@@ -32,6 +32,7 @@ seed() {
     fuzz_safetensors) cp "$SRC"/tests/data/checkpoints/* "$corpus"/ ;;
     fuzz_tokens) cp "$SRC"/tests/cli/data/*tokens*.txt "$corpus"/ ;;
     fuzz_plan_flags) cp "$SRC"/fuzz/corpus/plan_flags/* "$corpus"/ ;;
+    fuzz_alloc_conf) cp "$SRC"/fuzz/corpus/alloc_conf/* "$corpus"/ ;;
   esac
   echo "$corpus"
 }

@@ -100,6 +100,7 @@ void MemoryTracker::ResetPeaks() {
   device_peak_phase_ = phase_;
   pending_at_peak_ = pending_total_;
   timeline_.clear();
+  if (record_) timeline_.push_back(TrackedPoint{phase_, device_peak_});  // where the measured step starts
   if (allocator_) {
     allocator_->ResetPeaks();
     reserved_peak_before_reset_ = true;
