@@ -114,7 +114,9 @@ struct SegmentView {
   bool operator==(const SegmentView&) const = default;
 };
 
-/// DeviceCachingAllocator for one device. Streams are small integers (0 the default stream).
+class SizeIndex;
+
+/// DeviceCachingAllocator for one device. Streams are small integers, 0 to 63 (0 the default stream).
 class CachingAllocator {
  public:
   using Handle = int;
@@ -150,6 +152,7 @@ class CachingAllocator {
   std::vector<SegmentView> Snapshot() const;
 
  private:
+  friend class SizeIndex;
   struct Block;
   struct Pool;
   struct Expandable;

@@ -139,7 +139,8 @@ class StepPlayer {
       for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
       const CategoryBytes end = mem_.DeviceNow();
       std::vector<size_t> pending = mem_.PendingCounts();
-      std::vector<SegmentView> layout = mem_.allocator() ? mem_.allocator()->Snapshot() : std::vector<SegmentView>{};
+      // (only an accumulation of four or more can skip: from micro-batch 1 to the one before the last)
+      std::vector<SegmentView> layout = mem_.allocator() && last >= 3 ? mem_.allocator()->Snapshot() : std::vector<SegmentView>{};
       if (micro >= 1 && micro + 1 < last && end == previous_end && pending == previous_pending && layout == previous_layout &&
           schedule_.ProgramOf(micro + 1) == schedule_.ProgramOf(micro) && schedule_.ProgramOf(micro) == schedule_.ProgramOf(micro - 1)) {
         micro = last - 1;
