@@ -41,8 +41,8 @@ void PrintSummary(const Workload& w, const sim::SimResult& r, std::ostream& out)
   fmt::print(out, "  compute {:.2f} ms, communication busy {:.2f} ms, exposed {:.2f} ms, overlap {:.1f}%, CPU blocked {:.2f} ms\n",
              r.compute_s * 1e3, r.comm_s * 1e3, r.exposed_comm_s * 1e3, r.overlap_pct, r.cpu_blocked_s * 1e3);
   for (size_t s = 0; s < r.stream_names.size(); ++s) fmt::print(out, "  {:<24} {:5.1f}% busy\n", r.stream_names[s], 100 * r.stream_utilization[s]);
-  fmt::print(out, "  peak memory {:.2f} GiB of {:.2f} GiB at {:.2f} ms ({})\n", r.peak_bytes / kGiB, r.capacity_bytes / kGiB, r.peak_time_s * 1e3,
-             r.peak_phase);
+  fmt::print(out, "  peak memory {:.2f} GiB of {:.2f} GiB (reserved + context + NCCL); tensors {:.2f} GiB at {:.2f} ms ({})\n",
+             r.peak_bytes / kGiB, r.capacity_bytes / kGiB, r.allocated_peak_bytes / kGiB, r.peak_time_s * 1e3, r.peak_phase);
   fmt::print(out, "  {} events in {:.1f} ms\n", r.events, r.wall_s * 1e3);
 }
 

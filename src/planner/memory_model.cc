@@ -608,7 +608,7 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
   e.host_bytes = TotalBytes(e.host);
   e.checkpoint = EstimateCheckpoint(w);
   for (TrackedPoint& p : mem.TakeTimeline()) {
-    e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), p.phase.kind, p.phase.node, p.phase.micro, p.phase.action, p.device});
+    e.timeline.push_back(MemoryPoint{PhaseName(w, p.phase), p.phase.kind, p.phase.node, p.phase.micro, p.phase.action, p.device, p.reserved_bytes});
   }
   return e;
 }

@@ -45,6 +45,7 @@ struct MemoryPoint {
   int micro = 0;        ///< micro-batch
   int64_t action = -1;  ///< the schedule action (counted over the step's micro-batches) that made the change
   CategoryBytes device{};
+  int64_t reserved_bytes = 0;  ///< the caching allocator's reserved bytes then
 };
 
 /// Extra memory and file sizes of saving a checkpoint after the step.

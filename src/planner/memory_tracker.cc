@@ -92,6 +92,10 @@ void MemoryTracker::Release(Pool, const Block& block) {
   if (allocator_) allocator_->EventsPassed(block.handle);
 }
 
+int64_t MemoryTracker::ReservedNow(const CategoryBytes& device) const {
+  return allocator_ ? allocator_->stats().reserved_bytes : TotalBytes(device);
+}
+
 void MemoryTracker::ResetPeaks() {
   allocated_peak_ = allocated_total_;
   allocated_peak_phase_ = phase_;
@@ -100,7 +104,7 @@ void MemoryTracker::ResetPeaks() {
   device_peak_phase_ = phase_;
   pending_at_peak_ = pending_total_;
   timeline_.clear();
-  if (record_) timeline_.push_back(TrackedPoint{phase_, device_peak_});  // where the measured step starts
+  if (record_) timeline_.push_back(TrackedPoint{phase_, device_peak_, ReservedNow(device_peak_)});  // where the measured step starts
   if (allocator_) {
     allocator_->ResetPeaks();
     reserved_peak_before_reset_ = true;
@@ -141,7 +145,7 @@ void MemoryTracker::Changed() {
       device_peak_phase_ = phase_;
       pending_at_peak_ = pending_total_;
     }
-    if (record_) timeline_.push_back(TrackedPoint{phase_, device});
+    if (record_) timeline_.push_back(TrackedPoint{phase_, device, ReservedNow(device)});
   }
 }
 

@@ -18,6 +18,7 @@ namespace fsdp {
 struct TrackedPoint {
   Phase phase;
   CategoryBytes device{};
+  int64_t reserved_bytes = 0;  ///< the caching allocator's reserved bytes then (no allocator: the device bytes)
 };
 
 /// Handle of one live allocation; kNoBlock for zero-byte requests.
@@ -98,6 +99,7 @@ class MemoryTracker {
   };
   void Release(Pool pool, const Block& block);
   void Changed();
+  int64_t ReservedNow(const CategoryBytes& device) const;
 
   int64_t rounding_;
   bool record_;

@@ -83,10 +83,12 @@ void Engine::StepThread(int t, TimeNs now) {
       // the launch costs CPU time first; the op reaches its stream when the call returns
       if (th.waiting != kLaunching) {
         th.waiting = kLaunching;
+        th.launch_start = th.time;
         Push(th.time + launch_overhead_ns_, Kind::kCpu, t);
         return;
       }
       th.waiting = kNoEvent;
+      Span(t, CpuSpan{th.launch_start, th.time, 'L', launch->op, {}});
       Op& op = ops_[launch->op];
       stream_state_[op.stream].queue.push_back(launch->op);
       ++th.pc;
@@ -101,6 +103,7 @@ void Engine::StepThread(int t, TimeNs now) {
       ++th.pc;
     } else if (const auto* work = std::get_if<CpuWork>(&action)) {
       ++th.pc;
+      Span(t, CpuSpan{th.time, th.time + work->ns, 'H', -1, work->name});
       Push(th.time + work->ns, Kind::kCpu, t);
       return;
     } else if (const auto* marker = std::get_if<Marker>(&action)) {
@@ -200,6 +203,7 @@ void Engine::Fire(EventId e, TimeNs now) {
   for (int t : threads) {
     Thread& th = threads_[t];
     th.blocked_ns += now - th.block_start;
+    Span(t, CpuSpan{th.block_start, now, 'W', -1, {}});
     th.waiting = kNoEvent;
     th.time = now;
     ++th.pc;

@@ -44,6 +44,14 @@ struct CpuWork { TimeNs ns; std::string name; };  ///< host-side work (e.g. CPU 
 struct Marker { int key; };              ///< records the thread's current time under `key`
 using CpuAction = std::variant<LaunchOp, SyncEvent, CpuWork, Marker>;
 
+/// What a CPU thread spent a stretch of time on (recorded for one thread: RecordCpuSpans).
+struct CpuSpan {
+  TimeNs start_ns = 0, end_ns = 0;
+  char kind = 'L';  ///< L launching an op, W blocked on an event (rate limiter, syncs), H host work
+  int op = -1;      ///< the op launched (L), -1 otherwise
+  std::string name; ///< host work's name (H)
+};
+
 struct StreamInfo {
   std::string name;                  ///< "rank 0 compute", ...
   int rank = 0;
@@ -92,12 +100,15 @@ class Engine {
   TimeNs CpuFinish(int thread) const { return threads_[thread].finish_ns; }
   /// CPU time a thread spent blocked in SyncEvent.
   TimeNs CpuBlocked(int thread) const { return threads_[thread].blocked_ns; }
+  /// Records what `thread` does over time (call before Run); its spans after Run, in time order.
+  void RecordCpuSpans(int thread) { recorded_thread_ = thread; }
+  const std::vector<CpuSpan>& CpuSpans() const { return cpu_spans_; }
 
  private:
   struct Thread {
     std::vector<CpuAction> program;
     size_t pc = 0;
-    TimeNs time = 0, finish_ns = kNever, blocked_ns = 0, block_start = 0;
+    TimeNs time = 0, finish_ns = kNever, blocked_ns = 0, block_start = 0, launch_start = 0;
     EventId waiting = kNoEvent;   // or kLaunching while the launch overhead elapses
   };
   static constexpr EventId kLaunching = -2;
@@ -127,6 +138,11 @@ class Engine {
   };
 
   void Push(TimeNs t, Kind kind, int a, int64_t b = 0);
+  void Span(int thread, CpuSpan span) {
+    if (thread == recorded_thread_ && span.end_ns > span.start_ns) cpu_spans_.push_back(std::move(span));
+  }
+  int recorded_thread_ = -1;
+  std::vector<CpuSpan> cpu_spans_;
   void StepThread(int t, TimeNs now);
   void TryStart(StreamId s, TimeNs now);
   bool Ready(const Op& op) const;

@@ -55,25 +55,44 @@ std::string Timeline(const SimResult& r, double width) {
   return svg + "</svg>\n";
 }
 
+// Allocated (tensors) and reserved (the caching allocator's segments) on the simulated clock, both
+// with the terms outside the allocator, on a GiB axis up to the card's capacity.
 std::string MemoryChart(const SimResult& r, double width) {
   const double height = 160, left = 170;
   const double step = std::max(r.step_s, 1e-12);
-  const double top = static_cast<double>(std::max(r.peak_bytes, r.capacity_bytes));
-  std::string points;
-  double last_y = height;
-  for (const auto& m : r.memory) {
-    const double x = left + m.time_s / step * width, y = height - static_cast<double>(m.bytes) / top * (height - 10);
-    points += fmt::format("{:.2f},{:.2f} {:.2f},{:.2f} ", x, last_y, x, y);
-    last_y = y;
+  int64_t highest = std::max(r.peak_bytes, r.capacity_bytes);
+  for (const auto& m : r.memory) highest = std::max({highest, m.bytes, m.reserved_bytes});
+  const double top = static_cast<double>(std::max<int64_t>(highest, 1));
+  auto y_of = [&](double bytes) { return height - bytes / top * (height - 10); };
+  auto series = [&](auto bytes_of) {
+    std::string points;
+    double last_y = height;
+    for (const auto& m : r.memory) {
+      const double x = left + m.time_s / step * width, y = y_of(static_cast<double>(bytes_of(m)));
+      points += fmt::format("{:.2f},{:.2f} {:.2f},{:.2f} ", x, last_y, x, y);
+      last_y = y;
+    }
+    return points;
+  };
+  // the axis: a tick every power-of-two GiB that gives at most 8 of them
+  double tick_gib = 1;
+  while (top / kGiB / tick_gib > 8) tick_gib *= 2;
+  std::string axis;
+  for (double g = 0; g * kGiB <= top; g += tick_gib) {
+    axis += fmt::format("<line x1='{:.0f}' y1='{:.2f}' x2='{:.0f}' y2='{:.2f}' stroke='#ddd'/><text x='{:.0f}' y='{:.2f}' text-anchor='end'>{:g} GiB</text>\n",
+                        left, y_of(g * kGiB), left + width, y_of(g * kGiB), left - 4, y_of(g * kGiB) + 4, g);
   }
-  const double cap_y = height - static_cast<double>(r.capacity_bytes) / top * (height - 10);
+  const double cap_y = y_of(static_cast<double>(r.capacity_bytes));
   return fmt::format("<svg xmlns='http://www.w3.org/2000/svg' width='{:.0f}' height='{:.0f}' font-family='sans-serif' font-size='11'>\n"
                      "<text x='4' y='20'>device memory</text><text x='4' y='36'>peak {:.2f} GiB</text>\n"
+                     "<text x='4' y='52' fill='#4e79a7'>allocated</text><text x='4' y='68' fill='#f28e2b'>reserved</text>\n{}"
                      "<line x1='{:.0f}' y1='{:.2f}' x2='{:.0f}' y2='{:.2f}' stroke='#e15759' stroke-dasharray='4'/>"
                      "<text x='{:.0f}' y='{:.2f}' fill='#e15759'>capacity {:.2f} GiB</text>\n"
+                     "<polyline fill='none' stroke='#f28e2b' stroke-width='1.5' points='{}'/>\n"
                      "<polyline fill='none' stroke='#4e79a7' stroke-width='1.5' points='{}'/>\n</svg>\n",
-                     width + left + 10, height + 10, r.peak_bytes / kGiB, left, cap_y, left + width, cap_y, left + 4, cap_y + 12,
-                     r.capacity_bytes / kGiB, points);
+                     width + left + 10, height + 10, r.peak_bytes / kGiB, axis, left, cap_y, left + width, cap_y, left + 4, cap_y + 12,
+                     r.capacity_bytes / kGiB, series([](const MemorySample& m) { return m.reserved_bytes; }),
+                     series([](const MemorySample& m) { return m.bytes; }));
 }
 
 }  // namespace
@@ -92,7 +111,8 @@ Json SimResultToJson(const Workload& w, const SimResult& r) {
             {"exposed_comm_s", r.exposed_comm_s},
             {"overlap_pct", r.overlap_pct},
             {"cpu_blocked_s", r.cpu_blocked_s}}},
-          {"memory", {{"peak_bytes", r.peak_bytes}, {"peak_time_s", r.peak_time_s}, {"peak_phase", r.peak_phase}, {"capacity_bytes", r.capacity_bytes}}},
+          {"memory", {{"peak_bytes", r.peak_bytes}, {"allocated_peak_bytes", r.allocated_peak_bytes}, {"peak_time_s", r.peak_time_s},
+                      {"peak_phase", r.peak_phase}, {"capacity_bytes", r.capacity_bytes}}},
           {"streams", streams},
           {"simulation", {{"events", r.events}, {"wall_s", r.wall_s}, {"ops", r.ops.size()}}}};
 }
@@ -107,7 +127,16 @@ Json ChromeTrace(const SimResult& r) {
                       {"dur", (op.end_s - op.start_s) * 1e6}, {"cat", std::string(1, op.kind)}});
   }
   for (const auto& m : r.memory) {
-    events.push_back({{"name", "memory"}, {"ph", "C"}, {"pid", 0}, {"ts", m.time_s * 1e6}, {"args", {{"GiB", m.bytes / kGiB}}}});
+    events.push_back({{"name", "memory"}, {"ph", "C"}, {"pid", 0}, {"ts", m.time_s * 1e6},
+                      {"args", {{"allocated GiB", m.bytes / kGiB}, {"reserved GiB", m.reserved_bytes / kGiB}}}});
+  }
+  // rank 0's CPU thread beside its streams: what it launches, and where it waits
+  const int cpu_tid = static_cast<int>(r.stream_names.size());
+  events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", cpu_tid}, {"args", {{"name", "rank 0 CPU thread"}}}});
+  for (const auto& c : r.cpu) {
+    const std::string name = c.kind == 'L' ? "launch " + c.name : c.kind == 'W' ? std::string("wait") : c.name;
+    events.push_back({{"name", name}, {"ph", "X"}, {"pid", 0}, {"tid", cpu_tid}, {"ts", c.start_s * 1e6},
+                      {"dur", (c.end_s - c.start_s) * 1e6}, {"cat", c.kind == 'W' ? "cpu wait" : c.kind == 'L' ? "cpu launch" : "cpu work"}});
   }
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
 }

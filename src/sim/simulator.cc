@@ -352,9 +352,7 @@ void AddMemory(const Workload& w, const Engine& e, const std::vector<ActionPlace
   options.overheads = FrameworkOverheadsFor(w);
   options.record_timeline = true;
   const MemoryEstimate m = EstimateMemory(w, options);
-  int64_t timeline_peak = 0;
-  for (const auto& p : m.timeline) timeline_peak = std::max(timeline_peak, TotalBytes(p.device));
-  const int64_t constant = m.peak_bytes - timeline_peak;  // context, NCCL buffers, fragmentation
+  const int64_t outside = m.peak_bytes - m.reserved_peak_bytes;  // CUDA context, NCCL buffers (and --fragmentation's reserve)
   r.peak_bytes = m.peak_bytes;
   r.peak_phase = m.peak_phase;
   r.capacity_bytes = m.capacity_bytes;
@@ -369,8 +367,9 @@ void AddMemory(const Workload& w, const Engine& e, const std::vector<ActionPlace
         if (t != kNever) clock = std::max(clock, static_cast<double>(t) * 1e-9);
       }
     }
-    const int64_t bytes = TotalBytes(p.device) + constant;
-    r.memory.push_back({clock, bytes});
+    const int64_t bytes = TotalBytes(p.device) + outside;
+    r.memory.push_back({clock, bytes, p.reserved_bytes + outside});
+    r.allocated_peak_bytes = std::max(r.allocated_peak_bytes, bytes);
     if (bytes > best) {
       best = bytes;
       r.peak_time_s = clock;
@@ -456,9 +455,13 @@ Result<SimResult> Simulate(const Workload& workload, const SimOptions& o) {
       e.AddCollective(members);
     }
   }
+  e.RecordCpuSpans(0);
   e.Run();
   SimResult result;
   Summarise(e, kinds, result);
+  for (const CpuSpan& c : e.CpuSpans()) {
+    result.cpu.push_back({c.start_ns * 1e-9, c.end_ns * 1e-9, c.kind, c.op >= 0 ? e.ops()[c.op].name : c.name});
+  }
   AddMemory(w, e, places, result);
   result.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
   return result;

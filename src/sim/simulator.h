@@ -42,9 +42,17 @@ struct OpRecord {
   char kind = 'C';                       ///< C compute, A all-gather, R reduce-scatter, D all-reduce, H/h host copies, O optimizer, W wait
 };
 
+/// Rank 0's CPU thread: launches, waits (the rate limiter, stream syncs) and host work.
+struct CpuRecord {
+  double start_s = 0, end_s = 0;
+  char kind = 'L';   ///< L launch, W wait, H host work
+  std::string name;  ///< the op launched, or the host work
+};
+
 struct MemorySample {
   double time_s = 0;
-  int64_t bytes = 0;                     ///< device bytes (framework terms included)
+  int64_t bytes = 0;                     ///< allocated: the tensors' device bytes plus the terms outside the allocator
+  int64_t reserved_bytes = 0;            ///< reserved: the caching allocator's segments plus the same terms
 };
 
 struct SimResult {
@@ -56,12 +64,14 @@ struct SimResult {
   double cpu_blocked_s = 0;              ///< rank 0's CPU time blocked by the rate limiter or syncs
   std::vector<std::string> stream_names; ///< per stream
   std::vector<double> stream_utilization;
-  int64_t peak_bytes = 0;
+  int64_t peak_bytes = 0;                ///< reserved + outside-allocator terms at the steady-state peak (fsdp-plan's peak)
+  int64_t allocated_peak_bytes = 0;      ///< the highest `bytes` sample
   double peak_time_s = 0;
   std::string peak_phase;
   int64_t capacity_bytes = 0;
   std::vector<OpRecord> ops;
   std::vector<MemorySample> memory;
+  std::vector<CpuRecord> cpu;            ///< rank 0's CPU thread
   int64_t events = 0;
   double wall_s = 0;                     ///< real time the simulation took
 };

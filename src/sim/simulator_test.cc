@@ -291,3 +291,38 @@ TEST_CASE("a step past the simulator's clock or its action budget is refused, no
 
 }  // namespace
 }  // namespace fsdp::sim
+
+namespace fsdp::sim {
+namespace {
+
+TEST_CASE("memory on the clock: reserved over allocated, the same peak as fsdp-plan; rank 0's CPU thread is recorded") {
+  FsdpConfig c;
+  c.gpus = 8;
+  const Workload w = Real("llama-2-7b", c);
+  SimOptions o;
+  o.launch_overhead_s = 5e-6;
+  auto r = Simulate(w, o);
+  REQUIRE(r.ok());
+  const MemoryEstimate plan = EstimateMemory(w);
+  CHECK(r.value().peak_bytes == plan.peak_bytes);
+  int64_t highest_reserved = 0;
+  for (const MemorySample& m : r.value().memory) {
+    CHECK(m.reserved_bytes >= m.bytes);  // segments hold every live tensor
+    highest_reserved = std::max(highest_reserved, m.reserved_bytes);
+  }
+  CHECK(highest_reserved == plan.peak_bytes);  // reserved + the terms outside the allocator
+  CHECK(r.value().allocated_peak_bytes < plan.peak_bytes);
+  int launches = 0, waits = 0;
+  double last_end = 0;
+  for (const CpuRecord& span : r.value().cpu) {
+    launches += span.kind == 'L';
+    waits += span.kind == 'W';
+    CHECK(span.start_s >= last_end - 1e-12);  // one thread: spans do not overlap
+    last_end = span.end_s;
+  }
+  CHECK(launches > 0);
+  CHECK(waits > 0);  // FSDP1's rate limiter
+}
+
+}  // namespace
+}  // namespace fsdp::sim
