@@ -133,6 +133,8 @@ RunReport GpuRunReport(const RunFlags& f, const Workload& w, const runtime::GpuE
   r.predicted_extra = {{"pytorch_profile",
                         {{"allocated_peak_bytes", torch_profile.allocated_peak_bytes},
                          {"peak_bytes", torch_profile.peak_bytes},
+                         {"reserved_peak_bytes", torch_profile.reserved_peak_bytes},
+                         {"alloc_retries", torch_profile.alloc_retries},
                          {"step_s", torch_step.step_s},
                          {"tokens_per_s_per_gpu", torch_step.tokens_per_s_per_gpu}}}};
   return r;

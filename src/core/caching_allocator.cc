@@ -398,7 +398,7 @@ CachingAllocator::Handle CachingAllocator::Malloc(int64_t orig_size, int stream)
     if (set_fraction_ && config_.garbage_collection_threshold > 0.0) GarbageCollect();
     ok = AllocBlock(pool, stream, size, alloc_size, false, found) ||
          (ReleaseAvailableCachedBlocks(pool, stream, size) && AllocBlock(pool, stream, size, alloc_size, false, found)) ||
-         (ReleaseCachedBlocks(), AllocBlock(pool, stream, size, alloc_size, true, found));
+         (memory_.Synchronize() && (ReleaseCachedBlocks(), AllocBlock(pool, stream, size, alloc_size, true, found)));
   }
   if (!ok) {
     ++stats_.num_ooms;
@@ -744,7 +744,10 @@ int CachingAllocator::TryAllocateExpandable(Pool& pool, int stream, int64_t size
   return candidate;
 }
 
-void CachingAllocator::EmptyCache() { ReleaseCachedBlocks(); }
+void CachingAllocator::EmptyCache() {
+  memory_.Synchronize();
+  ReleaseCachedBlocks();
+}
 
 void CachingAllocator::ResetPeaks() {
   stats_.allocated_peak_bytes = stats_.allocated_bytes;
@@ -753,6 +756,7 @@ void CachingAllocator::ResetPeaks() {
 }
 
 int64_t CachingAllocator::BlockBytes(Handle id) const { return blocks_[id].size; }
+uint64_t CachingAllocator::BlockAddress(Handle id) const { return blocks_[id].address; }
 
 std::vector<SegmentView> CachingAllocator::Snapshot() const {
   std::vector<SegmentView> out;

@@ -64,6 +64,9 @@ class DeviceMemory {
   virtual void Unmap(uint64_t address, int64_t bytes) = 0;
   /// Total device memory (cudaGetDeviceProperties().totalGlobalMem): sizes the expandable ranges.
   virtual int64_t TotalBytes() const = 0;
+  /// Waits for the device before the out-of-memory path returns blocks still awaiting their events
+  /// (synchronize_and_free_events); false when the wait failed (the malloc then fails too).
+  virtual bool Synchronize() { return true; }
 };
 
 /// A backend that only counts: `limit_bytes` of memory the allocator may reserve (the card's
@@ -144,8 +147,9 @@ class CachingAllocator {
   void ResetPeaks();
 
   const AllocatorStats& stats() const { return stats_; }
-  /// Rounded size of a live block (what allocated_bytes counts for it).
+  /// Rounded size of a live block (what allocated_bytes counts for it), and its address.
   int64_t BlockBytes(Handle block) const;
+  uint64_t BlockAddress(Handle block) const;
   /// round_size(): the size a request of `bytes` is rounded to.
   int64_t RoundSize(int64_t bytes) const;
   /// Segments with their blocks, ordered by stream, pool and address.

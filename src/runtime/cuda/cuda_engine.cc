@@ -256,6 +256,9 @@ Status CudaEngine::InitDevice(int virtual_world) {
     for (cudaStream_t s : {compute_, gather_, reduce_}) FSDP_TRY(WaitStream(s));
     return {};
   });
+  auto alloc_conf = ParseAllocatorConfig(w_.config.alloc_conf);
+  if (!alloc_conf.ok()) return alloc_conf.error();
+  FSDP_TRY(alloc_.Configure(alloc_conf.value()));
   virtual_world_ = virtual_world;
   dtype_ = w_.config.param_dtype;
   reduce_dtype_ = w_.config.reduce_dtype;

@@ -16,6 +16,8 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include "core/caching_allocator.h"
+
 #include "core/catalog.h"
 #include "core/hardware_spec.h"
 #include "core/json_io.h"
@@ -394,6 +396,37 @@ TEST_CASE("The caching allocator reuses blocks per stream, waits for other strea
     auto too_big = g.alloc.Allocate(1 << 20, MemCategory::kActivations, g.stream);
     REQUIRE_FALSE(too_big.ok());
     CHECK(too_big.error().message.find("out of memory") == 0);
+  }
+  cudaStreamDestroy(other);
+}
+
+TEST_CASE("One policy, two backends: the device allocator reserves what the planner's counting replay does") {
+  Gpu g;
+  cudaStream_t other = nullptr;
+  cudaStreamCreate(&other);
+  CountingDeviceMemory counting(int64_t{1} << 40, int64_t{1} << 40);
+  CachingAllocator replay(AllocatorConfig{}, counting);
+  {
+    const int64_t sizes[] = {1000, 3 << 20, 16 << 20, (11 << 20) + 1, 300, 5 << 20};
+    std::vector<DeviceBuffer> live;
+    std::vector<CachingAllocator::Handle> handles;
+    for (int i = 0; i < 6; ++i) {
+      cudaStream_t s = i % 3 == 2 ? other : g.stream;
+      live.push_back(g.alloc.Allocate(sizes[i], MemCategory::kActivations, s).value());
+      handles.push_back(replay.Malloc(sizes[i], i % 3 == 2 ? 1 : 0));
+    }
+    for (int i : {1, 4}) {
+      live[i].Release();
+      replay.Free(handles[i]);
+    }
+    live.push_back(g.alloc.Allocate(2 << 20, MemCategory::kGradients, g.stream).value());  // into the freed 3 MiB block
+    handles.push_back(replay.Malloc(2 << 20, 0));
+    CHECK(g.alloc.reserved() == replay.stats().reserved_bytes);
+    CHECK(g.alloc.peak_reserved() == replay.stats().reserved_peak_bytes);
+    CHECK(g.alloc.device_mallocs() == replay.stats().num_device_alloc);
+    // by hand: a 2 MiB small segment and a 20 MiB one on the compute stream (the 11 MiB request and
+    // the 2 MiB one fit the 20 MiB segment's free parts), 16 MiB and 20 MiB on the other stream
+    CHECK(replay.stats().reserved_bytes == int64_t{2 + 20 + 16 + 20} << 20);
   }
   cudaStreamDestroy(other);
 }

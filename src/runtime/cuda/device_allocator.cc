@@ -4,7 +4,54 @@
 
 #include <fmt/format.h>
 
+#ifdef FSDP_CUDA_EMU
+#include "runtime/cuda/emu/emu.h"
+#endif
+
 namespace fsdp::runtime::cuda {
+
+// The device side of the policy: segments from cudaMalloc, returned with cudaFree; the first
+// failure of either is kept for the caller to report. Expandable segments are refused up front
+// (DeviceAllocator::Configure), so the virtual-memory calls are never made.
+class DeviceAllocator::CudaMemory final : public DeviceMemory {
+ public:
+  explicit CudaMemory(const std::function<Status()>* wait) : wait_(wait) {}
+  std::optional<uint64_t> Malloc(int64_t bytes) override {
+    void* ptr = nullptr;
+    if (cudaMalloc(&ptr, static_cast<size_t>(bytes)) != cudaSuccess) {
+      (void)cudaGetLastError();  // out of memory: PyTorch clears it and frees the cache first
+      return std::nullopt;
+    }
+    return reinterpret_cast<uint64_t>(ptr);
+  }
+  void Free(uint64_t address, int64_t) override {
+    const cudaError_t code = cudaFree(reinterpret_cast<void*>(address));
+    if (code != cudaSuccess && error_.ok()) error_ = Error::RunFailed(fmt::format("cudaFree: {}", cudaGetErrorString(code)));
+  }
+  uint64_t ReserveAddressRange(int64_t) override { return 0; }
+  bool Map(uint64_t, int64_t) override { return false; }
+  void Unmap(uint64_t, int64_t) override {}
+  int64_t TotalBytes() const override {  // asked only for expandable segments; never before the context exists
+    size_t free_bytes = 0, total_bytes = 0;
+    const bool ok = cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
+    (void)cudaGetLastError();
+    return ok ? static_cast<int64_t>(total_bytes) : int64_t{80} << 30;
+  }
+  bool Synchronize() override {
+    Status s = (*wait_)();
+    synchronized_ = true;
+    if (!s.ok() && error_.ok()) error_ = s;
+    return s.ok();
+  }
+  /// Whether Synchronize ran since the last call (every recorded event has completed then).
+  bool TakeSynchronized() { return std::exchange(synchronized_, false); }
+  Status TakeError() { return std::exchange(error_, Status::Ok()); }
+
+ private:
+  const std::function<Status()>* wait_;
+  bool synchronized_ = false;
+  Status error_;
+};
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
   if (this != &other) {
@@ -26,9 +73,29 @@ void DeviceBuffer::Release(std::initializer_list<cudaStream_t> also_used_on) {
   bytes_ = 0;
 }
 
+DeviceAllocator::DeviceAllocator()
+    : memory_(std::make_unique<CudaMemory>(&device_wait_)), policy_(std::make_unique<CachingAllocator>(AllocatorConfig{}, *memory_)) {}
+
 DeviceAllocator::~DeviceAllocator() {
+  // the engine's wait may poll communicators already destroyed: wait for the device itself
+  device_wait_ = [] { return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); };
   ProcessPending(true);
   (void)EmptyCache();
+}
+
+Status DeviceAllocator::Configure(const AllocatorConfig& config) {
+  if (config.expandable_segments) {
+    return Error::BadInput("--alloc-conf expandable_segments:True: fsdp-run's GPU engine allocates with cudaMalloc, not the driver's "
+                           "virtual-memory API that expandable segments need (fsdp-plan and fsdp-sim model it)");
+  }
+  if (!live_blocks_.empty() || policy_->stats().reserved_bytes > 0) return Error::RunFailed("the allocator is configured before its first allocation");
+  policy_ = std::make_unique<CachingAllocator>(config, *memory_);
+  return {};
+}
+
+int DeviceAllocator::StreamId(cudaStream_t stream) {
+  auto [it, added] = stream_ids_.emplace(stream, static_cast<int>(stream_ids_.size()));
+  return it->second;
 }
 
 // Frees are queued in the order they happen and the GPU runs each stream in order, so, as in
@@ -38,8 +105,8 @@ void DeviceAllocator::ProcessPending(bool wait) {
   // a query that finds an event not ready records that as the last error, which would replace a
   // launch error the engine has not checked yet: leave the queue for the next allocation then
   if (!wait && cudaPeekAtLastError() != cudaSuccess) return;
-  auto done = [&](Block* b) {
-    for (cudaEvent_t e : b->pending) {
+  auto done = [&](const Pending& p) {
+    for (cudaEvent_t e : p.events) {
       const cudaError_t code = wait ? cudaEventSynchronize(e) : cudaEventQuery(e);
       if (code == cudaErrorNotReady) {
         (void)cudaGetLastError();  // not an error, but the runtime records it as the last one (as PyTorch clears it)
@@ -50,22 +117,20 @@ void DeviceAllocator::ProcessPending(bool wait) {
     return true;
   };
   while (!pending_.empty() && done(pending_.front())) {
-    Block* b = pending_.front();
+    for (cudaEvent_t e : pending_.front().events) events_.Give(e);
+    policy_->EventsPassed(pending_.front().handle);
     pending_.pop_front();
-    for (cudaEvent_t e : b->pending) events_.Give(e);
-    b->pending.clear();
-    pools_[b->stream].emplace(b->size, b);
   }
 }
 
-DeviceAllocator::Block* DeviceAllocator::TakeCached(int64_t size, cudaStream_t stream) {
-  auto& pool = pools_[stream];
-  auto it = pool.lower_bound(size);
-  // best fit, no splitting: accept at most 1/8 waste (blocks of a training step recur in few sizes)
-  if (it == pool.end() || it->first > size + size / 8 + 512) return nullptr;
-  Block* b = it->second;
-  pool.erase(it);
-  return b;
+// The policy's out-of-memory path waited for the device and returned every pending block to its
+// pool: the events are spent, and their handles may already serve new blocks.
+void DeviceAllocator::DropPendingAfterSync() {
+  if (!memory_->TakeSynchronized()) return;
+  for (Pending& p : pending_) {
+    for (cudaEvent_t e : p.events) events_.Give(e);
+  }
+  pending_.clear();
 }
 
 Error DeviceAllocator::OutOfMemory(int64_t size, MemCategory category, const std::string& why) const {
@@ -73,46 +138,28 @@ Error DeviceAllocator::OutOfMemory(int64_t size, MemCategory category, const std
   for (MemCategory c : kRuntimeCategories) {
     if (At(live_, c) > live_[largest]) largest = static_cast<int>(c);
   }
-  return Error::OutOfMemory(fmt::format("out of memory at {}: {:.2f} MiB of {} requested with {:.2f} MiB allocated ({}; largest category {} "
-                                      "{:.2f} MiB)",
-                                      namer_(phase_), size / kMiB, MemCategoryKey(category), allocated_ / kMiB, why,
-                                      MemCategoryKey(static_cast<MemCategory>(largest)), live_[largest] / kMiB));
+  return Error::OutOfMemory(fmt::format("out of memory at {}: {:.2f} MiB of {} requested with {:.2f} MiB allocated, {:.2f} MiB reserved ({}; "
+                                        "largest category {} {:.2f} MiB)",
+                                        namer_(phase_), size / kMiB, MemCategoryKey(category), allocated_ / kMiB, reserved() / kMiB, why,
+                                        MemCategoryKey(static_cast<MemCategory>(largest)), live_[largest] / kMiB));
 }
 
 Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, MemCategory category, cudaStream_t stream) {
   const int64_t size = RoundUp(std::max<int64_t>(bytes, 1));
   if (limit_ > 0 && allocated_ + size > limit_) return OutOfMemory(size, category, fmt::format("--memory-limit {:.2f} MiB", limit_ / kMiB));
   ProcessPending(false);
-  Block* b = TakeCached(size, stream);
-  if (b == nullptr) {
-    void* ptr = nullptr;
-    cudaError_t code = cudaMalloc(&ptr, static_cast<size_t>(size));
-    if (code != cudaSuccess) {  // as PyTorch: wait for pending frees, return the cache, try once more
-      cudaGetLastError();
-      if (Status s = device_wait_(); !s.ok()) {
-        return Error::RunFailed(fmt::format("{} (the out-of-memory retry at {} waited for the device)", s.error().message, namer_(phase_)));
-      }
-      ProcessPending(true);  // every event has completed: no wait
-      b = TakeCached(size, stream);
-      if (b == nullptr) {
-        if (Status s = EmptyCache(); !s.ok()) return s.error();
-        code = cudaMalloc(&ptr, static_cast<size_t>(size));
-        if (code != cudaSuccess) {
-          cudaGetLastError();
-          return OutOfMemory(size, category, "cudaMalloc failed");
-        }
-      }
-    }
-    if (b == nullptr) {
-      b = &blocks_[ptr];
-      *b = Block{ptr, size, size, stream, category, {}};
-      reserved_ += size;
-      peak_reserved_ = std::max(peak_reserved_, reserved_);
-      ++mallocs_;
-    }
+  const int sid = StreamId(stream);
+  const CachingAllocator::Handle h = policy_->Malloc(std::max<int64_t>(bytes, 1), sid);
+  DropPendingAfterSync();
+  if (Status s = memory_->TakeError(); !s.ok()) {
+    return Error::RunFailed(fmt::format("{} (the out-of-memory retry at {} waited for the device)", s.error().message, namer_(phase_)));
   }
-  b->category = category;
-  b->used = size;  // a cached block may be up to 1/8 larger: count what was asked for, as the planner's replay does
+  if (h == CachingAllocator::kNoHandle) return OutOfMemory(size, category, "cudaMalloc failed after the cache was freed");
+  void* ptr = reinterpret_cast<void*>(policy_->BlockAddress(h));
+#ifdef FSDP_CUDA_EMU
+  fsdp::emu::RegisterBlock(ptr, static_cast<size_t>(policy_->BlockBytes(h)));  // stream order per block, not per segment
+#endif
+  live_blocks_[ptr] = Live{h, size, sid, category};
   allocated_ += size;
   live_[static_cast<int>(category)] += size;
   if (allocated_ > peak_allocated_) {
@@ -120,45 +167,38 @@ Result<DeviceBuffer> DeviceAllocator::Allocate(int64_t bytes, MemCategory catego
     at_peak_ = live_;
     peak_phase_ = phase_;
   }
-  return DeviceBuffer(this, b->ptr, bytes);
+  return DeviceBuffer(this, ptr, bytes);
 }
 
 void DeviceAllocator::Free(void* ptr, std::initializer_list<cudaStream_t> also_used_on) {
-  auto it = blocks_.find(ptr);
-  if (it == blocks_.end()) return;
-  Block& b = it->second;
+  auto it = live_blocks_.find(ptr);
+  if (it == live_blocks_.end()) return;
+  const Live b = it->second;
+  live_blocks_.erase(it);
   allocated_ -= b.used;
   live_[static_cast<int>(b.category)] -= b.used;
+  Pending pending{b.handle, {}};
   for (cudaStream_t s : also_used_on) {
-    if (s == b.stream) continue;
+    const int sid = StreamId(s);
+    if (sid == b.stream) continue;
     auto e = events_.Take();
     if (!e.ok()) {
       cudaStreamSynchronize(s);  // no event to be had: make the stream's work complete instead
       continue;
     }
     cudaEventRecord(e.value(), s);
-    b.pending.push_back(e.value());
+    pending.events.push_back(e.value());
+    policy_->RecordStream(b.handle, sid);
   }
-  if (b.pending.empty()) {
-    pools_[b.stream].emplace(b.size, &b);
-  } else {
-    pending_.push_back(&b);
-  }
+  policy_->Free(b.handle);
+  if (!pending.events.empty()) pending_.push_back(std::move(pending));
 }
 
 Status DeviceAllocator::EmptyCache() {
-  for (auto& [stream, pool] : pools_) {
-    while (!pool.empty()) {  // each entry leaves the pool before its block is freed: none dangles if one fails
-      const auto [size, block] = *pool.begin();
-      pool.erase(pool.begin());
-      void* ptr = block->ptr;
-      blocks_.erase(ptr);
-      reserved_ -= size;
-      const cudaError_t code = cudaFree(ptr);
-      if (code != cudaSuccess) return Error::RunFailed(fmt::format("cudaFree: {}", cudaGetErrorString(code)));
-    }
-  }
-  return {};
+  ProcessPending(true);
+  policy_->EmptyCache();
+  DropPendingAfterSync();
+  return memory_->TakeError();
 }
 
 }  // namespace fsdp::runtime::cuda

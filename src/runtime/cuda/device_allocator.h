@@ -1,15 +1,13 @@
-// A caching device allocator for fsdp-run's GPU engine, after PyTorch's CUDACachingAllocator in
-// the parts that decide memory: requests rounded up to 512 B; freed blocks kept in a pool per
-// stream and handed out again to allocations on that stream (stream-ordered reuse, no sync);
-// a block that was used on other streams (record_stream in PyTorch) only returns to its pool when
-// events recorded on those streams have completed; cudaMalloc only when no cached block fits,
-// and on failure the cache is emptied and the allocation retried once.
+// fsdp-run's GPU engine's device allocator: the one caching-allocator policy of the planner
+// (core/caching_allocator.h, PyTorch's DeviceCachingAllocator: 512-byte rounding, small and large
+// pools, splitting, per-stream caches, record_stream frees deferred to events, the free-and-retry
+// path) over a cudaMalloc/cudaFree backend. One policy, two backends: the planner replays on a
+// counting one, this engine runs on the device.
 //
 // Accounting: every block carries a category (sharded params, gradients, ...). "allocated" is
-// the sum of the live requests rounded to 512 B (not the size of the cached block serving them)
-// and falls at Free() (a block waiting on another stream's event no longer counts, unlike
-// PyTorch, which counts it until the event completes): the series depends only on the order of
-// calls, not on GPU timing or on which cached block was reused. "reserved" is what cudaMalloc gave.
+// the sum of the live requests rounded to 512 B (not the size of the block serving them) and
+// falls at Free() (a block waiting on another stream's event no longer counts): the series
+// depends only on the order of calls. "reserved" is the policy's: the segments cudaMalloc gave.
 // The categories are recorded at the allocated peak, with the phase the engine named last.
 //
 // Contract: one allocator per device, used from one host thread; it must outlive every
@@ -23,11 +21,13 @@
 #include <functional>
 #include <initializer_list>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
 
+#include "core/caching_allocator.h"
 #include "core/phase.h"
 #include "core/status.h"
 #include "runtime/cuda/cuda_check.h"
@@ -65,7 +65,7 @@ class DeviceBuffer {
 
 class DeviceAllocator {
  public:
-  DeviceAllocator() = default;
+  DeviceAllocator();
   ~DeviceAllocator();
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
@@ -93,6 +93,9 @@ class DeviceAllocator {
   void set_device_wait(std::function<Status()> wait) { device_wait_ = std::move(wait); }
   /// Rehearses an out-of-memory: allocated bytes may not exceed this (0: no limit).
   void set_limit(int64_t bytes) { limit_ = bytes; }
+  /// PYTORCH_CUDA_ALLOC_CONF's settings, before the first allocation. BadInput for
+  /// expandable_segments, which needs the driver's virtual-memory API this engine does not use yet.
+  Status Configure(const AllocatorConfig& config);
   /// Returns every cached block (in the pools, not the pending ones) to the device with cudaFree,
   /// which waits for the device; RunFailed naming the call if one fails.
   Status EmptyCache();
@@ -101,10 +104,11 @@ class DeviceAllocator {
   int64_t allocated() const { return allocated_; }
   int64_t peak_allocated() const { return peak_allocated_; }
   /// Bytes cudaMalloc gave and not freed, now and at their highest.
-  int64_t reserved() const { return reserved_; }
-  int64_t peak_reserved() const { return peak_reserved_; }
-  /// cudaMalloc calls so far.
-  int64_t device_mallocs() const { return mallocs_; }
+  int64_t reserved() const { return policy_->stats().reserved_bytes; }
+  int64_t peak_reserved() const { return policy_->stats().reserved_peak_bytes; }
+  /// cudaMalloc calls so far, and mallocs that freed the cache and retried (num_alloc_retries).
+  int64_t device_mallocs() const { return policy_->stats().num_device_alloc; }
+  int64_t alloc_retries() const { return policy_->stats().num_alloc_retries; }
   /// Allocated bytes by category, and the phase, at the allocated peak.
   const CategoryBytes& at_peak() const { return at_peak_; }
   const Phase& peak_phase() const { return peak_phase_; }
@@ -114,24 +118,30 @@ class DeviceAllocator {
   static int64_t RoundUp(int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
  private:
-  struct Block {
-    void* ptr = nullptr;
-    int64_t size = 0;  // what cudaMalloc gave
-    int64_t used = 0;  // the rounded request it serves now (counted as allocated)
-    cudaStream_t stream = nullptr;
+  class CudaMemory;
+  struct Live {
+    CachingAllocator::Handle handle = CachingAllocator::kNoHandle;
+    int64_t used = 0;  // the rounded request (counted as allocated)
+    int stream = 0;
     MemCategory category = MemCategory::kTemporaries;
-    std::vector<cudaEvent_t> pending;  // events on other streams that must complete before reuse
   };
+  struct Pending {
+    CachingAllocator::Handle handle;
+    std::vector<cudaEvent_t> events;  // on other streams: the block is reusable once all completed
+  };
+  int StreamId(cudaStream_t stream);
   void ProcessPending(bool wait);
-  Block* TakeCached(int64_t size, cudaStream_t stream);
+  void DropPendingAfterSync();
   Error OutOfMemory(int64_t size, MemCategory category, const std::string& why) const;
 
-  std::map<void*, Block> blocks_;                                        // every block cudaMalloc gave
-  std::map<cudaStream_t, std::multimap<int64_t, Block*>> pools_;          // free blocks by stream and size
-  std::deque<Block*> pending_;                                           // freed, waiting on events, in order
+  std::unique_ptr<CudaMemory> memory_;
+  std::unique_ptr<CachingAllocator> policy_;
+  std::map<cudaStream_t, int> stream_ids_;
+  std::map<void*, Live> live_blocks_;
+  std::deque<Pending> pending_;  // freed, waiting on events, in order
   EventPool events_{cudaEventDisableTiming};
   CategoryBytes live_{}, at_peak_{};
-  int64_t allocated_ = 0, peak_allocated_ = 0, reserved_ = 0, peak_reserved_ = 0, limit_ = 0, mallocs_ = 0;
+  int64_t allocated_ = 0, peak_allocated_ = 0, limit_ = 0;
   std::function<Status()> device_wait_ = [] { return CudaStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); };
   Phase phase_{StepPhase::kInitialisation}, peak_phase_{StepPhase::kInitialisation};
   std::function<std::string(const Phase&)> namer_ = [](const Phase&) { return std::string("this phase"); };

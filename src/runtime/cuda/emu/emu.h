@@ -61,6 +61,10 @@ void ReleaseStuck(int id);
 bool IsDeviceRange(const void* p, size_t bytes);
 /// True when p points into a live emulated device allocation.
 bool IsDevicePointer(const void* p);
+/// A caching allocator handed out [p, p + bytes) of one of its cudaMalloc segments: stream order is
+/// checked per such block from now on, not per segment. The history of the blocks it overlaps
+/// (freed ones included) carries over, so reusing memory another stream still uses is a race.
+void RegisterBlock(const void* p, size_t bytes);
 
 /// Makes `code` the sticky error of the emulated context and prints `message` on stderr.
 void Fail(cudaError_t code, const std::string& message);

@@ -80,6 +80,7 @@ struct PinnedHost {
 struct Context {
   std::recursive_mutex mutex;
   std::map<uintptr_t, Allocation> allocations;  // by base address
+  std::map<uintptr_t, Allocation> blocks;       // caching-allocator blocks inside them (RegisterBlock), by base
   std::map<uintptr_t, PinnedHost> pinned;       // by base address
   size_t used_bytes = 0;
   const size_t total_bytes = EnvBytes("FSDP_EMU_DEVICE_BYTES", size_t{16} << 30);
@@ -109,6 +110,11 @@ bool OrderedBefore(const Stamp& a, const EmuOp& op) {
 }
 
 Allocation* AllocationOf(const void* p) {
+  auto& b = C().blocks;
+  if (auto it = b.upper_bound(reinterpret_cast<uintptr_t>(p)); it != b.begin()) {
+    --it;
+    if (reinterpret_cast<uintptr_t>(p) - it->first < it->second.bytes) return &it->second;
+  }
   auto& a = C().allocations;
   auto it = a.upper_bound(reinterpret_cast<uintptr_t>(p));
   if (it == a.begin()) return nullptr;
@@ -407,6 +413,31 @@ bool IsDeviceRange(const void* p, size_t bytes) {
 
 bool IsDevicePointer(const void* p) { return IsDeviceRange(p, 0); }
 
+void RegisterBlock(const void* p, size_t bytes) {
+  std::lock_guard<std::recursive_mutex> lock(C().mutex);
+  auto& blocks = C().blocks;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  Allocation merged;
+  merged.bytes = bytes;
+  bool first = true;
+  auto it = blocks.upper_bound(begin);
+  if (it != blocks.begin() && std::prev(it)->first + std::prev(it)->second.bytes > begin) --it;
+  while (it != blocks.end() && it->first < end) {
+    // the latest writer of the first overlapped block stays the writer; the others' writers
+    // become readers, so that a write must still come after them
+    const Allocation& old = it->second;
+    if (first) merged.writer = old.writer;
+    else if (old.writer.stream >= 0) merged.readers[old.writer.stream] = old.writer;
+    for (const auto& [stream, reader] : old.readers) {
+      auto& r = merged.readers[stream];
+      if (r.stream < 0 || reader.seq > r.seq) r = reader;
+    }
+    first = false;
+    it = blocks.erase(it);
+  }
+  blocks[begin] = std::move(merged);
+}
+
 void Fail(cudaError_t code, const std::string& message) {
   std::lock_guard<std::recursive_mutex> lock(C().mutex);
   std::fprintf(stderr, "%s\n", message.c_str());
@@ -562,6 +593,9 @@ cudaError_t cudaFree(void* ptr) {
   auto it = C().allocations.find(reinterpret_cast<uintptr_t>(ptr));
   if (it == C().allocations.end()) return fsdp::emu::Return(cudaErrorInvalidValue);
   C().used_bytes -= (it->second.bytes + 255) / 256 * 256;
+  const uintptr_t base = it->first;
+  auto& blocks = C().blocks;
+  blocks.erase(blocks.lower_bound(base), blocks.lower_bound(base + it->second.bytes));
   fsdp::emu::UnmapGuarded(ptr, it->second.bytes);
   C().allocations.erase(it);
   return fsdp::emu::Return(cudaSuccess);
