@@ -613,6 +613,34 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
   return e;
 }
 
+int64_t IsolatedWorkspaceBytes(const FrameworkOverheads& o) {
+  if (o.caching_allocator && o.allocator.expandable_segments) return -1;
+  CountingDeviceMemory none(0, 0);
+  const CachingAllocator rounding(o.allocator, none);
+  int64_t small = 0, total = 0;
+  for (int64_t b : o.cublas_workspace_blocks) {
+    const int64_t rounded = rounding.RoundSize(b);
+    if (rounded <= alloc::kSmallSize) {
+      if (rounded != alloc::kSmallBuffer / 2) return -1;
+      ++small;
+    } else if (rounded < alloc::kMinLargeAlloc || rounded % alloc::kRoundLarge != 0) {
+      return -1;
+    }
+    total += rounded;
+  }
+  return small % 2 == 0 ? total : -1;
+}
+
+void AddHeldBytes(MemoryEstimate& e, int64_t bytes) {
+  e.allocated_peak_bytes += bytes;
+  e.reserved_peak_bytes += bytes;
+  e.peak[static_cast<int>(Cat::kFramework)] += bytes;
+  for (MemoryPoint& p : e.timeline) {
+    p.device[static_cast<int>(Cat::kFramework)] += bytes;
+    p.reserved_bytes += bytes;
+  }
+}
+
 int64_t OutsideAllocatorBytes(const Workload& w, const FrameworkOverheads& o) {
   return o.cuda_context_bytes + CommunicatorCount(w) * o.nccl_bytes_per_communicator;
 }

@@ -122,6 +122,14 @@ ReplayOptions ReplayOptionsFor(const FrameworkOverheads& overheads, bool record_
 /// `on_card`: the result of ReplayOnCard when a caller has it (a search caches it).
 MemoryEstimate AddFrameworkTerms(const Workload& workload, const FrameworkOverheads& overheads, const MemoryEstimate& tensors,
                                  bool with_timeline = true, const MemoryEstimate* on_card = nullptr);
+/// The cuBLAS workspaces' bytes when they fill segments of their own (no expandable segments; each
+/// large block a whole number of 2 MiB and at least 10 MiB, the small ones 1 MiB pairs filling 2 MiB
+/// segments): then a replay without them plus these bytes is the replay with them, and a search
+/// can share one replay across GPU types. -1 when they share segments with other allocations.
+int64_t IsolatedWorkspaceBytes(const FrameworkOverheads& overheads);
+/// Adds `bytes` held through the whole step (framework overhead) to a replay's peaks.
+void AddHeldBytes(MemoryEstimate& estimate, int64_t bytes);
+
 /// CUDA context and NCCL buffers: the device memory outside PyTorch's allocator.
 int64_t OutsideAllocatorBytes(const Workload& workload, const FrameworkOverheads& overheads);
 /// Whether AddFrameworkTerms replays on the card's memory for these tensors, and that replay.

@@ -142,10 +142,10 @@ class Searcher {
     MemoryEstimate lower = AddFrameworkTerms(w, o, TensorMemory(w, wi, false), /*with_timeline=*/false);
     if (!lower.fits) return lower;
     o.caching_allocator = true;
-    const MemoryEstimate& tensors = TensorMemory(w, wi, true);
+    const MemoryEstimate tensors = TensorMemory(w, wi, true);
     if (!NeedsReplayOnCard(w, o, tensors)) return AddFrameworkTerms(w, o, tensors, /*with_timeline=*/false);
     // the replay on the card depends on what the allocator may reserve there, not on the rest of the card
-    const auto key = std::make_pair(last_key_, w.hardware.memory_bytes - OutsideAllocatorBytes(w, o));
+    const auto key = std::make_tuple(last_key_, o.cublas_workspace_bytes, w.hardware.memory_bytes - OutsideAllocatorBytes(w, o));
     auto it = on_card_cache_.find(key);
     if (it == on_card_cache_.end()) {
       FsdpConfig& c = w.config;
@@ -157,13 +157,23 @@ class Searcher {
     return AddFrameworkTerms(w, o, tensors, /*with_timeline=*/false, &it->second);
   }
 
-  const MemoryEstimate& TensorMemory(Workload& w, size_t wi, bool caching_allocator) {
+  // The replay of a key with the cuBLAS workspaces it shares with other GPU types (when they sit in
+  // segments of their own: IsolatedWorkspaceBytes) added back for this one.
+  MemoryEstimate TensorMemory(Workload& w, size_t wi, bool caching_allocator) {
+    FrameworkOverheads o = FrameworkOverheadsFor(w);
+    o.caching_allocator = caching_allocator;
+    const int64_t isolated = IsolatedWorkspaceBytes(o);
+    MemoryEstimate e = CachedTensorMemory(w, wi, o, isolated >= 0);
+    if (isolated > 0) AddHeldBytes(e, isolated);
+    return e;
+  }
+
+  const MemoryEstimate& CachedTensorMemory(Workload& w, size_t wi, FrameworkOverheads o, bool without_workspaces) {
     FsdpConfig& c = w.config;
     const int64_t accum = std::min<int64_t>(c.grad_accum, 2);
     const Strategy strategy = c.strategy == Strategy::kHybridShard ? Strategy::kFullShard : c.strategy;
-    FrameworkOverheads o = FrameworkOverheadsFor(w);
-    o.caching_allocator = caching_allocator;
-    MemoryKey key{static_cast<int>(wi) * 2 + caching_allocator, w.shard_world, o.cublas_workspace_bytes, static_cast<int>(strategy),
+    if (without_workspaces) o.cublas_workspace_blocks.clear();
+    MemoryKey key{static_cast<int>(wi) * 2 + o.caching_allocator, w.shard_world, without_workspaces ? 0 : o.cublas_workspace_bytes, static_cast<int>(strategy),
                   static_cast<int>(c.checkpointing), c.micro_batch, c.cpu_offload, accum};
     last_key_ = key;
     auto it = memory_cache_.find(key);
@@ -209,7 +219,7 @@ class Searcher {
   std::vector<Workload> workloads_;
   std::map<MemoryKey, MemoryEstimate> memory_cache_;
   MemoryKey last_key_{};  ///< of the last TensorMemory call
-  std::map<std::pair<MemoryKey, int64_t>, MemoryEstimate> on_card_cache_;
+  std::map<std::tuple<MemoryKey, int64_t, int64_t>, MemoryEstimate> on_card_cache_;
   std::map<std::tuple<size_t, size_t, int64_t, int>, ComputeModel> compute_cache_;
   std::map<std::tuple<size_t, int, bool, bool, bool, int64_t>, Schedule> schedule_cache_;
 };

@@ -75,6 +75,36 @@ TEST_CASE("a recommended configuration re-evaluates to the same figures") {
   CHECK(EstimateTime(w.value()).step.step_s == doctest::Approx(best.step_s));
 }
 
+TEST_CASE("the search's screens and shared replays never change a figure: every candidate re-evaluates alike") {
+  // h100-sxm's cuBLAS workspaces sit in segments of their own (one replay per key serves it and
+  // b200), a100's share a 20 MiB segment (replayed with them); the tensors' lower bound screens
+  // out what cannot fit before any allocator replay
+  SearchOptions o = Options({"h100-sxm", "a100-80gb-sxm", "rtx-4090"}, 8, 16);
+  o.base.seq_len = 2048;
+  o.top = 1000;
+  const ModelSpec model = Model("llama-2-7b");
+  auto r = Recommend(model, o, nullptr);
+  REQUIRE(r.ok());
+  int checked = 0;
+  for (const Candidate& c : r.value().top) {
+    auto w = BuildWorkload(model, LoadHardware(c.gpu_id).value(), c.config);
+    REQUIRE(w.ok());
+    const MemoryEstimate direct = EstimateMemory(AsPyTorchRuns(w.value()));
+    CHECK(direct.fits);  // nothing that does not fit is recommended
+    if (c.config.grad_accum <= 2) {  // the search replays two micro-batches of longer accumulations
+      CHECK(direct.peak_bytes == c.peak_bytes);
+      ++checked;
+    }
+  }
+  CHECK(checked > 20);
+  for (const Candidate& c : r.value().best_rejected) {
+    if (c.reason != Candidate::Reason::kMemory) continue;
+    auto w = BuildWorkload(model, LoadHardware(c.gpu_id).value(), c.config);
+    REQUIRE(w.ok());
+    CHECK_FALSE(EstimateMemory(AsPyTorchRuns(w.value())).fits);
+  }
+}
+
 TEST_CASE("objectives: cost ranks by dollars per token, time-to-train needs --tokens") {
   SearchOptions o = Options({"a100-80gb-sxm", "h100-sxm"}, 16, 64);
   o.objective = Objective::kCost;
