@@ -73,7 +73,8 @@ run() {  # run a command, logging it; DRY_RUN prints it only
 merge() {
 python3 - "$RUNS" "$OUT/device-check.json" <<'PY'
 # Merges the runs and compares, per configuration: fsdp-run's peak with its own prediction,
-# fsdp-plan's PyTorch FSDP2 profile with PyTorch's max_memory_allocated, fsdp-run's step time with
+# fsdp-plan's PyTorch FSDP2 profile with PyTorch's max_memory_allocated and its caching-allocator
+# replay with max_memory_reserved, fsdp-run's step time with
 # fsdp-plan's model of its fused kernels, PyTorch's step time with fsdp-plan's PyTorch eager model,
 # and fsdp-run's tokens/s with PyTorch's.
 import json, os, sys, datetime
@@ -97,12 +98,16 @@ for name, r in doc["runs"].items():
         "fsdp_run_predicted_peak_bytes": p["memory"]["peak_bytes"],
         "plan_pytorch_peak_bytes": p["pytorch_profile"]["allocated_peak_bytes"],
         "torch_max_allocated_bytes": t.get("memory", {}).get("max_allocated_bytes"),
+        "plan_pytorch_reserved_bytes": p["pytorch_profile"].get("reserved_peak_bytes"),
+        "torch_max_reserved_bytes": t.get("memory", {}).get("max_reserved_bytes"),
         "fsdp_run_step_s": m["time"]["step_s"], "plan_step_s": p["time"]["step_s"],
         "fsdp_run_tokens_per_s": m["tokens_per_s_per_gpu"], "torch_tokens_per_s": t.get("tokens_per_s_per_gpu", t.get("tokens_per_s")),
         "torch_step_s": t.get("time", {}).get("step_s"), "plan_pytorch_step_s": p["pytorch_profile"].get("step_s"),
     }
     row["peak_error_pct"] = err(row["fsdp_run_peak_bytes"], row["fsdp_run_predicted_peak_bytes"])
     row["plan_vs_torch_error_pct"] = err(row["torch_max_allocated_bytes"], row["plan_pytorch_peak_bytes"])
+    # the caching allocator's replay against torch.cuda.max_memory_reserved (issue 17)
+    row["plan_vs_torch_reserved_error_pct"] = err(row["torch_max_reserved_bytes"], row["plan_pytorch_reserved_bytes"])
     row["step_error_pct"] = err(row["fsdp_run_step_s"], row["plan_step_s"])
     row["plan_vs_torch_step_error_pct"] = err(row["torch_step_s"], row["plan_pytorch_step_s"])
     row["tokens_ratio_vs_torch"] = row["fsdp_run_tokens_per_s"] / row["torch_tokens_per_s"] if row["torch_tokens_per_s"] else None
@@ -118,7 +123,9 @@ for name, r in doc["runs"].items():
           f"{row['fsdp_run_step_s']:7.4f} {row['plan_step_s']:7.4f} {f(row['step_error_pct']):6.1f} "
           f"{row['fsdp_run_tokens_per_s']:8.0f} {f(row['torch_tokens_per_s']):8.0f} {f(row['tokens_ratio_vs_torch']):6.2f} "
           f"{f(row['plan_vs_torch_step_error_pct']):8.1f}"
-          + (f"  losses vs torch: max rel {row['loss_max_rel_diff_vs_torch']:.1e}" if pairs else ""))
+          + (f"  losses vs torch: max rel {row['loss_max_rel_diff_vs_torch']:.1e}" if pairs else "")
+          + f"  reserved torch {g(row['torch_max_reserved_bytes']):.3f} plan {g(row['plan_pytorch_reserved_bytes']):.3f} GiB"
+            f" ({f(row['plan_vs_torch_reserved_error_pct']):.1f}%)")
 with open(out, "w") as f:
     json.dump(doc, f, indent=1)
 PY
