@@ -338,6 +338,14 @@ void CachingAllocator::DeleteBlock(int id) {
   free_ids_.push_back(id);
 }
 
+// Block::splice: puts `block` between `before` and `after` (either -1), which were neighbours.
+void CachingAllocator::Splice(int block, int before, int after) {
+  if (before >= 0) blocks_[before].next = block;
+  blocks_[block].prev = before;
+  if (after >= 0) blocks_[after].prev = block;
+  blocks_[block].next = after;
+}
+
 void CachingAllocator::InsertFree(int id) {
   Block& b = blocks_[id];
   b.gc_count_base = b.pool->get_free_blocks_call_count;  // insert_into_blocks
@@ -558,19 +566,13 @@ void CachingAllocator::UnmapBlock(int id) {
   if (first > start) {  // prev? -> before_free -> block
     const int before = NewBlock(blocks_[id].stream, static_cast<int64_t>(first - start), &pool, start);
     blocks_[before].expandable = blocks_[id].expandable;
-    blocks_[before].prev = blocks_[id].prev;
-    if (blocks_[id].prev >= 0) blocks_[blocks_[id].prev].next = before;
-    blocks_[before].next = id;
-    blocks_[id].prev = before;
+    Splice(before, blocks_[id].prev, id);
     InsertFree(before);
   }
   if (end > last) {  // block -> after_free -> next?
     const int after = NewBlock(blocks_[id].stream, static_cast<int64_t>(end - last), &pool, last);
     blocks_[after].expandable = blocks_[id].expandable;
-    blocks_[after].next = blocks_[id].next;
-    if (blocks_[id].next >= 0) blocks_[blocks_[id].next].prev = after;
-    blocks_[after].prev = id;
-    blocks_[id].next = after;
+    Splice(after, id, blocks_[id].next);
     InsertFree(after);
   }
   const int64_t unmapped = static_cast<int64_t>(last - first);
@@ -600,10 +602,7 @@ int CachingAllocator::AllocFoundBlock(int id, int64_t size, bool split) {
     Block& b = blocks_[id];
     Block& r = blocks_[remaining];
     b.expandable = r.expandable;
-    b.prev = r.prev;
-    if (b.prev >= 0) blocks_[b.prev].next = id;
-    b.next = remaining;
-    r.prev = id;
+    Splice(id, r.prev, remaining);
     r.address += static_cast<uint64_t>(size);
     r.size -= size;
     InsertFree(remaining);
@@ -715,10 +714,7 @@ bool CachingAllocator::MapBlock(int id, int64_t size) {
     const int rest = NewBlock(blocks_[id].stream, blocks_[id].size - mapped, &pool, start + static_cast<uint64_t>(mapped));
     blocks_[rest].mapped = false;
     blocks_[rest].expandable = blocks_[id].expandable;
-    blocks_[rest].next = blocks_[id].next;
-    if (blocks_[id].next >= 0) blocks_[blocks_[id].next].prev = rest;
-    blocks_[rest].prev = id;
-    blocks_[id].next = rest;
+    Splice(rest, id, blocks_[id].next);
     blocks_[id].size = mapped;
     pool.unmapped.insert(rest);
   }

@@ -178,6 +178,7 @@ class CachingAllocator {
   bool MapBlock(int block, int64_t size);
   int NewBlock(int stream, int64_t size, Pool* pool, uint64_t address);
   void DeleteBlock(int block);
+  void Splice(int block, int before, int after);
   void InsertFree(int block);
   void EraseFree(int block);
   void AddReserved(int64_t bytes);
