@@ -222,14 +222,29 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   if (!flags.json) fmt::print(out, "{} on {} x {}: peak {} GiB of {} GiB ({})\n", model.value().id, config.value().gpus, hw.value().id, Gib(m.peak_bytes),
              Gib(m.capacity_bytes), m.fits ? "fits" : fmt::format("does not fit by {} GiB", Gib(-m.headroom_bytes)));
   std::vector<Advice> advice = AdviseFit(w.value());
-  if (flags.json) {
+  // The tensors fit and the allocator's cache does not: its settings first, with what each saves.
+  const bool cache_is_over = !m.fits && m.allocated_peak_bytes + OutsideAllocatorBytes(w.value(), m.overheads) <= m.capacity_bytes;
+  const std::vector<Advice> allocator = cache_is_over ? AllocatorAdvice(w.value()) : std::vector<Advice>{};
+  auto to_json = [](const std::vector<Advice>& list) {
     Json changes = Json::array();
-    for (const Advice& a : advice) {
-      changes.push_back({{"change", a.change}, {"fits", a.fits}, {"peak_bytes", a.peak_bytes}, {"step_s", a.step_s}, {"slowdown_pct", a.slowdown_pct}});
+    for (const Advice& a : list) {
+      changes.push_back({{"change", a.change}, {"fits", a.fits}, {"peak_bytes", a.peak_bytes}, {"saves_bytes", a.saves_bytes}, {"step_s", a.step_s},
+                         {"slowdown_pct", a.slowdown_pct}});
     }
+    return changes;
+  };
+  if (flags.json) {
     out << DumpJson(Json{{"model", model.value().id}, {"gpu", hw.value().id}, {"gpus", config.value().gpus}, {"peak_bytes", m.peak_bytes},
-                         {"capacity_bytes", m.capacity_bytes}, {"fits", m.fits}, {"changes", changes}}, 2) << "\n";
+                         {"capacity_bytes", m.capacity_bytes}, {"fits", m.fits}, {"fragmentation_bytes", m.fragmentation_bytes},
+                         {"changes", to_json(advice)}, {"allocator_changes", to_json(allocator)}}, 2) << "\n";
     return {};
+  }
+  if (cache_is_over) {
+    fmt::print(out, "The tensors fit ({} GiB allocated); the caching allocator's reserve does not ({} GiB of fragmentation). Its settings, "
+                    "by the bytes each saves:\n", Gib(m.allocated_peak_bytes), Gib(m.fragmentation_bytes));
+    for (const Advice& a : allocator) {
+      fmt::print(out, "  {:<44} peak {:>7} GiB  saves {:>6} GiB  {}\n", a.change, Gib(a.peak_bytes), Gib(a.saves_bytes), a.fits ? "fits" : "does not fit");
+    }
   }
   if (m.fits) fmt::print(out, "It already fits; changes that also fit, by their cost in tokens/s per GPU:\n");
   else fmt::print(out, "Smallest changes that make it fit, by their cost in tokens/s per GPU:\n");

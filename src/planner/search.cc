@@ -336,6 +336,7 @@ namespace {
 struct Change {
   std::string text;
   FsdpConfig config;
+  bool allocator_setting = false;  ///< changes how the caching allocator works, not what it holds
 };
 
 }  // namespace
@@ -368,10 +369,26 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
   // The allocator's own settings: expandable segments give back most of what fragmentation takes
   // (the per-stream cache and the holes left between differently sized blocks).
-  if (auto alloc = ParseAllocatorConfig(c.alloc_conf); alloc.ok() && !alloc.value().expandable_segments) {
-    const std::string conf = c.alloc_conf.empty() ? "expandable_segments:True" : c.alloc_conf + ",expandable_segments:True";
-    add(fmt::format("--alloc-conf {}", conf), [&](FsdpConfig& n) { n.alloc_conf = conf; });
+  // The allocator's own settings: expandable segments give back most of what fragmentation takes
+  // (the per-stream cache and the holes left between differently sized blocks); max_split_size_mb
+  // keeps large cached blocks whole for large requests; the rate limiter keeps FSDP1 from
+  // reserving all-gather outputs faster than the compute stream frees them.
+  const size_t first_allocator_setting = out.size();
+  if (auto alloc = ParseAllocatorConfig(c.alloc_conf); alloc.ok()) {
+    auto with = [&](const std::string& setting) { return c.alloc_conf.empty() ? setting : c.alloc_conf + "," + setting; };
+    if (!alloc.value().expandable_segments) {
+      const std::string conf = with("expandable_segments:True");
+      add(fmt::format("--alloc-conf {}", conf), [&](FsdpConfig& n) { n.alloc_conf = conf; });
+    }
+    if (alloc.value().max_split_size_bytes == alloc::kNoMaxSplit && !alloc.value().expandable_segments) {
+      const std::string conf = with("max_split_size_mb:512");
+      add(fmt::format("--alloc-conf {}", conf), [&](FsdpConfig& n) { n.alloc_conf = conf; });
+    }
   }
+  if (c.framework == Framework::kFsdp1 && !c.limit_all_gathers) {
+    add("without --no-limit-all-gathers", [](FsdpConfig& n) { n.limit_all_gathers = true; });
+  }
+  for (size_t i = first_allocator_setting; i < out.size(); ++i) out[i].allocator_setting = true;
   if (c.checkpointing == Checkpointing::kFull && c.ac_every > 1) add("--ac-every 1", [](FsdpConfig& n) { n.ac_every = 1; });
   if (c.checkpointing == Checkpointing::kNone && c.attention == Attention::kEager) add("--ac selective", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kSelective; });
   if (c.checkpointing == Checkpointing::kNone && OpCheckpointingModelled(model)) {
@@ -395,7 +412,7 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   return out;
 }
 
-Advice Try(const Workload& base, const Change& change, double base_tokens_per_s) {
+Advice Try(const Workload& base, const Change& change, double base_tokens_per_s, int64_t base_peak_bytes) {
   Advice a;
   a.change = change.text;
   Workload w = base;
@@ -408,13 +425,27 @@ Advice Try(const Workload& base, const Change& change, double base_tokens_per_s)
   a.peak_bytes = m.peak_bytes;
   a.step_s = t.step.step_s;
   a.slowdown_pct = 100.0 * (1.0 - t.step.tokens_per_s_per_gpu / base_tokens_per_s);
+  a.saves_bytes = base_peak_bytes - m.peak_bytes;
   return a;
 }
 
 }  // namespace
 
+std::vector<Advice> AllocatorAdvice(const Workload& workload) {
+  const Workload runs = AsPyTorchRuns(workload);
+  const double base_tps = EstimateTime(runs).step.tokens_per_s_per_gpu;
+  const int64_t base_peak = EstimateMemory(runs).peak_bytes;
+  std::vector<Advice> out;
+  for (const Change& c : SingleChanges(workload.config, workload.model)) {
+    if (c.allocator_setting) out.push_back(Try(workload, c, base_tps, base_peak));
+  }
+  std::stable_sort(out.begin(), out.end(), [](const Advice& a, const Advice& b) { return a.saves_bytes > b.saves_bytes; });
+  return out;
+}
+
 std::vector<Advice> AdviseFit(const Workload& workload) {
   const double base_tps = EstimateTime(AsPyTorchRuns(workload)).step.tokens_per_s_per_gpu;
+  const int64_t base_peak = EstimateMemory(AsPyTorchRuns(workload)).peak_bytes;
   std::vector<Change> changes = SingleChanges(workload.config, workload.model);
   // Pairs: checkpointing first, then one more change, for configurations far from fitting.
   FsdpConfig with_ac = workload.config;
@@ -426,7 +457,7 @@ std::vector<Advice> AdviseFit(const Workload& workload) {
   }
   std::vector<Advice> fitting;
   for (const Change& c : changes) {
-    Advice a = Try(workload, c, base_tps);
+    Advice a = Try(workload, c, base_tps, base_peak);
     if (a.fits) fitting.push_back(a);
   }
   std::stable_sort(fitting.begin(), fitting.end(), [](const Advice& a, const Advice& b) { return a.slowdown_pct < b.slowdown_pct; });

@@ -72,11 +72,17 @@ struct Advice {
   int64_t peak_bytes = 0;
   double step_s = 0;         ///< step time after the change
   double slowdown_pct = 0;   ///< tokens/s per GPU lost vs the original configuration
+  int64_t saves_bytes = 0;   ///< peak of the original configuration minus this one's
 };
 
 /// For `workload` (which may not fit), single and paired changes of the seeds' OOM checklist
 /// (micro-batch, sequence length, activation checkpointing, strategy, more GPUs, CPU offload,
 /// FSDP2), the fitting ones ranked by the throughput they cost.
 std::vector<Advice> AdviseFit(const Workload& workload);
+
+/// The caching allocator's settings alone (expandable segments, max_split_size_mb, FSDP1's rate
+/// limiter), fitting or not, with the bytes each saves: what to try when the tensors fit and the
+/// allocator's cache is what does not.
+std::vector<Advice> AllocatorAdvice(const Workload& workload);
 
 }  // namespace fsdp
