@@ -77,7 +77,7 @@ class ConfigParser {
     if (!mb) return Bad(fmt::format("{} takes a whole number of MiB, got '{}'", key, v.value_or("")));
     // parseMaxSplitSize: at least kLargeBuffer / 1 MiB
     if (*mb < alloc::kLargeBuffer / kMiB) return Bad(fmt::format("{} too small, must be >= {}, got {}", key, alloc::kLargeBuffer / kMiB, *mb));
-    out = *mb * kMiB;
+    out = std::min(*mb, alloc::kNoMaxSplit / kMiB) * kMiB;  // parseMaxSplitSize clamps to SIZE_MAX / 1 MiB
     return Status::Ok();
   }
 
@@ -444,7 +444,7 @@ bool CachingAllocator::GetFreeBlock(Pool& pool, int stream, int64_t size, int& f
   const int64_t block_size = blocks_[*it].size;
   const int64_t max_split = config_.max_split_size_bytes;
   if (size < max_split && block_size >= max_split) return false;  // no oversize block for a small request
-  if (size >= max_split && block_size >= size + config_.max_non_split_rounding_bytes) return false;
+  if (size >= max_split && block_size - size >= config_.max_non_split_rounding_bytes) return false;  // (block_size >= size: no overflow)
   found = *it;
   pool.blocks.erase(it);
   return true;
@@ -614,12 +614,14 @@ int CachingAllocator::AllocFoundBlock(int id, int64_t size, bool split) {
 }
 
 void CachingAllocator::RecordStream(Handle id, int stream) {
+  if (id <= kSearchKey) return;  // kNoHandle (a failed malloc) or the search key: nothing to record
   Block& b = blocks_[id];
   if (stream == b.stream) return;  // uses on the allocation stream need no event
   b.stream_uses |= uint64_t{1} << (stream & 63);
 }
 
 void CachingAllocator::Free(Handle id) {
+  if (id <= kSearchKey) return;
   Block& b = blocks_[id];
   b.allocated = false;
   stats_.allocated_bytes -= b.size;

@@ -198,6 +198,8 @@ TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
   CHECK(r.roundup_power2_divisions[9] == 4);
   CHECK(r.roundup_power2_divisions[15] == 4);
   CHECK(Conf("backend:native,release_lock_on_cudamalloc:True").max_split_size_bytes == alloc::kNoMaxSplit);
+  // a huge value is clamped as PyTorch clamps it, not wrapped
+  CHECK(Conf("max_split_size_mb:999999999999999").max_split_size_bytes == alloc::kNoMaxSplit / MiB * MiB);
   for (const char* bad : {"foo:1", "max_split_size_mb:10", "max_split_size_mb:x", "expandable_segments:yes",
                           "garbage_collection_threshold:1.5", "roundup_power2_divisions:3", "roundup_power2_divisions:[256:3]",
                           "roundup_power2_divisions:[256:1", "backend:cudaMallocAsync", "expandable_segments:True max_split_size_mb:64",
