@@ -24,6 +24,8 @@ struct ParamOp {
   int64_t experts = 0;        ///< > 0: one copy per expert...
   int64_t experts_per_token = 0;  ///< ...of which each token runs this many
   bool trainable = true;      ///< requires_grad (TensorSpec::trainable of its tensors)
+  /// norm: over head_dim on every head of q or k (Qwen3's q_norm, k_norm), not over the hidden size
+  bool head_norm = false;
 };
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)

@@ -32,7 +32,7 @@ Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg) {
 std::vector<std::string_view> BlockNorms(const ModelSpec& m) {
   std::vector<std::string_view> norms;
   for (const ParamOp& op : m.arch.block) {
-    if (op.kind == ParamOp::Kind::kNorm) norms.push_back(op.module);
+    if (op.kind == ParamOp::Kind::kNorm && !op.head_norm) norms.push_back(op.module);
   }
   return norms;
 }
@@ -96,6 +96,16 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const F
 // that same tensor (counted once, as o_proj_in).
 void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
+  // Qwen3's q_norm / k_norm (an RMSNorm per head, before RoPE): as AddNorm's RMSNorm, over the
+  // heads' features, its rsqrt one per (token, head). Not yet checked against PyTorch.
+  for (const ParamOp& op : m.arch.block) {
+    if (op.kind != ParamOp::Kind::kNorm || !op.head_norm) continue;
+    const bool is_k = op.module.find("k_norm") != std::string::npos;
+    const int64_t features = is_k ? kv : q, heads = (is_k ? d.kv_heads : d.heads) * d.tokens;
+    out.push_back({Name(op.module, "x_fp32"), 4 * features});
+    out.push_back({Name(op.module, "rsqrt"), 4 * heads});
+    out.push_back({Name(op.module, "x_normalized"), d.c * features});
+  }
   out.push_back({"self_attn.q_rope", d.c * q});
   if (cfg.attention == Attention::kEager) {
     const bool gqa = d.kv_heads < d.heads;
