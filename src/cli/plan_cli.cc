@@ -77,7 +77,7 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
     fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_reserved, {}{})\n", "reserved", Gib(m.reserved_peak_bytes),
                Percent(m.reserved_peak_bytes, m.capacity_bytes), m.reserved_peak_phase,
                m.overheads.allocator.text.empty() ? "" : "; PYTORCH_CUDA_ALLOC_CONF=" + m.overheads.allocator.text);
-    fmt::print(out, "  {:<24}{:>10}{:>11}   (reserved - allocated when reserved peaks; allocator retries: {})\n", "fragmentation",
+    fmt::print(out, "  {:<24}{:>10}{:>11}   (reserved - the most allocated at that peak; allocator retries: {})\n", "fragmentation",
                Gib(m.fragmentation_bytes), Percent(m.fragmentation_bytes, m.capacity_bytes), m.alloc_retries);
   }
   if (m.host_bytes > 0) fmt::print(out, "  {:<24}{:>10}            (pinned host memory per GPU; x{} per node)\n", "host (CPU offload)", Gib(m.host_bytes), w.config.gpus_per_node);

@@ -351,10 +351,8 @@ void CachingAllocator::InsertFree(int id) {
   b.gc_count_base = b.pool->get_free_blocks_call_count;  // insert_into_blocks
   b.pool->blocks.insert(id);
 }
-void CachingAllocator::EraseFree(int id) { blocks_[id].pool->blocks.erase(id); }
 
 void CachingAllocator::AddReserved(int64_t bytes) {
-  total_allocated_memory_ += bytes;
   stats_.reserved_bytes += bytes;
   if (stats_.reserved_bytes > stats_.reserved_peak_bytes) {
     stats_.reserved_peak_bytes = stats_.reserved_bytes;
@@ -371,11 +369,11 @@ void CachingAllocator::AddAllocated(int64_t bytes) {
 }
 
 // roundup_power2_next_division and round_size.
-int64_t CachingAllocator::RoundSize(int64_t size) const {
+int64_t RoundAllocationSize(const AllocatorConfig& config, int64_t size) {
   if (size < alloc::kMinBlockSize) return alloc::kMinBlockSize;
   const int log_size = Log2Floor(static_cast<uint64_t>(size));
   const int index = std::clamp(log_size - 20, 0, alloc::kRoundupIntervals - 1);  // AllocatorConfig::roundup_power2_divisions
-  const int64_t divisions = config_.roundup_power2_divisions[index];
+  const int64_t divisions = config.roundup_power2_divisions[index];
   if (divisions > 1 && size > alloc::kMinBlockSize * divisions) {
     if (IsPowerOfTwo(size)) return size;
     const int64_t floor = int64_t{1} << log_size;
@@ -386,6 +384,8 @@ int64_t CachingAllocator::RoundSize(int64_t size) const {
   }
   return RoundUp(size, alloc::kMinBlockSize);
 }
+
+int64_t CachingAllocator::RoundSize(int64_t size) const { return RoundAllocationSize(config_, size); }
 
 CachingAllocator::Pool& CachingAllocator::PoolFor(int64_t size) { return size <= alloc::kSmallSize ? *small_ : *large_; }
 
@@ -453,8 +453,8 @@ bool CachingAllocator::GetFreeBlock(Pool& pool, int stream, int64_t size, int& f
 // garbage_collect_cached_blocks: frees unsplit large cached blocks older than the average.
 void CachingAllocator::GarbageCollect() {
   const auto threshold = static_cast<int64_t>(config_.garbage_collection_threshold * static_cast<double>(allowed_memory_maximum_));
-  if (total_allocated_memory_ <= threshold) return;
-  const int64_t target = total_allocated_memory_ - threshold;
+  if (stats_.reserved_bytes <= threshold) return;  // total_allocated_memory: the reserved bytes
+  const int64_t target = stats_.reserved_bytes - threshold;
   auto age = [&](int b) { return large_->get_free_blocks_call_count - blocks_[b].gc_count_base; };
   int64_t total_age = 0, freeable = 0, reclaimed = 0;
   for (int b : large_->blocks.Ids()) {
@@ -482,7 +482,7 @@ void CachingAllocator::GarbageCollect() {
 // alloc_block: a new segment (cudaMalloc of alloc_size) or, with expandable segments, new pages.
 bool CachingAllocator::AllocBlock(Pool& pool, int stream, int64_t size, int64_t alloc_size, bool retry, int& found) {
   if (retry) ++stats_.num_alloc_retries;
-  if (set_fraction_ && total_allocated_memory_ + alloc_size > allowed_memory_maximum_) return false;
+  if (set_fraction_ && stats_.reserved_bytes + alloc_size > allowed_memory_maximum_) return false;
   if (config_.expandable_segments) {
     found = TryAllocateExpandable(pool, stream, size);
     return found >= 0;
@@ -547,7 +547,6 @@ void CachingAllocator::ReleaseBlock(int id) {
   memory_.Free(b.address, b.size);
   ++stats_.num_device_free;
   --stats_.segments;
-  total_allocated_memory_ -= b.size;
   stats_.reserved_bytes -= b.size;
   b.pool->blocks.erase(id);
   DeleteBlock(id);
@@ -583,7 +582,6 @@ void CachingAllocator::UnmapBlock(int id) {
   TryMerge(id, blocks_[id].prev, pool);
   TryMerge(id, blocks_[id].next, pool);
   pool.unmapped.insert(id);
-  total_allocated_memory_ -= unmapped;
   stats_.reserved_bytes -= unmapped;
   ++stats_.num_device_free;
 }
@@ -608,7 +606,6 @@ int CachingAllocator::AllocFoundBlock(int id, int64_t size, bool split) {
     InsertFree(remaining);
   }
   blocks_[id].allocated = true;
-  stats_.active_bytes += blocks_[id].size;
   AddAllocated(blocks_[id].size);
   return id;
 }
@@ -642,7 +639,6 @@ void CachingAllocator::EventsPassed(Handle id) {
 // free_block: merges with free neighbours and returns the block to its pool.
 void CachingAllocator::FreeBlock(int id) {
   Pool& pool = *blocks_[id].pool;
-  stats_.active_bytes -= blocks_[id].size;
   TryMerge(id, blocks_[id].prev, pool);
   TryMerge(id, blocks_[id].next, pool);
   InsertFree(id);

@@ -44,6 +44,10 @@ struct AllocatorConfig {
   std::string text;                                              ///< as given (for reports)
 };
 
+/// round_size(): the size a request of `bytes` is rounded to under `config` (512-byte multiples,
+/// or roundup_power2_divisions steps between powers of two).
+int64_t RoundAllocationSize(const AllocatorConfig& config, int64_t bytes);
+
 /// Parses a PYTORCH_CUDA_ALLOC_CONF string ("" is the default). An unknown key, a malformed value
 /// or one PyTorch rejects (max_split_size_mb < 20, a threshold outside (0, 1), divisions not a power
 /// of two) is an error naming it; backend:cudaMallocAsync is refused (a different allocator).
@@ -91,12 +95,12 @@ class CountingDeviceMemory final : public DeviceMemory {
 struct AllocatorStats {
   int64_t allocated_bytes = 0, allocated_peak_bytes = 0;  ///< allocated_bytes.all.current / .peak
   int64_t reserved_bytes = 0, reserved_peak_bytes = 0;    ///< reserved_bytes.all.current / .peak
-  int64_t active_bytes = 0;                               ///< allocated + freed blocks awaiting their events
   int64_t segments = 0;                                   ///< segment.all.current (expandable: mapped ranges not counted)
   int64_t num_alloc_retries = 0;                          ///< mallocs that freed the cache and retried
   int64_t num_ooms = 0;
   int64_t num_device_alloc = 0, num_device_free = 0;      ///< cudaMalloc/map and cudaFree/unmap calls
-  /// At the reserved peak: allocated bytes then (fragmentation = reserved_peak - this).
+  /// The most allocated while reserved stood at its peak (fragmentation = reserved_peak - this:
+  /// the reserve the allocations never used, at the tightest moment).
   int64_t allocated_at_reserved_peak_bytes = 0;
 };
 
@@ -180,7 +184,6 @@ class CachingAllocator {
   void DeleteBlock(int block);
   void Splice(int block, int before, int after);
   void InsertFree(int block);
-  void EraseFree(int block);
   void AddReserved(int64_t bytes);
   void AddAllocated(int64_t bytes);
 
@@ -192,7 +195,6 @@ class CachingAllocator {
   std::vector<std::unique_ptr<Expandable>> expandable_;
   int64_t allowed_memory_maximum_ = 0;  ///< set_fraction: a cap below the device's total
   bool set_fraction_ = false;
-  int64_t total_allocated_memory_ = 0;  ///< reserved, as DeviceCachingAllocator counts it
   AllocatorStats stats_;
 };
 

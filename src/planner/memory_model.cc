@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <numeric>
 #include <utility>
 
 #include <fmt/format.h>
@@ -559,7 +560,7 @@ FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {
   if (arch != "cpu") {
     for (int64_t t = 0; t < kBlasThreads; ++t) o.cublas_workspace_blocks.insert(o.cublas_workspace_blocks.end(), {per_thread, kCublasLtWorkspace});
   }
-  o.cublas_workspace_bytes = kBlasThreads * (arch == "cpu" ? 0 : per_thread + kCublasLtWorkspace);
+  o.cublas_workspace_bytes = std::accumulate(o.cublas_workspace_blocks.begin(), o.cublas_workspace_blocks.end(), int64_t{0});
   if (auto alloc = ParseAllocatorConfig(w.config.alloc_conf); alloc.ok()) o.allocator = alloc.value();  // validated with the flags
   return o;
 }
@@ -615,11 +616,9 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
 
 int64_t IsolatedWorkspaceBytes(const FrameworkOverheads& o) {
   if (o.caching_allocator && o.allocator.expandable_segments) return -1;
-  CountingDeviceMemory none(0, 0);
-  const CachingAllocator rounding(o.allocator, none);
   int64_t small = 0, total = 0;
   for (int64_t b : o.cublas_workspace_blocks) {
-    const int64_t rounded = rounding.RoundSize(b);
+    const int64_t rounded = RoundAllocationSize(o.allocator, b);
     if (rounded <= alloc::kSmallSize) {
       if (rounded != alloc::kSmallBuffer / 2) return -1;
       ++small;
@@ -645,14 +644,16 @@ int64_t OutsideAllocatorBytes(const Workload& w, const FrameworkOverheads& o) {
   return o.cuda_context_bytes + CommunicatorCount(w) * o.nccl_bytes_per_communicator;
 }
 
+int64_t ReserveLimitBytes(const Workload& w, const FrameworkOverheads& o) { return w.hardware.memory_bytes - OutsideAllocatorBytes(w, o); }
+
 bool NeedsReplayOnCard(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors) {
-  const int64_t reserve_limit = w.hardware.memory_bytes - OutsideAllocatorBytes(w, o);
+  const int64_t reserve_limit = ReserveLimitBytes(w, o);
   return o.caching_allocator && tensors.reserved_peak_bytes > reserve_limit && tensors.allocated_peak_bytes <= reserve_limit;
 }
 
 MemoryEstimate ReplayOnCard(const Workload& w, const FrameworkOverheads& o, bool with_timeline) {
   ReplayOptions limited = ReplayOptionsFor(o, with_timeline);
-  limited.reserve_limit_bytes = w.hardware.memory_bytes - OutsideAllocatorBytes(w, o);
+  limited.reserve_limit_bytes = ReserveLimitBytes(w, o);
   limited.device_bytes = w.hardware.memory_bytes;
   return EstimateTensorMemory(w, limited);
 }

@@ -132,6 +132,8 @@ void AddHeldBytes(MemoryEstimate& estimate, int64_t bytes);
 
 /// CUDA context and NCCL buffers: the device memory outside PyTorch's allocator.
 int64_t OutsideAllocatorBytes(const Workload& workload, const FrameworkOverheads& overheads);
+/// What the allocator may reserve on the workload's card: its memory less OutsideAllocatorBytes.
+int64_t ReserveLimitBytes(const Workload& workload, const FrameworkOverheads& overheads);
 /// Whether AddFrameworkTerms replays on the card's memory for these tensors, and that replay.
 bool NeedsReplayOnCard(const Workload& workload, const FrameworkOverheads& overheads, const MemoryEstimate& tensors);
 MemoryEstimate ReplayOnCard(const Workload& workload, const FrameworkOverheads& overheads, bool with_timeline);

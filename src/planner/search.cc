@@ -139,13 +139,13 @@ class Searcher {
   MemoryEstimate Memory(Workload& w, size_t wi) {
     FrameworkOverheads o = FrameworkOverheadsFor(w);
     o.caching_allocator = false;
-    MemoryEstimate lower = AddFrameworkTerms(w, o, TensorMemory(w, wi, false), /*with_timeline=*/false);
+    MemoryEstimate lower = AddFrameworkTerms(w, o, TensorMemory(w, wi, o), /*with_timeline=*/false);
     if (!lower.fits) return lower;
     o.caching_allocator = true;
-    const MemoryEstimate tensors = TensorMemory(w, wi, true);
+    const MemoryEstimate tensors = TensorMemory(w, wi, o);
     if (!NeedsReplayOnCard(w, o, tensors)) return AddFrameworkTerms(w, o, tensors, /*with_timeline=*/false);
     // the replay on the card depends on what the allocator may reserve there, not on the rest of the card
-    const auto key = std::make_tuple(last_key_, o.cublas_workspace_bytes, w.hardware.memory_bytes - OutsideAllocatorBytes(w, o));
+    const auto key = std::make_tuple(KeyOf(w, wi, o, IsolatedWorkspaceBytes(o) >= 0), o.cublas_workspace_bytes, ReserveLimitBytes(w, o));
     auto it = on_card_cache_.find(key);
     if (it == on_card_cache_.end()) {
       FsdpConfig& c = w.config;
@@ -159,27 +159,30 @@ class Searcher {
 
   // The replay of a key with the cuBLAS workspaces it shares with other GPU types (when they sit in
   // segments of their own: IsolatedWorkspaceBytes) added back for this one.
-  MemoryEstimate TensorMemory(Workload& w, size_t wi, bool caching_allocator) {
-    FrameworkOverheads o = FrameworkOverheadsFor(w);
-    o.caching_allocator = caching_allocator;
+  MemoryEstimate TensorMemory(Workload& w, size_t wi, const FrameworkOverheads& o) {
     const int64_t isolated = IsolatedWorkspaceBytes(o);
     MemoryEstimate e = CachedTensorMemory(w, wi, o, isolated >= 0);
     if (isolated > 0) AddHeldBytes(e, isolated);
     return e;
   }
 
-  const MemoryEstimate& CachedTensorMemory(Workload& w, size_t wi, FrameworkOverheads o, bool without_workspaces) {
-    FsdpConfig& c = w.config;
-    const int64_t accum = std::min<int64_t>(c.grad_accum, 2);
+  // The replay's cache key: what it depends on (above), the accumulation up to the second micro-batch.
+  MemoryKey KeyOf(const Workload& w, size_t wi, const FrameworkOverheads& o, bool without_workspaces) const {
+    const FsdpConfig& c = w.config;
     const Strategy strategy = c.strategy == Strategy::kHybridShard ? Strategy::kFullShard : c.strategy;
-    if (without_workspaces) o.cublas_workspace_blocks.clear();
-    MemoryKey key{static_cast<int>(wi) * 2 + o.caching_allocator, w.shard_world, without_workspaces ? 0 : o.cublas_workspace_bytes, static_cast<int>(strategy),
-                  static_cast<int>(c.checkpointing), c.micro_batch, c.cpu_offload, accum};
-    last_key_ = key;
+    return MemoryKey{static_cast<int>(wi) * 2 + o.caching_allocator, w.shard_world, without_workspaces ? 0 : o.cublas_workspace_bytes,
+                     static_cast<int>(strategy), static_cast<int>(c.checkpointing), c.micro_batch, c.cpu_offload,
+                     std::min<int64_t>(c.grad_accum, 2)};
+  }
+
+  const MemoryEstimate& CachedTensorMemory(Workload& w, size_t wi, FrameworkOverheads o, bool without_workspaces) {
+    const MemoryKey key = KeyOf(w, wi, o, without_workspaces);
     auto it = memory_cache_.find(key);
     if (it != memory_cache_.end()) return it->second;
+    if (without_workspaces) o.cublas_workspace_blocks.clear();
+    FsdpConfig& c = w.config;
     const int64_t saved_accum = c.grad_accum;
-    c.grad_accum = accum;
+    c.grad_accum = std::get<7>(key);
     MemoryEstimate tensors = EstimateTensorMemory(w, CachedSchedule(w, wi), ReplayOptionsFor(o, false));
     c.grad_accum = saved_accum;
     return memory_cache_.emplace(key, std::move(tensors)).first->second;
@@ -218,7 +221,6 @@ class Searcher {
   std::vector<Checkpointing> checkpoint_modes_;  // the modes searched for this model and attention
   std::vector<Workload> workloads_;
   std::map<MemoryKey, MemoryEstimate> memory_cache_;
-  MemoryKey last_key_{};  ///< of the last TensorMemory call
   std::map<std::tuple<MemoryKey, int64_t, int64_t>, MemoryEstimate> on_card_cache_;
   std::map<std::tuple<size_t, size_t, int64_t, int>, ComputeModel> compute_cache_;
   std::map<std::tuple<size_t, int, bool, bool, bool, int64_t>, Schedule> schedule_cache_;
@@ -368,8 +370,6 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   for (int64_t s = c.seq_len / 2; s >= 512 && s >= c.seq_len / 4; s /= 2) add(fmt::format("--seq-len {}", s), [&](FsdpConfig& n) { n.seq_len = s; });
   if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
   // The allocator's own settings: expandable segments give back most of what fragmentation takes
-  // (the per-stream cache and the holes left between differently sized blocks).
-  // The allocator's own settings: expandable segments give back most of what fragmentation takes
   // (the per-stream cache and the holes left between differently sized blocks); max_split_size_mb
   // keeps large cached blocks whole for large requests; the rate limiter keeps FSDP1 from
   // reserving all-gather outputs faster than the compute stream frees them.
@@ -444,8 +444,9 @@ std::vector<Advice> AllocatorAdvice(const Workload& workload) {
 }
 
 std::vector<Advice> AdviseFit(const Workload& workload) {
-  const double base_tps = EstimateTime(AsPyTorchRuns(workload)).step.tokens_per_s_per_gpu;
-  const int64_t base_peak = EstimateMemory(AsPyTorchRuns(workload)).peak_bytes;
+  const Workload runs = AsPyTorchRuns(workload);
+  const double base_tps = EstimateTime(runs).step.tokens_per_s_per_gpu;
+  const int64_t base_peak = EstimateMemory(runs).peak_bytes;
   std::vector<Change> changes = SingleChanges(workload.config, workload.model);
   // Pairs: checkpointing first, then one more change, for configurations far from fitting.
   FsdpConfig with_ac = workload.config;
