@@ -34,12 +34,12 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
-check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash]
+check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash] [param dtype, default bf16]
   local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}
-  local both=(${9:-}) attention=${10:-eager}
+  local both=(${9:-}) attention=${10:-eager} param=${11:-bf16}
   local torch_attention=$attention; [ "$attention" = flash ] && torch_attention=sdpa  # SDPA: its flash kernel (CPU and CUDA)
   local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
-              --steps 1 --warmup 1 --param-dtype bf16 --reduce-dtype fp32 --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
+              --steps 1 --warmup 1 --param-dtype "$param" --reduce-dtype fp32 --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
   if [ "$ranks" -gt 1 ]; then  # a rank that gloo's transport aborted (an uncaught gloo::IoException, rare) gets one more run
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > "$out/$name.log" 2>&1 ||
       { grep -q "Signal [0-9]* (SIG" "$out/$name.log" && echo "torch_memory_check: $name: a rank died by a signal, run again" >&2 &&
@@ -48,7 +48,7 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
     "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   fi
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
-    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype bf16 --reduce-dtype fp32 --cublas-workspace-bytes 0 \
+    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype "$param" --reduce-dtype fp32 --cublas-workspace-bytes 0 \
     ${both[@]+"${both[@]}"} --json > "$out/$name.plan.json"
   python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
 import json, sys
@@ -66,11 +66,37 @@ if abs(error) > limit:
     sys.exit(1)
 PY
 }
-check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
+[ "${ROWS:-}" = lora ] || check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
 fsdp1_row() { check "2 ranks FSDP1 FULL_SHARD seq 1024 x 2"   2 FULL_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp1; }
 llama_block_row() { check "1 rank  llama 2k vocab AC seq 2048 x 1"     1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"; }
 gpt2_block_row() { check "1 rank  GPT-2 2k ctx 2k vocab seq 2048 x 1" 1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"; }
 op_sac_row() { check "1 rank  FULL_SHARD op-SAC seq 1024 x 2"   1 FULL_SHARD selective-op 2 1024; }
+# LoRA (peft get_peft_model on both sides; FSDP1 with peft's fsdp_auto_wrap_policy, which fsdp-plan
+# takes by default for LoRA under FSDP1): peft's default q_proj/v_proj, all-linear, dropout, a 2k
+# vocabulary that puts the peak in a block's backward, --ac full, SDPA, k_proj/up_proj only (the
+# first block's q then needs no gradient). No FSDP1 row: MemTracker cannot follow FSDP1's frozen flat
+# parameters ("cannot register a hook on a tensor that doesn't require gradient"), and under bf16
+# MixedPrecision without autocast FSDP1 with peft's wrap fails in PyTorch itself (peft casts
+# lora_A's input to the fp32 weight it sees outside that unit's forward: "expected m1 and m2 to
+# have the same dtype"); core/lora_test.cc and planner/memory_model_test.cc check FSDP1's rules. The
+# dropout row differs by ATen's CPU dropout, which saves its noise in the input dtype (bf16) where
+# CUDA's fused kernel saves the bool mask fsdp-plan counts: 1 byte per element of each adapted
+# linear's input in every block whose input requires grad.
+L=$root/models/llama-100m.json V2K=$root/tests/data/hf_configs/llama-100m-2k-vocab.json
+lora_quick_row() { check "1 rank  LoRA q,v r8 seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8"; }
+lora_rows() {
+  lora_quick_row
+  check "1 rank  LoRA all-linear r16 1024 x 2"       1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear"
+  check "1 rank  LoRA dropout 0.1 1024 x 2"          1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8 --lora-dropout 0.1"
+  check "1 rank  LoRA 2k vocab seq 2048 x 1"         1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "--lora-rank 8"
+  check "1 rank  LoRA k,up 2k vocab 2048 x 1"        1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "--lora-rank 8 --lora-targets k_proj,up_proj"
+  check "1 rank  LoRA AC full 1024 x 2"              1 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 8"
+  check "1 rank  LoRA o,down flash 1024 x 2"         1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8 --lora-targets o_proj,down_proj" flash
+}
+if [ "${ROWS:-}" = lora ]; then
+  lora_rows
+  exit 0
+fi
 if [ -n "${QUICK:-}" ]; then
   check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
   check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
@@ -78,6 +104,7 @@ if [ -n "${QUICK:-}" ]; then
   llama_block_row
   gpt2_block_row
   op_sac_row
+  lora_quick_row
   exit 0
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
@@ -104,3 +131,4 @@ op_sac_row
 check "1 rank  op-SAC flash seq 1024 x 2"        1 FULL_SHARD selective-op 2 1024 "$root/models/llama-100m.json" fsdp2 "" flash
 check "1 rank  op-SAC seq 2048 x 2 GQA"          1 FULL_SHARD selective-op 2 2048 "$root/tests/data/hf_configs/llama-100m-gqa.json"
 check "1 rank  2k vocab op-SAC seq 2048 x 1"     1 FULL_SHARD selective-op 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"
+lora_rows

@@ -200,6 +200,12 @@ def build_parser():
                    help="safetensors checkpoint directory to start from (as fsdp-run --init-from)")
     p.add_argument("--tokens", default="",
                    help="file of whitespace-separated token ids, windowed as fsdp-run --tokens")
+    p.add_argument("--lora-rank", type=non_negative_int, default=0,
+                   help="peft LoRA rank r (0: full fine-tuning): get_peft_model before sharding")
+    p.add_argument("--lora-alpha", type=positive_float, default=8.0, help="lora_alpha")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="lora_dropout")
+    p.add_argument("--lora-targets", default="",
+                   help="target_modules, comma-separated or all-linear (default: peft's for the model type)")
     p.add_argument("--loop-holds-outputs", action="store_true",
                    help="keep each step's logits until the next step's loss exists "
                         "(a loop holding outputs = model(...)), as fsdp-plan --loop-holds-outputs")
@@ -349,6 +355,26 @@ def build_model(args, device):
     return model
 
 
+def apply_lora(model, args):
+    """peft's LoRA as fsdp-plan --lora-rank models it: LoraConfig(r, lora_alpha, lora_dropout,
+    target_modules) through get_peft_model, which freezes every base parameter; the adapters are
+    fp32 like the model (autocast_adapter_dtype only upcasts bf16/fp16 adapters)."""
+    if not args.lora_rank:
+        return model
+    from peft import LoraConfig, get_peft_model
+    targets = args.lora_targets
+    if targets and targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                        target_modules=targets or None, task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def base_model(model):
+    """The transformers model under a PeftModel (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def import_fsdp2():
     try:  # torch >= 2.6
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -419,7 +445,7 @@ def apply_activation_checkpointing(model, every=1):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl, checkpoint_wrapper)
 
-    layers = decoder_layers(model)
+    layers = decoder_layers(base_model(model))
     for i in range(len(layers)):
         if (i + 1) % every != 0:
             continue
@@ -456,7 +482,7 @@ def apply_op_selective_checkpointing(model):
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
         return create_selective_checkpoint_contexts(policy)
 
-    layers = decoder_layers(model)
+    layers = decoder_layers(base_model(model))
     for i in range(len(layers)):
         layers[i] = checkpoint_wrapper(layers[i], context_fn=context, preserve_rng_state=False)
 
@@ -473,8 +499,12 @@ def shard_model_fsdp1(model, args, device):
 
     param = torch_dtype(args.param_dtype)
     layer = decoder_layer_class(args)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
+    if args.lora_rank:  # peft's policy, as transformers' Trainer installs it for a PeftModel
+        from peft.utils.other import fsdp_auto_wrap_policy
+        policy = fsdp_auto_wrap_policy(model)
     return FullyShardedDataParallel(
-        model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer}),
+        model, auto_wrap_policy=policy,
         sharding_strategy=getattr(ShardingStrategy, args.strategy),
         mixed_precision=MixedPrecision(param_dtype=param, reduce_dtype=torch_dtype(args.reduce_dtype), buffer_dtype=param),
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True, use_orig_params=False,
@@ -497,7 +527,7 @@ def shard_model(model, args, mesh):
     mp = MixedPrecisionPolicy(param_dtype=torch_dtype(args.param_dtype),
                               reduce_dtype=torch_dtype(args.reduce_dtype))
     reshard = args.strategy == "FULL_SHARD"
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(base_model(model)):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
@@ -784,7 +814,7 @@ def main(argv=None):
 
     device, rank, world = init_distributed(args.device)
     try:
-        model = build_model(args, device)
+        model = apply_lora(build_model(args, device), args)
         params = sum(p.numel() for p in model.parameters())
         notes = (strategy_notes(args.strategy, world) if args.framework == "fsdp2" else
                  [f"FullyShardedDataParallel({args.strategy}) per decoder layer and the root, "
@@ -810,6 +840,10 @@ def main(argv=None):
                      "measured.loss lists warmup steps first")
         notes.append("memory numbers are rank 0's; categories_at_peak from one extra "
                      "step under FSDPMemTracker (FSDP1: MemTracker) after the timed steps")
+        if args.lora_rank:
+            notes.append(f"LoRA: peft get_peft_model(LoraConfig(r={args.lora_rank}, lora_alpha={args.lora_alpha}, "
+                         f"lora_dropout={args.lora_dropout}, target_modules={args.lora_targets or 'peft default'})); "
+                         "FSDP1 wraps with peft's fsdp_auto_wrap_policy")
         if args.param_dtype == "fp16":
             notes.append("param_dtype fp16 runs without loss scaling (no GradScaler)")
         if args.seq_len > args.model_dict.get("max_position_embeddings", args.seq_len):

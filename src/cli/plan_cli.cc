@@ -62,6 +62,18 @@ void PrintHeader(const Workload& w, std::ostream& out) {
              c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),
              c.ac_every > 1 ? fmt::format("full on 1 block in {}", c.ac_every) : std::string(CheckpointingName(c.checkpointing)),
              AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
+  if (c.master_dtype != DType::kFp32) {
+    fmt::print(out, "pure {}: parameters, gradients and optimizer states in {} (no fp32 master copy)\n", DTypeName(c.master_dtype),
+               DTypeName(c.master_dtype));
+  }
+  if (c.lora.rank > 0) {
+    std::string targets;
+    for (const ParamOp& op : w.model.arch.block) {
+      if (op.lora_rank > 0) targets += (targets.empty() ? "" : ", ") + op.module;
+    }
+    fmt::print(out, "LoRA r={} (alpha {}, dropout {}) on {}: {} trainable parameters ({}), the base frozen\n", c.lora.rank, c.lora.alpha,
+               c.lora.dropout, targets, WithCommas(w.model.ParamsTrainable()), Percent(w.model.ParamsTrainable(), w.model.ParamsTotal()));
+  }
   if (c.loop_holds_outputs) fmt::print(out, "the training loop keeps `outputs`: the logits stay alive through the step\n");
 }
 
@@ -226,9 +238,17 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--param-dtype", f.param_dtype, "MixedPrecision param_dtype: bf16 | fp16 | fp32")->capture_default_str();
   app.add_option("--reduce-dtype", f.reduce_dtype, "MixedPrecision reduce_dtype")->capture_default_str();
   app.add_option("--buffer-dtype", f.buffer_dtype, "MixedPrecision buffer_dtype")->capture_default_str();
+  app.add_option("--master-dtype", f.master_dtype,
+                 "dtype of the sharded parameters, gradients and optimizer states: fp32 (mixed precision) | bf16 (pure bf16, no fp32 copy)")
+      ->capture_default_str();
+  app.add_option("--lora-rank", f.config.lora.rank, "LoRA rank r (peft); 0 is full fine-tuning")->capture_default_str();
+  app.add_option("--lora-alpha", f.config.lora.alpha, "lora_alpha (scales the adapters' output; no memory or time effect)")->capture_default_str();
+  app.add_option("--lora-dropout", f.config.lora.dropout, "lora_dropout p")->capture_default_str();
+  app.add_option("--lora-targets", f.config.lora.targets,
+                 "target_modules: module names (q_proj,v_proj) or all-linear (default: peft's for the model type)");
   app.add_option("--optimizer", f.optimizer, "adamw | adam | sgd | sgd-momentum")->capture_default_str();
   app.add_flag("--cpu-offload", f.config.cpu_offload, "CPUOffload(offload_params=True): params, grads and optimizer on the host");
-  app.add_option("--wrap", f.wrap, "block | size:N | none | linear")->capture_default_str();
+  app.add_option("--wrap", f.wrap, "block | size:N | none | linear | peft (with LoRA: adapters in units of their own)")->capture_default_str();
   app.add_option("--framework", f.framework, "fsdp1 (FullyShardedDataParallel) | fsdp2 (fully_shard)")->capture_default_str();
   app.add_flag("--forward-prefetch", f.config.forward_prefetch, "FSDP1 forward_prefetch=True");
   app.add_option("--backward-prefetch", f.backward_prefetch, "pre | post | none")->capture_default_str();
@@ -251,6 +271,7 @@ void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {
   flags.gpus_given = app.count("--gpus") > 0;
   flags.attention_given = app.count("--attention") > 0;
   flags.model_given = app.count("--model") > 0;
+  flags.wrap_given = app.count("--wrap") > 0;
 }
 
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
@@ -258,11 +279,16 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   Status s;
   if (!(s = Assign(c.strategy, ParseStrategy(f.strategy))).ok()) return s.error();
   if (!(s = ParseWrap(f.wrap, c)).ok()) return s.error();
+  // LoRA under FSDP1 without a --wrap: peft's policy, as transformers' Trainer installs it for a
+  // PeftModel (transformers/distributed/fsdp.py update_fsdp_plugin_peft); a decoder-layer unit
+  // would mix frozen and trainable parameters, which FSDP1 refuses without use_orig_params.
+  if (c.lora.rank > 0 && !f.wrap_given && c.wrap == WrapPolicy::kBlock && f.framework == "fsdp1" && !c.use_orig_params) c.wrap = WrapPolicy::kPeft;
   if (!(s = Assign(c.checkpointing, ParseCheckpointing(f.ac))).ok()) return s.error();
   if (!(s = Assign(c.attention, ParseAttention(f.attention))).ok()) return s.error();
   if (!(s = Assign(c.param_dtype, ParseDType(f.param_dtype, "--param-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.reduce_dtype, ParseDType(f.reduce_dtype, "--reduce-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.buffer_dtype, ParseDType(f.buffer_dtype, "--buffer-dtype"))).ok()) return s.error();
+  if (!(s = Assign(c.master_dtype, ParseDType(f.master_dtype, "--master-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.optimizer, ParseOptimizer(f.optimizer))).ok()) return s.error();
   if (!(s = Assign(c.framework, ParseFramework(f.framework))).ok()) return s.error();
   if (!(s = Assign(c.backward_prefetch, ParseBackwardPrefetch(f.backward_prefetch))).ok()) return s.error();

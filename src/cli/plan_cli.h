@@ -18,10 +18,10 @@ struct PlanFlags {
   std::string model;
   std::string gpu = "h100-sxm";
   std::string cluster;           ///< hardware/clusters id or path; sets GPU, GPUs per node and count
-  bool gpu_given = false, gpus_given = false, attention_given = false, model_given = false;
+  bool gpu_given = false, gpus_given = false, attention_given = false, model_given = false, wrap_given = false;
   FsdpConfig config;
   std::string strategy = "full_shard", wrap = "block", ac = "none", attention = "flash";
-  std::string param_dtype = "bf16", reduce_dtype = "fp32", buffer_dtype = "bf16";
+  std::string param_dtype = "bf16", reduce_dtype = "fp32", buffer_dtype = "bf16", master_dtype = "fp32";
   std::string optimizer = "adamw", framework = "fsdp1", backward_prefetch = "pre";
   bool no_limit_all_gathers = false;
   std::optional<int64_t> cuda_context_bytes, nccl_bytes, cublas_workspace_bytes;

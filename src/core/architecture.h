@@ -26,6 +26,10 @@ struct ParamOp {
   bool trainable = true;      ///< requires_grad (TensorSpec::trainable of its tensors)
   /// norm: over head_dim on every head of q or k (Qwen3's q_norm, k_norm), not over the hidden size
   bool head_norm = false;
+  /// linear: > 0 when peft's LoRA wraps it (core/lora.h): the frozen weight moves to
+  /// "<module>.base_layer", beside lora_A ([rank, in]) and lora_B ([out, rank]) adapters
+  int64_t lora_rank = 0;
+  double lora_dropout = 0;  ///< with lora_rank: its lora_dropout's p
 };
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)
@@ -50,6 +54,12 @@ struct Architecture {
   /// rather than in the compute dtype (GPT-2's)
   bool softmax_fp32 = true;
   std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
+  /// The modules peft's LoRA targets when none are named: its
+  /// TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for the model type (peft/utils/constants.py)
+  std::vector<std::string> lora_default_targets = {"q_proj", "v_proj"};
+  /// Every parameter outside the LoRA adapters is frozen (requires_grad=False), as peft's
+  /// get_peft_model leaves them: the embedding, final norm and lm_head too.
+  bool base_frozen = false;
 };
 
 }  // namespace fsdp

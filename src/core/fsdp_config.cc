@@ -45,6 +45,7 @@ std::string_view WrapPolicyName(WrapPolicy w) {
     case WrapPolicy::kSize: return "size";
     case WrapPolicy::kNone: return "none";
     case WrapPolicy::kLinear: return "linear";
+    case WrapPolicy::kPeft: return "peft";
   }
   return "?";
 }
@@ -89,6 +90,7 @@ Status ParseWrap(std::string_view t, FsdpConfig& config) {
   if (t == "block") { config.wrap = WrapPolicy::kBlock; return {}; }
   if (t == "none") { config.wrap = WrapPolicy::kNone; return {}; }
   if (t == "linear") { config.wrap = WrapPolicy::kLinear; return {}; }
+  if (t == "peft") { config.wrap = WrapPolicy::kPeft; return {}; }
   if (t.starts_with("size:")) {
     std::string number(t.substr(5));
     char* end = nullptr;
@@ -100,7 +102,7 @@ Status ParseWrap(std::string_view t, FsdpConfig& config) {
     config.wrap_min_params = static_cast<int64_t>(n);
     return {};
   }
-  return Unknown("wrap policy", t, "block, size:N, none or linear");
+  return Unknown("wrap policy", t, "block, size:N, none, linear or peft");
 }
 
 Result<Checkpointing> ParseCheckpointing(std::string_view t) {
@@ -132,6 +134,33 @@ Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view t) {
   if (t == "post" || t == "BACKWARD_POST") return BackwardPrefetch::kPost;
   if (t == "none") return BackwardPrefetch::kNone;
   return Unknown("backward prefetch", t, "pre, post or none");
+}
+
+// The master dtype: fp32 (mixed precision's master copy) or bf16 (pure bf16: parameters, gradients
+// and optimizer states in bf16). fp16 masters have no fp32 copy for GradScaler to unscale into
+// (torch/amp/grad_scaler.py refuses "Attempting to unscale FP16 gradients").
+static Status ValidatePrecision(const FsdpConfig& c) {
+  if (c.master_dtype == DType::kFp16) {
+    return Error::BadInput("--master-dtype fp16: GradScaler cannot unscale fp16 gradients; train fp16 with --master-dtype fp32");
+  }
+  if (BytesPerElement(c.param_dtype) > BytesPerElement(c.master_dtype)) {
+    return Error::BadInput(fmt::format("--param-dtype {} is wider than --master-dtype {}: FSDP casts the stored parameters down for compute, not up",
+                                       DTypeName(c.param_dtype), DTypeName(c.master_dtype)));
+  }
+  if (c.master_dtype == DType::kBf16 && c.param_dtype != DType::kBf16) {
+    return Error::BadInput(fmt::format("--master-dtype bf16 computes in bf16; --param-dtype {} does not match", DTypeName(c.param_dtype)));
+  }
+  return {};
+}
+
+static Status ValidateLora(const LoraConfig& l, WrapPolicy wrap) {
+  if (l.rank < 0 || l.rank > (int64_t{1} << 20)) return Error::BadInput(fmt::format("--lora-rank {} is out of range (0 for full fine-tuning, or 1..1048576)", l.rank));
+  if (!(l.dropout >= 0 && l.dropout < 1)) return Error::BadInput(fmt::format("--lora-dropout {} is not a probability in [0, 1)", l.dropout));
+  if (!(l.alpha > 0 && l.alpha < 1e9)) return Error::BadInput(fmt::format("--lora-alpha {} is not a positive number", l.alpha));
+  if (l.rank == 0 && !l.targets.empty()) return Error::BadInput("--lora-targets needs --lora-rank R > 0");
+  if (l.rank == 0 && l.dropout != 0) return Error::BadInput("--lora-dropout needs --lora-rank R > 0");
+  if (l.rank == 0 && wrap == WrapPolicy::kPeft) return Error::BadInput("--wrap peft wraps LoRA adapters; it needs --lora-rank R > 0");
+  return {};
 }
 
 Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareSpec& hw) {
@@ -174,7 +203,8 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   if (c.reduce_dtype == DType::kFp16 && c.param_dtype == DType::kBf16) {
     return Error::BadInput("--reduce-dtype fp16 with --param-dtype bf16 loses range; use fp32 or bf16");
   }
-  return {};
+  if (Status s = ValidatePrecision(c); !s.ok()) return s;
+  return ValidateLora(c.lora, c.wrap);
 }
 
 // torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are kept.

@@ -14,7 +14,9 @@ struct ModelSpec;
 struct HardwareSpec;
 
 enum class Strategy { kFullShard, kShardGradOp, kNoShard, kHybridShard };
-enum class WrapPolicy { kBlock, kSize, kNone, kLinear };
+/// kPeft: peft's fsdp_auto_wrap_policy (the decoder layers, and each leaf module with a trainable
+/// weight, i.e. every LoRA adapter, in a unit of its own), accelerate's default for a PeftModel.
+enum class WrapPolicy { kBlock, kSize, kNone, kLinear, kPeft };
 /// kSelective: fsdpkit's (Korthikanti et al.'s attention core recomputed); kSelectiveOp:
 /// torchtitan's op-level selective AC (every matmul output but every second one of a block, and the
 /// SDPA kernel's outputs, kept; every other op recomputed); kFull: the whole block recomputed.
@@ -23,6 +25,18 @@ enum class Attention { kEager, kFlash };
 enum class Optimizer { kAdamW, kAdam, kSgd, kSgdMomentum };
 enum class Framework { kFsdp1, kFsdp2 };
 enum class BackwardPrefetch { kPre, kPost, kNone };
+
+/// peft's LoraConfig (peft/tuners/lora/config.py), applied to the model by BuildWorkload
+/// (core/lora.h): every base parameter frozen, a pair of adapters beside each targeted linear.
+struct LoraConfig {
+  int64_t rank = 0;      ///< r; 0 is full fine-tuning (no adapters, every parameter trained)
+  double alpha = 8;      ///< lora_alpha (peft's default 8): the output scale alpha / r, no memory or time effect
+  double dropout = 0;    ///< lora_dropout: p > 0 gives each adapted linear a dropout of its own, whose output lora_A saves
+  /// target_modules: comma-separated module names ("q_proj,v_proj"), "all-linear" (every linear of
+  /// the decoder blocks; peft leaves the output layer out), or "" for peft's default for the model type
+  std::string targets;
+  bool operator==(const LoraConfig&) const = default;
+};
 
 /// One FSDP configuration. Defaults are what people run today: FULL_SHARD, one unit per block,
 /// bf16 parameters with fp32 gradient reduction (torchtitan's default), AdamW, FSDP1 defaults for
@@ -47,7 +61,10 @@ struct FsdpConfig {
   DType param_dtype = DType::kBf16;
   DType reduce_dtype = DType::kFp32;
   DType buffer_dtype = DType::kBf16;
-  DType master_dtype = DType::kFp32;  ///< dtype of the model's own (sharded) parameters
+  /// dtype of the model's own (sharded) parameters, so of the gradients FSDP hands the optimizer
+  /// and of the optimizer's states (torch.optim creates them zeros_like the parameter): fp32 is
+  /// mixed precision's master copy, bf16 a model loaded in bf16 and trained without one
+  DType master_dtype = DType::kFp32;
   Optimizer optimizer = Optimizer::kAdamW;
   bool cpu_offload = false;
   Framework framework = Framework::kFsdp1;
@@ -62,10 +79,11 @@ struct FsdpConfig {
   bool loop_holds_outputs = false;
   /// PYTORCH_CUDA_ALLOC_CONF, verbatim (core/caching_allocator.h parses it; "" is PyTorch's default).
   std::string alloc_conf;
+  LoraConfig lora;                 ///< rank 0: full fine-tuning
 };
 
 std::string_view StrategyName(Strategy s);        ///< "FULL_SHARD", ...
-std::string_view WrapPolicyName(WrapPolicy w);    ///< "block", "size", "none", "linear"
+std::string_view WrapPolicyName(WrapPolicy w);    ///< "block", "size", "none", "linear", "peft"
 std::string_view CheckpointingName(Checkpointing c);
 std::string_view AttentionName(Attention a);
 std::string_view OptimizerName(Optimizer o);
@@ -73,7 +91,7 @@ std::string_view FrameworkName(Framework f);
 std::string_view BackwardPrefetchName(BackwardPrefetch p);
 
 Result<Strategy> ParseStrategy(std::string_view text);
-/// "block", "none", "linear" or "size:N" (N parameters, e.g. size:1e8 or size:100000000).
+/// "block", "none", "linear", "peft" or "size:N" (N parameters, e.g. size:1e8 or size:100000000).
 Status ParseWrap(std::string_view text, FsdpConfig& config);
 Result<Checkpointing> ParseCheckpointing(std::string_view text);
 Result<Attention> ParseAttention(std::string_view text);

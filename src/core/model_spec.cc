@@ -29,9 +29,15 @@ void AddOp(std::vector<TensorSpec>& out, const Architecture& a, const ParamOp& o
     return;
   }
   const double share = op.experts > 0 ? static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts) : 1.0;
-  AddTensor(out, module + ".weight", op.conv1d ? std::vector<int64_t>{op.in, op.out} : std::vector<int64_t>{op.out, op.in}, block, true, share,
+  // peft's lora.Linear holds the wrapped module as base_layer, registered before its adapters
+  const std::string base = op.lora_rank > 0 ? module + ".base_layer" : module;
+  AddTensor(out, base + ".weight", op.conv1d ? std::vector<int64_t>{op.in, op.out} : std::vector<int64_t>{op.out, op.in}, block, true, share,
             op.trainable);
-  if (op.bias) AddTensor(out, module + ".bias", {op.out}, block, true, share, op.trainable);
+  if (op.bias) AddTensor(out, base + ".bias", {op.out}, block, true, share, op.trainable);
+  if (op.lora_rank > 0) {
+    AddTensor(out, module + ".lora_A.default.weight", {op.lora_rank, op.in}, block, true, share);
+    AddTensor(out, module + ".lora_B.default.weight", {op.out, op.lora_rank}, block, true, share);
+  }
 }
 
 // A block's modules; a run of expert modules is expanded expert by expert (experts.0.w1, .w3, .w2,
@@ -72,11 +78,12 @@ std::vector<TensorSpec> BuildInventory(const ModelSpec& m) {
   const Architecture& a = m.arch;
   const int64_t h = m.hidden_size;
   std::vector<TensorSpec> out;
-  AddTensor(out, a.names.embedding + ".weight", {m.vocab_size, h}, -1, false);
-  if (!a.names.positions.empty()) AddTensor(out, a.names.positions + ".weight", {m.max_position_embeddings, h}, -1, false);
+  const bool train = !a.base_frozen;
+  AddTensor(out, a.names.embedding + ".weight", {m.vocab_size, h}, -1, false, 1.0, train);
+  if (!a.names.positions.empty()) AddTensor(out, a.names.positions + ".weight", {m.max_position_embeddings, h}, -1, false, 1.0, train);
   for (int b = 0; b < m.num_layers; ++b) AddBlock(out, a, fmt::format("{}.{}.", a.names.blocks, b), b);
-  AddNorm(out, a.norm, a.names.final_norm, h, -1);
-  if (!m.tie_word_embeddings) AddTensor(out, a.names.lm_head + ".weight", {m.vocab_size, h}, -1, true);
+  AddNorm(out, a.norm, a.names.final_norm, h, -1, train);
+  if (!m.tie_word_embeddings) AddTensor(out, a.names.lm_head + ".weight", {m.vocab_size, h}, -1, true, 1.0, train);
   return out;
 }
 
@@ -89,6 +96,10 @@ InventorySize CountInventory(const ModelSpec& m) {
     InventorySize one = op.kind == ParamOp::Kind::kNorm
                             ? norm(static_cast<double>(op.out))
                             : InventorySize{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
+    if (op.lora_rank > 0) {
+      one.tensors += 2;
+      one.params += static_cast<double>(op.lora_rank) * static_cast<double>(op.in + op.out);
+    }
     const double copies = op.experts > 0 ? static_cast<double>(op.experts) : 1.0;
     block.tensors += one.tensors * copies;
     block.params += one.params * copies;
@@ -112,6 +123,12 @@ int64_t TensorSpec::numel() const {
 std::string TensorSpec::module() const {
   auto dot = name.rfind('.');
   return dot == std::string::npos ? std::string() : name.substr(0, dot);
+}
+
+int64_t ModelSpec::ParamsTrainable() const {
+  int64_t n = 0;
+  for (const TensorSpec& t : tensors) n += t.trainable ? t.numel() : 0;
+  return n;
 }
 
 int64_t ModelSpec::ParamsTotal() const {

@@ -66,6 +66,8 @@ struct ModelSpec {
   std::vector<TensorSpec> tensors;  ///< in forward execution order; a tied lm_head is not repeated
 
   int64_t ParamsTotal() const;
+  /// Parameters that require grad (all of them in full training; the adapters under LoRA).
+  int64_t ParamsTrainable() const;
   /// Parameters of decoder block `block`.
   int64_t BlockParams(int block) const;
   /// Parameters active per token (MoE: only experts_per_token experts count).

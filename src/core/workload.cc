@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "core/lora.h"
+
 namespace fsdp {
 namespace {
 
@@ -104,6 +106,14 @@ void MarkUnits(std::vector<ModuleNode>& nodes, const ModelSpec& model, const Fsd
       case WrapPolicy::kLinear:
         if (!n.tensors.empty() && model.tensors[n.tensors.front()].in_linear) n.unit = 1;
         break;
+      case WrapPolicy::kPeft:
+        // peft's fsdp_auto_wrap_policy: the decoder layers, and every leaf module whose weight
+        // requires grad (the LoRA adapters) in a unit of its own (peft/utils/other.py)
+        if (n.role == ModuleNode::Role::kBlock ||
+            (n.children.empty() && !n.tensors.empty() && model.tensors[n.tensors.front()].trainable && n.path != "")) {
+          n.unit = 1;
+        }
+        break;
       case WrapPolicy::kNone:
       case WrapPolicy::kSize: break;
     }
@@ -151,10 +161,21 @@ int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, con
   }
   // FSDP1 FlatParamHandle: with use_orig_params each parameter starts at a 16-byte boundary of the
   // flat parameter's dtype (_get_aligned_numel); the total is then padded to a multiple of world.
-  const int64_t align = config.use_orig_params ? 16 / BytesPerElement(config.master_dtype) : 1;
-  int64_t total = 0;
-  for (int t : tensors) total = RoundUp(total, align) + model.tensors[t].numel();
+  const std::vector<int64_t> starts = Fsdp1FlatOffsets(model, tensors, config);
+  const int64_t total = tensors.empty() ? 0 : starts.back() + model.tensors[tensors.back()].numel();
   return RoundUp(total, world);
+}
+
+std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config) {
+  const int64_t align = config.use_orig_params ? 16 / BytesPerElement(config.master_dtype) : 1;
+  std::vector<int64_t> starts;
+  starts.reserve(tensors.size());
+  int64_t total = 0;
+  for (int t : tensors) {
+    starts.push_back(RoundUp(total, align));
+    total = starts.back() + model.tensors[t].numel();
+  }
+  return starts;
 }
 
 int64_t Workload::ShardNumelTotal() const {
@@ -257,7 +278,23 @@ void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
 
 }  // namespace
 
+// FSDP1 flattens a unit's parameters into one FlatParameter, which takes one requires_grad unless
+// use_orig_params=True (torch/distributed/fsdp/_flat_param.py, FlatParamHandle._init_flat_param_and_metadata).
+Status CheckUniformRequiresGrad(const Workload& w, const FsdpConfig& config) {
+  if (config.framework != Framework::kFsdp1 || config.use_orig_params) return {};
+  for (const WrapUnit& u : w.units) {
+    if (u.trainable_numel != 0 && u.trainable_numel != u.numel) {
+      return Error::BadInput(fmt::format("FSDP1 unit '{}' mixes frozen and trainable parameters, which PyTorch refuses without use_orig_params "
+                                         "(\"Must flatten tensors with uniform requires_grad when use_orig_params=False\"): add --use-orig-params, "
+                                         "or --wrap peft (adapters in units of their own)",
+                                         u.name));
+    }
+  }
+  return {};
+}
+
 Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config) {
+  if (config.lora != w.config.lora) return Error::BadInput("Reconfigure cannot change the LoRA configuration: build a new workload");
   if (Status s = ResolveAndValidate(config, w.model, hardware); !s.ok()) return s;
   const bool rewrap = w.units.empty() || config.wrap != w.config.wrap ||
                       (config.wrap == WrapPolicy::kSize && config.wrap_min_params != w.config.wrap_min_params);
@@ -266,6 +303,10 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
   // padding depends only on the units, the shard world and the flat-parameter layout
   const bool repad = rewrap || world != w.shard_world || config.framework != w.config.framework ||
                      config.use_orig_params != w.config.use_orig_params || config.master_dtype != w.config.master_dtype;
+  if (Status s = CheckUniformRequiresGrad(w, config); !s.ok()) {
+    if (rewrap && !w.units.empty()) ApplyWrapPolicy(w, w.config);  // left as it was
+    return s;
+  }
   w.shard_world = world;
   w.replicas = ReplicaCount(config);
   if (repad) {
@@ -291,7 +332,9 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
 
 Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config) {
   if (Status s = ResolveAndValidate(config, model, hardware); !s.ok()) return s.error();
+  if (Status s = ApplyLora(model, config.lora); !s.ok()) return s.error();
   Workload w;
+  w.config.lora = config.lora;
   w.nodes = BuildModuleTree(model);
   w.model = std::move(model);
   if (Status s = Reconfigure(w, hardware, config); !s.ok()) return s.error();

@@ -120,4 +120,8 @@ Status Reconfigure(Workload& workload, const HardwareSpec& hardware, FsdpConfig 
 /// multiple of world) or FSDP2 per-parameter dim-0 padding.
 int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world);
 
+/// FSDP1: where each of `tensors` starts in its unit's flat parameter (16-byte aligned with
+/// use_orig_params, packed without), in elements.
+std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config);
+
 }  // namespace fsdp

@@ -140,12 +140,16 @@ TEST_CASE("frozen parameters: FSDP1 still reduces the whole flat parameter, FSDP
   for (TensorSpec& t : m.tensors) t.trainable = t.name != "model.embed_tokens.weight";
   FsdpConfig c;
   c.gpus = 3;
+  // FSDP1 refuses a flat parameter of mixed requires_grad without use_orig_params
+  CHECK_FALSE(BuildWorkload(m, testing::GibGpu(), c).ok());
+  c.use_orig_params = true;  // every size is a multiple of its 4-element alignment: no padding between
   Workload fsdp1 = BuildWorkload(m, testing::GibGpu(), c).value();
   CHECK(fsdp1.units[0].trainable_numel == 136);  // norm 8 + lm_head 128
   CHECK(fsdp1.units[0].grad_padded_numel == 264);
   CHECK(fsdp1.units[0].grad_shard_numel == 88);
   CHECK(fsdp1.units[1].grad_padded_numel == 594);
   c.framework = Framework::kFsdp2;
+  c.use_orig_params = false;
   Workload fsdp2 = BuildWorkload(m, testing::GibGpu(), c).value();
   // norm [8] -> 9 rows on 3 ranks, lm_head [16, 8] -> 18 rows of 8: 153, 51 per rank
   CHECK(fsdp2.units[0].grad_padded_numel == 9 + 144);

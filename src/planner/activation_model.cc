@@ -27,6 +27,44 @@ Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg) {
               m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token};
 }
 
+// Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
+std::string_view Name(std::string_view module, std::string_view what) {
+  static std::set<std::string, std::less<>> names;
+  std::string name = fmt::format("{}.{}", module, what);
+  return *names.insert(std::move(name)).first;
+}
+
+// Which inputs of a norm need a gradient.
+struct NormGrad {
+  bool input = true;   // its input requires grad
+  bool weight = true;  // its weight is trainable
+};
+
+// The block's first parameter-owning module whose path is `name` or ends in "." + `name`, or null.
+const ParamOp* FindOp(const ModelSpec& m, std::string_view name) {
+  for (const ParamOp& op : m.arch.block) {
+    const std::string_view path = op.module;
+    if (path == name || (path.size() > name.size() && path.ends_with(name) && path[path.size() - name.size() - 1] == '.')) return &op;
+  }
+  return nullptr;
+}
+
+// A linear's output requires grad whatever its input: its weight is trained or an adapter is.
+bool Trains(const ParamOp* op) { return op == nullptr || op->trainable || op->lora_rank > 0; }
+// A linear saves its input: for its weight's gradient, or for lora_A's when no dropout copies it.
+bool SavesInput(const ParamOp* op) { return op == nullptr || op->trainable || (op->lora_rank > 0 && op->lora_dropout == 0); }
+
+// What peft's LoRA adds for an adapted linear reading `in` features (peft/tuners/lora/layer.py
+// Linear.forward: lora_B(lora_A(dropout(x))) * scaling): lora_B saves lora_A's [T, r] output; with
+// dropout lora_A saves the dropout's output, and the dropout its mask when x requires grad.
+void AddLoraSaved(std::vector<SavedTensor>& out, const ParamOp* op, bool input_requires_grad, const Dims& d) {
+  if (op == nullptr || op->lora_rank == 0) return;
+  out.push_back({Name(op->module, "lora_A_out"), d.c * op->lora_rank * d.tokens});
+  if (op->lora_dropout == 0) return;
+  out.push_back({Name(op->module, "lora_dropout_out"), d.c * op->in * d.tokens});
+  if (input_requires_grad) out.push_back({Name(op->module, "lora_dropout_mask"), op->in * d.tokens});
+}
+
 // The norms a block runs, in forward order (core/families/: the input norm, then the
 // post-attention one), for the names of their saved tensors.
 std::vector<std::string_view> BlockNorms(const ModelSpec& m) {
@@ -37,51 +75,66 @@ std::vector<std::string_view> BlockNorms(const ModelSpec& m) {
   return norms;
 }
 
-// Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
-std::string_view Name(std::string_view module, std::string_view what) {
-  static std::set<std::string, std::less<>> names;
-  std::string name = fmt::format("{}.{}", module, what);
-  return *names.insert(std::move(name)).first;
-}
-
 // What a norm's forward saves. LlamaRMSNorm upcasts to fp32: pow() saves the fp32 input, rsqrt()
 // its [T,1] result, weight * x.to(dtype) the normalised input in the compute dtype (for the
 // weight's gradient) (saved_tensors_hooks on transformers 5.24: docs/memory-model.md). Native
 // LayerNorm saves its input and fp32 mean and rstd.
-void AddNorm(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d) {
+// Autograd saves an op's input only for the gradients it will compute (torchgen's
+// gen_variable_type.py guards each SavedVariable with should_compute_output): RMSNorm's fp32 input
+// and rsqrt only when its input requires grad, the normalised input only for a trainable weight;
+// LayerNorm's input and statistics when either does. Full training: all of them.
+void AddNorm(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d, const NormGrad& g = {}) {
   if (kind == NormKind::kLayer) {
+    if (!g.input && !g.weight) return;
     out.push_back({Name(module, "in"), d.c * d.h * d.tokens});
     out.push_back({Name(module, "stats"), 8 * d.tokens});
     return;
   }
-  out.push_back({Name(module, "x_fp32"), 4 * d.h * d.tokens});
-  out.push_back({Name(module, "rsqrt"), 4 * d.tokens});
-  out.push_back({Name(module, "x_normalized"), d.c * d.h * d.tokens});
+  if (g.input) {
+    out.push_back({Name(module, "x_fp32"), 4 * d.h * d.tokens});
+    out.push_back({Name(module, "rsqrt"), 4 * d.tokens});
+  }
+  if (g.weight) out.push_back({Name(module, "x_normalized"), d.c * d.h * d.tokens});
 }
 
-// A norm followed by the linear(s) that read its output, which save it (once, when several do).
-void AddNormAndLinearInput(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d) {
-  AddNorm(out, kind, module, d);
-  out.push_back({Name(module, "out"), d.c * d.h * d.tokens});
+// A norm followed by the linear(s) that read its output, which save it (once, when several do):
+// unless every reader is frozen (a frozen linear needs only its weight for the input's gradient)
+// and none has a LoRA adapter reading it undropped.
+void AddNormAndLinearInput(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d, const NormGrad& g = {},
+                           bool read_saved = true) {
+  AddNorm(out, kind, module, d, g);
+  if (read_saved) out.push_back({Name(module, "out"), d.c * d.h * d.tokens});
 }
+
+// Which tensors of a block's forward require grad, in forward order, from its input's and its
+// modules' (Trains). Full training: every one.
+struct BlockFlow {
+  bool input = true;           // the block's input hidden states
+  bool norm1 = true, q = true, k = true, v = true;  // outputs of the first norm and the projections
+  bool scores = true;          // q k^T
+  bool attn_out = true;        // the attention core's output (SDPA: any of q, k, v)
+  bool hidden = true;          // after the attention residual
+  bool norm2 = true;
+};
 
 // The attention core between the projections. Eager: the softmax's output (HF Llama-style
 // eager_attention_forward runs it in fp32 and casts the probabilities back; GPT-2's runs in the
 // compute dtype) and dropout's mask and output. SDPA's flash/memory-efficient kernels save a fp32
-// log-sum-exp per row beside q, k, v and the output.
-void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+// log-sum-exp per row beside q, k, v and the output. The softmax saves its output when the scores
+// require grad; probs @ v saves the probabilities only for v's gradient.
+void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
   if (cfg.attention != Attention::kEager) {
-    out.push_back({m.arch.fused_qkv ? "attn.lse" : "self_attn.lse", 4 * d.heads * d.tokens});
+    if (f.attn_out) out.push_back({m.arch.fused_qkv ? "attn.lse" : "self_attn.lse", 4 * d.heads * d.tokens});
     return;
   }
   if (m.arch.softmax_fp32) {
-    out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
-    if (d.c != 4) out.push_back({"attn_core.probs", d.c * scores, true});
-  } else {
+    if (f.scores) out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
+    if (d.c != 4 && f.v) out.push_back({"attn_core.probs", d.c * scores, true});
+  } else if (f.scores || f.v) {
     out.push_back({"attn_core.probs", d.c * scores, true});
   }
-  if (m.attention_dropout > 0) {
+  if (m.attention_dropout > 0 && f.scores) {
     out.push_back({"attn_core.dropout_mask", scores, true});
     out.push_back({"attn_core.dropout_out", d.c * scores, true});
   }
@@ -93,39 +146,49 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const F
 // belongs to the core that selective checkpointing recomputes (SelectiveCheckpointInputs then
 // keeps k and v at kv-head width). SDPA saves k after RoPE and v at kv-head width; its output is
 // [B, s, a, d] underneath, so HF's transpose(1, 2).contiguous() copies nothing and o_proj saves
-// that same tensor (counted once, as o_proj_in).
-void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+// that same tensor (counted once, as o_proj_in). Eager q k^T saves q for k's gradient and k for
+// q's; SDPA saves all of them once any requires grad.
+void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
+  for (const char* name : {"q_proj", "k_proj", "v_proj"}) AddLoraSaved(out, FindOp(m, name), f.norm1, d);
   // Qwen3's q_norm / k_norm (an RMSNorm per head, before RoPE): as AddNorm's RMSNorm, over the
   // heads' features, its rsqrt one per (token, head). Not yet checked against PyTorch.
   for (const ParamOp& op : m.arch.block) {
     if (op.kind != ParamOp::Kind::kNorm || !op.head_norm) continue;
     const bool is_k = op.module.find("k_norm") != std::string::npos;
     const int64_t features = is_k ? kv : q, heads = (is_k ? d.kv_heads : d.heads) * d.tokens;
-    out.push_back({Name(op.module, "x_fp32"), 4 * features});
-    out.push_back({Name(op.module, "rsqrt"), 4 * heads});
-    out.push_back({Name(op.module, "x_normalized"), d.c * features});
+    if (is_k ? f.k : f.q) {
+      out.push_back({Name(op.module, "x_fp32"), 4 * features});
+      out.push_back({Name(op.module, "rsqrt"), 4 * heads});
+    }
+    if (op.trainable) out.push_back({Name(op.module, "x_normalized"), d.c * features});
   }
-  out.push_back({"self_attn.q_rope", d.c * q});
-  if (cfg.attention == Attention::kEager) {
+  const bool eager = cfg.attention == Attention::kEager;
+  if (eager ? f.k : f.attn_out) out.push_back({"self_attn.q_rope", d.c * q});
+  if (eager) {
     const bool gqa = d.kv_heads < d.heads;
-    out.push_back({"self_attn.k_repeated", d.c * q, gqa});
-    out.push_back({"self_attn.v_repeated", d.c * q, gqa});
-    AddAttentionCore(out, m, cfg, d);
-  } else {
+    if (f.q) out.push_back({"self_attn.k_repeated", d.c * q, gqa});
+    if (f.scores) out.push_back({"self_attn.v_repeated", d.c * q, gqa});
+    AddAttentionCore(out, m, cfg, d, f);
+  } else if (f.attn_out) {
     out.push_back({"self_attn.k_rope", d.c * kv});
     out.push_back({"self_attn.v", d.c * kv});
-    AddAttentionCore(out, m, cfg, d);
+    AddAttentionCore(out, m, cfg, d, f);
   }
-  out.push_back({"self_attn.o_proj_in", d.c * q});
+  const ParamOp* o = FindOp(m, "o_proj");
+  if ((!eager && f.attn_out) || SavesInput(o)) out.push_back({"self_attn.o_proj_in", d.c * q});
+  AddLoraSaved(out, o, f.attn_out, d);
 }
 
 // One fused q/k/v projection (GPT-2's c_attn) without RoPE: q, k and v are views of its output,
 // which stays saved.
-void AddFusedAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
-  out.push_back({"attn.qkv", d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens});
-  AddAttentionCore(out, m, cfg, d);
-  out.push_back({"attn.c_proj_in", d.c * d.h * d.tokens});
+void AddFusedAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
+  AddLoraSaved(out, FindOp(m, "attn.c_attn"), f.norm1, d);
+  if (f.scores) out.push_back({"attn.qkv", d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens});
+  AddAttentionCore(out, m, cfg, d, f);
+  const ParamOp* proj = FindOp(m, "attn.c_proj");
+  if (SavesInput(proj)) out.push_back({"attn.c_proj_in", d.c * d.h * d.tokens});
+  AddLoraSaved(out, proj, f.attn_out, d);
 }
 
 // The MLP after its norm. Gated (SwiGLU): gate's output (SiLU's input), SiLU's output, up's output
@@ -133,15 +196,23 @@ void AddFusedAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
 // then for each of the top_k (token, expert) pairs the gathered input, w1/act/w3/product and w2's
 // output. Plain (GPT-2's fc + activation + proj): the activation's saved tensors (transformers'
 // NewGELUActivation is written in Python and saves input, tanh, 0.5*x and 1+tanh) and proj's input.
-void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d) {
+// Gated under LoRA: SiLU saves its input when gate's output requires grad, act * up saves each
+// factor for the other's gradient, down saves its input as any linear (SavesInput).
+void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d, const BlockFlow& f) {
   const int64_t x = d.c * d.inner * d.tokens;
   switch (m.arch.mlp) {
-    case MlpKind::kGated:
-      out.push_back({"mlp.gate_out", x});
-      out.push_back({"mlp.act_out", x});
-      out.push_back({"mlp.up_out", x});
-      out.push_back({"mlp.down_in", x});
+    case MlpKind::kGated: {
+      const ParamOp *gate = FindOp(m, "gate_proj"), *up = FindOp(m, "up_proj"), *down = FindOp(m, "down_proj");
+      AddLoraSaved(out, gate, f.norm2, d);
+      AddLoraSaved(out, up, f.norm2, d);
+      const bool gate_rg = f.norm2 || Trains(gate), up_rg = f.norm2 || Trains(up);
+      if (gate_rg) out.push_back({"mlp.gate_out", x});
+      if (up_rg) out.push_back({"mlp.act_out", x});
+      if (gate_rg) out.push_back({"mlp.up_out", x});
+      if (SavesInput(down)) out.push_back({"mlp.down_in", x});
+      AddLoraSaved(out, down, gate_rg || up_rg, d);
       return;
+    }
     case MlpKind::kMoe: {
       const int64_t pairs = d.top_k * d.tokens;
       out.push_back({"moe.router_logits", d.c * d.experts * d.tokens});
@@ -151,31 +222,66 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d) {
       out.push_back({"moe.w2_out", d.c * d.h * pairs});
       return;
     }
-    case MlpKind::kPlain:
-      if (m.activation == "gelu_new") {
-        out.push_back({"mlp.gelu_new_saved", 4 * x});
-      } else {
-        out.push_back({"mlp.act_in", x});
-      }
-      out.push_back({"mlp.c_proj_in", x});
+    case MlpKind::kPlain: {
+      const ParamOp *fc = FindOp(m, "mlp.c_fc"), *proj = FindOp(m, "mlp.c_proj");
+      AddLoraSaved(out, fc, f.norm2, d);
+      const bool fc_rg = f.norm2 || Trains(fc);
+      if (fc_rg) out.push_back({m.activation == "gelu_new" ? "mlp.gelu_new_saved" : "mlp.act_in", m.activation == "gelu_new" ? 4 * x : x});
+      if (SavesInput(proj)) out.push_back({"mlp.c_proj_in", x});
+      AddLoraSaved(out, proj, fc_rg, d);
       return;
+    }
   }
+}
+
+// The grad flow through a Llama-style block (split q/k/v) from its input's.
+BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
+  BlockFlow f;
+  const std::vector<std::string_view> norms = BlockNorms(m);
+  auto norm_trains = [&](size_t i) {
+    const ParamOp* op = i < norms.size() ? FindOp(m, norms[i]) : nullptr;
+    return op == nullptr || op->trainable;
+  };
+  f.input = input_requires_grad;
+  f.norm1 = f.input || norm_trains(0);
+  if (m.arch.fused_qkv) {
+    f.q = f.k = f.v = f.norm1 || Trains(FindOp(m, "c_attn"));
+  } else {
+    f.q = f.norm1 || Trains(FindOp(m, "q_proj"));
+    f.k = f.norm1 || Trains(FindOp(m, "k_proj"));
+    f.v = f.norm1 || Trains(FindOp(m, "v_proj"));
+  }
+  f.scores = f.q || f.k;
+  f.attn_out = f.scores || f.v;
+  f.hidden = f.input || f.attn_out || Trains(FindOp(m, m.arch.fused_qkv ? "attn.c_proj" : "o_proj"));
+  f.norm2 = f.hidden || norm_trains(1);
+  return f;
 }
 
 // A pre-norm decoder block: norm, attention, residual (dropout), norm, MLP, residual (dropout).
 // Residual dropout saves a bool mask of the hidden states.
-std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, bool input_requires_grad) {
   const std::vector<std::string_view> norms = BlockNorms(m);
+  const BlockFlow f = FlowOf(m, input_requires_grad);
+  auto norm_weight = [&](size_t i) { const ParamOp* op = FindOp(m, norms.at(i)); return op == nullptr || op->trainable; };
+  auto reads_saved = [&](std::initializer_list<const char*> readers) {
+    for (const char* r : readers) if (SavesInput(FindOp(m, r))) return true;
+    return false;
+  };
   std::vector<SavedTensor> out;
-  AddNormAndLinearInput(out, m.arch.norm, norms.at(0), d);
   if (m.arch.fused_qkv) {
-    AddFusedAttention(out, m, cfg, d);
+    AddNormAndLinearInput(out, m.arch.norm, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"attn.c_attn"}));
+    AddFusedAttention(out, m, cfg, d, f);
   } else {
-    AddSplitAttention(out, m, cfg, d);
+    AddNormAndLinearInput(out, m.arch.norm, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"q_proj", "k_proj", "v_proj"}));
+    AddSplitAttention(out, m, cfg, d, f);
   }
   if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});
-  AddNormAndLinearInput(out, m.arch.norm, norms.at(1), d);
-  AddMlp(out, m, d);
+  const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj"})
+                               : m.arch.mlp == MlpKind::kPlain ? reads_saved({"mlp.c_fc"})
+                                                               : true;  // the router and the experts
+  AddNormAndLinearInput(out, m.arch.norm, norms.at(1), d, {f.hidden, norm_weight(1)}, mlp_input_saved);
+  AddMlp(out, m, d, f);
   if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", d.h * d.tokens});
   return out;
 }
@@ -285,10 +391,19 @@ int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
 
-BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cfg) {
+bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
+  if (!m.arch.base_frozen) return true;
+  if (block == 0) return false;  // a frozen embedding's output
+  for (const ParamOp& op : m.arch.block) {
+    if (Trains(&op)) return true;  // its output carries the adapters' contribution onwards
+  }
+  return false;
+}
+
+BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cfg, bool input_requires_grad) {
   const Dims d = DimsOf(m, cfg);
   BlockActivations a;
-  a.full = BlockSaved(m, cfg, d);
+  a.full = BlockSaved(m, cfg, d, input_requires_grad);
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
@@ -318,11 +433,14 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   if (m.embedding_dropout > 0) head.embedding.push_back({"embedding.dropout_mask", d.h * d.tokens});
   // The final norm and lm_head's input (its output). GPT-2's ln_f is counted without the latter,
   // as docs/memory-model.md measured it.
+  // Under LoRA the final norm's weight and lm_head are frozen: the norm keeps what its input's
+  // gradient needs and lm_head saves nothing.
   const std::string_view final_norm = LastComponent(m.arch.names.final_norm);
+  const NormGrad grad{BlockInputRequiresGrad(m, static_cast<int>(m.num_layers)), !m.arch.base_frozen};
   if (m.arch.norm == NormKind::kLayer) {
-    AddNorm(head.final_norm, m.arch.norm, final_norm, d);
+    AddNorm(head.final_norm, m.arch.norm, final_norm, d, grad);
   } else {
-    AddNormAndLinearInput(head.final_norm, m.arch.norm, final_norm, d);
+    AddNormAndLinearInput(head.final_norm, m.arch.norm, final_norm, d, grad, !m.arch.base_frozen);
   }
   // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
   // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the

@@ -44,8 +44,16 @@ struct HeadActivations {
 };
 
 /// Saved tensors of one block for the model family, micro-batch, sequence length, attention kernel
-/// and checkpointing mode in `config` (compute dtype = config.param_dtype).
-BlockActivations BlockActivationProfile(const ModelSpec& model, const FsdpConfig& config);
+/// and checkpointing mode in `config` (compute dtype = config.param_dtype). What autograd saves
+/// depends on which tensors require grad: with frozen weights (LoRA) a linear saves its input only
+/// for an adapter, a norm its normalised input not at all, and a block whose input does not
+/// require grad (the first, behind a frozen embedding) saves less again.
+BlockActivations BlockActivationProfile(const ModelSpec& model, const FsdpConfig& config, bool input_requires_grad = true);
+
+/// Whether decoder block `block`'s input hidden states require grad (block num_layers: the final
+/// norm's input): always in full training; under LoRA (a frozen base) not for the first block,
+/// then once a block has trained anything.
+bool BlockInputRequiresGrad(const ModelSpec& model, int block);
 
 /// Saved tensors of the embedding, final norm and HF's ForCausalLMLoss.
 HeadActivations HeadActivationProfile(const ModelSpec& model, const FsdpConfig& config);

@@ -1,5 +1,7 @@
 #include "planner/activation_model.h"
 
+#include "core/lora.h"
+
 #include <doctest/doctest.h>
 
 namespace fsdp {
@@ -142,6 +144,67 @@ TEST_CASE("Only selective and full checkpointing re-create saved tensors; none k
   CHECK(none.KeptBytes() == none.FullBytes());
   const BlockActivations full = Profile("llama-2-7b", 1024, Attention::kEager, Checkpointing::kFull);
   CHECK(SumBytes(full.recomputed) == full.FullBytes());
+}
+
+}  // namespace
+}  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+ModelSpec WithLora(const char* id, int64_t rank, const char* targets, double dropout = 0) {
+  auto m = LoadModel(id);
+  REQUIRE(m.ok());
+  LoraConfig lora;
+  lora.rank = rank;
+  lora.targets = targets;
+  lora.dropout = dropout;
+  REQUIRE(ApplyLora(m.value(), lora).ok());
+  return m.value();
+}
+
+TEST_CASE("LoRA on q_proj and v_proj: frozen linears and norms save less, the first block less again") {
+  // llama-2-7b (h 4096, I 11008, 32 heads), flash, seq 4096, bf16, r 8. Full training saves
+  // 24h + 8I + 136 bytes per token (above). Frozen: neither norm saves its normalised input
+  // (2 x 2h), no frozen gate/up reads the second norm's output (2h), frozen down saves no input
+  // (2I); lora_B saves each of the two lora_A outputs (2 x 2r).
+  const ModelSpec m = WithLora("llama-2-7b", 8, "");
+  FsdpConfig c;
+  c.seq_len = 4096;
+  const int64_t h = 4096, inner = 11008, r = 8;
+  const int64_t later = 24 * h + 8 * inner + 136 - 6 * h - 2 * inner + 4 * r;
+  CHECK(BlockActivationProfile(m, c, true).FullBytes() == later * 4096);
+  // the first block's input (a frozen embedding's output) requires no grad: its norm saves
+  // neither its fp32 input nor rsqrt (4h + 4)
+  CHECK(BlockActivationProfile(m, c, false).FullBytes() == (later - 4 * h - 4) * 4096);
+  CHECK_FALSE(BlockInputRequiresGrad(m, 0));
+  CHECK(BlockInputRequiresGrad(m, 1));
+  // the head: the final norm keeps its fp32 input and rsqrt only, lm_head (frozen) saves nothing
+  CHECK(SumBytes(HeadActivationProfile(m, c).final_norm) == (4 * h + 4) * 4096);
+}
+
+TEST_CASE("LoRA on k_proj only, eager, first block: q k^T saves q for k's gradient, the softmax its output, probs @ v the expanded v") {
+  // llama-2-7b eager at seq 128: only k requires grad in block 0. Saved per token: the first
+  // norm's output (lora_A's input) 2h, lora_A's output 2r, q after RoPE 2h (for k's gradient;
+  // k itself not: q needs none), the fp32 softmax 4as, v (repeat_kv returns it) 2h for the
+  // scores' gradient, not the probabilities (v needs none); o_proj (frozen, eager) saves nothing.
+  // Then the second norm 4h + 4 and SwiGLU's gate, act and up outputs 3 x 2I.
+  const ModelSpec m = WithLora("llama-2-7b", 8, "k_proj");
+  FsdpConfig c;
+  c.seq_len = 128;
+  c.attention = Attention::kEager;
+  const int64_t h = 4096, inner = 11008, as = 32 * 128;
+  CHECK(BlockActivationProfile(m, c, false).FullBytes() == (2 * h + 2 * 8 + 2 * h + 4 * as + 2 * h + 4 * h + 4 + 6 * inner) * 128);
+}
+
+TEST_CASE("LoRA dropout: each adapted linear saves its dropout's output and mask") {
+  FsdpConfig c;
+  c.seq_len = 4096;
+  const ModelSpec plain = WithLora("llama-2-7b", 8, "q_proj,v_proj");
+  const ModelSpec dropped = WithLora("llama-2-7b", 8, "q_proj,v_proj", 0.05);
+  // per adapted linear 2h (its dropout's bf16 output) + h (the bool mask); the first norm's output
+  // is no longer saved (lora_A reads the dropout's copy, and k is frozen): -2h
+  CHECK(BlockActivationProfile(dropped, c).FullBytes() - BlockActivationProfile(plain, c).FullBytes() == (2 * 3 * 4096 - 2 * 4096) * 4096LL);
 }
 
 }  // namespace

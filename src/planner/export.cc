@@ -51,6 +51,7 @@ std::string AutoWrapPolicy(const Workload& w) {
       return fmt::format("functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{}}})", DecoderLayerClass(w.model));
     case WrapPolicy::kSize: return fmt::format("functools.partial(size_based_auto_wrap_policy, min_num_params={})", w.config.wrap_min_params);
     case WrapPolicy::kLinear: return "ModuleWrapPolicy({torch.nn.Linear})";
+    case WrapPolicy::kPeft: return "fsdp_auto_wrap_policy(model)  # from peft.utils.other: decoder layers + each trainable leaf (the adapters)";
     case WrapPolicy::kNone: return "None";
   }
   return "None";

@@ -41,8 +41,10 @@ class StepPlayer {
  public:
   StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem)
       : w_(w), c_(w.config), schedule_(schedule), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
-        plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))), head_(HeadActivationProfile(w.model, w.config)),
-        phases_(w) {
+        plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))),
+        first_block_(BlockActivationProfile(w.model, w.config, BlockInputRequiresGrad(w.model, 0))),
+        first_plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config), BlockInputRequiresGrad(w.model, 0))),
+        head_(HeadActivationProfile(w.model, w.config)), phases_(w) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
     unit_grad_pieces_.assign(n, {});
@@ -87,7 +89,9 @@ class StepPlayer {
     if (c_.cpu_offload) {
       host[static_cast<int>(Cat::kShardedParams)] = shard_elems * mb_;
       host[static_cast<int>(Cat::kGradients)] = trainable_elems * mb_;
-      host[static_cast<int>(Cat::kOptimizerStates)] = OptimizerStateBytesPerParam(c_.optimizer) * trainable_elems;
+      const std::vector<int64_t> states = StateShardNumels();
+      host[static_cast<int>(Cat::kOptimizerStates)] =
+          OptimizerStateBytesPerParam(c_.optimizer, c_.master_dtype) * std::accumulate(states.begin(), states.end(), int64_t{0});
       return;
     }
     for (const auto& u : w_.units) {
@@ -105,8 +109,16 @@ class StepPlayer {
   // FSDP2 each trainable parameter's.
   std::vector<int64_t> StateShardNumels() const {
     std::vector<int64_t> numels;
+    const int64_t rank = Fsdp2() ? 0 : OrigParamStateRank();
     for (const auto& u : w_.units) {
       if (u.grad_shard_numel == 0) continue;
+      if (!Fsdp2() && u.trainable_numel != u.numel) {
+        // use_orig_params with frozen parameters: the optimizer holds the trainable original
+        // parameters, each a view of its part of this rank's flat shard (FlatParamHandle's
+        // _use_sharded_views), so it has states for those parts only
+        for (const auto& [t, numel] : TrainableShardParts(u, rank)) numels.push_back(numel);
+        continue;
+      }
       if (!Fsdp2()) {
         numels.push_back(u.grad_shard_numel);
         continue;
@@ -118,10 +130,44 @@ class StepPlayer {
     return numels;
   }
 
+  // FSDP1: the parts of a mixed unit's trainable parameters that fall in `rank`'s shard, as
+  // (tensor, elements), the empty parts left out.
+  std::vector<std::pair<int, int64_t>> TrainableShardParts(const WrapUnit& u, int64_t rank) const {
+    const std::vector<int64_t> starts = Fsdp1FlatOffsets(w_.model, u.tensors, c_);
+    const int64_t lo = rank * u.shard_numel, hi = lo + u.shard_numel;
+    std::vector<std::pair<int, int64_t>> parts;
+    for (size_t i = 0; i < u.tensors.size(); ++i) {
+      const TensorSpec& t = w_.model.tensors[u.tensors[i]];
+      const int64_t part = std::min(hi, starts[i] + t.numel()) - std::max(lo, starts[i]);
+      if (t.trainable && part > 0) parts.emplace_back(u.tensors[i], part);
+    }
+    return parts;
+  }
+
+  // The rank whose shards hold the most trainable elements of FSDP1's mixed units (the one that
+  // needs the most optimizer states; ranks differ only there). 0 when no unit is mixed.
+  int64_t OrigParamStateRank() const {
+    std::vector<int64_t> per_rank;
+    for (const auto& u : w_.units) {
+      if (u.trainable_numel == 0 || u.trainable_numel == u.numel || u.shard_numel == 0) continue;
+      per_rank.resize(static_cast<size_t>(w_.shard_world), 0);
+      const std::vector<int64_t> starts = Fsdp1FlatOffsets(w_.model, u.tensors, c_);
+      for (size_t i = 0; i < u.tensors.size(); ++i) {
+        const TensorSpec& t = w_.model.tensors[u.tensors[i]];
+        if (!t.trainable) continue;
+        const int64_t end = starts[i] + t.numel();
+        for (int64_t r = starts[i] / u.shard_numel; r < w_.shard_world && r * u.shard_numel < end; ++r) {
+          per_rank[r] += std::min(end, (r + 1) * u.shard_numel) - std::max(starts[i], r * u.shard_numel);
+        }
+      }
+    }
+    return per_rank.empty() ? 0 : std::max_element(per_rank.begin(), per_rank.end()) - per_rank.begin();
+  }
+
   void AllocOptimizerStates() {
-    const int64_t per_param = OptimizerStateBytesPerParam(c_.optimizer);  // fp32 states: 4 bytes each
+    const int states = OptimizerStateCount(c_.optimizer);
     for (int64_t numel : StateShardNumels()) {
-      for (int64_t s = 0; s < per_param / 4; ++s) mem_.Alloc(Cat::kOptimizerStates, numel * 4);
+      for (int s = 0; s < states; ++s) mem_.Alloc(Cat::kOptimizerStates, numel * mb_);
     }
     states_allocated_ = true;
   }
@@ -328,7 +374,9 @@ class StepPlayer {
   // The saved tensors of a block: the configured checkpointing's, or none's for a block that
   // --ac-every leaves un-checkpointed.
   const BlockActivations& BlockProfile(int node_id) const {
-    return BlockCheckpointed(c_, w_.nodes[node_id].block) ? block_ : plain_block_;
+    const int block = w_.nodes[node_id].block;
+    if (block == 0) return BlockCheckpointed(c_, block) ? first_block_ : first_plain_block_;
+    return BlockCheckpointed(c_, block) ? block_ : plain_block_;
   }
   static FsdpConfig WithoutCheckpointing(FsdpConfig c) {
     c.checkpointing = Checkpointing::kNone;
@@ -350,8 +398,9 @@ class StepPlayer {
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) {
           // full: the whole block runs again; selective: only the attention core; selective-op:
           // all but what it kept, after which the kept outputs only the recomputation read go
-          for (const auto& t : block_.recomputed) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
-          const std::vector<SavedTensor>& kept = block_.kept;
+          const BlockActivations& profile = BlockProfile(node_id);
+          for (const auto& t : profile.recomputed) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+          const std::vector<SavedTensor>& kept = profile.kept;
           for (size_t i = 0; i < kept.size(); ++i) {
             if (kept[i].freed_after_recompute) mem_.Free(node_saved_[node_id][i]);
           }
@@ -488,6 +537,7 @@ class StepPlayer {
   const Schedule& schedule_;
   MemoryTracker& mem_;
   BlockActivations block_, plain_block_;
+  BlockActivations first_block_, first_plain_block_;  // block 0: its input may not require grad (LoRA)
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   bool mixed_ = true;
@@ -520,7 +570,7 @@ CheckpointMemory EstimateCheckpoint(const Workload& w) {
     trainable += u.trainable_numel;
     largest_unit = std::max(largest_unit, u.padded_numel);
   }
-  const int64_t states = OptimizerStateBytesPerParam(w.config.optimizer);
+  const int64_t states = OptimizerStateBytesPerParam(w.config.optimizer, w.config.master_dtype);
   // FULL_STATE_DICT all-gathers each unit in full precision (_full_prec_full_param_padded) and
   // clones its parameters: to the GPU (accumulating the whole model) or to the CPU.
   ck.full_gpu_extra_bytes = params * mb + largest_unit * mb;
@@ -538,14 +588,18 @@ CheckpointMemory EstimateCheckpoint(const Workload& w) {
 
 }  // namespace
 
-int64_t OptimizerStateBytesPerParam(Optimizer optimizer) {
+int OptimizerStateCount(Optimizer optimizer) {
   switch (optimizer) {
     case Optimizer::kAdamW:
-    case Optimizer::kAdam: return 8;   // exp_avg + exp_avg_sq in fp32
-    case Optimizer::kSgdMomentum: return 4;  // momentum_buffer
+    case Optimizer::kAdam: return 2;   // exp_avg, exp_avg_sq
+    case Optimizer::kSgdMomentum: return 1;  // momentum_buffer
     case Optimizer::kSgd: return 0;
   }
   return 0;
+}
+
+int64_t OptimizerStateBytesPerParam(Optimizer optimizer, DType master_dtype) {
+  return OptimizerStateCount(optimizer) * BytesPerElement(master_dtype);
 }
 
 FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {

@@ -141,7 +141,10 @@ MemoryEstimate ReplayOnCard(const Workload& workload, const FrameworkOverheads& 
 /// Same with FrameworkOverheadsFor(workload).
 MemoryEstimate EstimateMemory(const Workload& workload);
 
-/// Optimizer state bytes per element of the sharded parameters (AdamW/Adam 8, SGD momentum 4, SGD 0).
-int64_t OptimizerStateBytesPerParam(Optimizer optimizer);
+/// Optimizer states per parameter: AdamW/Adam 2 (exp_avg, exp_avg_sq), SGD momentum 1, SGD 0.
+int OptimizerStateCount(Optimizer optimizer);
+/// Optimizer state bytes per element of the sharded parameters: the states are created zeros_like
+/// the parameter (torch/optim/adam.py _init_group), so in the master dtype: AdamW 8 on fp32, 4 on bf16.
+int64_t OptimizerStateBytesPerParam(Optimizer optimizer, DType master_dtype);
 
 }  // namespace fsdp

@@ -425,5 +425,53 @@ TEST_CASE("the first step's optimizer states are allocated once: the second step
   CHECK(m.reserved_peak_phase.rfind("first step, ", 0) == 0);  // nothing grew in the steady-state step
 }
 
+// The optimizer's states at the start of the step (the timeline's first point).
+int64_t StartStates(const Workload& w) {
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  int64_t most = 0;
+  for (const MemoryPoint& p : EstimateMemory(w, exact).timeline) {
+    if (p.phase == "start of step") most = std::max(most, p.device[static_cast<int>(MemCategory::kOptimizerStates)]);
+  }
+  return most;
+}
+
+TEST_CASE("pure bf16: the sharded parameters, and AdamW's states made zeros_like them, take 2 bytes an element") {
+  FsdpConfig c = HandConfig();
+  c.framework = Framework::kFsdp2;
+  c.optimizer = Optimizer::kAdamW;
+  c.param_dtype = DType::kBf16;
+  const Workload mixed = Build(c);
+  c.master_dtype = DType::kBf16;
+  const Workload pure = Build(c);
+  // FSDP2's per-parameter shards on 3 ranks: 99 of the root, 230 of each block (above)
+  CHECK(StartStates(mixed) == 2 * 4 * (99 + 2 * 230));
+  CHECK(StartStates(pure) == 2 * 2 * (99 + 2 * 230));
+  CHECK(Cat(EstimateMemory(pure, Exact()), MemCategory::kShardedParams) == 2 * (99 + 2 * 230));
+}
+
+TEST_CASE("LoRA under FSDP1 with use_orig_params: states for the adapters' parts of the fullest rank's shards, a full-size flat gradient") {
+  FsdpConfig c = HandConfig();
+  c.gpus = 2;
+  c.optimizer = Optimizer::kAdamW;
+  c.use_orig_params = true;
+  c.lora.rank = 2;  // q_proj and v_proj
+  const Workload w = Build(c);
+  // block 0's flat parameter, in inventory order, fp32 (4-element alignment, every size a multiple):
+  // input_layernorm 8, q base 64, q.lora_A 16, q.lora_B 16, k 32, v 32, v.lora_A 16, v.lora_B 8,
+  // o 64, post_attention_layernorm 8, gate 128, up 128, down 128 = 648; rank 0 holds [0, 324),
+  // all 56 adapter elements, rank 1 none. Two blocks: 112 elements, AdamW 2 x 4 bytes each.
+  CHECK(w.units[1].shard_numel == 324);
+  CHECK(StartStates(w) == 2 * 4 * 112);
+  // FSDP1 reduces the whole flat gradient: each block's 324 elements per rank, the root (frozen) none
+  CHECK(w.units[1].grad_shard_numel == 324);
+  CHECK(w.units[0].grad_shard_numel == 0);
+  // peft's wrap: each adapter its own flat parameter, sharded over 2 ranks (16 -> 8, 8 -> 4)
+  c.use_orig_params = false;
+  c.wrap = WrapPolicy::kPeft;
+  const Workload peft = Build(c);
+  CHECK(StartStates(peft) == 2 * 4 * (2 * (8 + 8 + 8 + 4)));
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -1,0 +1,105 @@
+#include "core/lora.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace fsdp {
+namespace {
+
+constexpr const char* kAllLinear = "all-linear";  // peft's INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+bool Matches(const std::string& module, const std::string& target) {
+  return module == target || (module.size() > target.size() && module.ends_with(target) && module[module.size() - target.size() - 1] == '.');
+}
+
+std::string LinearNames(const ModelSpec& m) {
+  std::string names;
+  for (const ParamOp& op : m.arch.block) {
+    if (op.kind == ParamOp::Kind::kLinear && op.experts == 0) names += (names.empty() ? "" : ", ") + op.module;
+  }
+  return names;
+}
+
+}  // namespace
+
+std::vector<std::string> SplitTargets(const std::string& targets) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= targets.size()) {
+    size_t comma = targets.find(',', start);
+    if (comma == std::string::npos) comma = targets.size();
+    std::string item = targets.substr(start, comma - start);
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    if (!item.empty()) out.push_back(item);
+    start = comma + 1;
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const LoraConfig& lora) {
+  const std::vector<std::string> targets = lora.targets.empty() ? m.arch.lora_default_targets : SplitTargets(lora.targets);
+  if (targets.empty()) return Error::BadInput("--lora-targets names no module");
+  const bool all_linear = targets.size() == 1 && targets[0] == kAllLinear;
+  if (all_linear && m.num_experts > 0) {
+    return Error::BadInput(fmt::format("--lora-targets: all-linear on {}: peft also adapts its routed experts (their fused 3-D parameters), "
+                                       "which fsdpkit does not model; name the modules (LoRA wraps: {})",
+                                       m.id, LinearNames(m)));
+  }
+  std::vector<std::string> modules;
+  for (const std::string& target : targets) {
+    if (all_linear) break;
+    if (target == kAllLinear) return Error::BadInput("--lora-targets: all-linear stands alone, not in a list");
+    bool found = false;
+    for (const ParamOp& op : m.arch.block) {
+      if (!Matches(op.module, target)) continue;
+      found = true;
+      if (op.kind == ParamOp::Kind::kNorm) {
+        return Error::BadInput(fmt::format("--lora-targets: '{}' is a norm of {}'s blocks, not a linear (LoRA wraps: {})", target, m.id, LinearNames(m)));
+      }
+      if (op.kind == ParamOp::Kind::kRouter || op.experts > 0) {
+        return Error::BadInput(fmt::format("--lora-targets: '{}' is {}'s {}: a bare parameter in transformers 5 (peft adapts it through "
+                                           "target_parameters), which fsdpkit does not model (LoRA wraps: {})",
+                                           target, m.id, op.kind == ParamOp::Kind::kRouter ? "router" : "routed experts", LinearNames(m)));
+      }
+    }
+    const ModuleNames& names = m.arch.names;
+    if (!found && (Matches(names.lm_head, target) || Matches(names.embedding, target))) {
+      return Error::BadInput(fmt::format("--lora-targets: '{}' is outside the decoder blocks; fsdpkit models LoRA on the blocks' linears only "
+                                         "(LoRA wraps: {}, or all-linear)", target, LinearNames(m)));
+    }
+    if (!found) {
+      return Error::BadInput(fmt::format("--lora-targets: '{}' names no module of {}'s decoder blocks (LoRA wraps: {}, or all-linear)", target,
+                                         m.id, LinearNames(m)));
+    }
+  }
+  for (const ParamOp& op : m.arch.block) {
+    if (op.kind != ParamOp::Kind::kLinear || op.experts > 0) continue;
+    const bool hit = all_linear || std::any_of(targets.begin(), targets.end(), [&](const std::string& t) { return Matches(op.module, t); });
+    if (!hit) continue;
+    if (lora.rank > std::min(op.in, op.out)) {
+      return Error::BadInput(fmt::format("--lora-rank {} exceeds the width of {}'s {} ({} x {}): a rank is at most min(in, out) = {}", lora.rank,
+                                         m.id, op.module, op.in, op.out, std::min(op.in, op.out)));
+    }
+    modules.push_back(op.module);
+  }
+  return modules;
+}
+
+Status ApplyLora(ModelSpec& m, const LoraConfig& lora) {
+  if (lora.rank == 0) return {};
+  FSDP_ASSIGN_OR_RETURN(const std::vector<std::string> modules, LoraTargetModules(m, lora));
+  for (ParamOp& op : m.arch.block) {
+    op.trainable = false;
+    if (std::find(modules.begin(), modules.end(), op.module) != modules.end()) {
+      op.lora_rank = lora.rank;
+      op.lora_dropout = lora.dropout;
+    }
+  }
+  m.arch.base_frozen = true;
+  m.tensors = BuildInventory(m);
+  return {};
+}
+
+}  // namespace fsdp
