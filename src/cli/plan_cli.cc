@@ -7,6 +7,7 @@
 
 #include "cli/cli_util.h"
 #include "core/limits.h"
+#include "core/lora.h"
 #include "core/workload.h"
 #include "planner/memory_model.h"
 #include "planner/export.h"
@@ -71,8 +72,16 @@ void PrintHeader(const Workload& w, std::ostream& out) {
     for (const ParamOp& op : w.model.arch.block) {
       if (op.lora_rank > 0) targets += (targets.empty() ? "" : ", ") + op.module;
     }
-    fmt::print(out, "LoRA r={} (alpha {}, dropout {}) on {}: {} trainable parameters ({}), the base frozen\n", c.lora.rank, c.lora.alpha,
-               c.lora.dropout, targets, WithCommas(w.model.ParamsTrainable()), Percent(w.model.ParamsTrainable(), w.model.ParamsTotal()));
+    fmt::print(out, "{} r={} (alpha {}, dropout {}) on {}: {} trainable parameters ({}), the base frozen\n", c.lora.qlora ? "QLoRA" : "LoRA",
+               c.lora.rank, c.lora.alpha, c.lora.dropout, targets, WithCommas(w.model.ParamsTrainable()),
+               Percent(w.model.ParamsTrainable(), w.model.ParamsTotal()));
+    if (c.lora.qlora) {
+      const Nf4Bytes nf4 = Nf4ModelBytes(w.model, c.lora, c.param_dtype);
+      fmt::print(out, "QLoRA: the blocks' linears in NF4 ({} GiB packed in {}, sharded; {} GiB of quantization state{} on every rank), "
+                 "the rest of the base in {}, the adapters in {}\n",
+                 Gib(nf4.packed), DTypeName(c.param_dtype), Gib(nf4.quant_state), c.lora.double_quant ? ", double-quantized," : "", DTypeName(c.param_dtype),
+                 DTypeName(c.master_dtype));
+    }
   }
   if (c.loop_holds_outputs) fmt::print(out, "the training loop keeps `outputs`: the logits stay alive through the step\n");
 }
@@ -246,6 +255,9 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--lora-dropout", f.config.lora.dropout, "lora_dropout p")->capture_default_str();
   app.add_option("--lora-targets", f.config.lora.targets,
                  "target_modules: module names (q_proj,v_proj) or all-linear (default: peft's for the model type)");
+  app.add_flag("--qlora", f.config.lora.qlora,
+               "QLoRA: the blocks' linears stored by bitsandbytes as NF4, packed in the param dtype (bnb_4bit_quant_storage); needs --lora-rank");
+  app.add_flag("--qlora-double-quant", f.config.lora.double_quant, "bnb_4bit_use_double_quant=True: the absmax quantized again");
   app.add_option("--optimizer", f.optimizer, "adamw | adam | sgd | sgd-momentum")->capture_default_str();
   app.add_flag("--cpu-offload", f.config.cpu_offload, "CPUOffload(offload_params=True): params, grads and optimizer on the host");
   app.add_option("--wrap", f.wrap, "block | size:N | none | linear | peft (with LoRA: adapters in units of their own)")->capture_default_str();
@@ -282,7 +294,11 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   // LoRA under FSDP1 without a --wrap: peft's policy, as transformers' Trainer installs it for a
   // PeftModel (transformers/distributed/fsdp.py update_fsdp_plugin_peft); a decoder-layer unit
   // would mix frozen and trainable parameters, which FSDP1 refuses without use_orig_params.
-  if (c.lora.rank > 0 && !f.wrap_given && c.wrap == WrapPolicy::kBlock && f.framework == "fsdp1" && !c.use_orig_params) c.wrap = WrapPolicy::kPeft;
+  // QLoRA keeps its base in the param dtype and its adapters in the master dtype: one unit may not
+  // hold both even with use_orig_params (FSDP1 flattens one dtype).
+  if (c.lora.rank > 0 && !f.wrap_given && c.wrap == WrapPolicy::kBlock && f.framework == "fsdp1" && (!c.use_orig_params || c.lora.qlora)) {
+    c.wrap = WrapPolicy::kPeft;
+  }
   if (!(s = Assign(c.checkpointing, ParseCheckpointing(f.ac))).ok()) return s.error();
   if (!(s = Assign(c.attention, ParseAttention(f.attention))).ok()) return s.error();
   if (!(s = Assign(c.param_dtype, ParseDType(f.param_dtype, "--param-dtype"))).ok()) return s.error();

@@ -248,6 +248,12 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (!w.ok()) return w.error();
   const FsdpConfig& c = w.value().config;
   if (c.cpu_offload) return Error::BadInput("fsdp-run does not implement CPU offload (--cpu-offload): fsdp-plan and fsdp-sim model it");
+  if (c.lora.rank > 0) {
+    return Error::BadInput("fsdp-run trains every parameter: LoRA and QLoRA (--lora-rank, --qlora) are not in its engines yet; fsdp-plan and fsdp-sim model them");
+  }
+  if (c.master_dtype != DType::kFp32) {
+    return Error::BadInput("fsdp-run keeps fp32 master weights: --master-dtype bf16 is not in its engines yet; fsdp-plan and fsdp-sim model it");
+  }
   if (c.ac_every != 1) return Error::BadInput("fsdp-run checkpoints every block under --ac full; --ac-every is a planning option");
   if (c.checkpointing == Checkpointing::kSelectiveOp) {
     return Error::BadInput("fsdp-run implements --ac none, selective and full; selective-op (torchtitan's op-level policy) is a planning option");

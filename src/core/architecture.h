@@ -30,6 +30,11 @@ struct ParamOp {
   /// "<module>.base_layer", beside lora_A ([rank, in]) and lora_B ([out, rank]) adapters
   int64_t lora_rank = 0;
   double lora_dropout = 0;  ///< with lora_rank: its lora_dropout's p
+  /// linear: > 0 when bitsandbytes stores its weight as NF4 (QLoRA, core/lora.h): two 4-bit codes
+  /// per byte, packed into elements of this many bytes (bnb_4bit_quant_storage), with an absmax per
+  /// 64 weights (bitsandbytes/functional.py quantize_4bit)
+  int64_t nf4_storage_bytes = 0;
+  bool nf4_double_quant = false;  ///< with nf4_storage_bytes: the absmax quantized again (bnb_4bit_use_double_quant)
 };
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)

@@ -159,6 +159,8 @@ static Status ValidateLora(const LoraConfig& l, WrapPolicy wrap) {
   if (!(l.alpha > 0 && l.alpha < 1e9)) return Error::BadInput(fmt::format("--lora-alpha {} is not a positive number", l.alpha));
   if (l.rank == 0 && !l.targets.empty()) return Error::BadInput("--lora-targets needs --lora-rank R > 0");
   if (l.rank == 0 && l.dropout != 0) return Error::BadInput("--lora-dropout needs --lora-rank R > 0");
+  if (l.rank == 0 && l.qlora) return Error::BadInput("--qlora trains LoRA adapters on a 4-bit base; it needs --lora-rank R > 0");
+  if (!l.qlora && l.double_quant) return Error::BadInput("--qlora-double-quant needs --qlora");
   if (l.rank == 0 && wrap == WrapPolicy::kPeft) return Error::BadInput("--wrap peft wraps LoRA adapters; it needs --lora-rank R > 0");
   return {};
 }

@@ -35,6 +35,14 @@ struct LoraConfig {
   /// target_modules: comma-separated module names ("q_proj,v_proj"), "all-linear" (every linear of
   /// the decoder blocks; peft leaves the output layer out), or "" for peft's default for the model type
   std::string targets;
+  /// QLoRA (Dettmers et al. 2023, as transformers' BitsAndBytesConfig loads it for FSDP): every
+  /// linear of the decoder blocks stored by bitsandbytes as NF4 (load_in_4bit, bnb_4bit_quant_type
+  /// "nf4"), packed into the param dtype (bnb_4bit_quant_storage = the dtype the model is loaded
+  /// in, so that FSDP shards and all-gathers it as any parameter, and its cast leaves it alone),
+  /// computed in the param dtype (bnb_4bit_compute_dtype); the rest of the frozen base is stored in
+  /// the param dtype too, the adapters in the master dtype (peft's autocast_adapter_dtype)
+  bool qlora = false;
+  bool double_quant = false;  ///< bnb_4bit_use_double_quant: the absmax quantized to 8 bits in blocks of 256
   bool operator==(const LoraConfig&) const = default;
 };
 

@@ -87,11 +87,45 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
   return modules;
 }
 
-Status ApplyLora(ModelSpec& m, const LoraConfig& lora) {
+// bitsandbytes 0.50 functional.py: quantize_4bit (blocksize 64; get_4bit_type's 16-entry code;
+// with compress_statistics the fp32 absmax's mean as offset, and quantize_blockwise of the absmax
+// in blocks of 256, whose state copies the 256-entry dynamic map: code.to(A.device, copy=True))
+std::vector<int64_t> Nf4QuantStateTensorBytes(int64_t n, bool double_quant) {
+  constexpr int64_t kBlock = 64, kNestedBlock = 256, kCodeBytes = 16 * 4, kDynamicMapBytes = 256 * 4;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (!double_quant) return {blocks * 4, kCodeBytes};
+  return {kCodeBytes, 4, blocks, (blocks + kNestedBlock - 1) / kNestedBlock * 4, kDynamicMapBytes};
+}
+
+int64_t Nf4QuantStateBytes(int64_t n, bool double_quant) {
+  int64_t total = 0;
+  for (int64_t b : Nf4QuantStateTensorBytes(n, double_quant)) total += b;
+  return total;
+}
+
+Nf4Bytes Nf4ModelBytes(const ModelSpec& m, const LoraConfig& lora, DType quant_storage) {
+  Nf4Bytes bytes;
+  for (const TensorSpec& t : m.tensors) {
+    if (t.nf4_numel == 0) continue;
+    bytes.packed += t.numel() * BytesPerElement(quant_storage);
+    bytes.quant_state += Nf4QuantStateBytes(t.nf4_numel, lora.double_quant);
+  }
+  return bytes;
+}
+
+Status ApplyLora(ModelSpec& m, const LoraConfig& lora, DType quant_storage) {
   if (lora.rank == 0) return {};
+  if (lora.qlora && m.num_experts > 0) {
+    return Error::BadInput(fmt::format("--qlora on {}: transformers 5 stores its routed experts as fused 3-D parameters, which bitsandbytes' "
+                                       "Linear4bit does not replace; fsdpkit models QLoRA on dense models", m.id));
+  }
   FSDP_ASSIGN_OR_RETURN(const std::vector<std::string> modules, LoraTargetModules(m, lora));
   for (ParamOp& op : m.arch.block) {
     op.trainable = false;
+    if (lora.qlora && op.kind == ParamOp::Kind::kLinear) {
+      op.nf4_storage_bytes = BytesPerElement(quant_storage);
+      op.nf4_double_quant = lora.double_quant;
+    }
     if (std::find(modules.begin(), modules.end(), op.module) != modules.end()) {
       op.lora_rank = lora.rank;
       op.lora_dropout = lora.dropout;

@@ -21,8 +21,29 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& model, const
 
 /// Applies `lora` (rank > 0) to `model` as get_peft_model does: every base parameter frozen
 /// (Architecture::base_frozen), each targeted linear given lora_rank and its adapters, the tensor
-/// inventory rebuilt. Rank 0 leaves the model as it is. Errors as LoraTargetModules.
-Status ApplyLora(ModelSpec& model, const LoraConfig& lora);
+/// inventory rebuilt. With lora.qlora, every linear of the blocks is first stored as NF4 packed in
+/// `quant_storage` elements, as transformers' replace_with_bnb_linear converts them (lm_head and
+/// the embedding stay as they are); BadInput on an MoE model, whose fused expert parameters
+/// bitsandbytes' Linear4bit does not replace. Rank 0 leaves the model as it is. Errors as
+/// LoraTargetModules.
+Status ApplyLora(ModelSpec& model, const LoraConfig& lora, DType quant_storage = DType::kBf16);
+
+/// The tensors of the quantization state bitsandbytes keeps beside one NF4 weight of
+/// `weight_numel` elements (QuantState of functional.py quantize_4bit), in bytes: the absmax of
+/// every block of 64 in fp32 and the 16-entry fp32 code; with double quantization the code, the
+/// fp32 offset, the absmax in uint8, an fp32 absmax per 256 of those and the nested state's copy of
+/// the 256-entry fp32 dynamic map. Each rank holds
+/// the whole state of every quantized weight: it lives on the module, outside what FSDP shards.
+std::vector<int64_t> Nf4QuantStateTensorBytes(int64_t weight_numel, bool double_quant);
+/// Their sum.
+int64_t Nf4QuantStateBytes(int64_t weight_numel, bool double_quant);
+
+/// A QLoRA model's NF4 weights: their packed storage (every rank's shards together) and their
+/// quantization state (held whole by each rank), in bytes; zeros without QLoRA.
+struct Nf4Bytes {
+  int64_t packed = 0, quant_state = 0;
+};
+Nf4Bytes Nf4ModelBytes(const ModelSpec& model, const LoraConfig& lora, DType quant_storage);
 
 /// "q_proj,v_proj" -> {"q_proj", "v_proj"}; empty items dropped.
 std::vector<std::string> SplitTargets(const std::string& targets);

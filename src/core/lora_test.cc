@@ -148,5 +148,50 @@ TEST_CASE("LoRA and precision flags are validated") {
   CHECK(refused(c));
 }
 
+TEST_CASE("QLoRA: every linear of the blocks packed as NF4 in the storage dtype, its FLOPs and parameter count unchanged") {
+  ModelSpec m = testing::HandLlama();
+  LoraConfig l = Lora(2);
+  l.qlora = true;
+  REQUIRE(ApplyLora(m, l, DType::kBf16).ok());
+  // (n + 1) / 4 bf16 elements for n 4-bit codes: gate [16, 8] -> 32, k [4, 8] -> 8
+  const TensorSpec* gate = Find(m, "model.layers.1.mlp.gate_proj.weight");
+  const TensorSpec* k = Find(m, "model.layers.0.self_attn.k_proj.weight");
+  const TensorSpec* q = Find(m, "model.layers.0.self_attn.q_proj.base_layer.weight");
+  REQUIRE((gate && k && q));
+  CHECK(gate->shape == std::vector<int64_t>{32, 1});
+  CHECK(gate->LogicalNumel() == 128);
+  CHECK(k->numel() == 8);
+  CHECK(q->nf4_numel == 64);
+  CHECK(Find(m, "model.embed_tokens.weight")->nf4_numel == 0);  // the embedding, norms and lm_head stay as they are
+  CHECK(Find(m, "lm_head.weight")->nf4_numel == 0);
+  CHECK(m.ParamsTotal() == 1448 + 112);
+  // stored: 1,448 less the blocks' 2 x 576 linear weights, plus 2 x 144 packed, plus the adapters
+  int64_t stored = 0;
+  for (const TensorSpec& t : m.tensors) stored += t.numel();
+  CHECK(stored == 1448 - 2 * 576 + 2 * 144 + 112);
+  // fp32 storage packs 8 codes an element
+  ModelSpec fp32 = testing::HandLlama();
+  REQUIRE(ApplyLora(fp32, l, DType::kFp32).ok());
+  CHECK(Find(fp32, "model.layers.1.mlp.gate_proj.weight")->numel() == 16);
+}
+
+TEST_CASE("NF4 quantization state: fp32 absmax per 64, or uint8 with an fp32 absmax per 256 blocks, an offset and a dynamic map") {
+  // Llama-2-7B's q_proj: 4096 x 4096 = 16,777,216 weights in 262,144 blocks
+  CHECK(Nf4QuantStateBytes(16'777'216, false) == 262'144 * 4 + 64);
+  CHECK(Nf4QuantStateBytes(16'777'216, true) == 64 + 4 + 262'144 + 1024 * 4 + 1024);
+  CHECK(Nf4QuantStateTensorBytes(65, false) == std::vector<int64_t>{8, 64});  // 2 blocks
+  CHECK(Nf4QuantStateTensorBytes(64 * 257, true) == std::vector<int64_t>{64, 4, 257, 8, 1024});
+}
+
+TEST_CASE("QLoRA on an MoE model is refused") {
+  auto mixtral = LoadModel("mixtral-8x7b");
+  REQUIRE(mixtral.ok());
+  LoraConfig l = Lora(2);
+  l.qlora = true;
+  const Status s = ApplyLora(mixtral.value(), l);
+  REQUIRE_FALSE(s.ok());
+  CHECK(s.error().message.find("Linear4bit") != std::string::npos);
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -31,8 +31,15 @@ void AddOp(std::vector<TensorSpec>& out, const Architecture& a, const ParamOp& o
   const double share = op.experts > 0 ? static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts) : 1.0;
   // peft's lora.Linear holds the wrapped module as base_layer, registered before its adapters
   const std::string base = op.lora_rank > 0 ? module + ".base_layer" : module;
-  AddTensor(out, base + ".weight", op.conv1d ? std::vector<int64_t>{op.in, op.out} : std::vector<int64_t>{op.out, op.in}, block, true, share,
-            op.trainable);
+  if (op.nf4_storage_bytes > 0) {
+    // Params4bit of bitsandbytes' quantize_4bit: ((n + 1) // (2 x itemsize), 1) elements of the quant storage
+    const int64_t n = op.in * op.out;
+    AddTensor(out, base + ".weight", {(n + 1) / (2 * op.nf4_storage_bytes), 1}, block, true, share, op.trainable);
+    out.back().nf4_numel = n;
+  } else {
+    AddTensor(out, base + ".weight", op.conv1d ? std::vector<int64_t>{op.in, op.out} : std::vector<int64_t>{op.out, op.in}, block, true, share,
+              op.trainable);
+  }
   if (op.bias) AddTensor(out, base + ".bias", {op.out}, block, true, share, op.trainable);
   if (op.lora_rank > 0) {
     AddTensor(out, module + ".lora_A.default.weight", {op.lora_rank, op.in}, block, true, share);
@@ -127,25 +134,25 @@ std::string TensorSpec::module() const {
 
 int64_t ModelSpec::ParamsTrainable() const {
   int64_t n = 0;
-  for (const TensorSpec& t : tensors) n += t.trainable ? t.numel() : 0;
+  for (const TensorSpec& t : tensors) n += t.trainable ? t.LogicalNumel() : 0;
   return n;
 }
 
 int64_t ModelSpec::ParamsTotal() const {
   int64_t total = 0;
-  for (const auto& t : tensors) total += t.numel();
+  for (const auto& t : tensors) total += t.LogicalNumel();
   return total;
 }
 
 int64_t ModelSpec::BlockParams(int block) const {
   int64_t total = 0;
-  for (const auto& t : tensors) if (t.block == block) total += t.numel();
+  for (const auto& t : tensors) if (t.block == block) total += t.LogicalNumel();
   return total;
 }
 
 int64_t ModelSpec::ActiveParamsPerToken() const {
   double active = 0;
-  for (const TensorSpec& t : tensors) active += static_cast<double>(t.numel()) * t.active_share;
+  for (const TensorSpec& t : tensors) active += static_cast<double>(t.LogicalNumel()) * t.active_share;
   return std::llround(active);
 }
 

@@ -19,8 +19,15 @@ struct TensorSpec {
   bool in_linear = false;       ///< owned by an nn.Linear (or GPT-2 Conv1D) module
   bool trainable = true;        ///< requires_grad: gets a gradient and optimizer states (all of them in full training)
   double active_share = 1.0;    ///< share of the tokens whose forward uses it (a routed expert's: top_k / experts)
+  /// > 0: a weight bitsandbytes stores packed as NF4 (QLoRA): its own element count; `shape` is the
+  /// packed storage's ([(n + 1) / (2 x storage bytes), 1], as Params4bit holds it)
+  int64_t nf4_numel = 0;
 
+  /// Elements stored: what FSDP flattens, shards and all-gathers.
   int64_t numel() const;
+  /// Elements of the weight as the model computes with it (the unpacked NF4 weight's): FLOPs and
+  /// parameter counts.
+  int64_t LogicalNumel() const { return nf4_numel > 0 ? nf4_numel : numel(); }
   /// Owning module path: the name without its last component.
   std::string module() const;
 };

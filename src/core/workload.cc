@@ -166,8 +166,13 @@ int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, con
   return RoundUp(total, world);
 }
 
+DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor) {
+  return config.lora.qlora && !tensor.trainable ? config.param_dtype : config.master_dtype;
+}
+
 std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config) {
-  const int64_t align = config.use_orig_params ? 16 / BytesPerElement(config.master_dtype) : 1;
+  const DType dtype = tensors.empty() ? config.master_dtype : StorageDtype(config, model.tensors[tensors.front()]);
+  const int64_t align = config.use_orig_params ? 16 / BytesPerElement(dtype) : 1;
   std::vector<int64_t> starts;
   starts.reserve(tensors.size());
   int64_t total = 0;
@@ -293,8 +298,44 @@ Status CheckUniformRequiresGrad(const Workload& w, const FsdpConfig& config) {
   return {};
 }
 
+// FSDP1's FlatParameter holds one dtype (_flat_param.py _validate_tensors_to_flatten), with or
+// without use_orig_params: QLoRA's base (the param dtype) and fp32 adapters need units apart.
+Status CheckUniformDtype(const Workload& w, const FsdpConfig& config) {
+  if (config.framework != Framework::kFsdp1) return {};
+  for (const WrapUnit& u : w.units) {
+    for (int t : u.tensors) {
+      const DType a = StorageDtype(config, w.model.tensors[u.tensors.front()]), b = StorageDtype(config, w.model.tensors[t]);
+      if (a == b) continue;
+      return Error::BadInput(fmt::format("FSDP1 unit '{}' holds {} and {} parameters (QLoRA's base and its adapters), which PyTorch refuses "
+                                         "(\"Must flatten tensors with uniform dtype\"): use --wrap peft (adapters in units of their own) or "
+                                         "--framework fsdp2",
+                                         u.name, DTypeName(a), DTypeName(b)));
+    }
+  }
+  return {};
+}
+
+// Each unit's stored bytes per rank, and whether FSDP casts it for the all-gather.
+void SetShardBytes(Workload& w, const FsdpConfig& config) {
+  for (WrapUnit& u : w.units) {
+    u.shard_bytes = 0;
+    u.casts_for_compute = false;
+    for (int t : u.tensors) {
+      const DType dtype = StorageDtype(config, w.model.tensors[t]);
+      u.casts_for_compute = u.casts_for_compute || dtype != config.param_dtype;
+      if (config.framework == Framework::kFsdp2) u.shard_bytes += Fsdp2ShardNumel(w.model.tensors[t], w.shard_world) * BytesPerElement(dtype);
+    }
+    if (config.framework == Framework::kFsdp1 && !u.tensors.empty()) {
+      u.shard_bytes = u.shard_numel * BytesPerElement(StorageDtype(config, w.model.tensors[u.tensors.front()]));
+    }
+  }
+}
+
 Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config) {
   if (config.lora != w.config.lora) return Error::BadInput("Reconfigure cannot change the LoRA configuration: build a new workload");
+  if (config.lora.qlora && config.param_dtype != w.config.param_dtype) {
+    return Error::BadInput("Reconfigure cannot change the param dtype under QLoRA (the 4-bit weights are packed in it): build a new workload");
+  }
   if (Status s = ResolveAndValidate(config, w.model, hardware); !s.ok()) return s;
   const bool rewrap = w.units.empty() || config.wrap != w.config.wrap ||
                       (config.wrap == WrapPolicy::kSize && config.wrap_min_params != w.config.wrap_min_params);
@@ -303,9 +344,11 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
   // padding depends only on the units, the shard world and the flat-parameter layout
   const bool repad = rewrap || world != w.shard_world || config.framework != w.config.framework ||
                      config.use_orig_params != w.config.use_orig_params || config.master_dtype != w.config.master_dtype;
-  if (Status s = CheckUniformRequiresGrad(w, config); !s.ok()) {
+  Status uniform = CheckUniformRequiresGrad(w, config);
+  if (uniform.ok()) uniform = CheckUniformDtype(w, config);
+  if (!uniform.ok()) {
     if (rewrap && !w.units.empty()) ApplyWrapPolicy(w, w.config);  // left as it was
-    return s;
+    return uniform;
   }
   w.shard_world = world;
   w.replicas = ReplicaCount(config);
@@ -325,6 +368,7 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
       u.grad_shard_numel = u.grad_padded_numel / w.shard_world;
     }
   }
+  if (repad || config.param_dtype != w.config.param_dtype) SetShardBytes(w, config);
   w.hardware = hardware;
   w.config = config;
   return {};
@@ -332,9 +376,10 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
 
 Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config) {
   if (Status s = ResolveAndValidate(config, model, hardware); !s.ok()) return s.error();
-  if (Status s = ApplyLora(model, config.lora); !s.ok()) return s.error();
+  if (Status s = ApplyLora(model, config.lora, config.param_dtype); !s.ok()) return s.error();
   Workload w;
   w.config.lora = config.lora;
+  w.config.param_dtype = config.param_dtype;
   w.nodes = BuildModuleTree(model);
   w.model = std::move(model);
   if (Status s = Reconfigure(w, hardware, config); !s.ok()) return s.error();

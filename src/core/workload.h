@@ -48,7 +48,17 @@ struct WrapUnit {
   int64_t grad_padded_numel = 0;
   /// Per rank: grad_padded_numel / shard world size. The sharded gradient and the optimizer states.
   int64_t grad_shard_numel = 0;
+  /// Bytes of each rank's sharded parameters: FSDP1 shard_numel in the flat parameter's one dtype,
+  /// FSDP2 every parameter's shard in its own (StorageDtype).
+  int64_t shard_bytes = 0;
+  /// Some stored parameter is not in param_dtype: FSDP casts it for the all-gather (FSDP1's
+  /// _mp_shard, FSDP2's all-gather copy-in).
+  bool casts_for_compute = false;
 };
+
+/// The dtype a parameter is stored in (its sharded form): the master dtype, except QLoRA's frozen
+/// base, loaded in the param dtype (bnb_4bit_quant_storage; core/fsdp_config.h LoraConfig).
+DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor);
 
 /// A module-tree node reached by a compute segment. Forward segments visit nodes in post-order
 /// (children first, `enter` false). Backward segments enter a node before its children, in reverse,
@@ -120,8 +130,8 @@ Status Reconfigure(Workload& workload, const HardwareSpec& hardware, FsdpConfig 
 /// multiple of world) or FSDP2 per-parameter dim-0 padding.
 int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world);
 
-/// FSDP1: where each of `tensors` starts in its unit's flat parameter (16-byte aligned with
-/// use_orig_params, packed without), in elements.
+/// FSDP1: where each of `tensors` starts in its unit's flat parameter (16-byte aligned in the
+/// parameters' storage dtype with use_orig_params, packed without), in elements.
 std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config);
 
 }  // namespace fsdp

@@ -88,9 +88,9 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
     }
     const int64_t copies_in = c.cpu_offload ? schedule.Unshards(u) : 0;
     if (c.cpu_offload) {
-      uc.host_to_device_s = HostCopySeconds(unit.shard_numel * m, w.hardware);
+      uc.host_to_device_s = HostCopySeconds(unit.shard_bytes, w.hardware);
       uc.device_to_host_s = HostCopySeconds(unit.grad_shard_numel * m, w.hardware);
-      v.host_to_device_bytes += copies_in * unit.shard_numel * m;
+      v.host_to_device_bytes += copies_in * unit.shard_bytes;
       v.device_to_host_bytes += reductions * unit.grad_shard_numel * m;
     }
     v.total_comm_s += static_cast<double>(gathers) * uc.all_gather.time_s +

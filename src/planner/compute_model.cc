@@ -22,6 +22,7 @@ struct NodeWork {
   double frozen_gemm_flops = 0; // of those, the ones of weights without gradients: no weight-gradient GEMM in backward
   double attention_flops = 0;   // forward score and value products
   double traffic_bytes = 0;     // forward memory-bound traffic
+  double dequant_bytes = 0;     // QLoRA: traffic of dequantizing the NF4 weights, once per forward and once per backward
 };
 
 // Forward work of a module-tree node (its own tensors and role), not of its children.
@@ -34,8 +35,9 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
     const TensorSpec& ts = m.tensors[t];
     if (!ts.in_linear || ts.shape.size() != 2) continue;
     const double share = ts.active_share;
-    work.gemm_flops += 2.0 * static_cast<double>(ts.numel()) * tokens * share;
-    if (!ts.trainable) work.frozen_gemm_flops += 2.0 * static_cast<double>(ts.numel()) * tokens * share;
+    work.gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
+    if (!ts.trainable) work.frozen_gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
+    if (ts.nf4_numel > 0) work.dequant_bytes += Nf4DequantTrafficBytes(ts.nf4_numel, w.config.param_dtype);
   }
   const bool flash = w.config.attention == Attention::kFlash;
   const double seq = static_cast<double>(w.config.seq_len);
@@ -74,7 +76,7 @@ double MatmulParams(const ModelSpec& m) {
   double n = 0;
   for (const auto& t : m.tensors) {
     if (!t.in_linear || t.shape.size() != 2) continue;
-    n += static_cast<double>(t.numel()) * t.active_share;
+    n += static_cast<double>(t.LogicalNumel()) * t.active_share;
   }
   if (m.tie_word_embeddings) n += static_cast<double>(m.vocab_size * m.hidden_size);
   return n;
@@ -107,6 +109,12 @@ std::vector<bool> OpRecomputedMatmuls(const Workload& w) {
 }
 
 }  // namespace
+
+double Nf4DequantTrafficBytes(int64_t weight_numel, DType compute_dtype) {
+  // reads the packed codes (n / 2 bytes) and one absmax per 64, writes n weights in the compute dtype
+  const double n = static_cast<double>(weight_numel);
+  return n / 2 + n / 64 * 4 + n * static_cast<double>(BytesPerElement(compute_dtype));
+}
 
 double OptimizerSeconds(const Workload& w) {
   const double elements = static_cast<double>(w.GradShardNumelTotal());
@@ -141,9 +149,11 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
     const double bwd_gemm_flops = kBackwardGemmFactor * work.gemm_flops - work.frozen_gemm_flops;
     const double bwd_flops = bwd_gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
     const double attn_bwd = (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
-    const double fwd_s = work.gemm_flops / gemm_rate + work.attention_flops / attention_rate + work.traffic_bytes / mem_rate;
+    // (bitsandbytes' MatMul4Bit dequantizes the weight in forward and again for the input gradient)
+    const double fwd_s = work.gemm_flops / gemm_rate + work.attention_flops / attention_rate + (work.traffic_bytes + work.dequant_bytes) / mem_rate;
     own.forward_s = fwd_s;
-    own.backward_s = bwd_gemm_flops / gemm_rate + attn_bwd / attention_rate + kBackwardTrafficFactor * work.traffic_bytes / mem_rate;
+    own.backward_s = bwd_gemm_flops / gemm_rate + attn_bwd / attention_rate +
+                     (kBackwardTrafficFactor * work.traffic_bytes + work.dequant_bytes) / mem_rate;
     double recompute_flops = 0;
     const int block_index = EnclosingBlock(w, id);
     if (ac == Checkpointing::kFull && block_index >= 0 && BlockCheckpointed(w.config, block_index)) {

@@ -70,6 +70,12 @@ std::vector<double> SegmentSeconds(const ModuleWalk& walk, const std::vector<Nod
 /// or PyTorch's CPU AdamW under CPU offload.
 double OptimizerSeconds(const Workload& workload);
 
+/// Bytes one dequantization of an NF4 weight of `weight_numel` elements moves (bitsandbytes'
+/// dequantize_4bit: the packed codes and fp32 absmax read, the weight written in `compute_dtype`);
+/// QLoRA pays it in every forward, recomputation and backward of a quantized linear, at the
+/// memory-bound rate.
+double Nf4DequantTrafficBytes(int64_t weight_numel, DType compute_dtype);
+
 /// Host elements per second of PyTorch's CPU AdamW under CPU offload (docs/time-model.md).
 constexpr double kHostAdamElementsPerSecond = 1.0e9;
 

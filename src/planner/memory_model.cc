@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/lora.h"
 #include "core/schedule.h"
 #include "planner/activation_model.h"
 #include "planner/memory_tracker.h"
@@ -55,7 +56,7 @@ class StepPlayer {
     pb_ = BytesPerElement(c_.param_dtype);
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
-    mixed_ = c_.param_dtype != c_.master_dtype;
+    for (const TensorSpec& t : w.model.tensors) nf4_dequant_bytes_ = std::max(nf4_dequant_bytes_, Nf4DequantTransientBytes(t));
   }
 
   /// Plays the steps: with the caching allocator two of them (the first creates the optimizer
@@ -85,9 +86,10 @@ class StepPlayer {
   // Sharded parameters (FSDP1: one flat shard per unit; FSDP2: one shard per parameter) and, at
   // steady state, the optimizer states; under CPU offload all of it lives in host memory.
   void AllocShardedState(CategoryBytes& host, bool optimizer_states) {
-    const int64_t shard_elems = w_.ShardNumelTotal(), trainable_elems = w_.GradShardNumelTotal();
+    const int64_t trainable_elems = w_.GradShardNumelTotal();
+    AllocQuantStates();
     if (c_.cpu_offload) {
-      host[static_cast<int>(Cat::kShardedParams)] = shard_elems * mb_;
+      host[static_cast<int>(Cat::kShardedParams)] = ShardBytesTotal();
       host[static_cast<int>(Cat::kGradients)] = trainable_elems * mb_;
       const std::vector<int64_t> states = StateShardNumels();
       host[static_cast<int>(Cat::kOptimizerStates)] =
@@ -96,12 +98,41 @@ class StepPlayer {
     }
     for (const auto& u : w_.units) {
       if (Fsdp2()) {
-        for (int t : u.tensors) mem_.Alloc(Cat::kShardedParams, Fsdp2ShardNumel(w_.model.tensors[t], w_.shard_world) * mb_);
+        for (int t : u.tensors) {
+          mem_.Alloc(Cat::kShardedParams, Fsdp2ShardNumel(w_.model.tensors[t], w_.shard_world) * BytesPerElement(StorageDtype(c_, w_.model.tensors[t])));
+        }
       } else {
-        mem_.Alloc(Cat::kShardedParams, u.shard_numel * mb_);
+        mem_.Alloc(Cat::kShardedParams, u.shard_bytes);
       }
     }
     if (optimizer_states) AllocOptimizerStates();
+  }
+
+  // bitsandbytes 0.50's dequantize-then-linear (backends/cuda/ops.py _dequant_linear_fallback, and
+  // MatMul4Bit.backward's dequantize_4bit): the weight in the compute dtype and, double-quantized,
+  // the absmax dequantized to fp32 and offset (two fp32 tensors of a block each). Its fused
+  // gemm_4bit kernel, taken for micro-batches of at most 1,536 tokens on some GPUs, has none: the
+  // unfused path is an upper bound there.
+  int64_t Nf4DequantTransientBytes(const TensorSpec& t) const {
+    if (t.nf4_numel == 0) return 0;
+    const int64_t blocks = (t.nf4_numel + 63) / 64;
+    return t.nf4_numel * pb_ + (c_.lora.double_quant ? 2 * 4 * blocks : 0);
+  }
+
+  int64_t ShardBytesTotal() const {
+    int64_t total = 0;
+    for (const auto& u : w_.units) total += u.shard_bytes;
+    return total;
+  }
+
+  // QLoRA: the quantization state of every NF4 weight, whole on each rank and on the GPU (it lives
+  // on the module, outside FSDP's flat or sharded parameters, so CPU offload leaves it there): the
+  // tensors of bitsandbytes' QuantState, each an allocation of its own.
+  void AllocQuantStates() {
+    for (const TensorSpec& t : w_.model.tensors) {
+      if (t.nf4_numel == 0) continue;
+      for (int64_t bytes : Nf4QuantStateTensorBytes(t.nf4_numel, c_.lora.double_quant)) mem_.Alloc(Cat::kShardedParams, bytes);
+    }
   }
 
   // The optimizer's per-parameter states in the order Adam's _init_group creates them (exp_avg then
@@ -244,16 +275,16 @@ class StepPlayer {
     if (Fsdp2WorldOfOne()) return;  // no all-gather: the copy-out casts the shards (WaitUnshard)
     if (!Sharded()) {
       // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard).
-      if (mixed_ || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard);
+      if (unit.casts_for_compute || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard);
       return;
     }
     // All-gather input: the param_dtype copy of the shard (and an fp32 staging copy under offload).
     // FSDP1 casts (and copies from the host) on its pre-unshard stream, all-gathers on the unshard
     // stream; FSDP2 does both on its all-gather copy-in stream.
     const Stream cast_stream = Fsdp2() ? Stream::kUnshard : Stream::kPreUnshard;
-    BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * mb_, cast_stream) : kNoBlock;
+    BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_bytes, cast_stream) : kNoBlock;
     // FSDP2's all_gather_copy_in writes the input into a view of the output: no separate buffer.
-    BlockId input = (mixed_ && !Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_, cast_stream) : kNoBlock;
+    BlockId input = (unit.casts_for_compute && !Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_, cast_stream) : kNoBlock;
     mem_.Free(staging);
     if (a.rate_limited) {
       // Under the rate limiter the CPU issues an all-gather only once the GPU has passed the
@@ -281,8 +312,10 @@ class StepPlayer {
   void WaitUnshard(int u) {
     if (!Fsdp2WorldOfOne()) return;
     int64_t largest_numel = 0;  // the casts are made one parameter at a time
-    for (int t : w_.units[u].tensors) largest_numel = std::max(largest_numel, w_.model.tensors[t].numel());
-    BlockId cast = mixed_ ? mem_.Alloc(Cat::kCommBuffers, largest_numel * pb_) : kNoBlock;
+    for (int t : w_.units[u].tensors) {
+      if (StorageDtype(c_, w_.model.tensors[t]) != c_.param_dtype) largest_numel = std::max(largest_numel, w_.model.tensors[t].numel());
+    }
+    BlockId cast = largest_numel > 0 ? mem_.Alloc(Cat::kCommBuffers, largest_numel * pb_) : kNoBlock;
     unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * pb_);
     mem_.Free(cast);
   }
@@ -325,7 +358,15 @@ class StepPlayer {
           }
         }
         break;
-      case ModuleNode::Role::kBlock: AllocSaved(node_id, BlockProfile(node_id).kept); break;
+      case ModuleNode::Role::kBlock:
+        AllocSaved(node_id, BlockProfile(node_id).kept);
+        // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
+        // with all the block's saved tensors alive (an upper bound by the ones saved after it)
+        if (nf4_dequant_bytes_ > 0) {
+          BlockId dequantized = mem_.Alloc(Cat::kUnshardedParams, nf4_dequant_bytes_);
+          mem_.Free(dequantized);
+        }
+        break;
       case ModuleNode::Role::kFinalNorm:
         AllocSaved(node_id, head_.final_norm);
         mem_.Free(causal_mask_);
@@ -406,6 +447,8 @@ class StepPlayer {
           }
         }
         transient.push_back(mem_.Alloc(Cat::kActivations, BlockProfile(node_id).backward_working_bytes));
+        // QLoRA: the weight dequantized again for the input gradient (MatMul4Bit.backward)
+        if (nf4_dequant_bytes_ > 0) transient.push_back(mem_.Alloc(Cat::kUnshardedParams, nf4_dequant_bytes_));
         break;
       case ModuleNode::Role::kLmHead: {
         BlockId grads = mem_.Alloc(Cat::kActivations, head_.loss_backward_transient_bytes);
@@ -540,7 +583,7 @@ class StepPlayer {
   BlockActivations first_block_, first_plain_block_;  // block 0: its input may not require grad (LoRA)
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
-  bool mixed_ = true;
+  int64_t nf4_dequant_bytes_ = 0;  // QLoRA: the largest quantized weight, dequantized in the compute dtype
   bool states_allocated_ = true;  ///< the optimizer states exist (false until the first step's optimizer.step())
   PhaseTracker phases_;
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
@@ -563,26 +606,27 @@ int64_t CommunicatorCount(const Workload& w) {
 
 CheckpointMemory EstimateCheckpoint(const Workload& w) {
   CheckpointMemory ck;
-  const int64_t mb = BytesPerElement(w.config.master_dtype);
-  int64_t params = 0, trainable = 0, largest_unit = 0;  // the units partition the parameters
+  int64_t params_bytes = 0, trainable = 0, largest_unit_bytes = 0;  // the units partition the parameters
   for (const auto& u : w.units) {
-    params += u.numel;
+    int64_t unit_bytes = 0;
+    for (int t : u.tensors) unit_bytes += w.model.tensors[t].numel() * BytesPerElement(StorageDtype(w.config, w.model.tensors[t]));
+    params_bytes += unit_bytes;
     trainable += u.trainable_numel;
-    largest_unit = std::max(largest_unit, u.padded_numel);
+    largest_unit_bytes = std::max(largest_unit_bytes, unit_bytes + (u.padded_numel - u.numel) * BytesPerElement(w.config.master_dtype));
   }
   const int64_t states = OptimizerStateBytesPerParam(w.config.optimizer, w.config.master_dtype);
   // FULL_STATE_DICT all-gathers each unit in full precision (_full_prec_full_param_padded) and
   // clones its parameters: to the GPU (accumulating the whole model) or to the CPU.
-  ck.full_gpu_extra_bytes = params * mb + largest_unit * mb;
-  ck.full_offload_gpu_extra_bytes = largest_unit * mb;
-  ck.full_offload_host_rank0_bytes = params * mb;
-  ck.full_offload_host_per_node_bytes = params * mb * w.config.gpus_per_node;
+  ck.full_gpu_extra_bytes = params_bytes + largest_unit_bytes;
+  ck.full_offload_gpu_extra_bytes = largest_unit_bytes;
+  ck.full_offload_host_rank0_bytes = params_bytes;
+  ck.full_offload_host_per_node_bytes = params_bytes * w.config.gpus_per_node;
   ck.full_optim_host_rank0_bytes = trainable * states;
   ck.sharded_gpu_extra_bytes = 0;
-  ck.model_file_bytes = params * mb;
+  ck.model_file_bytes = params_bytes;
   ck.optimizer_file_bytes = trainable * states;
   const int64_t writers = w.config.strategy == Strategy::kNoShard ? 1 : w.shard_world;
-  ck.sharded_file_bytes_per_rank = CeilDiv(params * mb + trainable * states, writers);
+  ck.sharded_file_bytes_per_rank = CeilDiv(params_bytes + trainable * states, writers);
   return ck;
 }
 

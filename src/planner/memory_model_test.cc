@@ -473,5 +473,36 @@ TEST_CASE("LoRA under FSDP1 with use_orig_params: states for the adapters' parts
   CHECK(StartStates(peft) == 2 * 4 * (2 * (8 + 8 + 8 + 4)));
 }
 
+TEST_CASE("QLoRA under FSDP1 with peft's wrap: the base packed in bf16 and sharded, fp32 adapters, the quantization state on every rank") {
+  FsdpConfig c = HandConfig();
+  c.gpus = 2;
+  c.param_dtype = DType::kBf16;
+  c.wrap = WrapPolicy::kPeft;
+  c.lora.rank = 2;  // q_proj and v_proj
+  c.lora.qlora = true;
+  const Workload w = Build(c);
+  // the root (embedding 128, final norm 8, lm_head 128) in bf16: 264 -> 132 a rank, 264 bytes; each
+  // block's base: norms 8 + 8 and the linears packed 4 codes to a bf16 element (q 64 -> 16, k and v
+  // 32 -> 8, o 16, gate, up, down 128 -> 32): 160 -> 80 a rank, 160 bytes; its four adapters in
+  // fp32, 16, 16, 16 and 8 -> 8, 8, 8 and 4 a rank: 112 bytes. The quantization state, absmax per
+  // 64 weights (q, k, v, o one block each, gate, up, down two) in fp32 and a 64-byte code per
+  // linear: 10 x 4 + 7 x 64 = 488 bytes a block, whole on each rank.
+  const MemoryEstimate m = EstimateMemory(w, Exact());
+  CHECK(Cat(m, MemCategory::kShardedParams) == 264 + 2 * (160 + 112) + 2 * 488);
+  CHECK(w.model.ParamsTotal() == 1448 + 112);  // the weights as the model computes with them
+  // SGD: no states; gradients only for the adapters
+  CHECK(w.GradShardNumelTotal() == 2 * (8 + 8 + 8 + 4));
+  // a decoder-layer unit would hold bf16 base and fp32 adapters: FSDP1 refuses it, with or without use_orig_params
+  c.wrap = WrapPolicy::kBlock;
+  c.use_orig_params = true;
+  auto model = ModelFromHfConfig(ParseJson(kHandLlama, "hand.json").value(), "hand", "hand.json");
+  HardwareSpec hw;
+  hw.gpus_per_node = 8;
+  hw.memory_bytes = 20000;
+  const auto mixed = BuildWorkload(model.value(), hw, c);
+  REQUIRE_FALSE(mixed.ok());
+  CHECK(mixed.error().message.find("uniform dtype") != std::string::npos);
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -2,6 +2,8 @@
 
 #include <string>
 
+#include "core/lora.h"
+
 namespace fsdp {
 namespace {
 
@@ -107,7 +109,13 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"reduce_dtype", DTypeName(c.reduce_dtype)},
           {"buffer_dtype", DTypeName(c.buffer_dtype)},
           {"master_dtype", DTypeName(c.master_dtype)},
-          {"lora", {{"rank", c.lora.rank}, {"alpha", c.lora.alpha}, {"dropout", c.lora.dropout}, {"targets", c.lora.targets}}},
+          {"lora",
+           {{"rank", c.lora.rank},
+            {"alpha", c.lora.alpha},
+            {"dropout", c.lora.dropout},
+            {"targets", c.lora.targets},
+            {"qlora", c.lora.qlora},
+            {"double_quant", c.lora.double_quant}}},
           {"optimizer", OptimizerName(c.optimizer)},
           {"cpu_offload", c.cpu_offload},
           {"framework", FrameworkName(c.framework)},
@@ -131,11 +139,14 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
                   {"alloc_retries", m.alloc_retries},
                   {"categories", CategoriesToJson(m.peak)}};
   Json host = {{"total_bytes", m.host_bytes}, {"categories", CategoriesToJson(m.host)}};
+  const Nf4Bytes nf4 = Nf4ModelBytes(w.model, w.config.lora, w.config.param_dtype);
   return {{"model",
            {{"id", w.model.id},
             {"model_type", w.model.model_type},
             {"params_total", w.model.ParamsTotal()},
             {"params_trainable", w.model.ParamsTrainable()},
+            {"nf4_packed_bytes", nf4.packed},
+            {"nf4_quant_state_bytes", nf4.quant_state},
             {"layers", w.model.num_layers},
             {"hidden_size", w.model.hidden_size}}},
           {"hardware", {{"id", w.hardware.id}, {"name", w.hardware.name}, {"memory_bytes", w.hardware.memory_bytes}}},
