@@ -72,15 +72,14 @@ void PrintHeader(const Workload& w, std::ostream& out) {
     for (const ParamOp& op : w.model.arch.block) {
       if (op.lora_rank > 0) targets += (targets.empty() ? "" : ", ") + op.module;
     }
-    fmt::print(out, "{} r={} (alpha {}, dropout {}) on {}: {} trainable parameters ({}), the base frozen\n", c.lora.qlora ? "QLoRA" : "LoRA",
-               c.lora.rank, c.lora.alpha, c.lora.dropout, targets, WithCommas(w.model.ParamsTrainable()),
-               Percent(w.model.ParamsTrainable(), w.model.ParamsTotal()));
+    const DType base = StorageDtype(c, w.model.tensors.front());  // the embedding: frozen
+    fmt::print(out, "{} r={} (alpha {}, dropout {}) on {}: {} trainable parameters ({}) in {}, the base frozen in {}\n",
+               c.lora.qlora ? "QLoRA" : "LoRA", c.lora.rank, c.lora.alpha, c.lora.dropout, targets, WithCommas(w.model.ParamsTrainable()),
+               Percent(w.model.ParamsTrainable(), w.model.ParamsTotal()), DTypeName(c.master_dtype), DTypeName(base));
     if (c.lora.qlora) {
       const Nf4Bytes nf4 = Nf4ModelBytes(w.model, c.lora, c.param_dtype);
-      fmt::print(out, "QLoRA: the blocks' linears in NF4 ({} GiB packed in {}, sharded; {} GiB of quantization state{} on every rank), "
-                 "the rest of the base in {}, the adapters in {}\n",
-                 Gib(nf4.packed), DTypeName(c.param_dtype), Gib(nf4.quant_state), c.lora.double_quant ? ", double-quantized," : "", DTypeName(c.param_dtype),
-                 DTypeName(c.master_dtype));
+      fmt::print(out, "QLoRA: the blocks' linears in NF4 ({} GiB packed in {}, sharded; {} GiB of quantization state{} on every rank)\n",
+                 Gib(nf4.packed), DTypeName(c.param_dtype), Gib(nf4.quant_state), c.lora.double_quant ? ", double-quantized," : "");
     }
   }
   if (c.loop_holds_outputs) fmt::print(out, "the training loop keeps `outputs`: the logits stay alive through the step\n");
@@ -258,6 +257,8 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_flag("--qlora", f.config.lora.qlora,
                "QLoRA: the blocks' linears stored by bitsandbytes as NF4, packed in the param dtype (bnb_4bit_quant_storage); needs --lora-rank");
   app.add_flag("--qlora-double-quant", f.config.lora.double_quant, "bnb_4bit_use_double_quant=True: the absmax quantized again");
+  app.add_option("--base-dtype", f.base_dtype,
+                 "LoRA: the frozen base's dtype, from_pretrained's torch_dtype: fp32 | bf16 (default: the master dtype; QLoRA: the param dtype)");
   app.add_option("--optimizer", f.optimizer, "adamw | adam | sgd | sgd-momentum")->capture_default_str();
   app.add_flag("--cpu-offload", f.config.cpu_offload, "CPUOffload(offload_params=True): params, grads and optimizer on the host");
   app.add_option("--wrap", f.wrap, "block | size:N | none | linear | peft (with LoRA: adapters in units of their own)")->capture_default_str();
@@ -291,20 +292,28 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   Status s;
   if (!(s = Assign(c.strategy, ParseStrategy(f.strategy))).ok()) return s.error();
   if (!(s = ParseWrap(f.wrap, c)).ok()) return s.error();
-  // LoRA under FSDP1 without a --wrap: peft's policy, as transformers' Trainer installs it for a
-  // PeftModel (transformers/distributed/fsdp.py update_fsdp_plugin_peft); a decoder-layer unit
-  // would mix frozen and trainable parameters, which FSDP1 refuses without use_orig_params.
-  // QLoRA keeps its base in the param dtype and its adapters in the master dtype: one unit may not
-  // hold both even with use_orig_params (FSDP1 flattens one dtype).
-  if (c.lora.rank > 0 && !f.wrap_given && c.wrap == WrapPolicy::kBlock && f.framework == "fsdp1" && (!c.use_orig_params || c.lora.qlora)) {
-    c.wrap = WrapPolicy::kPeft;
-  }
   if (!(s = Assign(c.checkpointing, ParseCheckpointing(f.ac))).ok()) return s.error();
   if (!(s = Assign(c.attention, ParseAttention(f.attention))).ok()) return s.error();
   if (!(s = Assign(c.param_dtype, ParseDType(f.param_dtype, "--param-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.reduce_dtype, ParseDType(f.reduce_dtype, "--reduce-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.buffer_dtype, ParseDType(f.buffer_dtype, "--buffer-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.master_dtype, ParseDType(f.master_dtype, "--master-dtype"))).ok()) return s.error();
+  if (!f.base_dtype.empty()) {
+    auto base = ParseDType(f.base_dtype, "--base-dtype");
+    if (!base.ok()) return base.error();
+    c.lora.base_dtype = base.value();
+  }
+  // LoRA under FSDP1 without a --wrap: peft's policy, as transformers' Trainer installs it for a
+  // PeftModel (transformers/distributed/fsdp.py update_fsdp_plugin_peft); a decoder-layer unit
+  // would mix frozen and trainable parameters, which FSDP1 refuses without use_orig_params.
+  // A base stored in another dtype than the adapters (QLoRA's, --base-dtype) may not share a unit
+  // with them even with use_orig_params: FSDP1 flattens one dtype.
+  TensorSpec frozen;
+  frozen.trainable = false;
+  const bool base_dtype_differs = StorageDtype(c, frozen) != c.master_dtype;
+  if (c.lora.rank > 0 && !f.wrap_given && c.wrap == WrapPolicy::kBlock && f.framework == "fsdp1" && (!c.use_orig_params || base_dtype_differs)) {
+    c.wrap = WrapPolicy::kPeft;
+  }
   if (!(s = Assign(c.optimizer, ParseOptimizer(f.optimizer))).ok()) return s.error();
   if (!(s = Assign(c.framework, ParseFramework(f.framework))).ok()) return s.error();
   if (!(s = Assign(c.backward_prefetch, ParseBackwardPrefetch(f.backward_prefetch))).ok()) return s.error();
@@ -358,6 +367,68 @@ struct ScenarioColumn {
   bool offload;
 };
 
+// One column of the fine-tuning table: the flags it sets on top of FULL_SHARD with full checkpointing.
+struct FineTuningColumn {
+  const char* title;
+  int64_t lora_rank;
+  bool qlora;
+};
+
+// The seeds' own question, "can I fine-tune 7B-70B on four RTX 4090s or A6000s, or on eight A100s?":
+// full fine-tuning, LoRA and QLoRA (r=16 on every linear of the blocks, peft's recipe of a bf16
+// base and fp32 adapters), each FULL_SHARD with full checkpointing; rows model x cluster.
+Status FineTuningTable(const PlanFlags& base, const char* const* models, size_t model_count, Json& rows, std::ostream& out) {
+  struct Cluster {
+    std::string gpu;
+    int64_t gpus;
+  };
+  std::vector<Cluster> clusters = {{"rtx-4090", 4}, {"rtx-a6000", 4}, {"a100-80gb-sxm", 8}};
+  if (base.gpu_given) clusters = {{base.gpu, base.config.gpus}};
+  const FineTuningColumn columns[] = {{"full", 0, false}, {"LoRA r16", 16, false}, {"QLoRA r16", 16, true}};
+  PlanFlags flags = base;
+  flags.strategy = "full_shard";
+  flags.ac = "full";
+  flags.config.cpu_offload = false;
+  if (!flags.json) {
+    fmt::print(out, "\nFine-tuning: peak memory per GPU and tokens/s per GPU, FULL_SHARD with AC full, seq {} x micro-batch {};\n"
+                    "LoRA and QLoRA r=16 on every linear of the blocks, a bf16 base and fp32 adapters\n\n",
+               flags.config.seq_len, flags.config.micro_batch);
+    fmt::print(out, "  {:<14}{:<18}", "model", "GPUs");
+    for (const auto& col : columns) fmt::print(out, "{:>24}", col.title);
+    fmt::print(out, "\n");
+  }
+  for (size_t i = 0; i < model_count; ++i) {
+    for (const Cluster& cluster : clusters) {
+      flags.gpu = cluster.gpu;
+      flags.config.gpus = cluster.gpus;
+      flags.gpu_given = flags.gpus_given = true;
+      std::string line;
+      for (const auto& col : columns) {
+        flags.config.lora = LoraConfig{};
+        flags.config.lora.rank = col.lora_rank;
+        flags.config.lora.qlora = col.qlora;
+        flags.config.lora.targets = col.lora_rank > 0 ? "all-linear" : "";
+        flags.base_dtype = col.lora_rank > 0 ? "bf16" : "";
+        flags.wrap_given = false;
+        auto result = Evaluate(flags, models[i], false);
+        if (!result.ok()) return result.error();
+        const auto& [w, m] = result.value();
+        const double tokens_per_s = EstimateTime(w).step.tokens_per_s_per_gpu;
+        line += fmt::format("{:>24}", fmt::format("{} GiB{} {:>6.0f}/s", Gib(m.peak_bytes), m.fits ? " " : "*", tokens_per_s));
+        Json row = PlanToJson(w, m);
+        row["tokens_per_s_per_gpu"] = tokens_per_s;
+        rows.push_back(std::move(row));
+      }
+      if (!flags.json) fmt::print(out, "  {:<14}{:<18}{}\n", models[i], fmt::format("{} x {}", cluster.gpus, cluster.gpu), line);
+    }
+  }
+  if (!flags.json) {
+    fmt::print(out, "\n  * does not fit. One of them in detail: fsdp-plan --model llama-2-70b --gpu rtx-4090 --gpus 4 --ac full --lora-rank 16 "
+                    "--lora-targets all-linear --qlora\n");
+  }
+  return {};
+}
+
 Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
   if (base.model_given) return Error::BadInput("--model needs a catalog id or a path, got ''");
   PlanFlags flags = base;
@@ -399,8 +470,10 @@ Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
                  Gib(params * 2 / flags.config.gpus));
     }
   }
+  Json fine_tuning = Json::array();
   if (flags.json) {
-    out << DumpJson(Json{{"scenario", "ddp-vs-fsdp"}, {"plans", rows}}, 2) << "\n";
+    if (Status s = FineTuningTable(flags, models, std::size(models), fine_tuning, out); !s.ok()) return s;
+    out << DumpJson(Json{{"scenario", "ddp-vs-fsdp"}, {"plans", rows}, {"fine_tuning", fine_tuning}}, 2) << "\n";
     return {};
   }
   fmt::print(out, "\n  * does not fit in the card's memory. \"+ AC full\": FULL_SHARD with activation checkpointing;\n"
@@ -412,7 +485,7 @@ Status RunDefaultScenario(const PlanFlags& base, std::ostream& out) {
                   "this table counts all of them.\n"
                   "One configuration in detail: fsdp-plan --model llama-2-13b --gpu a100-80gb-sxm --gpus 4 --ac full\n",
              host_note);
-  return {};
+  return FineTuningTable(flags, models, std::size(models), fine_tuning, out);
 }
 
 }  // namespace fsdp

@@ -22,6 +22,7 @@ struct PlanFlags {
   FsdpConfig config;
   std::string strategy = "full_shard", wrap = "block", ac = "none", attention = "flash";
   std::string param_dtype = "bf16", reduce_dtype = "fp32", buffer_dtype = "bf16", master_dtype = "fp32";
+  std::string base_dtype;  ///< --base-dtype; empty: LoraConfig::base_dtype unset
   std::string optimizer = "adamw", framework = "fsdp1", backward_prefetch = "pre";
   bool no_limit_all_gathers = false;
   std::optional<int64_t> cuda_context_bytes, nccl_bytes, cublas_workspace_bytes;

@@ -90,6 +90,14 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   if (!att.ok()) return att.error();
   o.base.attention = att.value();
   o.base.loop_holds_outputs = f.loop_holds_outputs;
+  o.base.lora = f.lora;
+  if (f.lora.rank > 0 || f.lora.qlora || !f.lora.targets.empty()) {
+    // the LoRA settings' errors once, from the configuration every candidate shares
+    FsdpConfig probe = o.base;
+    probe.gpus = probe.gpus_per_node = 1;
+    if (probe.framework == Framework::kFsdp1) probe.wrap = WrapPolicy::kPeft;
+    if (auto w = BuildWorkload(model, o.gpu_types.front(), probe); !w.ok()) return w.error();
+  }
   o.top = f.top;
   return o;
 }
@@ -158,6 +166,11 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--framework", f.framework, "fsdp1 | fsdp2")->capture_default_str();
   app.add_option("--attention", f.attention, "eager | flash")->capture_default_str();
   app.add_flag("--loop-holds-outputs", f.loop_holds_outputs, "the training loop keeps `outputs`: its logits live through the step");
+  app.add_option("--lora-rank", f.lora.rank, "LoRA rank r for every candidate (peft); 0 is full fine-tuning")->capture_default_str();
+  app.add_option("--lora-targets", f.lora.targets, "target_modules: module names or all-linear (default: peft's for the model type)");
+  app.add_option("--lora-dropout", f.lora.dropout, "lora_dropout p")->capture_default_str();
+  app.add_flag("--qlora", f.lora.qlora, "QLoRA: the blocks' linears in bitsandbytes NF4 (needs --lora-rank)");
+  app.add_flag("--qlora-double-quant", f.lora.double_quant, "bnb_4bit_use_double_quant=True");
   app.add_option("--top", f.top, "how many configurations to list")->capture_default_str();
   app.add_option("--export", f.export_format, "print the best configuration as pytorch | fsdp2 | accelerate | lightning");
   app.add_flag("--json", f.json, "print one JSON object");
@@ -225,6 +238,7 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   // The tensors fit and the allocator's cache does not: its settings first, with what each saves.
   const bool cache_is_over = !m.fits && m.allocated_peak_bytes + OutsideAllocatorBytes(w.value(), m.overheads) <= m.capacity_bytes;
   const std::vector<Advice> allocator = cache_is_over ? AllocatorAdvice(w.value()) : std::vector<Advice>{};
+  const std::vector<Advice> fine_tuning = m.fits ? std::vector<Advice>{} : FineTuningAdvice(w.value());
   auto to_json = [](const std::vector<Advice>& list) {
     Json changes = Json::array();
     for (const Advice& a : list) {
@@ -236,7 +250,8 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   if (flags.json) {
     out << DumpJson(Json{{"model", model.value().id}, {"gpu", hw.value().id}, {"gpus", config.value().gpus}, {"peak_bytes", m.peak_bytes},
                          {"capacity_bytes", m.capacity_bytes}, {"fits", m.fits}, {"fragmentation_bytes", m.fragmentation_bytes},
-                         {"changes", to_json(advice)}, {"allocator_changes", to_json(allocator)}}, 2) << "\n";
+                         {"changes", to_json(advice)}, {"allocator_changes", to_json(allocator)},
+                         {"fine_tuning_changes", to_json(fine_tuning)}}, 2) << "\n";
     return {};
   }
   if (cache_is_over) {
@@ -248,12 +263,16 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   }
   if (m.fits) fmt::print(out, "It already fits; changes that also fit, by their cost in tokens/s per GPU:\n");
   else fmt::print(out, "Smallest changes that make it fit, by their cost in tokens/s per GPU:\n");
-  if (advice.empty()) {
-    fmt::print(out, "  none of the single or paired changes fits: more GPUs with CPU offload, or a larger GPU, is needed\n");
-    return {};
-  }
+  if (advice.empty()) fmt::print(out, "  none of the single or paired changes fits: more GPUs with CPU offload, or a larger GPU, is needed\n");
   for (const Advice& a : advice) {
     fmt::print(out, "  {:<44} peak {:>7} GiB  step {:>8.1f} ms  {:+6.1f}% tokens/s per GPU\n", a.change, Gib(a.peak_bytes), a.step_s * 1e3, -a.slowdown_pct);
+  }
+  if (fine_tuning.empty()) return {};
+  fmt::print(out, "Or train fewer parameters (LoRA adapters on a frozen base: a different training, not ranked with the above):\n");
+  for (const Advice& a : fine_tuning) {
+    if (a.peak_bytes == 0) continue;  // a configuration the change makes invalid
+    fmt::print(out, "  {:<70} peak {:>7} GiB  {:<12}  step {:>8.1f} ms  {:+6.1f}% tokens/s per GPU\n", a.change, Gib(a.peak_bytes),
+               a.fits ? "fits" : "does not fit", a.step_s * 1e3, -a.slowdown_pct);
   }
   return {};
 }

@@ -27,6 +27,7 @@ struct RecommendFlags {
   std::vector<std::string> prices;       ///< "id=usd" overrides
   std::string framework = "fsdp1", attention = "flash";
   bool loop_holds_outputs = false;       ///< FsdpConfig::loop_holds_outputs for every candidate
+  LoraConfig lora;                       ///< LoRA / QLoRA for every candidate (rank 0: full fine-tuning)
   int64_t top = 10;
   std::string export_format;
   bool json = false;

@@ -206,6 +206,14 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
     return Error::BadInput("--reduce-dtype fp16 with --param-dtype bf16 loses range; use fp32 or bf16");
   }
   if (Status s = ValidatePrecision(c); !s.ok()) return s;
+  if (c.lora.base_dtype) {
+    if (c.lora.rank == 0) return Error::BadInput("--base-dtype is the frozen base's dtype under LoRA; it needs --lora-rank R > 0");
+    if (*c.lora.base_dtype == DType::kFp16) return Error::BadInput("--base-dtype fp16 is not modelled: fp32 or bf16");
+    if (c.lora.qlora && *c.lora.base_dtype != c.param_dtype) {
+      return Error::BadInput(fmt::format("--qlora packs its base in the param dtype ({}), so that FSDP's cast leaves the 4-bit codes alone; "
+                                         "--base-dtype {} differs", DTypeName(c.param_dtype), DTypeName(*c.lora.base_dtype)));
+    }
+  }
   return ValidateLora(c.lora, c.wrap);
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -43,6 +44,10 @@ struct LoraConfig {
   /// the param dtype too, the adapters in the master dtype (peft's autocast_adapter_dtype)
   bool qlora = false;
   bool double_quant = false;  ///< bnb_4bit_use_double_quant: the absmax quantized to 8 bits in blocks of 256
+  /// The dtype the frozen base is stored in (from_pretrained's torch_dtype): unset, the master dtype
+  /// (a model loaded in fp32), under QLoRA the param dtype; bf16 is the usual peft recipe (a bf16
+  /// model, fp32 adapters). See StorageDtype (core/workload.h).
+  std::optional<DType> base_dtype;
   bool operator==(const LoraConfig&) const = default;
 };
 

@@ -167,7 +167,8 @@ int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, con
 }
 
 DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor) {
-  return config.lora.qlora && !tensor.trainable ? config.param_dtype : config.master_dtype;
+  if (tensor.trainable || config.lora.rank == 0) return config.master_dtype;
+  return config.lora.base_dtype.value_or(config.lora.qlora ? config.param_dtype : config.master_dtype);
 }
 
 std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config) {

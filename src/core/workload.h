@@ -56,8 +56,9 @@ struct WrapUnit {
   bool casts_for_compute = false;
 };
 
-/// The dtype a parameter is stored in (its sharded form): the master dtype, except QLoRA's frozen
-/// base, loaded in the param dtype (bnb_4bit_quant_storage; core/fsdp_config.h LoraConfig).
+/// The dtype a parameter is stored in (its sharded form): the master dtype, except LoRA's frozen
+/// base: LoraConfig::base_dtype, by default the param dtype under QLoRA (bnb_4bit_quant_storage)
+/// and the master dtype otherwise.
 DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor);
 
 /// A module-tree node reached by a compute segment. Forward segments visit nodes in post-order

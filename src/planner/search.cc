@@ -39,7 +39,9 @@ using MemoryKey = std::tuple<int, int64_t, int64_t, int, int, int64_t, bool, int
 class Searcher {
  public:
   Searcher(const ModelSpec& model, const SearchOptions& o) : o_(o), checkpoint_modes_(CheckpointModes(o.base, model)) {
-    for (WrapPolicy wrap : kWraps) {
+    std::vector<WrapPolicy> wraps(std::begin(kWraps), std::end(kWraps));
+    if (o.base.lora.rank > 0) wraps.push_back(WrapPolicy::kPeft);  // FSDP1 needs the adapters in units of their own
+    for (WrapPolicy wrap : wraps) {
       FsdpConfig c = o.base;
       c.wrap = wrap;
       c.gpus = 1;
@@ -418,7 +420,13 @@ Advice Try(const Workload& base, const Change& change, double base_tokens_per_s,
   Workload w = base;
   FsdpConfig runs = change.config;  // the command line keeps its strategy; on one GPU FSDP1 runs NO_SHARD
   ApplyFsdp1WorldOfOne(runs);
-  if (!Reconfigure(w, base.hardware, runs).ok()) return a;
+  if (runs.lora != base.config.lora) {  // another model: the adapters and the frozen base rebuilt
+    auto built = BuildWorkload(base.model, base.hardware, runs);
+    if (!built.ok()) return a;
+    w = std::move(built).value();
+  } else if (!Reconfigure(w, base.hardware, runs).ok()) {
+    return a;
+  }
   const MemoryEstimate m = EstimateMemory(w);
   const TimeEstimate t = EstimateTime(w);
   a.fits = m.fits;
@@ -440,6 +448,41 @@ std::vector<Advice> AllocatorAdvice(const Workload& workload) {
     if (c.allocator_setting) out.push_back(Try(workload, c, base_tps, base_peak));
   }
   std::stable_sort(out.begin(), out.end(), [](const Advice& a, const Advice& b) { return a.saves_bytes > b.saves_bytes; });
+  return out;
+}
+
+std::vector<Advice> FineTuningAdvice(const Workload& workload) {
+  const Workload runs = AsPyTorchRuns(workload);
+  const double base_tps = EstimateTime(runs).step.tokens_per_s_per_gpu;
+  const int64_t base_peak = EstimateMemory(runs).peak_bytes;
+  const FsdpConfig& c = workload.config;
+  const bool moe = workload.model.num_experts > 0;
+  std::vector<Change> changes;
+  auto add = [&](std::string text, const LoraConfig& lora) {
+    FsdpConfig n = c;
+    n.lora = lora;
+    if (n.framework == Framework::kFsdp1 && n.wrap == WrapPolicy::kBlock) {
+      n.wrap = WrapPolicy::kPeft;
+      text += " --wrap peft";
+    }
+    changes.push_back({text, n});
+    if (c.checkpointing == Checkpointing::kFull) return;
+    n.checkpointing = Checkpointing::kFull;
+    changes.push_back({"--ac full " + text, n});
+  };
+  LoraConfig lora = c.lora;
+  if (lora.rank == 0) {
+    lora.rank = 16;
+    lora.targets = moe ? "q_proj,k_proj,v_proj,o_proj" : "all-linear";  // peft 0.21's all-linear adapts routed experts too
+    add(fmt::format("--lora-rank 16 --lora-targets {}", lora.targets), lora);
+  }
+  if (!lora.qlora && !moe) {
+    const bool was_lora = c.lora.rank > 0;
+    lora.qlora = true;
+    add(was_lora ? "--qlora" : "--lora-rank 16 --lora-targets all-linear --qlora", lora);
+  }
+  std::vector<Advice> out;
+  for (const Change& change : changes) out.push_back(Try(workload, change, base_tps, base_peak));
   return out;
 }
 

@@ -80,6 +80,13 @@ struct Advice {
 /// FSDP2), the fitting ones ranked by the throughput they cost.
 std::vector<Advice> AdviseFit(const Workload& workload);
 
+/// Training fewer parameters instead, for a configuration that does not fit: LoRA r=16 on every
+/// linear of the blocks (attention's four on MoE models), unless already LoRA, and QLoRA on the
+/// same (dense models), unless already QLoRA; each also with full checkpointing; under FSDP1 with
+/// peft's wrap. Fitting or not, in that order: they change what is trained, so they are not
+/// ranked with AdviseFit's.
+std::vector<Advice> FineTuningAdvice(const Workload& workload);
+
 /// The caching allocator's settings alone (expandable segments, max_split_size_mb, FSDP1's rate
 /// limiter), fitting or not, with the bytes each saves: what to try when the tensors fit and the
 /// allocator's cache is what does not.

@@ -165,6 +165,38 @@ TEST_CASE("advise: the changes that make llama-2-13b fit on 4 x RTX 4090, cheape
   }
 }
 
+TEST_CASE("advise's fine-tuning changes: LoRA then QLoRA, each with full checkpointing, each re-evaluated as its own model") {
+  FsdpConfig c;
+  c.gpus = 4;
+  c.seq_len = 2048;
+  auto w = BuildWorkload(Model("llama-2-70b"), LoadHardware("rtx-4090").value(), c);
+  REQUIRE(w.ok());
+  const std::vector<Advice> advice = FineTuningAdvice(w.value());
+  REQUIRE(advice.size() == 4);
+  CHECK(advice[0].change == "--lora-rank 16 --lora-targets all-linear --wrap peft");
+  CHECK(advice[3].change == "--ac full --lora-rank 16 --lora-targets all-linear --qlora --wrap peft");
+  // each equals a plan of the same flags built from scratch
+  FsdpConfig qlora = c;
+  qlora.checkpointing = Checkpointing::kFull;
+  qlora.wrap = WrapPolicy::kPeft;
+  qlora.lora.rank = 16;
+  qlora.lora.targets = "all-linear";
+  qlora.lora.qlora = true;
+  auto direct = BuildWorkload(Model("llama-2-70b"), LoadHardware("rtx-4090").value(), qlora);
+  REQUIRE(direct.ok());
+  CHECK(advice[3].peak_bytes == EstimateMemory(direct.value()).peak_bytes);
+  // a frozen base needs less than full training, a 4-bit one less again
+  const int64_t full = EstimateMemory(w.value()).peak_bytes;
+  CHECK(advice[1].peak_bytes < full);
+  CHECK(advice[3].peak_bytes < advice[1].peak_bytes);
+  // an MoE model: LoRA on the attention only, no QLoRA (fsdpkit refuses it there)
+  auto moe = BuildWorkload(Model("mixtral-8x7b"), LoadHardware("rtx-4090").value(), c);
+  REQUIRE(moe.ok());
+  const std::vector<Advice> moe_advice = FineTuningAdvice(moe.value());
+  REQUIRE(moe_advice.size() == 2);
+  CHECK(moe_advice[0].change == "--lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --wrap peft");
+}
+
 TEST_CASE("progress is reported and ends at the total") {
   SearchOptions o = Options({"h100-sxm"}, 8, 32);
   o.base.seq_len = 1024;
