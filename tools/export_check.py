@@ -15,6 +15,9 @@ changed), and two AdamW steps are trained. Checked:
   * with --ac selective-op (torchtitan's op-level policy), every block is wrapped in
     checkpoint_wrapper and, with eager attention, no scores-shaped tensor is saved (the core is
     among the ops recomputed);
+  * with --lora-rank, the export wraps the model with peft itself: its losses equal peft's own
+    LoRA model trained without FSDP, and only the adapters require grad (as many as peft's);
+  * the QLoRA exports (pytorch, fsdp2, lightning) compile;
   * with --param-dtype fp16, the export's ShardedGradScaler (moved to the CPU) drives the loop as
     its comment says (scaler.scale(loss).backward(), scaler.step, scaler.update), the scale stays at
     2^16 (no step overflows) and the losses stay within fp16 rounding (5e-3) of the fp32 reference.
@@ -50,7 +53,13 @@ CASES = [
     ("llama full every 2nd", "llama", "fp32", ["--ac", "full", "--ac-every", "2", "--attention", "eager"]),
     ("llama selective-op", "llama", "fp32", ["--ac", "selective-op", "--attention", "eager"]),
     ("llama fp16 scaler", "llama", "fp16", ["--ac", "none", "--attention", "eager"]),
+    ("llama lora full ac", "llama", "fp32", ["--ac", "full", "--attention", "eager", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
+                                             "--lora-alpha", "16"]),
+    ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
+# QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's
+# Python is compiled, not run
+QLORA_FLAGS = ["--lora-rank", "8", "--qlora", "--qlora-double-quant", "--ac", "full"]
 
 
 def exported_code(fsdp_plan, config_path, dtype, flags):
@@ -65,6 +74,22 @@ def exported_code(fsdp_plan, config_path, dtype, flags):
         raise SystemExit("export_check: the fp16 export has no ShardedGradScaler")
     code = code.replace("scaler = ShardedGradScaler()", 'scaler = ShardedGradScaler(device="cpu")')
     return code.replace('init_device_mesh("cuda"', 'init_device_mesh("cpu"')
+
+
+def flag(flags, name, default=None):
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def with_lora(model, flags):
+    """peft's LoRA as the plan's flags give it (the reference of a LoRA export), or the model as it is."""
+    if "--lora-rank" not in flags:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets = flag(flags, "--lora-targets")
+    targets = targets if targets == "all-linear" else targets.split(",")
+    return get_peft_model(model, LoraConfig(r=int(flag(flags, "--lora-rank")), lora_alpha=float(flag(flags, "--lora-alpha", 8)),
+                                            target_modules=targets, task_type="CAUSAL_LM"))
 
 
 def build(family, attention):
@@ -125,15 +150,20 @@ def run_case(fsdp_plan, name, family, dtype, flags, workdir):
     heads = TINY[family].get("num_attention_heads", TINY[family].get("n_head"))
     scores = (BATCH, heads, SEQ, SEQ)
     data = batches()
-    reference, saved_scores = train(build(family, attention), data, scores)
+    reference_model = with_lora(build(family, attention), flags)
+    reference_trainable = sum(p.numel() for p in reference_model.parameters() if p.requires_grad)
+    reference, saved_scores = train(reference_model, data, scores)
     model = build(family, attention)
     scope = {"model": model}
     exec(compile(code, f"<fsdp-plan --export fsdp2 {' '.join(flags)}>", "exec"), scope)
     model = scope["model"]
     scaler = scope.get("scaler")
     sharded = sum(isinstance(m, FSDPModule) for m in model.modules())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     losses, kept_scores = train(model, data, scores, scaler)
     problems = []
+    if trainable != reference_trainable:
+        problems.append(f"{trainable} parameters require grad, {reference_trainable} in the reference")
     if sharded != TINY[family].get("num_hidden_layers", TINY[family].get("n_layer")) + 1:
         problems.append(f"{sharded} FSDP modules")
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
@@ -147,7 +177,8 @@ def run_case(fsdp_plan, name, family, dtype, flags, workdir):
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
         every = int(flags[flags.index("--ac-every") + 1]) if "--ac-every" in flags else 1
-        layers = model.model.layers if family == "llama" else model.transformer.h  # a wrapped block sits in its place
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        layers = base.model.layers if family == "llama" else base.transformer.h  # a wrapped block sits in its place
         wrapped_layers = [i + 1 for i, m in enumerate(layers) if isinstance(m, CheckpointWrapper)]
         wrappers = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
         expected = [n for n in range(1, len(layers) + 1) if n % every == 0]
@@ -164,6 +195,26 @@ def run_case(fsdp_plan, name, family, dtype, flags, workdir):
     print(f"{name:24s} losses {' '.join(f'{x:.7f}' for x in losses)}  reference "
           f"{' '.join(f'{x:.7f}' for x in reference)}  rel {worst:.1e}  {status}")
     return not problems
+
+
+def compile_qlora_exports(fsdp_plan, workdir):
+    config_path = os.path.join(workdir, "llama.json")
+    with open(config_path, "w") as f:
+        json.dump(TINY["llama"], f)
+    ok = True
+    for fmt in ("pytorch", "fsdp2", "lightning"):
+        framework = "fsdp2" if fmt == "fsdp2" else "fsdp1"
+        code = subprocess.run([fsdp_plan, "--model", config_path, "--gpus", "8", "--framework", framework, "--export", fmt, *QLORA_FLAGS],
+                              check=True, capture_output=True, text=True, env=dict(os.environ, FSDPKIT_DATA_DIR=ROOT)).stdout
+        try:
+            compile(code, f"<fsdp-plan --export {fmt} {' '.join(QLORA_FLAGS)}>", "exec")
+            good = "BitsAndBytesConfig(" in code and "get_peft_model(" in code and "bnb_4bit_quant_storage=torch.bfloat16" in code
+        except SyntaxError as e:
+            print(f"qlora export {fmt}: {e}")
+            good = False
+        print(f"{'qlora export ' + fmt:24s} {'ok' if good else 'FAIL'}")
+        ok = ok and good
+    return ok
 
 
 def main():
@@ -184,6 +235,7 @@ def main():
     try:
         with tempfile.TemporaryDirectory() as workdir:
             ok = [run_case(args.fsdp_plan, name, family, dtype, flags, workdir) for name, family, dtype, flags in CASES]
+            ok.append(compile_qlora_exports(args.fsdp_plan, workdir))
     finally:
         dist.destroy_process_group()
     return 0 if all(ok) else 1

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "core/workload.h"
+
 namespace fsdp {
 namespace {
 
@@ -51,7 +53,7 @@ std::string AutoWrapPolicy(const Workload& w) {
       return fmt::format("functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={{{}}})", DecoderLayerClass(w.model));
     case WrapPolicy::kSize: return fmt::format("functools.partial(size_based_auto_wrap_policy, min_num_params={})", w.config.wrap_min_params);
     case WrapPolicy::kLinear: return "ModuleWrapPolicy({torch.nn.Linear})";
-    case WrapPolicy::kPeft: return "fsdp_auto_wrap_policy(model)  # from peft.utils.other: decoder layers + each trainable leaf (the adapters)";
+    case WrapPolicy::kPeft: return "fsdp_auto_wrap_policy(model)";  // peft.utils.other: decoder layers + each trainable leaf (the adapters)
     case WrapPolicy::kNone: return "None";
   }
   return "None";
@@ -139,6 +141,44 @@ std::string GradScalerCode(const FsdpConfig& c) {
          "from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler\n\nscaler = ShardedGradScaler()\n";
 }
 
+// The model as planned under LoRA / QLoRA, made from the `model` the code starts from: for QLoRA
+// how to load it (4-bit, its storage in the param dtype so that FSDP can shard it), then peft's
+// adapters; "" in full fine-tuning.
+std::string LoraCode(const Workload& w) {
+  const FsdpConfig& c = w.config;
+  const LoraConfig& l = c.lora;
+  if (l.rank == 0) return "";
+  std::string targets;
+  for (const ParamOp& op : w.model.arch.block) {  // block-relative paths: peft matches them as suffixes
+    if (op.lora_rank > 0) targets += fmt::format("{}\"{}\"", targets.empty() ? "" : ", ", op.module);
+  }
+  TensorSpec frozen;
+  frozen.trainable = false;
+  const DType base = StorageDtype(c, frozen);
+  std::string out;
+  if (l.qlora) {
+    out += fmt::format(
+        "# QLoRA: the model loaded 4-bit by bitsandbytes, the NF4 codes packed in {0} (quant_storage) so that FSDP shards\n"
+        "# and all-gathers them as any {0} parameter:\n"
+        "from transformers import AutoModelForCausalLM, BitsAndBytesConfig\n\n"
+        "bnb_config = BitsAndBytesConfig(\n    load_in_4bit=True,\n    bnb_4bit_quant_type=\"nf4\",\n    bnb_4bit_use_double_quant={1},\n"
+        "    bnb_4bit_compute_dtype={0},\n    bnb_4bit_quant_storage={0},\n)\n"
+        "# model = AutoModelForCausalLM.from_pretrained(MODEL_ID, dtype={0}, quantization_config=bnb_config)\n",
+        TorchDType(c.param_dtype), Python(l.double_quant));
+  } else if (base != c.master_dtype) {
+    out += fmt::format("# the frozen base in {}: model = AutoModelForCausalLM.from_pretrained(MODEL_ID, dtype={})\n", DTypeName(base), TorchDType(base));
+  }
+  // peft casts bf16 / fp16 adapters up to fp32 (autocast_adapter_dtype=True): a pure-bf16 plan keeps them in bf16
+  const bool adapters_in_base_dtype = c.master_dtype != DType::kFp32;
+  out += fmt::format(
+      "from peft import LoraConfig, get_peft_model\n\n"
+      "model = get_peft_model(\n    model,\n    LoraConfig(r={}, lora_alpha={}, lora_dropout={}, target_modules=[{}], task_type=\"CAUSAL_LM\"),\n"
+      "    autocast_adapter_dtype={},\n)\n",
+      l.rank, l.alpha, l.dropout, targets, Python(!adapters_in_base_dtype));
+  if (c.wrap == WrapPolicy::kPeft) out += "from peft.utils.other import fsdp_auto_wrap_policy\n";
+  return out + "\n";
+}
+
 std::string MeshCode(const Workload& w) {
   if (w.config.strategy == Strategy::kHybridShard) {
     return fmt::format("mesh = init_device_mesh(\"cuda\", ({}, {}), mesh_dim_names=(\"replicate\", \"shard\"))\n", w.replicas, w.shard_world);
@@ -174,6 +214,7 @@ std::string Fsdp1(const Workload& w) {
          "from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy, transformer_auto_wrap_policy\n";
   out += kCheckpointImports;
   out += LayerImport(w.model) + "\n";
+  out += LoraCode(w);
   out += MeshCode(w);
   out += fmt::format("mixed_precision = MixedPrecision(param_dtype={}, reduce_dtype={}, buffer_dtype={})\n", TorchDType(c.param_dtype),
                      TorchDType(c.reduce_dtype), TorchDType(c.buffer_dtype));
@@ -198,6 +239,7 @@ std::string Fsdp2(const Workload& w) {
          "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard  # torch >= 2.6\n";
   out += kCheckpointImports;
   out += LayerImport(w.model) + "\n";
+  out += LoraCode(w);
   out += CheckpointingCode(w, "model");
   out += MeshCode(w);
   const bool reshard = c.strategy == Strategy::kFullShard || c.strategy == Strategy::kHybridShard;
@@ -218,7 +260,8 @@ std::string Fsdp2(const Workload& w) {
 std::string Accelerate(const Workload& w) {
   const FsdpConfig& c = w.config;
   const int64_t nodes = (c.gpus + c.gpus_per_node - 1) / c.gpus_per_node;
-  std::string wrap = c.wrap == WrapPolicy::kBlock ? "TRANSFORMER_BASED_WRAP" : c.wrap == WrapPolicy::kSize ? "SIZE_BASED_WRAP" : "NO_WRAP";
+  const bool layers = c.wrap == WrapPolicy::kBlock || c.wrap == WrapPolicy::kPeft;
+  std::string wrap = layers ? "TRANSFORMER_BASED_WRAP" : c.wrap == WrapPolicy::kSize ? "SIZE_BASED_WRAP" : "NO_WRAP";
   std::string prefetch = c.backward_prefetch == BackwardPrefetch::kNone ? "NO_PREFETCH"
                          : c.backward_prefetch == BackwardPrefetch::kPre ? "BACKWARD_PRE" : "BACKWARD_POST";
   const bool fsdp2 = c.framework == Framework::kFsdp2;
@@ -230,6 +273,11 @@ std::string Accelerate(const Workload& w) {
                        DTypeName(c.reduce_dtype));
   }
   out += CheckpointingComment(w, "an accelerate option: run this in train.py before accelerator.prepare(model)");
+  if (c.lora.rank > 0) out += "# the model, in train.py before accelerator.prepare(model):\n" + Commented(LoraCode(w));
+  if (c.wrap == WrapPolicy::kPeft) {
+    out += "# peft's wrap: transformers' Trainer installs it for a PeftModel (update_fsdp_plugin_peft); with accelerate alone,\n"
+           "# before accelerator.prepare(model): accelerator.state.fsdp_plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)\n";
+  }
   out += "compute_environment: LOCAL_MACHINE\ndebug: false\ndistributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
   out += fmt::format("  fsdp_activation_checkpointing: {}\n", c.checkpointing == Checkpointing::kFull && !CheckpointingNeedsCode(c) ? "true" : "false");
   out += fmt::format("  fsdp_auto_wrap_policy: {}\n", wrap);
@@ -246,7 +294,7 @@ std::string Accelerate(const Workload& w) {
   }
   out += "  fsdp_state_dict_type: SHARDED_STATE_DICT\n";
   if (!fsdp2) out += "  fsdp_sync_module_states: true\n";
-  if (c.wrap == WrapPolicy::kBlock) out += fmt::format("  fsdp_transformer_layer_cls_to_wrap: {}\n", DecoderLayerClass(w.model));
+  if (layers) out += fmt::format("  fsdp_transformer_layer_cls_to_wrap: {}\n", DecoderLayerClass(w.model));
   if (!fsdp2) out += fmt::format("  fsdp_use_orig_params: {}\n", c.use_orig_params ? "true" : "false");
   out += fmt::format("  fsdp_version: {}\n", fsdp2 ? 2 : 1);
   out += fmt::format("machine_rank: 0\nmain_training_function: main\nmixed_precision: {}\nnum_machines: {}\nnum_processes: {}\n"
@@ -262,7 +310,10 @@ std::string Lightning(const Workload& w) {
   out += "import torch\nfrom lightning.pytorch import Trainer\nfrom lightning.pytorch.strategies import FSDPStrategy\n"
          "from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision\n";
   out += LayerImport(w.model) + "\n";
-  std::string wrap = c.wrap == WrapPolicy::kBlock ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
+  out += LoraCode(w);
+  std::string wrap = c.wrap == WrapPolicy::kBlock  ? fmt::format("{{{}}}", DecoderLayerClass(w.model))
+                     : c.wrap == WrapPolicy::kPeft ? AutoWrapPolicy(w)
+                                                   : "None";
   std::string ac = c.checkpointing == Checkpointing::kFull && !CheckpointingNeedsCode(c) ? fmt::format("{{{}}}", DecoderLayerClass(w.model)) : "None";
   out += CheckpointingComment(w, "a FSDPStrategy option: run this on the model before the Trainer wraps it");
   const std::string_view prefetch = PrefetchExpression(c.backward_prefetch);

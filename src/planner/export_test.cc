@@ -243,6 +243,35 @@ TEST_CASE("Lightning export uses FSDPStrategy's arguments (the rest pass through
   CHECK(Set(keys["lightning_trainer_precision_values"]).count(m[1].str()) == 1);
 }
 
+TEST_CASE("LoRA and QLoRA exports: peft's and transformers' own argument names, peft's wrap policy imported and used") {
+  Json keys = Keys();
+  FsdpConfig c;
+  c.wrap = WrapPolicy::kPeft;
+  c.lora.rank = 16;
+  c.lora.targets = "q_proj,down_proj";
+  c.lora.qlora = true;
+  c.lora.double_quant = true;
+  const Workload w = Plan(c);
+  for (ExportFormat f : {ExportFormat::kFsdp1, ExportFormat::kLightning}) {
+    const std::string code = ExportConfig(w, f);
+    CAPTURE(code);
+    CheckSubset(Kwargs(code, "LoraConfig"), Set(keys["peft_lora_config_args"]), "LoraConfig");
+    CheckSubset(Kwargs(code, "get_peft_model"), Set(keys["peft_get_peft_model_args"]), "get_peft_model");
+    CheckSubset(Kwargs(code, "BitsAndBytesConfig"), Set(keys["transformers_bnb_config_args"]), "BitsAndBytesConfig");
+    CHECK(code.find("target_modules=[\"self_attn.q_proj\", \"mlp.down_proj\"]") != std::string::npos);
+    CHECK(code.find("bnb_4bit_use_double_quant=True") != std::string::npos);
+    CHECK(code.find("from peft.utils.other import fsdp_auto_wrap_policy") < code.find("auto_wrap_policy=fsdp_auto_wrap_policy(model),"));
+  }
+  // accelerate: the decoder layers, which transformers' Trainer turns into peft's policy; the model code as a comment
+  const std::string yaml = ExportConfig(w, ExportFormat::kAccelerate);
+  CHECK(yaml.find("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP") != std::string::npos);
+  CHECK(yaml.find("#   model = get_peft_model(") != std::string::npos);
+  // pure bf16 keeps the adapters in bf16: peft's upcast off
+  c.lora.qlora = c.lora.double_quant = false;
+  c.master_dtype = DType::kBf16;
+  CHECK(ExportConfig(Plan(c), ExportFormat::kFsdp1).find("autocast_adapter_dtype=False") != std::string::npos);
+}
+
 TEST_CASE("unknown export formats are rejected") {
   CHECK_FALSE(ParseExportFormat("deepspeed").ok());
   CHECK(ParseExportFormat("pytorch").value() == ExportFormat::kFsdp1);
