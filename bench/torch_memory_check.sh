@@ -92,6 +92,8 @@ lora_rows() {
   check "1 rank  LoRA k,up 2k vocab 2048 x 1"        1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "--lora-rank 8 --lora-targets k_proj,up_proj"
   check "1 rank  LoRA AC full 1024 x 2"              1 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 8"
   check "1 rank  LoRA o,down flash 1024 x 2"         1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8 --lora-targets o_proj,down_proj" flash
+  check "1 rank  LoRA bf16 base all-linear 1024 x 2" 1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear --base-dtype bf16"
+  check "2 ranks LoRA bf16 base AC full 1024 x 2"    2 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 8 --base-dtype bf16"
 }
 if [ "${ROWS:-}" = lora ]; then
   lora_rows

@@ -206,6 +206,9 @@ def build_parser():
     p.add_argument("--lora-dropout", type=float, default=0.0, help="lora_dropout")
     p.add_argument("--lora-targets", default="",
                    help="target_modules, comma-separated or all-linear (default: peft's for the model type)")
+    p.add_argument("--base-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="LoRA: the frozen base's dtype (the model cast to it before get_peft_model, whose "
+                        "autocast_adapter_dtype keeps the adapters fp32), as fsdp-plan --base-dtype")
     p.add_argument("--loop-holds-outputs", action="store_true",
                    help="keep each step's logits until the next step's loss exists "
                         "(a loop holding outputs = model(...)), as fsdp-plan --loop-holds-outputs")
@@ -358,9 +361,12 @@ def build_model(args, device):
 def apply_lora(model, args):
     """peft's LoRA as fsdp-plan --lora-rank models it: LoraConfig(r, lora_alpha, lora_dropout,
     target_modules) through get_peft_model, which freezes every base parameter; the adapters are
-    fp32 like the model (autocast_adapter_dtype only upcasts bf16/fp16 adapters)."""
+    fp32 (autocast_adapter_dtype upcasts bf16/fp16 adapters), the base in --base-dtype."""
     if not args.lora_rank:
         return model
+    if args.base_dtype == "bf16":
+        import torch
+        model.to(dtype=torch.bfloat16)
     from peft import LoraConfig, get_peft_model
     targets = args.lora_targets
     if targets and targets != "all-linear":

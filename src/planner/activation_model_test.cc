@@ -7,14 +7,18 @@
 namespace fsdp {
 namespace {
 
-BlockActivations Profile(const char* id, int64_t seq, Attention attention, Checkpointing ac = Checkpointing::kNone) {
+ModelSpec Loaded(const char* id) {
   auto m = LoadModel(id);
   REQUIRE(m.ok());
+  return m.value();
+}
+
+BlockActivations Profile(const char* id, int64_t seq, Attention attention, Checkpointing ac = Checkpointing::kNone) {
   FsdpConfig c;
   c.seq_len = seq;
   c.attention = attention;
   c.checkpointing = ac;
-  return BlockActivationProfile(m.value(), c);
+  return BlockActivationProfile(Loaded(id), c);
 }
 
 TEST_CASE("GPT-2 block, eager, bf16: Korthikanti et al.'s sbh(34 + 5as/h) plus what HF really saves") {
@@ -153,14 +157,10 @@ namespace fsdp {
 namespace {
 
 ModelSpec WithLora(const char* id, int64_t rank, const char* targets, double dropout = 0) {
-  auto m = LoadModel(id);
-  REQUIRE(m.ok());
-  LoraConfig lora;
-  lora.rank = rank;
-  lora.targets = targets;
-  lora.dropout = dropout;
-  REQUIRE(ApplyLora(m.value(), lora).ok());
-  return m.value();
+  ModelSpec m = Loaded(id);
+  const LoraConfig lora{.rank = rank, .dropout = dropout, .targets = targets};
+  REQUIRE(ApplyLora(m, lora).ok());
+  return m;
 }
 
 TEST_CASE("LoRA on q_proj and v_proj: frozen linears and norms save less, the first block less again") {

@@ -86,5 +86,28 @@ TEST_CASE("a frozen weight's GEMM computes no weight gradient in backward") {
   CHECK(cm.units[2].backward_flops == doctest::Approx(2 * 2304 + 2.5 * 96));  // layers.1 trains
 }
 
+TEST_CASE("QLoRA: the FLOPs of the unpacked weights and the adapters, and each quantized weight's dequantization traffic") {
+  FsdpConfig c = ThreeRanks();
+  c.framework = Framework::kFsdp2;  // decoder-layer units with adapters inside
+  c.lora.rank = 2;                  // q_proj and v_proj
+  const Workload lora = HandWorkload(c);
+  c.lora.qlora = true;
+  const Workload qlora = HandWorkload(c);
+  const ComputeModel a = EstimateCompute(lora), q = EstimateCompute(qlora);
+  // the block's 576 weights as before (stored packed, 72 fp32 words; FLOPs count the weights the
+  // product uses) plus the adapters, q: A [2, 8] + B [8, 2], v: A [2, 8] +
+  // B [4, 2] = 56 weights: 2 x 56 x 2 tokens = 224
+  CHECK(q.units[1].forward_flops == doctest::Approx(2304 + 96 + 224));
+  CHECK(q.units[1].forward_flops == doctest::Approx(a.units[1].forward_flops));
+  // dequantizing n weights reads n / 2 code bytes and n / 64 fp32 absmax, writes n fp32 weights:
+  // 4.5625 bytes a weight, 576 x 4.5625 = 2628 bytes a block, once in forward and once in backward
+  const HardwareSpec& hw = qlora.hardware;
+  const double mem_rate = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency;
+  CHECK(Nf4DequantTrafficBytes(576, DType::kFp32) == doctest::Approx(2628));
+  CHECK(q.units[1].forward_s - a.units[1].forward_s == doctest::Approx(2628 / mem_rate));
+  CHECK(q.units[1].backward_s - a.units[1].backward_s == doctest::Approx(2628 / mem_rate));
+  CHECK(q.units[0].forward_s == doctest::Approx(a.units[0].forward_s));  // lm_head is not quantized
+}
+
 }  // namespace
 }  // namespace fsdp

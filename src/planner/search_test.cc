@@ -149,11 +149,16 @@ TEST_CASE("impossible targets say what to relax") {
   CHECK(b.error().message.starts_with("budget too low"));
 }
 
-TEST_CASE("advise: the changes that make llama-2-13b fit on 4 x RTX 4090, cheapest in speed first") {
+// `model` on 4 x RTX 4090 at `seq_len` tokens, the other settings the defaults.
+Result<Workload> OnFourRtx4090(const char* model, int64_t seq_len) {
   FsdpConfig c;
   c.gpus = 4;
-  c.seq_len = 4096;
-  auto w = BuildWorkload(Model("llama-2-13b"), LoadHardware("rtx-4090").value(), c);
+  c.seq_len = seq_len;
+  return BuildWorkload(Model(model), LoadHardware("rtx-4090").value(), c);
+}
+
+TEST_CASE("advise: the changes that make llama-2-13b fit on 4 x RTX 4090, cheapest in speed first") {
+  auto w = OnFourRtx4090("llama-2-13b", 4096);
   REQUIRE(w.ok());
   CHECK_FALSE(EstimateMemory(w.value()).fits);
   std::vector<Advice> advice = AdviseFit(w.value());
@@ -166,17 +171,16 @@ TEST_CASE("advise: the changes that make llama-2-13b fit on 4 x RTX 4090, cheape
 }
 
 TEST_CASE("advise's fine-tuning changes: LoRA then QLoRA, each with full checkpointing, each re-evaluated as its own model") {
-  FsdpConfig c;
-  c.gpus = 4;
-  c.seq_len = 2048;
-  auto w = BuildWorkload(Model("llama-2-70b"), LoadHardware("rtx-4090").value(), c);
+  auto w = OnFourRtx4090("llama-2-70b", 2048);
   REQUIRE(w.ok());
   const std::vector<Advice> advice = FineTuningAdvice(w.value());
   REQUIRE(advice.size() == 4);
   CHECK(advice[0].change == "--lora-rank 16 --lora-targets all-linear --wrap peft");
   CHECK(advice[3].change == "--ac full --lora-rank 16 --lora-targets all-linear --qlora --wrap peft");
   // each equals a plan of the same flags built from scratch
-  FsdpConfig qlora = c;
+  FsdpConfig qlora;
+  qlora.gpus = 4;
+  qlora.seq_len = 2048;
   qlora.checkpointing = Checkpointing::kFull;
   qlora.wrap = WrapPolicy::kPeft;
   qlora.lora.rank = 16;
@@ -190,7 +194,7 @@ TEST_CASE("advise's fine-tuning changes: LoRA then QLoRA, each with full checkpo
   CHECK(advice[1].peak_bytes < full);
   CHECK(advice[3].peak_bytes < advice[1].peak_bytes);
   // an MoE model: LoRA on the attention only, no QLoRA (fsdpkit refuses it there)
-  auto moe = BuildWorkload(Model("mixtral-8x7b"), LoadHardware("rtx-4090").value(), c);
+  auto moe = OnFourRtx4090("mixtral-8x7b", 2048);
   REQUIRE(moe.ok());
   const std::vector<Advice> moe_advice = FineTuningAdvice(moe.value());
   REQUIRE(moe_advice.size() == 2);
