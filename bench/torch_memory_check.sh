@@ -9,7 +9,8 @@
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
 # the one-rank configurations of the first, third and fifth rows, the first FSDP1 row, one
 # Llama and one GPT-2 block-backward row and the first op-SAC row only
-# (the CTest check torch_memory_agreement does both).
+# (the CTest check torch_memory_agreement does both). ROWS=lora runs the LoRA and QLoRA rows only,
+# ROWS=qlora the QLoRA rows only.
 # Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
 # The FSDP1 rows (torch_reference.py --framework fsdp1: FullyShardedDataParallel, MemTracker) use
@@ -66,7 +67,7 @@ if abs(error) > limit:
     sys.exit(1)
 PY
 }
-[ "${ROWS:-}" = lora ] || check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
+[ -n "${ROWS:-}" ] || check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
 fsdp1_row() { check "2 ranks FSDP1 FULL_SHARD seq 1024 x 2"   2 FULL_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp1; }
 llama_block_row() { check "1 rank  llama 2k vocab AC seq 2048 x 1"     1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"; }
 gpt2_block_row() { check "1 rank  GPT-2 2k ctx 2k vocab seq 2048 x 1" 1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"; }
@@ -84,6 +85,10 @@ op_sac_row() { check "1 rank  FULL_SHARD op-SAC seq 1024 x 2"   1 FULL_SHARD sel
 # linear's input in every block whose input requires grad.
 L=$root/models/llama-100m.json V2K=$root/tests/data/hf_configs/llama-100m-2k-vocab.json
 lora_quick_row() { check "1 rank  LoRA q,v r8 seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8"; }
+# QLoRA: the model saved in bf16 and loaded back through bitsandbytes' BitsAndBytesConfig (NF4 in
+# bf16 storage) on both sides' terms; FSDPMemTracker does not see bitsandbytes' QuantState tensors
+# (neither parameters nor buffers), which torch_reference.py adds to its Total from the model.
+qlora_quick_row() { check "1 rank  QLoRA q,v r8 seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8 --qlora"; }
 lora_rows() {
   lora_quick_row
   check "1 rank  LoRA all-linear r16 1024 x 2"       1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear"
@@ -94,9 +99,19 @@ lora_rows() {
   check "1 rank  LoRA o,down flash 1024 x 2"         1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8 --lora-targets o_proj,down_proj" flash
   check "1 rank  LoRA bf16 base all-linear 1024 x 2" 1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear --base-dtype bf16"
   check "2 ranks LoRA bf16 base AC full 1024 x 2"    2 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 8 --base-dtype bf16"
+  qlora_rows
+}
+qlora_rows() {
+  qlora_quick_row
+  check "2 ranks QLoRA dq all-linear AC 1024 x 2"    2 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear --qlora --qlora-double-quant"
+  check "1 rank  QLoRA 2k vocab seq 2048 x 1"        1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "--lora-rank 8 --qlora"
 }
 if [ "${ROWS:-}" = lora ]; then
   lora_rows
+  exit 0
+fi
+if [ "${ROWS:-}" = qlora ]; then
+  qlora_rows
   exit 0
 fi
 if [ -n "${QUICK:-}" ]; then
@@ -107,6 +122,7 @@ if [ -n "${QUICK:-}" ]; then
   gpt2_block_row
   op_sac_row
   lora_quick_row
+  qlora_quick_row
   exit 0
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024

@@ -209,6 +209,9 @@ def build_parser():
     p.add_argument("--base-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="LoRA: the frozen base's dtype (the model cast to it before get_peft_model, whose "
                         "autocast_adapter_dtype keeps the adapters fp32), as fsdp-plan --base-dtype")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: the model loaded 4-bit through bitsandbytes (NF4 in bf16 storage), as fsdp-plan --qlora")
+    p.add_argument("--qlora-double-quant", action="store_true", help="bnb_4bit_use_double_quant=True")
     p.add_argument("--loop-holds-outputs", action="store_true",
                    help="keep each step's logits until the next step's loss exists "
                         "(a loop holding outputs = model(...)), as fsdp-plan --loop-holds-outputs")
@@ -354,8 +357,32 @@ def build_model(args, device):
         with torch.device(device):
             model = model_class(config)
     model.to(dtype=torch.float32)
+    if args.qlora:
+        model = quantized(model, args)
     model.train()
     return model
+
+
+def quantized(model, args):
+    """QLoRA's model as fsdp-plan --qlora plans it: saved in bf16 and loaded back through
+    BitsAndBytesConfig (NF4, bnb_4bit_quant_storage and compute dtype bf16), on the CPU."""
+    import tempfile
+    import torch
+    import transformers
+
+    bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                 bnb_4bit_use_double_quant=args.qlora_double_quant,
+                                                 bnb_4bit_quant_storage=torch.bfloat16, bnb_4bit_compute_dtype=torch.bfloat16)
+    from safetensors.torch import save_model
+
+    model.to(dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        # written by hand: under torch.distributed, save_pretrained writes on rank 0 only
+        model.config.to_json_file(os.path.join(tmp, "config.json"))
+        save_model(model, os.path.join(tmp, "model.safetensors"))
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            tmp, quantization_config=bnb_config, dtype=torch.bfloat16, device_map="cpu",
+            attn_implementation=model.config._attn_implementation)
 
 
 def apply_lora(model, args):
@@ -810,7 +837,34 @@ def run_training(args, model, device, rank, world):
     run["categories"], run["tracker_loss"], run["categories_error"] = (
         (None, None, "skipped (--no-tracker)") if args.no_tracker else
         tracked_categories(model, optimizer, batches[-1], device, held))
+    state = quant_state_bytes(model)
+    if state and run["categories"]:
+        # bitsandbytes' QuantState tensors are neither parameters nor buffers: the tracker does not
+        # see them, though they are alive (on every rank, whole) throughout the step
+        run["categories"]["QuantState"] = state
+        run["categories"]["Total"] += state
     return run
+
+
+def quant_state_bytes(model):
+    """Bytes of every bitsandbytes QuantState tensor of the model (nested state included), each storage once."""
+    import torch
+
+    seen, total = set(), 0
+    for module in model.modules():
+        state = getattr(module, "quant_state", None)
+        if state is None:
+            state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is None:
+            continue
+        tensors = [state.absmax, state.code, getattr(state, "offset", None)]
+        if getattr(state, "state2", None) is not None:
+            tensors += [state.state2.absmax, state.state2.code]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
 
 
 def main(argv=None):

@@ -492,6 +492,12 @@ TEST_CASE("QLoRA under FSDP1 with peft's wrap: the base packed in bf16 and shard
   CHECK(w.model.ParamsTotal() == 1448 + 112);  // the weights as the model computes with them
   // SGD: no states; gradients only for the adapters
   CHECK(w.GradShardNumelTotal() == 2 * (8 + 8 + 8 + 4));
+  // CPU offload moves the flat parameters to the host; the quantization state stays on the GPU
+  FsdpConfig offload = c;
+  offload.cpu_offload = true;
+  const MemoryEstimate off = EstimateMemory(Build(offload), Exact());
+  CHECK(off.host[static_cast<int>(MemCategory::kShardedParams)] == 264 + 2 * (160 + 112));
+  CHECK(Cat(off, MemCategory::kShardedParams) == 2 * 488);
   // a decoder-layer unit would hold bf16 base and fp32 adapters: FSDP1 refuses it, with or without use_orig_params
   c.wrap = WrapPolicy::kBlock;
   c.use_orig_params = true;
