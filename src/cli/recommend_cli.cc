@@ -271,7 +271,7 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   fmt::print(out, "Or train fewer parameters (LoRA adapters on a frozen base: a different training, not ranked with the above):\n");
   for (const Advice& a : fine_tuning) {
     if (a.peak_bytes == 0) continue;  // a configuration the change makes invalid
-    fmt::print(out, "  {:<70} peak {:>7} GiB  {:<12}  step {:>8.1f} ms  {:+6.1f}% tokens/s per GPU\n", a.change, Gib(a.peak_bytes),
+    fmt::print(out, "  {:<80} peak {:>7} GiB  {:<12}  step {:>8.1f} ms  {:+6.1f}% tokens/s per GPU\n", a.change, Gib(a.peak_bytes),
                a.fits ? "fits" : "does not fit", a.step_s * 1e3, -a.slowdown_pct);
   }
   return {};

@@ -474,11 +474,15 @@ std::vector<Advice> FineTuningAdvice(const Workload& workload) {
   if (lora.rank == 0) {
     lora.rank = 16;
     lora.targets = moe ? "q_proj,k_proj,v_proj,o_proj" : "all-linear";  // peft 0.21's all-linear adapts routed experts too
-    add(fmt::format("--lora-rank 16 --lora-targets {}", lora.targets), lora);
+    // peft's usual recipe: the model loaded in the compute dtype, the adapters upcast to fp32
+    const bool bf16_base = c.param_dtype == DType::kBf16 && c.master_dtype != DType::kBf16;
+    if (bf16_base) lora.base_dtype = DType::kBf16;
+    add(fmt::format("--lora-rank 16 --lora-targets {}{}", lora.targets, bf16_base ? " --base-dtype bf16" : ""), lora);
   }
   if (!lora.qlora && !moe) {
     const bool was_lora = c.lora.rank > 0;
     lora.qlora = true;
+    lora.base_dtype = c.lora.base_dtype;  // QLoRA's base is packed in the param dtype
     add(was_lora ? "--qlora" : "--lora-rank 16 --lora-targets all-linear --qlora", lora);
   }
   std::vector<Advice> out;

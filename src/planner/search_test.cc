@@ -175,7 +175,7 @@ TEST_CASE("advise's fine-tuning changes: LoRA then QLoRA, each with full checkpo
   REQUIRE(w.ok());
   const std::vector<Advice> advice = FineTuningAdvice(w.value());
   REQUIRE(advice.size() == 4);
-  CHECK(advice[0].change == "--lora-rank 16 --lora-targets all-linear --wrap peft");
+  CHECK(advice[0].change == "--lora-rank 16 --lora-targets all-linear --base-dtype bf16 --wrap peft");
   CHECK(advice[3].change == "--ac full --lora-rank 16 --lora-targets all-linear --qlora --wrap peft");
   // each equals a plan of the same flags built from scratch
   FsdpConfig qlora;
@@ -198,7 +198,7 @@ TEST_CASE("advise's fine-tuning changes: LoRA then QLoRA, each with full checkpo
   REQUIRE(moe.ok());
   const std::vector<Advice> moe_advice = FineTuningAdvice(moe.value());
   REQUIRE(moe_advice.size() == 2);
-  CHECK(moe_advice[0].change == "--lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --wrap peft");
+  CHECK(moe_advice[0].change == "--lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --base-dtype bf16 --wrap peft");
 }
 
 TEST_CASE("progress is reported and ends at the total") {
