@@ -120,7 +120,8 @@ double OptimizerSeconds(const Workload& w) {
   const double elements = static_cast<double>(w.GradShardNumelTotal());
   const bool adam = w.config.optimizer == Optimizer::kAdamW || w.config.optimizer == Optimizer::kAdam;
   if (w.config.cpu_offload) return elements / kHostAdamElementsPerSecond * (adam ? 1.0 : kSgdBytesPerElement / kAdamBytesPerElement);
-  const double bytes = elements * (adam ? kAdamBytesPerElement : kSgdBytesPerElement);
+  // every term moves master-dtype elements (fp32 above; bf16 halves them under pure bf16)
+  const double bytes = elements * (adam ? kAdamBytesPerElement : kSgdBytesPerElement) * static_cast<double>(BytesPerElement(w.config.master_dtype)) / 4;
   return bytes / (w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency);
 }
 

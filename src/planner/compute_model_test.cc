@@ -86,6 +86,14 @@ TEST_CASE("a frozen weight's GEMM computes no weight gradient in backward") {
   CHECK(cm.units[2].backward_flops == doctest::Approx(2 * 2304 + 2.5 * 96));  // layers.1 trains
 }
 
+TEST_CASE("pure bf16: AdamW's step moves bf16 parameters, gradients and states, half the bytes of fp32 masters") {
+  FsdpConfig c = ThreeRanks();
+  c.param_dtype = DType::kBf16;
+  const double mixed = OptimizerSeconds(HandWorkload(c));
+  c.master_dtype = DType::kBf16;
+  CHECK(OptimizerSeconds(HandWorkload(c)) == doctest::Approx(mixed / 2));
+}
+
 TEST_CASE("QLoRA: the FLOPs of the unpacked weights and the adapters, and each quantized weight's dequantization traffic") {
   FsdpConfig c = ThreeRanks();
   c.framework = Framework::kFsdp2;  // decoder-layer units with adapters inside

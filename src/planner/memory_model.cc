@@ -564,9 +564,10 @@ class StepPlayer {
   void OptimizerStep() {
     if (!c_.cpu_offload && !states_allocated_) AllocOptimizerStates();
     if (!c_.cpu_offload && (c_.optimizer == Optimizer::kAdamW || c_.optimizer == Optimizer::kAdam)) {
-      // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), an fp32 temporary per state.
+      // _multi_tensor_adam: exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs), a temporary per state
+      // in the states' dtype (the master dtype: bf16 under pure bf16)
       std::vector<BlockId> temps;
-      for (int64_t numel : StateShardNumels()) temps.push_back(mem_.Alloc(Cat::kOptimizerStates, numel * 4));
+      for (int64_t numel : StateShardNumels()) temps.push_back(mem_.Alloc(Cat::kOptimizerStates, numel * mb_));
       for (BlockId& t : temps) mem_.Free(t);
     }
     phases_.Enter(StepPhase::kAfterZeroGrad);

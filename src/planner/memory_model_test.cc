@@ -425,16 +425,18 @@ TEST_CASE("the first step's optimizer states are allocated once: the second step
   CHECK(m.reserved_peak_phase.rfind("first step, ", 0) == 0);  // nothing grew in the steady-state step
 }
 
-// The optimizer's states at the start of the step (the timeline's first point).
-int64_t StartStates(const Workload& w) {
+// The most the optimizer's states category holds, at the start of the step (the timeline's first
+// point) or over the whole step.
+int64_t MostStates(const Workload& w, bool at_start) {
   MemoryOptions exact = Exact();
   exact.record_timeline = true;
   int64_t most = 0;
   for (const MemoryPoint& p : EstimateMemory(w, exact).timeline) {
-    if (p.phase == "start of step") most = std::max(most, p.device[static_cast<int>(MemCategory::kOptimizerStates)]);
+    if (!at_start || p.phase == "start of step") most = std::max(most, p.device[static_cast<int>(MemCategory::kOptimizerStates)]);
   }
   return most;
 }
+int64_t StartStates(const Workload& w) { return MostStates(w, true); }
 
 TEST_CASE("pure bf16: the sharded parameters, and AdamW's states made zeros_like them, take 2 bytes an element") {
   FsdpConfig c = HandConfig();
@@ -448,6 +450,9 @@ TEST_CASE("pure bf16: the sharded parameters, and AdamW's states made zeros_like
   CHECK(StartStates(mixed) == 2 * 4 * (99 + 2 * 230));
   CHECK(StartStates(pure) == 2 * 2 * (99 + 2 * 230));
   CHECK(Cat(EstimateMemory(pure, Exact()), MemCategory::kShardedParams) == 2 * (99 + 2 * 230));
+  // at the step, _multi_tensor_adam's sqrt of exp_avg_sq is a third copy in the states' dtype
+  CHECK(MostStates(mixed, false) == 3 * 4 * (99 + 2 * 230));
+  CHECK(MostStates(pure, false) == 3 * 2 * (99 + 2 * 230));
 }
 
 TEST_CASE("LoRA under FSDP1 with use_orig_params: states for the adapters' parts of the fullest rank's shards, a full-size flat gradient") {
