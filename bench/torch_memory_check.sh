@@ -9,8 +9,8 @@
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
 # the one-rank configurations of the first, third and fifth rows, the first FSDP1 row, one
 # Llama and one GPT-2 block-backward row and the first op-SAC row only
-# (the CTest check torch_memory_agreement does both). ROWS=lora runs the LoRA and QLoRA rows only,
-# ROWS=qlora the QLoRA rows only.
+# (the CTest check torch_memory_agreement does both). ROWS=lora runs the LoRA, QLoRA and pure-bf16
+# rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only.
 # Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
 # The FSDP1 rows (torch_reference.py --framework fsdp1: FullyShardedDataParallel, MemTracker) use
@@ -35,12 +35,12 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
-check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash] [param dtype, default bf16]
+check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash] [param dtype, default bf16] [reduce dtype, default fp32]
   local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}
-  local both=(${9:-}) attention=${10:-eager} param=${11:-bf16}
+  local both=(${9:-}) attention=${10:-eager} param=${11:-bf16} reduce=${12:-fp32}
   local torch_attention=$attention; [ "$attention" = flash ] && torch_attention=sdpa  # SDPA: its flash kernel (CPU and CUDA)
   local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
-              --steps 1 --warmup 1 --param-dtype "$param" --reduce-dtype fp32 --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
+              --steps 1 --warmup 1 --param-dtype "$param" --reduce-dtype "$reduce" --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
   if [ "$ranks" -gt 1 ]; then  # a rank that gloo's transport aborted (an uncaught gloo::IoException, rare) gets one more run
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > "$out/$name.log" 2>&1 ||
       { grep -q "Signal [0-9]* (SIG" "$out/$name.log" && echo "torch_memory_check: $name: a rank died by a signal, run again" >&2 &&
@@ -49,7 +49,7 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
     "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   fi
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
-    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype "$param" --reduce-dtype fp32 --cublas-workspace-bytes 0 \
+    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype "$param" --reduce-dtype "$reduce" --cublas-workspace-bytes 0 \
     ${both[@]+"${both[@]}"} --json > "$out/$name.plan.json"
   python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
 import json, sys
@@ -100,6 +100,13 @@ lora_rows() {
   check "1 rank  LoRA bf16 base all-linear 1024 x 2" 1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear --base-dtype bf16"
   check "2 ranks LoRA bf16 base AC full 1024 x 2"    2 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 8 --base-dtype bf16"
   qlora_rows
+  pure_bf16_rows
+}
+# pure bf16 (--master-dtype bf16 on both sides: the model itself in bf16, AdamW's states too)
+pure_bf16_rows() {
+  check "1 rank  pure bf16 seq 1024 x 2"             1 FULL_SHARD none 2 1024 "$L" fsdp2 "--master-dtype bf16"
+  check "1 rank  pure bf16 reduce bf16 512 x 1"      1 FULL_SHARD none 1 512  "$L" fsdp2 "--master-dtype bf16" eager bf16 bf16
+  check "1 rank  pure bf16 reduce fp32 512 x 1"      1 FULL_SHARD none 1 512  "$L" fsdp2 "--master-dtype bf16"
 }
 qlora_rows() {
   qlora_quick_row
@@ -112,6 +119,10 @@ if [ "${ROWS:-}" = lora ]; then
 fi
 if [ "${ROWS:-}" = qlora ]; then
   qlora_rows
+  exit 0
+fi
+if [ "${ROWS:-}" = pure-bf16 ]; then
+  pure_bf16_rows
   exit 0
 fi
 if [ -n "${QUICK:-}" ]; then

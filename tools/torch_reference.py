@@ -209,6 +209,9 @@ def build_parser():
     p.add_argument("--base-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="LoRA: the frozen base's dtype (the model cast to it before get_peft_model, whose "
                         "autocast_adapter_dtype keeps the adapters fp32), as fsdp-plan --base-dtype")
+    p.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="the dtype the model is stored and trained in (bf16: pure bf16, no fp32 master), "
+                        "as fsdp-plan --master-dtype")
     p.add_argument("--qlora", action="store_true",
                    help="QLoRA: the model loaded 4-bit through bitsandbytes (NF4 in bf16 storage), as fsdp-plan --qlora")
     p.add_argument("--qlora-double-quant", action="store_true", help="bnb_4bit_use_double_quant=True")
@@ -357,6 +360,8 @@ def build_model(args, device):
         with torch.device(device):
             model = model_class(config)
     model.to(dtype=torch.float32)
+    if args.master_dtype == "bf16":  # pure bf16: the model itself in bf16, so are its gradients and AdamW's states
+        model.to(dtype=torch.bfloat16)
     if args.qlora:
         model = quantized(model, args)
     model.train()
