@@ -72,7 +72,7 @@ void PrintHeader(const Workload& w, std::ostream& out) {
     for (const ParamOp& op : w.model.arch.block) {
       if (op.lora_rank > 0) targets += (targets.empty() ? "" : ", ") + op.module;
     }
-    const DType base = StorageDtype(c, w.model.tensors.front());  // the embedding: frozen
+    const DType base = FrozenStorageDtype(c);
     fmt::print(out, "{} r={} (alpha {}, dropout {}) on {}: {} trainable parameters ({}) in {}, the base frozen in {}\n",
                c.lora.qlora ? "QLoRA" : "LoRA", c.lora.rank, c.lora.alpha, c.lora.dropout, targets, WithCommas(w.model.ParamsTrainable()),
                Percent(w.model.ParamsTrainable(), w.model.ParamsTotal()), DTypeName(c.master_dtype), DTypeName(base));
@@ -308,9 +308,7 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   // would mix frozen and trainable parameters, which FSDP1 refuses without use_orig_params.
   // A base stored in another dtype than the adapters (QLoRA's, --base-dtype) may not share a unit
   // with them even with use_orig_params: FSDP1 flattens one dtype.
-  TensorSpec frozen;
-  frozen.trainable = false;
-  const bool base_dtype_differs = StorageDtype(c, frozen) != c.master_dtype;
+  const bool base_dtype_differs = FrozenStorageDtype(c) != c.master_dtype;
   if (c.lora.rank > 0 && !f.wrap_given && c.wrap == WrapPolicy::kBlock && f.framework == "fsdp1" && (!c.use_orig_params || base_dtype_differs)) {
     c.wrap = WrapPolicy::kPeft;
   }

@@ -91,7 +91,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   o.base.attention = att.value();
   o.base.loop_holds_outputs = f.loop_holds_outputs;
   o.base.lora = f.lora;
-  if (f.lora.rank > 0 || f.lora.qlora || !f.lora.targets.empty()) {
+  if (f.lora != LoraConfig{}) {
     // the LoRA settings' errors once, from the configuration every candidate shares
     FsdpConfig probe = o.base;
     probe.gpus = probe.gpus_per_node = 1;

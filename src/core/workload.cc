@@ -166,9 +166,13 @@ int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, con
   return RoundUp(total, world);
 }
 
-DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor) {
-  if (tensor.trainable || config.lora.rank == 0) return config.master_dtype;
+DType FrozenStorageDtype(const FsdpConfig& config) {
+  if (config.lora.rank == 0) return config.master_dtype;
   return config.lora.base_dtype.value_or(config.lora.qlora ? config.param_dtype : config.master_dtype);
+}
+
+DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor) {
+  return tensor.trainable ? config.master_dtype : FrozenStorageDtype(config);
 }
 
 std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config) {
@@ -300,14 +304,17 @@ Status CheckUniformRequiresGrad(const Workload& w, const FsdpConfig& config) {
 }
 
 // FSDP1's FlatParameter holds one dtype (_flat_param.py _validate_tensors_to_flatten), with or
-// without use_orig_params: QLoRA's base (the param dtype) and fp32 adapters need units apart.
+// without use_orig_params: a base stored apart from the adapters (QLoRA's, --base-dtype) needs units apart.
 Status CheckUniformDtype(const Workload& w, const FsdpConfig& config) {
-  if (config.framework != Framework::kFsdp1) return {};
+  // one dtype for every parameter unless the frozen base is stored apart from what trains
+  if (config.framework != Framework::kFsdp1 || FrozenStorageDtype(config) == config.master_dtype) return {};
   for (const WrapUnit& u : w.units) {
+    if (u.tensors.empty()) continue;
+    const DType a = StorageDtype(config, w.model.tensors[u.tensors.front()]);
     for (int t : u.tensors) {
-      const DType a = StorageDtype(config, w.model.tensors[u.tensors.front()]), b = StorageDtype(config, w.model.tensors[t]);
+      const DType b = StorageDtype(config, w.model.tensors[t]);
       if (a == b) continue;
-      return Error::BadInput(fmt::format("FSDP1 unit '{}' holds {} and {} parameters (QLoRA's base and its adapters), which PyTorch refuses "
+      return Error::BadInput(fmt::format("FSDP1 unit '{}' holds {} and {} parameters (the frozen base and the adapters), which PyTorch refuses "
                                          "(\"Must flatten tensors with uniform dtype\"): use --wrap peft (adapters in units of their own) or "
                                          "--framework fsdp2",
                                          u.name, DTypeName(a), DTypeName(b)));

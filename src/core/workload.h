@@ -60,6 +60,8 @@ struct WrapUnit {
 /// base: LoraConfig::base_dtype, by default the param dtype under QLoRA (bnb_4bit_quant_storage)
 /// and the master dtype otherwise.
 DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor);
+/// StorageDtype of a frozen parameter (LoRA's base; the master dtype in full fine-tuning).
+DType FrozenStorageDtype(const FsdpConfig& config);
 
 /// A module-tree node reached by a compute segment. Forward segments visit nodes in post-order
 /// (children first, `enter` false). Backward segments enter a node before its children, in reverse,

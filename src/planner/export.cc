@@ -152,9 +152,7 @@ std::string LoraCode(const Workload& w) {
   for (const ParamOp& op : w.model.arch.block) {  // block-relative paths: peft matches them as suffixes
     if (op.lora_rank > 0) targets += fmt::format("{}\"{}\"", targets.empty() ? "" : ", ", op.module);
   }
-  TensorSpec frozen;
-  frozen.trainable = false;
-  const DType base = StorageDtype(c, frozen);
+  const DType base = FrozenStorageDtype(c);
   std::string out;
   if (l.qlora) {
     out += fmt::format(

@@ -414,7 +414,17 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   return out;
 }
 
-Advice Try(const Workload& base, const Change& change, double base_tokens_per_s, int64_t base_peak_bytes) {
+// What a change is measured against: the configuration as PyTorch runs it.
+struct Baseline {
+  double tokens_per_s_per_gpu = 0;
+  int64_t peak_bytes = 0;
+};
+Baseline BaselineOf(const Workload& workload) {
+  const Workload runs = AsPyTorchRuns(workload);
+  return {EstimateTime(runs).step.tokens_per_s_per_gpu, EstimateMemory(runs).peak_bytes};
+}
+
+Advice Try(const Workload& base, const Change& change, const Baseline& baseline) {
   Advice a;
   a.change = change.text;
   Workload w = base;
@@ -432,29 +442,25 @@ Advice Try(const Workload& base, const Change& change, double base_tokens_per_s,
   a.fits = m.fits;
   a.peak_bytes = m.peak_bytes;
   a.step_s = t.step.step_s;
-  a.slowdown_pct = 100.0 * (1.0 - t.step.tokens_per_s_per_gpu / base_tokens_per_s);
-  a.saves_bytes = base_peak_bytes - m.peak_bytes;
+  a.slowdown_pct = 100.0 * (1.0 - t.step.tokens_per_s_per_gpu / baseline.tokens_per_s_per_gpu);
+  a.saves_bytes = baseline.peak_bytes - m.peak_bytes;
   return a;
 }
 
 }  // namespace
 
 std::vector<Advice> AllocatorAdvice(const Workload& workload) {
-  const Workload runs = AsPyTorchRuns(workload);
-  const double base_tps = EstimateTime(runs).step.tokens_per_s_per_gpu;
-  const int64_t base_peak = EstimateMemory(runs).peak_bytes;
+  const Baseline base = BaselineOf(workload);
   std::vector<Advice> out;
   for (const Change& c : SingleChanges(workload.config, workload.model)) {
-    if (c.allocator_setting) out.push_back(Try(workload, c, base_tps, base_peak));
+    if (c.allocator_setting) out.push_back(Try(workload, c, base));
   }
   std::stable_sort(out.begin(), out.end(), [](const Advice& a, const Advice& b) { return a.saves_bytes > b.saves_bytes; });
   return out;
 }
 
 std::vector<Advice> FineTuningAdvice(const Workload& workload) {
-  const Workload runs = AsPyTorchRuns(workload);
-  const double base_tps = EstimateTime(runs).step.tokens_per_s_per_gpu;
-  const int64_t base_peak = EstimateMemory(runs).peak_bytes;
+  const Baseline base = BaselineOf(workload);
   const FsdpConfig& c = workload.config;
   const bool moe = workload.model.num_experts > 0;
   std::vector<Change> changes;
@@ -486,14 +492,12 @@ std::vector<Advice> FineTuningAdvice(const Workload& workload) {
     add(was_lora ? "--qlora" : "--lora-rank 16 --lora-targets all-linear --qlora", lora);
   }
   std::vector<Advice> out;
-  for (const Change& change : changes) out.push_back(Try(workload, change, base_tps, base_peak));
+  for (const Change& change : changes) out.push_back(Try(workload, change, base));
   return out;
 }
 
 std::vector<Advice> AdviseFit(const Workload& workload) {
-  const Workload runs = AsPyTorchRuns(workload);
-  const double base_tps = EstimateTime(runs).step.tokens_per_s_per_gpu;
-  const int64_t base_peak = EstimateMemory(runs).peak_bytes;
+  const Baseline base = BaselineOf(workload);
   std::vector<Change> changes = SingleChanges(workload.config, workload.model);
   // Pairs: checkpointing first, then one more change, for configurations far from fitting.
   FsdpConfig with_ac = workload.config;
@@ -505,7 +509,7 @@ std::vector<Advice> AdviseFit(const Workload& workload) {
   }
   std::vector<Advice> fitting;
   for (const Change& c : changes) {
-    Advice a = Try(workload, c, base_tps, base_peak);
+    Advice a = Try(workload, c, base);
     if (a.fits) fitting.push_back(a);
   }
   std::stable_sort(fitting.begin(), fitting.end(), [](const Advice& a, const Advice& b) { return a.slowdown_pct < b.slowdown_pct; });
