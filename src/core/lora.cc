@@ -9,10 +9,6 @@ namespace {
 
 constexpr const char* kAllLinear = "all-linear";  // peft's INCLUDE_LINEAR_LAYERS_SHORTHAND
 
-bool Matches(const std::string& module, const std::string& target) {
-  return module == target || (module.size() > target.size() && module.ends_with(target) && module[module.size() - target.size() - 1] == '.');
-}
-
 std::string LinearNames(const ModelSpec& m) {
   std::string names;
   for (const ParamOp& op : m.arch.block) {
@@ -22,6 +18,10 @@ std::string LinearNames(const ModelSpec& m) {
 }
 
 }  // namespace
+
+bool ModulePathMatches(std::string_view path, std::string_view name) {
+  return path == name || (path.size() > name.size() && path.ends_with(name) && path[path.size() - name.size() - 1] == '.');
+}
 
 std::vector<std::string> SplitTargets(const std::string& targets) {
   std::vector<std::string> out;
@@ -53,7 +53,7 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
     if (target == kAllLinear) return Error::BadInput("--lora-targets: all-linear stands alone, not in a list");
     bool found = false;
     for (const ParamOp& op : m.arch.block) {
-      if (!Matches(op.module, target)) continue;
+      if (!ModulePathMatches(op.module, target)) continue;
       found = true;
       if (op.kind == ParamOp::Kind::kNorm) {
         return Error::BadInput(fmt::format("--lora-targets: '{}' is a norm of {}'s blocks, not a linear (LoRA wraps: {})", target, m.id, LinearNames(m)));
@@ -65,7 +65,7 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
       }
     }
     const ModuleNames& names = m.arch.names;
-    if (!found && (Matches(names.lm_head, target) || Matches(names.embedding, target))) {
+    if (!found && (ModulePathMatches(names.lm_head, target) || ModulePathMatches(names.embedding, target))) {
       return Error::BadInput(fmt::format("--lora-targets: '{}' is outside the decoder blocks; fsdpkit models LoRA on the blocks' linears only "
                                          "(LoRA wraps: {}, or all-linear)", target, LinearNames(m)));
     }
@@ -76,7 +76,7 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
   }
   for (const ParamOp& op : m.arch.block) {
     if (op.kind != ParamOp::Kind::kLinear || op.experts > 0) continue;
-    const bool hit = all_linear || std::any_of(targets.begin(), targets.end(), [&](const std::string& t) { return Matches(op.module, t); });
+    const bool hit = all_linear || std::any_of(targets.begin(), targets.end(), [&](const std::string& t) { return ModulePathMatches(op.module, t); });
     if (!hit) continue;
     if (lora.rank > std::min(op.in, op.out)) {
       return Error::BadInput(fmt::format("--lora-rank {} exceeds the width of {}'s {} ({} x {}): a rank is at most min(in, out) = {}", lora.rank,

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/fsdp_config.h"
@@ -44,6 +45,9 @@ struct Nf4Bytes {
   int64_t packed = 0, quant_state = 0;
 };
 Nf4Bytes Nf4ModelBytes(const ModelSpec& model, const LoraConfig& lora, DType quant_storage);
+
+/// peft's check_target_module_exists: `path` is `name`, or ends with "." + `name`.
+bool ModulePathMatches(std::string_view path, std::string_view name);
 
 /// "q_proj,v_proj" -> {"q_proj", "v_proj"}; empty items dropped.
 std::vector<std::string> SplitTargets(const std::string& targets);

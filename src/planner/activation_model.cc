@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "core/lora.h"
+
 namespace fsdp {
 namespace {
 
@@ -43,8 +45,7 @@ struct NormGrad {
 // The block's first parameter-owning module whose path is `name` or ends in "." + `name`, or null.
 const ParamOp* FindOp(const ModelSpec& m, std::string_view name) {
   for (const ParamOp& op : m.arch.block) {
-    const std::string_view path = op.module;
-    if (path == name || (path.size() > name.size() && path.ends_with(name) && path[path.size() - name.size() - 1] == '.')) return &op;
+    if (ModulePathMatches(op.module, name)) return &op;
   }
   return nullptr;
 }
