@@ -10,7 +10,8 @@
 # the one-rank configurations of the first, third and fifth rows, the first FSDP1 row, one
 # Llama and one GPT-2 block-backward row and the first op-SAC row only
 # (the CTest check torch_memory_agreement does both). ROWS=lora runs the LoRA, QLoRA and pure-bf16
-# rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only.
+# rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only, ROWS=families
+# the rows of the newer model families (Qwen3, OLMo 2, ...) only.
 # Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
 # The FSDP1 rows (torch_reference.py --framework fsdp1: FullyShardedDataParallel, MemTracker) use
@@ -113,6 +114,29 @@ qlora_rows() {
   check "2 ranks QLoRA dq all-linear AC 1024 x 2"    2 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear --qlora --qlora-double-quant"
   check "1 rank  QLoRA 2k vocab seq 2048 x 1"        1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "--lora-rank 8 --qlora"
 }
+# the newer families (issue 18), built by transformers from small configs of their own: Qwen3's
+# per-head q/k norms, OLMo 2's post-sub-layer norms and whole-projection q/k norms
+# and Qwen3-MoE's router and fused experts (transformers 5.24's grouped_mm path on the CPU, as on CUDA)
+Q3=$root/tests/data/hf_configs/qwen3-100m.json O2=$root/tests/data/hf_configs/olmo2-100m.json
+Q3M=$root/tests/data/hf_configs/qwen3-moe-tiny.json
+family_quick_rows() {
+  check "1 rank  Qwen3 GQA seq 1024 x 2"             1 FULL_SHARD none 2 1024 "$Q3"
+  check "1 rank  OLMo 2 GQA seq 1024 x 2"            1 FULL_SHARD none 2 1024 "$O2"
+  check "1 rank  Qwen3-MoE flash seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$Q3M" fsdp2 "" flash
+}
+family_rows() {
+  family_quick_rows
+  check "1 rank  Qwen3 flash seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$Q3" fsdp2 "" flash
+  check "2 ranks Qwen3 AC full seq 1024 x 2"         2 FULL_SHARD full 2 1024 "$Q3"
+  check "1 rank  OLMo 2 flash seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$O2" fsdp2 "" flash
+  check "1 rank  OLMo 2 SAC seq 1024 x 2"            1 FULL_SHARD selective 2 1024 "$O2"
+  check "1 rank  Qwen3-MoE eager seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$Q3M"
+  check "2 ranks Qwen3-MoE AC full seq 1024 x 2"     2 FULL_SHARD full 2 1024 "$Q3M"
+}
+if [ "${ROWS:-}" = families ]; then
+  family_rows
+  exit 0
+fi
 if [ "${ROWS:-}" = lora ]; then
   lora_rows
   exit 0
@@ -132,6 +156,7 @@ if [ -n "${QUICK:-}" ]; then
   llama_block_row
   gpt2_block_row
   op_sac_row
+  family_quick_rows
   lora_quick_row
   qlora_quick_row
   exit 0
@@ -161,3 +186,4 @@ check "1 rank  op-SAC flash seq 1024 x 2"        1 FULL_SHARD selective-op 2 102
 check "1 rank  op-SAC seq 2048 x 2 GQA"          1 FULL_SHARD selective-op 2 2048 "$root/tests/data/hf_configs/llama-100m-gqa.json"
 check "1 rank  2k vocab op-SAC seq 2048 x 1"     1 FULL_SHARD selective-op 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"
 lora_rows
+family_rows

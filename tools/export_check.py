@@ -39,12 +39,21 @@ TINY = {
     "llama": {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "tie_word_embeddings": False},
+    "qwen3": {"model_type": "qwen3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+              "max_position_embeddings": 64, "tie_word_embeddings": False},
+    "qwen3_moe": {"model_type": "qwen3_moe", "vocab_size": 128, "hidden_size": 64, "moe_intermediate_size": 32,
+                  "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64, "tie_word_embeddings": False},
+    "olmo2": {"model_type": "olmo2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "tie_word_embeddings": False, "pad_token_id": 1, "eos_token_id": 2},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
 }
 # (name, family, param dtype, fsdp-plan flags): selective with eager and with SDPA attention, full
-# checkpointing, fp16 with its loss scaler
+# checkpointing, fp16 with its loss scaler, and the newer families' decoder layers (issue 18)
 CASES = [
     ("llama selective eager", "llama", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("llama selective sdpa", "llama", "fp32", ["--ac", "selective", "--attention", "flash"]),
@@ -55,6 +64,9 @@ CASES = [
     ("llama fp16 scaler", "llama", "fp16", ["--ac", "none", "--attention", "eager"]),
     ("llama lora full ac", "llama", "fp32", ["--ac", "full", "--attention", "eager", "--lora-rank", "4", "--lora-targets", "q_proj,v_proj",
                                              "--lora-alpha", "16"]),
+    ("qwen3 selective eager", "qwen3", "fp32", ["--ac", "selective", "--attention", "eager"]),
+    ("qwen3_moe full sdpa", "qwen3_moe", "fp32", ["--ac", "full", "--attention", "flash"]),
+    ("olmo2 full eager", "olmo2", "fp32", ["--ac", "full", "--attention", "eager"]),
     ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
 # QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's

@@ -232,8 +232,8 @@ def load_model_json(parser, path):
             config = json.load(f)
     except (OSError, ValueError) as e:
         parser.error(f"--model: cannot read {path}: {e}")
-    if not isinstance(config, dict) or config.get("model_type", "llama") not in ("llama", "gpt2"):
-        parser.error(f"--model: {path} is not a Llama or GPT-2 config (model_type is neither llama nor gpt2)")
+    if not isinstance(config, dict) or not isinstance(config.get("model_type", "llama"), str):
+        parser.error(f"--model: {path} is not a transformers config (no model_type string)")
     keys = ("vocab_size", "n_embd", "n_layer", "n_head") if config.get("model_type") == "gpt2" else \
         ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     for key in keys:
@@ -331,18 +331,24 @@ def decoder_layers(model):
 
 
 def decoder_layer_class(args):
-    if is_gpt2(args):
-        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-        return GPT2Block
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    return LlamaDecoderLayer
+    """The decoder-layer class of the model type (GPT2Block, LlamaDecoderLayer, Qwen3DecoderLayer, ...):
+    what FSDP wraps, as the model's own _no_split_modules names it."""
+    return args.layer_class
+
+
+def model_classes(args):
+    """(config class, causal-LM class) of the model type: LlamaConfig / LlamaForCausalLM when the
+    file names none, as fsdp-plan reads it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config_class = type(AutoConfig.for_model(args.model_dict.get("model_type", "llama")))
+    return config_class, AutoModelForCausalLM._model_mapping[config_class]
 
 
 def build_model(args, device):
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config_class, model_class = (GPT2Config, GPT2LMHeadModel) if is_gpt2(args) else (LlamaConfig, LlamaForCausalLM)
+    config_class, model_class = model_classes(args)
     config = config_class.from_dict(dict(args.model_dict),
                                     attn_implementation=attention_implementation(args))
     config.use_cache = False
@@ -359,6 +365,7 @@ def build_model(args, device):
     else:
         with torch.device(device):
             model = model_class(config)
+    args.layer_class = type(decoder_layers(model)[0])
     model.to(dtype=torch.float32)
     if args.master_dtype == "bf16":  # pure bf16: the model itself in bf16, so are its gradients and AdamW's states
         model.to(dtype=torch.bfloat16)

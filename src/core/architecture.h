@@ -24,7 +24,11 @@ struct ParamOp {
   int64_t experts = 0;        ///< > 0: one copy per expert...
   int64_t experts_per_token = 0;  ///< ...of which each token runs this many
   bool trainable = true;      ///< requires_grad (TensorSpec::trainable of its tensors)
-  /// norm: over head_dim on every head of q or k (Qwen3's q_norm, k_norm), not over the hidden size
+  /// norm: over q's or k's features inside the attention, between the projection and RoPE
+  /// (Qwen3's and OLMo 2's q_norm, k_norm), not over the hidden states
+  bool qk_norm = false;
+  /// qk_norm: over head_dim on every head (Qwen3's; `out` is head_dim), not over the whole
+  /// projection (OLMo 2's; `out` is heads x head_dim)
   bool head_norm = false;
   /// linear: > 0 when peft's LoRA wraps it (core/lora.h): the frozen weight moves to
   /// "<module>.base_layer", beside lora_A ([rank, in]) and lora_B ([out, rank]) adapters
@@ -35,10 +39,17 @@ struct ParamOp {
   /// 64 weights (bitsandbytes/functional.py quantize_4bit)
   int64_t nf4_storage_bytes = 0;
   bool nf4_double_quant = false;  ///< with nf4_storage_bytes: the absmax quantized again (bnb_4bit_use_double_quant)
+  /// experts: one 3-D parameter [experts, out, in] named `module` itself (transformers 5's
+  /// Qwen3MoeExperts.gate_up_proj / down_proj), rather than a linear per expert ("{}" in `module`)
+  bool fused_experts = false;
 };
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)
 enum class MlpKind { kGated, kPlain, kMoe };  ///< SwiGLU gate/up/down, fc + activation + proj, routed experts
+/// Where a block's two hidden-state norms sit: before each sub-layer (Llama's input_layernorm and
+/// post_attention_layernorm, GPT-2's ln_1 and ln_2), or on each sub-layer's output before its
+/// residual add (OLMo 2's post_attention_layernorm and post_feedforward_layernorm).
+enum class NormPlacement { kPre, kPost };
 
 /// Module paths outside the blocks (HF state-dict prefixes).
 struct ModuleNames {
@@ -53,6 +64,11 @@ struct Architecture {
   std::string decoder_layer_class;  ///< transformers' decoder layer class: the wrap policy's and the exports' unit
   ModuleNames names;
   NormKind norm = NormKind::kRms;
+  NormPlacement norm_placement = NormPlacement::kPre;
+  /// RMSNorm multiplies by its weight in fp32 and casts after (OLMo 2's `(weight * x).to(dtype)`),
+  /// rather than casting first (Llama's `weight * x.to(dtype)`): the normalised input it saves for
+  /// the weight's gradient is fp32
+  bool norm_weight_fp32 = false;
   MlpKind mlp = MlpKind::kGated;
   bool fused_qkv = false;           ///< one projection for q, k and v (GPT-2's c_attn)
   /// eager attention's softmax runs in fp32 and is cast back (HF Llama-style eager_attention_forward),
@@ -60,7 +76,7 @@ struct Architecture {
   bool softmax_fp32 = true;
   std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
   /// The modules peft's LoRA targets when none are named: its
-  /// TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for the model type (peft/utils/constants.py)
+  /// TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for the model type (peft/utils/constants.py); empty where it has none
   std::vector<std::string> lora_default_targets = {"q_proj", "v_proj"};
   /// Every parameter outside the LoRA adapters is frozen (requires_grad=False), as peft's
   /// get_peft_model leaves them: the embedding, final norm and lm_head too.

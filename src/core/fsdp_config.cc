@@ -217,9 +217,10 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   return ValidateLora(c.lora, c.wrap);
 }
 
-// torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are kept.
+// torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are
+// kept. Modelled on Llama's pre-norm block only.
 bool OpCheckpointingModelled(const ModelSpec& m) {
-  return m.arch.norm == NormKind::kRms && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
+  return m.arch.norm == NormKind::kRms && m.arch.norm_placement == NormPlacement::kPre && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
 }
 
 bool BlockCheckpointed(const FsdpConfig& c, int block) {

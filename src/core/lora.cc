@@ -39,6 +39,11 @@ std::vector<std::string> SplitTargets(const std::string& targets) {
 }
 
 Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const LoraConfig& lora) {
+  if (lora.targets.empty() && m.arch.lora_default_targets.empty()) {
+    // peft's _prepare_adapter_config: "Please specify `target_modules` in `peft_config`"
+    return Error::BadInput(fmt::format("--lora-rank on {}: peft 0.21 has no default target modules for model type '{}'; name them "
+                                       "with --lora-targets (LoRA wraps: {})", m.id, m.model_type, LinearNames(m)));
+  }
   const std::vector<std::string> targets = lora.targets.empty() ? m.arch.lora_default_targets : SplitTargets(lora.targets);
   if (targets.empty()) return Error::BadInput("--lora-targets names no module");
   const bool all_linear = targets.size() == 1 && targets[0] == kAllLinear;

@@ -57,8 +57,14 @@ void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::st
       ++i;
       continue;
     }
+    if (op.fused_experts) {
+      AddTensor(out, prefix + op.module, {op.experts, op.out, op.in}, block, true,
+                static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts), op.trainable);
+      ++i;
+      continue;
+    }
     size_t end = i;
-    while (end < a.block.size() && a.block[end].experts == op.experts) ++end;
+    while (end < a.block.size() && a.block[end].experts == op.experts && !a.block[end].fused_experts) ++end;
     for (int64_t e = 0; e < op.experts; ++e) {
       for (size_t j = i; j < end; ++j) {
         std::string module = a.block[j].module;
@@ -108,7 +114,7 @@ InventorySize CountInventory(const ModelSpec& m) {
       one.params += static_cast<double>(op.lora_rank) * static_cast<double>(op.in + op.out);
     }
     const double copies = op.experts > 0 ? static_cast<double>(op.experts) : 1.0;
-    block.tensors += one.tensors * copies;
+    block.tensors += op.fused_experts ? 1 : one.tensors * copies;
     block.params += one.params * copies;
   }
   const double layers = static_cast<double>(m.num_layers);

@@ -225,6 +225,25 @@ TEST_CASE("the inventory is derived from the Architecture alone") {
   CHECK(m.ActiveParamsPerToken() == 40 + 24 + 2 * (8 + 25 + 12 + 56) + 8 + 40);
 }
 
+TEST_CASE("fused routed experts are one 3-D parameter per projection, after the block's other tensors") {
+  // transformers 5's Qwen3MoeExperts: gate_up_proj [experts, 2I, h], down_proj [experts, h, I]
+  auto m = LoadModel("qwen3-30b-a3b");
+  REQUIRE(m.ok());
+  std::vector<const TensorSpec*> block0;
+  for (const TensorSpec& t : m.value().tensors) if (t.block == 0) block0.push_back(&t);
+  REQUIRE(block0.size() == 11);  // 2 norms, q/k/v/o, q_norm, k_norm, router, 2 experts
+  CHECK(block0[8]->name == "model.layers.0.mlp.gate.weight");
+  CHECK(block0[8]->shape == std::vector<int64_t>{128, 2048});
+  CHECK(block0[9]->name == "model.layers.0.mlp.experts.gate_up_proj");
+  CHECK(block0[9]->shape == std::vector<int64_t>{128, 1536, 2048});
+  CHECK(block0[10]->name == "model.layers.0.mlp.experts.down_proj");
+  CHECK(block0[10]->shape == std::vector<int64_t>{128, 2048, 768});
+  CHECK(block0[10]->active_share == doctest::Approx(8.0 / 128));
+  const InventorySize counted = CountInventory(m.value());
+  CHECK(counted.tensors == static_cast<double>(m.value().tensors.size()));
+  CHECK(counted.params == static_cast<double>(m.value().ParamsTotal()));
+}
+
 TEST_CASE("bad model configs give one-line errors naming the problem") {
   auto no_type = FromText(R"({"hidden_size": 64})");
   REQUIRE_FALSE(no_type.ok());

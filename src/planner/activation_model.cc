@@ -66,12 +66,12 @@ void AddLoraSaved(std::vector<SavedTensor>& out, const ParamOp* op, bool input_r
   if (input_requires_grad) out.push_back({Name(op->module, "lora_dropout_mask"), op->in * d.tokens});
 }
 
-// The norms a block runs, in forward order (core/families/: the input norm, then the
-// post-attention one), for the names of their saved tensors.
+// The hidden-state norms a block runs, in forward order (core/families/: the attention's, then
+// the MLP's), for the names of their saved tensors; q/k norms are the attention's own.
 std::vector<std::string_view> BlockNorms(const ModelSpec& m) {
   std::vector<std::string_view> norms;
   for (const ParamOp& op : m.arch.block) {
-    if (op.kind == ParamOp::Kind::kNorm && !op.head_norm) norms.push_back(op.module);
+    if (op.kind == ParamOp::Kind::kNorm && !op.qk_norm) norms.push_back(op.module);
   }
   return norms;
 }
@@ -83,9 +83,11 @@ std::vector<std::string_view> BlockNorms(const ModelSpec& m) {
 // Autograd saves an op's input only for the gradients it will compute (torchgen's
 // gen_variable_type.py guards each SavedVariable with should_compute_output): RMSNorm's fp32 input
 // and rsqrt only when its input requires grad, the normalised input only for a trainable weight;
-// LayerNorm's input and statistics when either does. Full training: all of them.
-void AddNorm(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d, const NormGrad& g = {}) {
-  if (kind == NormKind::kLayer) {
+// LayerNorm's input and statistics when either does. Full training: all of them. An RMSNorm
+// that multiplies by its weight in fp32 (Architecture::norm_weight_fp32) saves the normalised
+// input in fp32.
+void AddNorm(std::vector<SavedTensor>& out, const Architecture& a, std::string_view module, const Dims& d, const NormGrad& g = {}) {
+  if (a.norm == NormKind::kLayer) {
     if (!g.input && !g.weight) return;
     out.push_back({Name(module, "in"), d.c * d.h * d.tokens});
     out.push_back({Name(module, "stats"), 8 * d.tokens});
@@ -95,15 +97,15 @@ void AddNorm(std::vector<SavedTensor>& out, NormKind kind, std::string_view modu
     out.push_back({Name(module, "x_fp32"), 4 * d.h * d.tokens});
     out.push_back({Name(module, "rsqrt"), 4 * d.tokens});
   }
-  if (g.weight) out.push_back({Name(module, "x_normalized"), d.c * d.h * d.tokens});
+  if (g.weight) out.push_back({Name(module, "x_normalized"), (a.norm_weight_fp32 ? 4 : d.c) * d.h * d.tokens});
 }
 
 // A norm followed by the linear(s) that read its output, which save it (once, when several do):
 // unless every reader is frozen (a frozen linear needs only its weight for the input's gradient)
 // and none has a LoRA adapter reading it undropped.
-void AddNormAndLinearInput(std::vector<SavedTensor>& out, NormKind kind, std::string_view module, const Dims& d, const NormGrad& g = {},
+void AddNormAndLinearInput(std::vector<SavedTensor>& out, const Architecture& a, std::string_view module, const Dims& d, const NormGrad& g = {},
                            bool read_saved = true) {
-  AddNorm(out, kind, module, d, g);
+  AddNorm(out, a, module, d, g);
   if (read_saved) out.push_back({Name(module, "out"), d.c * d.h * d.tokens});
 }
 
@@ -152,17 +154,18 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const F
 void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
   for (const char* name : {"q_proj", "k_proj", "v_proj"}) AddLoraSaved(out, FindOp(m, name), f.norm1, d);
-  // Qwen3's q_norm / k_norm (an RMSNorm per head, before RoPE): as AddNorm's RMSNorm, over the
-  // heads' features, its rsqrt one per (token, head). Not yet checked against PyTorch.
+  // q_norm / k_norm (before RoPE): as AddNorm's RMSNorm over q's or k's features, its rsqrt one
+  // per (token, head) for Qwen3's per-head norms and one per token for OLMo 2's whole-projection
+  // ones. torch_reference.py on tests/data/hf_configs/qwen3-100m.json and olmo2-100m.json.
   for (const ParamOp& op : m.arch.block) {
-    if (op.kind != ParamOp::Kind::kNorm || !op.head_norm) continue;
+    if (op.kind != ParamOp::Kind::kNorm || !op.qk_norm) continue;
     const bool is_k = op.module.find("k_norm") != std::string::npos;
-    const int64_t features = is_k ? kv : q, heads = (is_k ? d.kv_heads : d.heads) * d.tokens;
+    const int64_t features = is_k ? kv : q, rows = (op.head_norm ? (is_k ? d.kv_heads : d.heads) : 1) * d.tokens;
     if (is_k ? f.k : f.q) {
       out.push_back({Name(op.module, "x_fp32"), 4 * features});
-      out.push_back({Name(op.module, "rsqrt"), 4 * heads});
+      out.push_back({Name(op.module, "rsqrt"), 4 * rows});
     }
-    if (op.trainable) out.push_back({Name(op.module, "x_normalized"), d.c * features});
+    if (op.trainable) out.push_back({Name(op.module, "x_normalized"), (m.arch.norm_weight_fp32 ? 4 : d.c) * features});
   }
   const bool eager = cfg.attention == Attention::kEager;
   if (eager ? f.k : f.attn_out) out.push_back({"self_attn.q_rope", d.c * q});
@@ -215,12 +218,23 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d, co
       return;
     }
     case MlpKind::kMoe: {
+      // transformers 5.24's routed experts: the router (Qwen3MoeTopKRouter, MixtralTopKRouter)
+      // saves its fp32 softmax and the top-k indices; integrations/moe.py's
+      // grouped_mm_experts_forward (the default on CUDA and on the CPU) then, per routed (token,
+      // expert) pair: the gathered input (its grouped_mm's), gate_up's output (SiLU saves its gate
+      // half, the product its up half), the activation, the product (down's input), down's output
+      // with the pair's routing weight (their product's), and three int64 index vectors (perm //
+      // top_k, perm and inv_perm, each saved by the gather it drives).
       const int64_t pairs = d.top_k * d.tokens;
-      out.push_back({"moe.router_logits", d.c * d.experts * d.tokens});
       out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
+      out.push_back({"moe.topk_indices", 8 * pairs});
       out.push_back({"moe.expert_in", d.c * d.h * pairs});
-      out.push_back({"moe.w1_w3_act_prod", 4 * d.c * d.inner * pairs});
-      out.push_back({"moe.w2_out", d.c * d.h * pairs});
+      out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * pairs});
+      out.push_back({"moe.act_out", d.c * d.inner * pairs});
+      out.push_back({"moe.down_in", d.c * d.inner * pairs});
+      out.push_back({"moe.down_out", d.c * d.h * pairs});
+      out.push_back({"moe.pair_weights", 4 * pairs});
+      out.push_back({"moe.permutations", 3 * 8 * pairs});
       return;
     }
     case MlpKind::kPlain: {
@@ -243,8 +257,9 @@ BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
     const ParamOp* op = i < norms.size() ? FindOp(m, norms[i]) : nullptr;
     return op == nullptr || op->trainable;
   };
+  const bool post = m.arch.norm_placement == NormPlacement::kPost;
   f.input = input_requires_grad;
-  f.norm1 = f.input || norm_trains(0);
+  f.norm1 = f.input || (!post && norm_trains(0));  // what the projections read: a post-norm block's input itself
   if (m.arch.fused_qkv) {
     f.q = f.k = f.v = f.norm1 || Trains(FindOp(m, "c_attn"));
   } else {
@@ -254,8 +269,8 @@ BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
   }
   f.scores = f.q || f.k;
   f.attn_out = f.scores || f.v;
-  f.hidden = f.input || f.attn_out || Trains(FindOp(m, m.arch.fused_qkv ? "attn.c_proj" : "o_proj"));
-  f.norm2 = f.hidden || norm_trains(1);
+  f.hidden = f.input || f.attn_out || Trains(FindOp(m, m.arch.fused_qkv ? "attn.c_proj" : "o_proj")) || (post && norm_trains(0));
+  f.norm2 = f.hidden || (!post && norm_trains(1));
   return f;
 }
 
@@ -269,19 +284,30 @@ std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, c
     for (const char* r : readers) if (SavesInput(FindOp(m, r))) return true;
     return false;
   };
-  std::vector<SavedTensor> out;
-  if (m.arch.fused_qkv) {
-    AddNormAndLinearInput(out, m.arch.norm, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"attn.c_attn"}));
-    AddFusedAttention(out, m, cfg, d, f);
-  } else {
-    AddNormAndLinearInput(out, m.arch.norm, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"q_proj", "k_proj", "v_proj"}));
-    AddSplitAttention(out, m, cfg, d, f);
-  }
-  if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});
   const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj"})
                                : m.arch.mlp == MlpKind::kPlain ? reads_saved({"mlp.c_fc"})
                                                                : true;  // the router and the experts
-  AddNormAndLinearInput(out, m.arch.norm, norms.at(1), d, {f.hidden, norm_weight(1)}, mlp_input_saved);
+  std::vector<SavedTensor> out;
+  if (m.arch.norm_placement == NormPlacement::kPost) {
+    // OLMo 2: the projections read the block's input, the MLP the residual sum; each norm reads
+    // its sub-layer's output, which requires grad as the sub-layer does.
+    if (reads_saved({"q_proj", "k_proj", "v_proj"})) out.push_back({"block.input", d.c * d.h * d.tokens});
+    AddSplitAttention(out, m, cfg, d, f);
+    AddNorm(out, m.arch, norms.at(0), d, {f.attn_out || Trains(FindOp(m, "o_proj")), norm_weight(0)});
+    if (mlp_input_saved) out.push_back({"mlp.input", d.c * d.h * d.tokens});
+    AddMlp(out, m, d, f);
+    AddNorm(out, m.arch, norms.at(1), d, {f.norm2 || Trains(FindOp(m, "down_proj")), norm_weight(1)});
+    return out;
+  }
+  if (m.arch.fused_qkv) {
+    AddNormAndLinearInput(out, m.arch, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"attn.c_attn"}));
+    AddFusedAttention(out, m, cfg, d, f);
+  } else {
+    AddNormAndLinearInput(out, m.arch, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"q_proj", "k_proj", "v_proj"}));
+    AddSplitAttention(out, m, cfg, d, f);
+  }
+  if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});
+  AddNormAndLinearInput(out, m.arch, norms.at(1), d, {f.hidden, norm_weight(1)}, mlp_input_saved);
   AddMlp(out, m, d, f);
   if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", d.h * d.tokens});
   return out;
@@ -439,9 +465,9 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   const std::string_view final_norm = LastComponent(m.arch.names.final_norm);
   const NormGrad grad{BlockInputRequiresGrad(m, static_cast<int>(m.num_layers)), !m.arch.base_frozen};
   if (m.arch.norm == NormKind::kLayer) {
-    AddNorm(head.final_norm, m.arch.norm, final_norm, d, grad);
+    AddNorm(head.final_norm, m.arch, final_norm, d, grad);
   } else {
-    AddNormAndLinearInput(head.final_norm, m.arch.norm, final_norm, d, grad, !m.arch.base_frozen);
+    AddNormAndLinearInput(head.final_norm, m.arch, final_norm, d, grad, !m.arch.base_frozen);
   }
   // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
   // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the

@@ -107,11 +107,41 @@ TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized g
   CHECK(BlockActivationProfile(m.value(), c).backward_working_bytes == (2 * 2 * h + 2 * 2 * as4k + 3 * 2 * h - (6 * h + 8 + 10 * inner)) * 4096);
 }
 
-TEST_CASE("Mixtral saves each routed token once per selected expert") {
+TEST_CASE("Qwen3-8B block, flash: Llama's tensors plus the per-head q/k norms") {
+  // h=4096, 32 heads and 8 kv heads of 128 (q 4096, kv 1024 wide), I=12288. Llama's flash block:
+  // norms 2*(4h + 4 + 2h) + their outputs 2*2h, q 2q, k and v 2kv each, lse 4a, o_proj input 2q,
+  // SwiGLU 4*2I; q_norm: fp32 input 4q, rsqrt 4 per head (32), normalised 2q; k_norm the same at kv width, 8 heads.
+  const int64_t h = 4096, q = 4096, kv = 1024, inner = 12288;
+  const int64_t llama = 2 * (4 * h + 4 + 2 * h) + 2 * 2 * h + 2 * q + 2 * 2 * kv + 4 * 32 + 2 * q + 4 * 2 * inner;
+  const int64_t qk_norms = (4 * q + 4 * 32 + 2 * q) + (4 * kv + 4 * 8 + 2 * kv);
+  CHECK(Profile("qwen3-8b", 1, Attention::kFlash).FullBytes() == llama + qk_norms);
+}
+
+TEST_CASE("OLMo 2 block, flash: norms on the sub-layers' outputs, whole-projection q/k norms, fp32 weight products") {
+  // olmo-2-7b: h = q = kv = 4096, I=11008. The projections save the block input (2h), the MLP the
+  // residual sum (2h); each hidden norm saves its fp32 input 4h, rsqrt 4 and its fp32 normalised
+  // input 4h (Olmo2RMSNorm multiplies by the weight in fp32); q_norm and k_norm the same over the
+  // whole projection, one rsqrt per token. Attention as Llama's: q, k, v 2h each, lse 4a, o_proj input 2h.
+  const int64_t h = 4096, inner = 11008;
+  const int64_t inputs = 2 * 2 * h, norm = 4 * h + 4 + 4 * h;
+  const int64_t attention = 3 * 2 * h + 4 * 32 + 2 * h;
+  CHECK(Profile("olmo-2-7b", 1, Attention::kFlash).FullBytes() == inputs + 4 * norm + attention + 4 * 2 * inner);
+}
+
+TEST_CASE("Routed experts save each token once per selected expert, as transformers 5.24's grouped_mm path does") {
+  // mixtral-8x7b, one token: top-2 of 8 experts, h=4096, I=14336. Router: fp32 softmax 4E, int64
+  // top-k indices 8k; per pair: gathered input 2h, gate_up output 2*2I, activation 2I, product 2I,
+  // down output 2h, fp32 routing weight 4, three int64 index vectors 24.
   BlockActivations a = Profile("mixtral-8x7b", 1, Attention::kFlash);
-  int64_t expert = 0;
-  for (const auto& t : a.full) if (t.name == "moe.w1_w3_act_prod") expert = t.bytes;
-  CHECK(expert == 2 /*top-2*/ * 4 * 2 * 14336);
+  int64_t moe = 0;
+  for (const auto& t : a.full) if (t.name.starts_with("moe.")) moe += t.bytes;
+  const int64_t h = 4096, inner = 14336, e = 8, k = 2;
+  CHECK(moe == 4 * e + 8 * k + k * (2 * h + 4 * inner + 2 * inner + 2 * inner + 2 * h + 4 + 24));
+  // qwen3-30b-a3b: top-8 of 128 experts of 768, h=2048, and Qwen3's per-head q/k norms
+  a = Profile("qwen3-30b-a3b", 1, Attention::kFlash);
+  moe = 0;
+  for (const auto& t : a.full) if (t.name.starts_with("moe.")) moe += t.bytes;
+  CHECK(moe == 4 * 128 + 8 * 8 + 8 * (2 * 2048 + 8 * 768 + 2 * 2048 + 28));
 }
 
 TEST_CASE("logits and loss buffers scale with the vocabulary") {

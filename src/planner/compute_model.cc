@@ -25,6 +25,10 @@ struct NodeWork {
   double dequant_bytes = 0;     // QLoRA: traffic of dequantizing the NF4 weights, once per forward and once per backward
 };
 
+// A weight the forward multiplies by: a linear's [out, in] (GPT-2's Conv1D [in, out]) or fused
+// routed experts' [experts, out, in], each token through experts_per_token of them (active_share).
+bool IsMatmulWeight(const TensorSpec& t) { return t.in_linear && t.shape.size() >= 2; }
+
 // Forward work of a module-tree node (its own tensors and role), not of its children.
 NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations& block, const HeadActivations& head,
                  double traffic_per_saved_byte) {
@@ -33,7 +37,7 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
   NodeWork work;
   for (int t : n.tensors) {
     const TensorSpec& ts = m.tensors[t];
-    if (!ts.in_linear || ts.shape.size() != 2) continue;
+    if (!IsMatmulWeight(ts)) continue;
     const double share = ts.active_share;
     work.gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
     if (!ts.trainable) work.frozen_gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
@@ -75,7 +79,7 @@ int OwningUnit(const Workload& w, int node) {
 double MatmulParams(const ModelSpec& m) {
   double n = 0;
   for (const auto& t : m.tensors) {
-    if (!t.in_linear || t.shape.size() != 2) continue;
+    if (!IsMatmulWeight(t)) continue;
     n += static_cast<double>(t.LogicalNumel()) * t.active_share;
   }
   if (m.tie_word_embeddings) n += static_cast<double>(m.vocab_size * m.hidden_size);
@@ -84,7 +88,7 @@ double MatmulParams(const ModelSpec& m) {
 
 bool RunsMatmul(const Workload& w, const ModuleNode& n) {
   for (int t : n.tensors) {
-    if (w.model.tensors[t].in_linear && w.model.tensors[t].shape.size() == 2) return true;
+    if (IsMatmulWeight(w.model.tensors[t])) return true;
   }
   return false;
 }

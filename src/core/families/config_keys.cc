@@ -158,6 +158,15 @@ void AddLlamaAttention(const ModelSpec& m, bool qkv_bias, bool o_bias, std::vect
   block.push_back({ParamOp::Kind::kNorm, "post_attention_layernorm", 0, h});
 }
 
+void AddHeadQkNorms(const ModelSpec& m, std::vector<ParamOp>& block) {
+  ParamOp q_norm{ParamOp::Kind::kNorm, "self_attn.q_norm", 0, m.head_dim};
+  q_norm.qk_norm = true;
+  q_norm.head_norm = true;
+  ParamOp k_norm = q_norm;
+  k_norm.module = "self_attn.k_norm";
+  block.insert(block.end() - 1, {q_norm, k_norm});
+}
+
 void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block) {
   const int64_t h = m.hidden_size, inner = m.intermediate_size;
   block.push_back({ParamOp::Kind::kLinear, "mlp.gate_proj", h, inner, bias});

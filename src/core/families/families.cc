@@ -8,11 +8,14 @@ Status ReadMistral(const JsonReader& r, ModelSpec& m);
 Status ReadMixtral(const JsonReader& r, ModelSpec& m);
 Status ReadQwen2(const JsonReader& r, ModelSpec& m);
 Status ReadQwen3(const JsonReader& r, ModelSpec& m);
+Status ReadQwen3Moe(const JsonReader& r, ModelSpec& m);
+Status ReadOlmo2(const JsonReader& r, ModelSpec& m);
 Status ReadGpt2(const JsonReader& r, ModelSpec& m);
 
 const std::vector<Family>& Families() {
   static const std::vector<Family> kFamilies = {
-      {"llama", ReadLlama}, {"mistral", ReadMistral}, {"mixtral", ReadMixtral}, {"qwen2", ReadQwen2}, {"qwen3", ReadQwen3}, {"gpt2", ReadGpt2},
+      {"llama", ReadLlama}, {"mistral", ReadMistral}, {"mixtral", ReadMixtral}, {"qwen2", ReadQwen2}, {"qwen3", ReadQwen3}, {"qwen3_moe", ReadQwen3Moe},
+      {"olmo2", ReadOlmo2}, {"gpt2", ReadGpt2},
   };
   return kFamilies;
 }

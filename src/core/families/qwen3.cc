@@ -18,13 +18,7 @@ Status ReadQwen3(const JsonReader& r, ModelSpec& m) {
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Qwen3DecoderLayer";
   AddLlamaAttention(m, bias, bias, m.arch.block);
-  // q_norm and k_norm, after o_proj as Qwen3Attention registers them (before the post-attention norm)
-  const auto post_norm = m.arch.block.end() - 1;
-  ParamOp q_norm{ParamOp::Kind::kNorm, "self_attn.q_norm", 0, m.head_dim};
-  q_norm.head_norm = true;
-  ParamOp k_norm = q_norm;
-  k_norm.module = "self_attn.k_norm";
-  m.arch.block.insert(post_norm, {q_norm, k_norm});
+  AddHeadQkNorms(m, m.arch.block);
   AddGatedMlp(m, false, m.arch.block);
   return {};
 }
