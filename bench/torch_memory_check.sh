@@ -115,14 +115,16 @@ qlora_rows() {
   check "1 rank  QLoRA 2k vocab seq 2048 x 1"        1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "--lora-rank 8 --qlora"
 }
 # the newer families (issue 18), built by transformers from small configs of their own: Qwen3's
-# per-head q/k norms, OLMo 2's post-sub-layer norms and whole-projection q/k norms
+# per-head q/k norms, OLMo 2's post-sub-layer norms and whole-projection q/k norms, Phi-3's fused
+# qkv_proj and gate_up_proj
 # and Qwen3-MoE's router and fused experts (transformers 5.24's grouped_mm path on the CPU, as on CUDA)
 Q3=$root/tests/data/hf_configs/qwen3-100m.json O2=$root/tests/data/hf_configs/olmo2-100m.json
-Q3M=$root/tests/data/hf_configs/qwen3-moe-tiny.json
+Q3M=$root/tests/data/hf_configs/qwen3-moe-tiny.json P3=$root/tests/data/hf_configs/phi3-100m.json
 family_quick_rows() {
   check "1 rank  Qwen3 GQA seq 1024 x 2"             1 FULL_SHARD none 2 1024 "$Q3"
   check "1 rank  OLMo 2 GQA seq 1024 x 2"            1 FULL_SHARD none 2 1024 "$O2"
   check "1 rank  Qwen3-MoE flash seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$Q3M" fsdp2 "" flash
+  check "1 rank  Phi-3 flash seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$P3" fsdp2 "" flash
 }
 family_rows() {
   family_quick_rows
@@ -132,6 +134,7 @@ family_rows() {
   check "1 rank  OLMo 2 SAC seq 1024 x 2"            1 FULL_SHARD selective 2 1024 "$O2"
   check "1 rank  Qwen3-MoE eager seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$Q3M"
   check "2 ranks Qwen3-MoE AC full seq 1024 x 2"     2 FULL_SHARD full 2 1024 "$Q3M"
+  check "1 rank  Phi-3 eager seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$P3"
 }
 if [ "${ROWS:-}" = families ]; then
   family_rows

@@ -48,6 +48,10 @@ TINY = {
     "olmo2": {"model_type": "olmo2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 64, "tie_word_embeddings": False, "pad_token_id": 1, "eos_token_id": 2},
+    "phi3": {"model_type": "phi3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 64, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
+             "eos_token_id": 2},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
@@ -67,6 +71,7 @@ CASES = [
     ("qwen3 selective eager", "qwen3", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("qwen3_moe full sdpa", "qwen3_moe", "fp32", ["--ac", "full", "--attention", "flash"]),
     ("olmo2 full eager", "olmo2", "fp32", ["--ac", "full", "--attention", "eager"]),
+    ("phi3 selective sdpa", "phi3", "fp32", ["--ac", "selective", "--attention", "flash"]),
     ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
 # QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's

@@ -218,9 +218,12 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
 }
 
 // torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are
-// kept. Modelled on Llama's pre-norm block only.
+// kept. Modelled on Llama's pre-norm block with its seven separate projections only (Phi-3's fused
+// qkv_proj and gate_up_proj make five calls).
 bool OpCheckpointingModelled(const ModelSpec& m) {
-  return m.arch.norm == NormKind::kRms && m.arch.norm_placement == NormPlacement::kPre && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
+  bool separate_projections = false;
+  for (const ParamOp& op : m.arch.block) separate_projections |= op.module == "self_attn.q_proj";
+  return separate_projections && m.arch.norm == NormKind::kRms && m.arch.norm_placement == NormPlacement::kPre && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
 }
 
 bool BlockCheckpointed(const FsdpConfig& c, int block) {

@@ -50,6 +50,14 @@ const ParamOp* FindOp(const ModelSpec& m, std::string_view name) {
   return nullptr;
 }
 
+// The linear computing a block's q, k or v ("q_proj"), or gate or up ("gate_proj"): its own, or
+// the fused projection whose output holds it (Phi-3's qkv_proj, gate_up_proj), or null.
+const ParamOp* ProjectionOf(const ModelSpec& m, std::string_view name) {
+  if (const ParamOp* op = FindOp(m, name)) return op;
+  const bool mlp = name == "gate_proj" || name == "up_proj";
+  return FindOp(m, mlp ? "gate_up_proj" : "qkv_proj");
+}
+
 // A linear's output requires grad whatever its input: its weight is trained or an adapter is.
 bool Trains(const ParamOp* op) { return op == nullptr || op->trainable || op->lora_rank > 0; }
 // A linear saves its input: for its weight's gradient, or for lora_A's when no dropout copies it.
@@ -153,7 +161,8 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const F
 // q's; SDPA saves all of them once any requires grad.
 void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
-  for (const char* name : {"q_proj", "k_proj", "v_proj"}) AddLoraSaved(out, FindOp(m, name), f.norm1, d);
+  const ParamOp* fused_qkv = FindOp(m, "qkv_proj");
+  for (const char* name : {"q_proj", "k_proj", "v_proj", "qkv_proj"}) AddLoraSaved(out, FindOp(m, name), f.norm1, d);
   // q_norm / k_norm (before RoPE): as AddNorm's RMSNorm over q's or k's features, its rsqrt one
   // per (token, head) for Qwen3's per-head norms and one per token for OLMo 2's whole-projection
   // ones. torch_reference.py on tests/data/hf_configs/qwen3-100m.json and olmo2-100m.json.
@@ -176,7 +185,13 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
     AddAttentionCore(out, m, cfg, d, f);
   } else if (f.attn_out) {
     out.push_back({"self_attn.k_rope", d.c * kv});
-    out.push_back({"self_attn.v", d.c * kv});
+    // v as a view of its projection's output: a fused qkv_proj's keeps all of q, k and v alive.
+    // RoPE's output from a slice of that output (not dense) is contiguous as [B, a, s, d], and
+    // the flash kernels allocate their output like q (empty_like in mha_fwd on CUDA, the CPU
+    // kernel the same), so HF's transpose(1, 2).contiguous() copies it for o_proj: SDPA's own
+    // output stays saved beside o_proj's input (measured on the CPU: phi3-100m.json).
+    out.push_back({"self_attn.v", d.c * (fused_qkv != nullptr ? q + 2 * kv : kv)});
+    if (fused_qkv != nullptr) out.push_back({"self_attn.sdpa_out", d.c * q});
     AddAttentionCore(out, m, cfg, d, f);
   }
   const ParamOp* o = FindOp(m, "o_proj");
@@ -206,9 +221,11 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d, co
   const int64_t x = d.c * d.inner * d.tokens;
   switch (m.arch.mlp) {
     case MlpKind::kGated: {
-      const ParamOp *gate = FindOp(m, "gate_proj"), *up = FindOp(m, "up_proj"), *down = FindOp(m, "down_proj");
+      // Phi-3's gate_up_proj: gate and up are halves of its output, which SiLU and the product save
+      // between them (the same bytes as the two outputs)
+      const ParamOp *gate = ProjectionOf(m, "gate_proj"), *up = ProjectionOf(m, "up_proj"), *down = FindOp(m, "down_proj");
       AddLoraSaved(out, gate, f.norm2, d);
-      AddLoraSaved(out, up, f.norm2, d);
+      if (up != gate) AddLoraSaved(out, up, f.norm2, d);
       const bool gate_rg = f.norm2 || Trains(gate), up_rg = f.norm2 || Trains(up);
       if (gate_rg) out.push_back({"mlp.gate_out", x});
       if (up_rg) out.push_back({"mlp.act_out", x});
@@ -263,9 +280,9 @@ BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
   if (m.arch.fused_qkv) {
     f.q = f.k = f.v = f.norm1 || Trains(FindOp(m, "c_attn"));
   } else {
-    f.q = f.norm1 || Trains(FindOp(m, "q_proj"));
-    f.k = f.norm1 || Trains(FindOp(m, "k_proj"));
-    f.v = f.norm1 || Trains(FindOp(m, "v_proj"));
+    f.q = f.norm1 || Trains(ProjectionOf(m, "q_proj"));
+    f.k = f.norm1 || Trains(ProjectionOf(m, "k_proj"));
+    f.v = f.norm1 || Trains(ProjectionOf(m, "v_proj"));
   }
   f.scores = f.q || f.k;
   f.attn_out = f.scores || f.v;
@@ -280,18 +297,21 @@ std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, c
   const std::vector<std::string_view> norms = BlockNorms(m);
   const BlockFlow f = FlowOf(m, input_requires_grad);
   auto norm_weight = [&](size_t i) { const ParamOp* op = FindOp(m, norms.at(i)); return op == nullptr || op->trainable; };
-  auto reads_saved = [&](std::initializer_list<const char*> readers) {
-    for (const char* r : readers) if (SavesInput(FindOp(m, r))) return true;
+  auto reads_saved = [&](std::initializer_list<const char*> readers) {  // those of them the block has
+    for (const char* r : readers) {
+      const ParamOp* op = FindOp(m, r);
+      if (op != nullptr && SavesInput(op)) return true;
+    }
     return false;
   };
-  const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj"})
+  const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj", "gate_up_proj"})
                                : m.arch.mlp == MlpKind::kPlain ? reads_saved({"mlp.c_fc"})
                                                                : true;  // the router and the experts
   std::vector<SavedTensor> out;
   if (m.arch.norm_placement == NormPlacement::kPost) {
     // OLMo 2: the projections read the block's input, the MLP the residual sum; each norm reads
     // its sub-layer's output, which requires grad as the sub-layer does.
-    if (reads_saved({"q_proj", "k_proj", "v_proj"})) out.push_back({"block.input", d.c * d.h * d.tokens});
+    if (reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj"})) out.push_back({"block.input", d.c * d.h * d.tokens});
     AddSplitAttention(out, m, cfg, d, f);
     AddNorm(out, m.arch, norms.at(0), d, {f.attn_out || Trains(FindOp(m, "o_proj")), norm_weight(0)});
     if (mlp_input_saved) out.push_back({"mlp.input", d.c * d.h * d.tokens});
@@ -303,7 +323,7 @@ std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, c
     AddNormAndLinearInput(out, m.arch, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"attn.c_attn"}));
     AddFusedAttention(out, m, cfg, d, f);
   } else {
-    AddNormAndLinearInput(out, m.arch, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"q_proj", "k_proj", "v_proj"}));
+    AddNormAndLinearInput(out, m.arch, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj"}));
     AddSplitAttention(out, m, cfg, d, f);
   }
   if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});

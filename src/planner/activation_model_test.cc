@@ -128,6 +128,17 @@ TEST_CASE("OLMo 2 block, flash: norms on the sub-layers' outputs, whole-projecti
   CHECK(Profile("olmo-2-7b", 1, Attention::kFlash).FullBytes() == inputs + 4 * norm + attention + 4 * 2 * inner);
 }
 
+TEST_CASE("Phi-4 block, flash: fused qkv_proj and gate_up_proj outputs stay whole behind their views") {
+  // h=5120, 40 heads and 10 kv heads of 128 (q 5120, kv 1280), I=17920. Llama's flash block but:
+  // SDPA's v is a view of qkv_proj's output (2(q + 2kv) instead of 2kv), and its output, laid out
+  // like the contiguous q after RoPE, is copied for o_proj (2q saved beside o_proj's input 2q);
+  // gate_up's output 2*2I, the activation 2I and the product 2I (4 x 2I, as Llama's four tensors).
+  const int64_t h = 5120, q = 5120, kv = 1280, inner = 17920;
+  const int64_t norms = 2 * (4 * h + 4 + 2 * h) + 2 * 2 * h;
+  const int64_t attention = 2 * q + 2 * kv + 2 * (q + 2 * kv) + 4 * 40 + 2 * q + 2 * q;
+  CHECK(Profile("phi-4", 1, Attention::kFlash).FullBytes() == norms + attention + 4 * 2 * inner);
+}
+
 TEST_CASE("Routed experts save each token once per selected expert, as transformers 5.24's grouped_mm path does") {
   // mixtral-8x7b, one token: top-2 of 8 experts, h=4096, I=14336. Router: fp32 softmax 4E, int64
   // top-k indices 8k; per pair: gathered input 2h, gate_up output 2*2I, activation 2I, product 2I,

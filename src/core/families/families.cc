@@ -9,13 +9,14 @@ Status ReadMixtral(const JsonReader& r, ModelSpec& m);
 Status ReadQwen2(const JsonReader& r, ModelSpec& m);
 Status ReadQwen3(const JsonReader& r, ModelSpec& m);
 Status ReadQwen3Moe(const JsonReader& r, ModelSpec& m);
+Status ReadPhi3(const JsonReader& r, ModelSpec& m);
 Status ReadOlmo2(const JsonReader& r, ModelSpec& m);
 Status ReadGpt2(const JsonReader& r, ModelSpec& m);
 
 const std::vector<Family>& Families() {
   static const std::vector<Family> kFamilies = {
       {"llama", ReadLlama}, {"mistral", ReadMistral}, {"mixtral", ReadMixtral}, {"qwen2", ReadQwen2}, {"qwen3", ReadQwen3}, {"qwen3_moe", ReadQwen3Moe},
-      {"olmo2", ReadOlmo2}, {"gpt2", ReadGpt2},
+      {"olmo2", ReadOlmo2}, {"phi3", ReadPhi3}, {"gpt2", ReadGpt2},
   };
   return kFamilies;
 }
