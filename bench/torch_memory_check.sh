@@ -116,15 +116,19 @@ qlora_rows() {
 }
 # the newer families (issue 18), built by transformers from small configs of their own: Qwen3's
 # per-head q/k norms, OLMo 2's post-sub-layer norms and whole-projection q/k norms, Phi-3's fused
-# qkv_proj and gate_up_proj
+# qkv_proj and gate_up_proj, Gemma 2's four norms and soft-capping, Gemma 3's q/k norms and sliding
+# windows (SDPA with a mask)
 # and Qwen3-MoE's router and fused experts (transformers 5.24's grouped_mm path on the CPU, as on CUDA)
 Q3=$root/tests/data/hf_configs/qwen3-100m.json O2=$root/tests/data/hf_configs/olmo2-100m.json
 Q3M=$root/tests/data/hf_configs/qwen3-moe-tiny.json P3=$root/tests/data/hf_configs/phi3-100m.json
+G2=$root/tests/data/hf_configs/gemma2-100m.json G3=$root/tests/data/hf_configs/gemma3-text-100m.json
 family_quick_rows() {
   check "1 rank  Qwen3 GQA seq 1024 x 2"             1 FULL_SHARD none 2 1024 "$Q3"
   check "1 rank  OLMo 2 GQA seq 1024 x 2"            1 FULL_SHARD none 2 1024 "$O2"
   check "1 rank  Qwen3-MoE flash seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$Q3M" fsdp2 "" flash
   check "1 rank  Phi-3 flash seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$P3" fsdp2 "" flash
+  check "1 rank  Gemma 2 soft-capped eager 1024 x 2"  1 FULL_SHARD none 2 1024 "$G2"
+  check "1 rank  Gemma 3 windows flash 1024 x 2"     1 FULL_SHARD none 2 1024 "$G3" fsdp2 "" flash
 }
 family_rows() {
   family_quick_rows
@@ -135,6 +139,9 @@ family_rows() {
   check "1 rank  Qwen3-MoE eager seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$Q3M"
   check "2 ranks Qwen3-MoE AC full seq 1024 x 2"     2 FULL_SHARD full 2 1024 "$Q3M"
   check "1 rank  Phi-3 eager seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$P3"
+  check "1 rank  Gemma 3 eager seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$G3"
+  check "2 ranks Gemma 2 AC full 1024 x 2"            2 FULL_SHARD full 2 1024 "$G2"
+  check "1 rank  Gemma 3 windows flash SAC 1024 x 2" 1 FULL_SHARD selective 2 1024 "$G3" fsdp2 "" flash
 }
 if [ "${ROWS:-}" = families ]; then
   family_rows

@@ -52,6 +52,12 @@ TINY = {
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "max_position_embeddings": 64, "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1,
              "eos_token_id": 2},
+    "gemma2": {"model_type": "gemma2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "query_pre_attn_scalar": 16, "sliding_window": 8, "max_position_embeddings": 64},
+    "gemma3_text": {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2, "max_position_embeddings": 64},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
@@ -72,6 +78,8 @@ CASES = [
     ("qwen3_moe full sdpa", "qwen3_moe", "fp32", ["--ac", "full", "--attention", "flash"]),
     ("olmo2 full eager", "olmo2", "fp32", ["--ac", "full", "--attention", "eager"]),
     ("phi3 selective sdpa", "phi3", "fp32", ["--ac", "selective", "--attention", "flash"]),
+    ("gemma2 full eager", "gemma2", "fp32", ["--ac", "full", "--attention", "eager"]),
+    ("gemma3_text selective sdpa", "gemma3_text", "fp32", ["--ac", "selective", "--attention", "flash"]),
     ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
 # QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's

@@ -139,6 +139,7 @@ Result<Workload> BuildFromFlags(const PlanFlags& flags, const std::string& model
   if (!config.ok()) return config.error();
   auto model = LoadModel(model_id);
   if (!model.ok()) return model.error();
+  ApplyModelDefaults(flags, model.value(), config.value());
   std::string gpu = flags.gpu;
   std::optional<ClusterSpec> cluster;
   if (!flags.cluster.empty()) {
@@ -285,6 +286,10 @@ void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {
   flags.attention_given = app.count("--attention") > 0;
   flags.model_given = app.count("--model") > 0;
   flags.wrap_given = app.count("--wrap") > 0;
+}
+
+void ApplyModelDefaults(const PlanFlags& flags, const ModelSpec& model, FsdpConfig& config) {
+  if (!flags.attention_given && !SdpaRuledOut(model).empty()) config.attention = Attention::kEager;
 }
 
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {

@@ -43,6 +43,9 @@ void FinishPlanFlags(const CLI::App& app, PlanFlags& flags);
 
 /// Converts the textual flags into an FsdpConfig (BadInput on unknown names or inconsistent flags).
 Result<FsdpConfig> ConfigFromFlags(const PlanFlags& flags);
+/// What a model changes in the flags' defaults: eager attention for a model SDPA cannot run
+/// (SdpaRuledOut) when --attention was not given.
+void ApplyModelDefaults(const PlanFlags& flags, const ModelSpec& model, FsdpConfig& config);
 
 /// Loads model and GPU (or cluster) and builds the workload the flags describe.
 Result<Workload> WorkloadFromFlags(const PlanFlags& flags);

@@ -86,7 +86,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   auto fw = ParseFramework(f.framework);
   if (!fw.ok()) return fw.error();
   o.base.framework = fw.value();
-  auto att = ParseAttention(f.attention);
+  auto att = ParseAttention(f.attention.empty() ? (SdpaRuledOut(model).empty() ? "flash" : "eager") : f.attention);
   if (!att.ok()) return att.error();
   o.base.attention = att.value();
   o.base.loop_holds_outputs = f.loop_holds_outputs;
@@ -164,7 +164,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--tokens", f.tokens, "tokens to train on (time-to-train and cost to train)");
   app.add_option("--price", f.prices, "override a price: GPU_ID=USD_PER_GPU_HOUR (repeatable)");
   app.add_option("--framework", f.framework, "fsdp1 | fsdp2")->capture_default_str();
-  app.add_option("--attention", f.attention, "eager | flash")->capture_default_str();
+  app.add_option("--attention", f.attention, "eager | flash (default: flash; eager for a model SDPA cannot run, Gemma 2's)");
   app.add_flag("--loop-holds-outputs", f.loop_holds_outputs, "the training loop keeps `outputs`: its logits live through the step");
   app.add_option("--lora-rank", f.lora.rank, "LoRA rank r for every candidate (peft); 0 is full fine-tuning")->capture_default_str();
   app.add_option("--lora-targets", f.lora.targets, "target_modules: module names or all-linear (default: peft's for the model type)");
@@ -227,6 +227,7 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   if (!config.ok()) return config.error();
   auto model = LoadModel(flags.model);
   if (!model.ok()) return model.error();
+  ApplyModelDefaults(flags, model.value(), config.value());
   auto hw = LoadHardware(flags.gpu);
   if (!hw.ok()) return hw.error();
   auto w = BuildWorkload(model.value(), hw.value(), config.value());

@@ -46,10 +46,12 @@ struct ParamOp {
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)
 enum class MlpKind { kGated, kPlain, kMoe };  ///< SwiGLU gate/up/down, fc + activation + proj, routed experts
-/// Where a block's two hidden-state norms sit: before each sub-layer (Llama's input_layernorm and
-/// post_attention_layernorm, GPT-2's ln_1 and ln_2), or on each sub-layer's output before its
-/// residual add (OLMo 2's post_attention_layernorm and post_feedforward_layernorm).
-enum class NormPlacement { kPre, kPost };
+/// Where a block's hidden-state norms sit: before each sub-layer (Llama's input_layernorm and
+/// post_attention_layernorm, GPT-2's ln_1 and ln_2), on each sub-layer's output before its
+/// residual add (OLMo 2's post_attention_layernorm and post_feedforward_layernorm), or both
+/// (Gemma 2 and 3: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+/// post_feedforward_layernorm), in that forward order in Architecture::block.
+enum class NormPlacement { kPre, kPost, kSandwich };
 
 /// Module paths outside the blocks (HF state-dict prefixes).
 struct ModuleNames {
@@ -62,6 +64,8 @@ struct ModuleNames {
 
 struct Architecture {
   std::string decoder_layer_class;  ///< transformers' decoder layer class: the wrap policy's and the exports' unit
+  /// transformers.models.<this> defines it; empty: the model type's own (gemma3_text's is gemma3)
+  std::string modeling_module;
   ModuleNames names;
   NormKind norm = NormKind::kRms;
   NormPlacement norm_placement = NormPlacement::kPre;

@@ -184,6 +184,9 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
     return Error::BadInput(fmt::format("--ac-every {} needs --ac full (it checkpoints every N-th block whole), not --ac {}", c.ac_every,
                                        CheckpointingName(c.checkpointing)));
   }
+  if (c.attention == Attention::kFlash) {
+    if (const std::string why = SdpaRuledOut(model); !why.empty()) return Error::BadInput(fmt::format("--attention flash: {}; use --attention eager", why));
+  }
   if (c.checkpointing == Checkpointing::kSelectiveOp && !OpCheckpointingModelled(model)) {
     return Error::BadInput(fmt::format("--ac selective-op (torchtitan's op-level policy) is modelled for dense, bias-free Llama-style blocks, "
                                        "not {}'s",
@@ -224,6 +227,12 @@ bool OpCheckpointingModelled(const ModelSpec& m) {
   bool separate_projections = false;
   for (const ParamOp& op : m.arch.block) separate_projections |= op.module == "self_attn.q_proj";
   return separate_projections && m.arch.norm == NormKind::kRms && m.arch.norm_placement == NormPlacement::kPre && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
+}
+
+std::string SdpaRuledOut(const ModelSpec& m) {
+  if (m.attn_logit_softcapping <= 0) return "";
+  return fmt::format("{} soft-caps its attention scores (attn_logit_softcapping {}), which transformers' SDPA attention does not do "
+                     "({} models do not support sdpa)", m.id, m.attn_logit_softcapping, m.model_type);
 }
 
 bool BlockCheckpointed(const FsdpConfig& c, int block) {

@@ -125,6 +125,11 @@ bool Fsdp1SwitchesToNoShard(const FsdpConfig& config);
 /// (torchtitan's policy keeps every second aten.mm output; a biased Linear runs as addmm).
 bool OpCheckpointingModelled(const ModelSpec& model);
 
+/// Why transformers cannot run the model's attention through SDPA, or "" when it can: Gemma 2's
+/// soft-capped scores (Gemma2PreTrainedModel._supports_sdpa = False; sdpa_attention_forward
+/// refuses a softcap). Without --attention the CLIs plan such a model with eager attention.
+std::string SdpaRuledOut(const ModelSpec& model);
+
 /// Whether decoder block `block` (0-based) runs under activation checkpointing: every block for
 /// selective and selective-op, every `ac_every`-th for full, none without.
 bool BlockCheckpointed(const FsdpConfig& config, int block);

@@ -127,6 +127,11 @@ InventorySize CountInventory(const ModelSpec& m) {
   return total;
 }
 
+int64_t ModelSpec::WindowOf(int block) const {
+  if (sliding_window == 0 || layer_sliding.empty()) return sliding_window;
+  return layer_sliding.at(static_cast<size_t>(block)) ? sliding_window : 0;
+}
+
 int64_t TensorSpec::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

@@ -61,11 +61,18 @@ struct ModelSpec {
   double rope_theta = 10000.0;  ///< RoPE base (0 for GPT-2's learned positions)
   RopeScaling rope_scaling;     ///< RoPE frequency scaling (type "default": none)
   int64_t sliding_window = 0;   ///< Mistral's attention window in tokens (0: full causal attention)
+  /// Which layers attend through the window (layer_types "sliding_attention": Gemma's alternate
+  /// with full ones); empty: every layer does when sliding_window > 0 (Mistral's)
+  std::vector<bool> layer_sliding;
   bool qkv_bias = false;        ///< bias on q/k/v projections
   bool o_bias = false;          ///< bias on the attention output projection
   bool mlp_bias = false;        ///< bias on MLP projections
   int64_t num_experts = 0;      ///< routed experts per MoE layer (0 = dense MLP)
   int64_t experts_per_token = 0;
+  /// Gemma 2's tanh soft-capping of the attention scores (attn_logit_softcapping) and of the
+  /// logits (final_logit_softcapping): cap * tanh(x / cap); 0 for none
+  double attn_logit_softcapping = 0;
+  double final_logit_softcapping = 0;
   std::string activation;       ///< hidden_act / activation_function
   double attention_dropout = 0; ///< GPT-2 attn_pdrop, llama attention_dropout
   double residual_dropout = 0;  ///< GPT-2 resid_pdrop
@@ -75,6 +82,8 @@ struct ModelSpec {
   int64_t ParamsTotal() const;
   /// Parameters that require grad (all of them in full training; the adapters under LoRA).
   int64_t ParamsTrainable() const;
+  /// Decoder block `block`'s attention window in tokens, 0 for full causal attention.
+  int64_t WindowOf(int block) const;
   /// Parameters of decoder block `block`.
   int64_t BlockParams(int block) const;
   /// Parameters active per token (MoE: only experts_per_token experts count).
@@ -84,7 +93,7 @@ struct ModelSpec {
 };
 
 /// Builds a ModelSpec from a parsed HF config.json through its family (core/families/: llama,
-/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gpt2). Missing keys take the defaults of transformers'
+/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, gpt2). Missing keys take the defaults of transformers'
 /// configuration_<type>.py; absurd or inconsistent values (hidden not divisible by heads, heads not
 /// divisible by kv heads, non-positive sizes) give BadInput naming `origin` and the key.
 Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);

@@ -22,11 +22,15 @@ struct Dims {
   int64_t seq;         // s
   int64_t c;           // compute dtype bytes (param_dtype under mixed precision)
   int64_t h, inner, heads, kv_heads, head_dim, experts, top_k;
+  // SDPA runs with an explicit mask: the layer's sliding window is shorter than the sequence
+  // (otherwise transformers' sdpa_mask returns None and SDPA runs is_causal)
+  bool masked = false;
 };
 
-Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg) {
+Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg, int64_t window = 0) {
   return Dims{cfg.micro_batch * cfg.seq_len, cfg.seq_len, BytesPerElement(cfg.param_dtype), m.hidden_size,
-              m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token};
+              m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token,
+              cfg.attention != Attention::kEager && window > 0 && window < cfg.seq_len};
 }
 
 // Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
@@ -139,6 +143,10 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const F
     if (f.attn_out) out.push_back({m.arch.fused_qkv ? "attn.lse" : "self_attn.lse", 4 * d.heads * d.tokens});
     return;
   }
+  // Gemma 2's soft-capping, cap * tanh(scores / cap), before the softmax: tanh saves its output
+  // (for its own backward, which runs after the softmax's: not an "attn_core." tensor that
+  // FreedBeforeSoftmaxBackward counts as freed)
+  if (m.attn_logit_softcapping > 0 && f.scores) out.push_back({"self_attn.softcap_tanh", d.c * scores, true});
   if (m.arch.softmax_fp32) {
     if (f.scores) out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
     if (d.c != 4 && f.v) out.push_back({"attn_core.probs", d.c * scores, true});
@@ -182,6 +190,17 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
     const bool gqa = d.kv_heads < d.heads;
     if (f.q) out.push_back({"self_attn.k_repeated", d.c * q, gqa});
     if (f.scores) out.push_back({"self_attn.v_repeated", d.c * q, gqa});
+    AddAttentionCore(out, m, cfg, d, f);
+  } else if (f.attn_out && d.masked) {
+    // With a mask transformers' use_gqa_in_sdpa is false: repeat_kv expands k and v to every head
+    // (with as many kv heads as heads it returns them), and SDPA converts the boolean mask into
+    // one of the compute dtype per call (convert_boolean_attn_mask), which the kernel (CUDA's
+    // memory-efficient one: flash takes no mask) saves as its attn_bias. Inside the attention
+    // function: recomputed by selective checkpointing. Measured on the CPU, gemma3-text-100m.json.
+    const bool gqa = d.kv_heads < d.heads;
+    out.push_back({"self_attn.k_rope", d.c * q, gqa});
+    out.push_back({"self_attn.v", d.c * (gqa ? q : fused_qkv != nullptr ? q + 2 * kv : kv), gqa});
+    out.push_back({"self_attn.sdpa_mask", d.c * d.tokens * d.seq, true});
     AddAttentionCore(out, m, cfg, d, f);
   } else if (f.attn_out) {
     out.push_back({"self_attn.k_rope", d.c * kv});
@@ -266,17 +285,33 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d, co
   }
 }
 
-// The grad flow through a Llama-style block (split q/k/v) from its input's.
+// Which of BlockNorms' entries sits where (-1: none), by Architecture::norm_placement: before
+// the attention and the MLP (their input norms), on their outputs (before the residual adds).
+struct NormRoles {
+  int pre_attn = -1, post_attn = -1, pre_mlp = -1, post_mlp = -1;
+};
+
+NormRoles RolesOf(NormPlacement placement) {
+  switch (placement) {
+    case NormPlacement::kPre: return {0, -1, 1, -1};
+    case NormPlacement::kPost: return {-1, 0, -1, 1};
+    case NormPlacement::kSandwich: return {0, 1, 2, 3};
+  }
+  return {};
+}
+
+// The grad flow through a block from its input's.
 BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
   BlockFlow f;
   const std::vector<std::string_view> norms = BlockNorms(m);
-  auto norm_trains = [&](size_t i) {
-    const ParamOp* op = i < norms.size() ? FindOp(m, norms[i]) : nullptr;
+  const NormRoles roles = RolesOf(m.arch.norm_placement);
+  auto norm_trains = [&](int i) {  // a norm the block lacks adds nothing
+    if (i < 0) return false;
+    const ParamOp* op = static_cast<size_t>(i) < norms.size() ? FindOp(m, norms[i]) : nullptr;
     return op == nullptr || op->trainable;
   };
-  const bool post = m.arch.norm_placement == NormPlacement::kPost;
   f.input = input_requires_grad;
-  f.norm1 = f.input || (!post && norm_trains(0));  // what the projections read: a post-norm block's input itself
+  f.norm1 = f.input || norm_trains(roles.pre_attn);  // what the projections read
   if (m.arch.fused_qkv) {
     f.q = f.k = f.v = f.norm1 || Trains(FindOp(m, "c_attn"));
   } else {
@@ -286,17 +321,21 @@ BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
   }
   f.scores = f.q || f.k;
   f.attn_out = f.scores || f.v;
-  f.hidden = f.input || f.attn_out || Trains(FindOp(m, m.arch.fused_qkv ? "attn.c_proj" : "o_proj")) || (post && norm_trains(0));
-  f.norm2 = f.hidden || (!post && norm_trains(1));
+  f.hidden = f.input || f.attn_out || Trains(FindOp(m, m.arch.fused_qkv ? "attn.c_proj" : "o_proj")) || norm_trains(roles.post_attn);
+  f.norm2 = f.hidden || norm_trains(roles.pre_mlp);
   return f;
 }
 
-// A pre-norm decoder block: norm, attention, residual (dropout), norm, MLP, residual (dropout).
-// Residual dropout saves a bool mask of the hidden states.
+// A decoder block: [norm], attention, [norm], residual (dropout), [norm], MLP, [norm], residual
+// (dropout), its norms where Architecture::norm_placement puts them. A norm before a sub-layer
+// saves its output for the sub-layer's linears; without one the linears save the hidden states
+// themselves. A norm after a sub-layer reads the sub-layer's output. Residual dropout saves a bool
+// mask of the hidden states.
 std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, bool input_requires_grad) {
   const std::vector<std::string_view> norms = BlockNorms(m);
+  const NormRoles roles = RolesOf(m.arch.norm_placement);
   const BlockFlow f = FlowOf(m, input_requires_grad);
-  auto norm_weight = [&](size_t i) { const ParamOp* op = FindOp(m, norms.at(i)); return op == nullptr || op->trainable; };
+  auto norm_weight = [&](int i) { const ParamOp* op = FindOp(m, norms.at(i)); return op == nullptr || op->trainable; };
   auto reads_saved = [&](std::initializer_list<const char*> readers) {  // those of them the block has
     for (const char* r : readers) {
       const ParamOp* op = FindOp(m, r);
@@ -304,31 +343,30 @@ std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, c
     }
     return false;
   };
+  // the input a sub-layer's linears save: its norm's output, or the hidden states
+  auto add_sublayer_input = [&](std::vector<SavedTensor>& out, int norm, bool norm_input_rg, bool saved, std::string_view hidden_name) {
+    if (norm >= 0) {
+      AddNormAndLinearInput(out, m.arch, norms.at(norm), d, {norm_input_rg, norm_weight(norm)}, saved);
+    } else if (saved) {
+      out.push_back({hidden_name, d.c * d.h * d.tokens});
+    }
+  };
+  const bool attention_input_saved = m.arch.fused_qkv ? reads_saved({"attn.c_attn"}) : reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj"});
   const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj", "gate_up_proj"})
                                : m.arch.mlp == MlpKind::kPlain ? reads_saved({"mlp.c_fc"})
                                                                : true;  // the router and the experts
   std::vector<SavedTensor> out;
-  if (m.arch.norm_placement == NormPlacement::kPost) {
-    // OLMo 2: the projections read the block's input, the MLP the residual sum; each norm reads
-    // its sub-layer's output, which requires grad as the sub-layer does.
-    if (reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj"})) out.push_back({"block.input", d.c * d.h * d.tokens});
-    AddSplitAttention(out, m, cfg, d, f);
-    AddNorm(out, m.arch, norms.at(0), d, {f.attn_out || Trains(FindOp(m, "o_proj")), norm_weight(0)});
-    if (mlp_input_saved) out.push_back({"mlp.input", d.c * d.h * d.tokens});
-    AddMlp(out, m, d, f);
-    AddNorm(out, m.arch, norms.at(1), d, {f.norm2 || Trains(FindOp(m, "down_proj")), norm_weight(1)});
-    return out;
-  }
+  add_sublayer_input(out, roles.pre_attn, f.input, attention_input_saved, "block.input");
   if (m.arch.fused_qkv) {
-    AddNormAndLinearInput(out, m.arch, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"attn.c_attn"}));
     AddFusedAttention(out, m, cfg, d, f);
   } else {
-    AddNormAndLinearInput(out, m.arch, norms.at(0), d, {f.input, norm_weight(0)}, reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj"}));
     AddSplitAttention(out, m, cfg, d, f);
   }
+  if (roles.post_attn >= 0) AddNorm(out, m.arch, norms.at(roles.post_attn), d, {f.attn_out || Trains(FindOp(m, "o_proj")), norm_weight(roles.post_attn)});
   if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});
-  AddNormAndLinearInput(out, m.arch, norms.at(1), d, {f.hidden, norm_weight(1)}, mlp_input_saved);
+  add_sublayer_input(out, roles.pre_mlp, f.hidden, mlp_input_saved, "mlp.input");
   AddMlp(out, m, d, f);
+  if (roles.post_mlp >= 0) AddNorm(out, m.arch, norms.at(roles.post_mlp), d, {f.norm2 || Trains(FindOp(m, "down_proj")), norm_weight(roles.post_mlp)});
   if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", d.h * d.tokens});
   return out;
 }
@@ -338,7 +376,7 @@ std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, c
 // GQA k and v are kept at kv-head width where the matmuls would have saved their expansions.
 // GPT-2's q/k/v are views of c_attn's output, which stays saved.
 std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
-  if (m.arch.fused_qkv || cfg.attention != Attention::kEager || d.kv_heads >= d.heads) return {};
+  if (m.arch.fused_qkv || (cfg.attention != Attention::kEager && !d.masked) || d.kv_heads >= d.heads) return {};
   const int64_t kv = d.kv_heads * d.head_dim * d.tokens;
   return {{"attn_core.k_input", d.c * kv}, {"attn_core.v_input", d.c * kv}};
 }
@@ -447,8 +485,8 @@ bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
   return false;
 }
 
-BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cfg, bool input_requires_grad) {
-  const Dims d = DimsOf(m, cfg);
+BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cfg, bool input_requires_grad, int64_t window) {
+  const Dims d = DimsOf(m, cfg, window);
   BlockActivations a;
   a.full = BlockSaved(m, cfg, d, input_requires_grad);
   switch (cfg.checkpointing) {
@@ -473,6 +511,15 @@ BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cf
   return a;
 }
 
+bool HasMaskedBlocks(const ModelSpec& m, const FsdpConfig& cfg) {
+  if (cfg.attention == Attention::kEager) return false;
+  for (int b = 0; b < m.num_layers; ++b) {
+    const int64_t window = m.WindowOf(b);
+    if (window > 0 && window < cfg.seq_len) return true;
+  }
+  return false;
+}
+
 HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg) {
   const Dims d = DimsOf(m, cfg);
   const int64_t vT = m.vocab_size * d.tokens;
@@ -494,6 +541,9 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   // model output until backward ends.
   head.logits_bytes = d.c * vT;
   head.loss_saved_bytes = 4 * vT;
+  // Gemma 2's final_logit_softcapping (Gemma2ForCausalLM: logits / cap, tanh, * cap): tanh saves
+  // its output in c
+  if (m.final_logit_softcapping > 0) head.loss_saved_bytes += d.c * vT;
   head.loss_forward_transient_bytes = d.c == 4 ? 0 : 4 * vT;
   // nll_loss_backward's dense fp32 gradient + log_softmax_backward's fp32 result.
   head.loss_backward_transient_bytes = 8 * vT;

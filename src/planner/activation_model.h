@@ -48,7 +48,12 @@ struct HeadActivations {
 /// depends on which tensors require grad: with frozen weights (LoRA) a linear saves its input only
 /// for an adapter, a norm its normalised input not at all, and a block whose input does not
 /// require grad (the first, behind a frozen embedding) saves less again.
-BlockActivations BlockActivationProfile(const ModelSpec& model, const FsdpConfig& config, bool input_requires_grad = true);
+/// `window`: the block's attention window (ModelSpec::WindowOf); one shorter than the sequence
+/// makes SDPA run with a mask, which changes what it saves.
+BlockActivations BlockActivationProfile(const ModelSpec& model, const FsdpConfig& config, bool input_requires_grad = true,
+                                        int64_t window = 0);
+/// Whether some block's window is shorter than the sequence under SDPA (so that its profile differs).
+bool HasMaskedBlocks(const ModelSpec& model, const FsdpConfig& config);
 
 /// Whether decoder block `block`'s input hidden states require grad (block num_layers: the final
 /// norm's input): always in full training; under LoRA (a frozen base) not for the first block,

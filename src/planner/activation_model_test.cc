@@ -139,6 +139,34 @@ TEST_CASE("Phi-4 block, flash: fused qkv_proj and gate_up_proj outputs stay whol
   CHECK(Profile("phi-4", 1, Attention::kFlash).FullBytes() == norms + attention + 4 * 2 * inner);
 }
 
+TEST_CASE("Gemma 2 block, eager: four fp32-weight norms and the soft-capped scores' tanh") {
+  // gemma-2-9b at one token: h=3584, 16 heads and 8 kv heads of 256 (a*d = 4096), I=14336, s=1.
+  // Four norms (4h + 4 + 4h: Gemma2RMSNorm multiplies by 1 + weight in fp32), the attention's and
+  // the MLP's inputs 2h each; eager: q after RoPE and k, v repeated to all heads 2ad each, tanh's
+  // output 2as (cap * tanh(x / cap)), fp32 softmax 4as, probabilities 2as, o_proj input 2ad; GeGLU 4 x 2I.
+  const int64_t h = 3584, ad = 4096, inner = 14336, as = 16;
+  const int64_t expected = 4 * (8 * h + 4) + 2 * 2 * h + 3 * 2 * ad + (2 + 4 + 2) * as + 2 * ad + 4 * 2 * inner;
+  CHECK(Profile("gemma-2-9b", 1, Attention::kEager).FullBytes() == expected);
+}
+
+TEST_CASE("A sliding window shorter than the sequence gives SDPA a mask: k and v repeated, the mask saved") {
+  // gemma-3-1b: 4 heads, 1 kv head of 256, window 512, layers 1-5 of every 6 sliding. At 1024
+  // tokens a sliding block's SDPA saves k and v at all heads' width (2 x 2ad instead of 2 x 2d)
+  // and the converted mask 2s per token; at 512 tokens the window covers the sequence: no mask.
+  auto m = LoadModel("gemma-3-1b");
+  REQUIRE(m.ok());
+  CHECK(m.value().WindowOf(0) == 512);
+  CHECK(m.value().WindowOf(5) == 0);
+  FsdpConfig c;
+  c.attention = Attention::kFlash;
+  c.seq_len = 1024;
+  const int64_t full = BlockActivationProfile(m.value(), c).FullBytes();
+  const int64_t sliding = BlockActivationProfile(m.value(), c, true, 512).FullBytes();
+  CHECK(sliding - full == 1024 * (2 * 2 * (1024 - 256) + 2 * 1024));
+  c.seq_len = 512;
+  CHECK(BlockActivationProfile(m.value(), c, true, 512).FullBytes() == BlockActivationProfile(m.value(), c).FullBytes());
+}
+
 TEST_CASE("Routed experts save each token once per selected expert, as transformers 5.24's grouped_mm path does") {
   // mixtral-8x7b, one token: top-2 of 8 experts, h=4096, I=14336. Router: fp32 softmax 4E, int64
   // top-k indices 8k; per pair: gathered input 2h, gate_up output 2*2I, activation 2I, product 2I,

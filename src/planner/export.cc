@@ -16,7 +16,7 @@ std::string_view TorchDType(DType d) {
   return "?";
 }
 
-std::string_view ModelingModule(const ModelSpec& m) { return m.model_type; }
+std::string_view ModelingModule(const ModelSpec& m) { return m.arch.modeling_module.empty() ? m.model_type : m.arch.modeling_module; }
 
 std::string Python(bool b) { return b ? "True" : "False"; }
 

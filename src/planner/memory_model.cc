@@ -1,5 +1,6 @@
 #include "planner/memory_model.h"
 
+#include <array>
 #include <algorithm>
 #include <memory>
 #include <numeric>
@@ -41,10 +42,7 @@ constexpr int64_t kBlasThreads = 2;
 class StepPlayer {
  public:
   StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem)
-      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), block_(BlockActivationProfile(w.model, w.config)),
-        plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config))),
-        first_block_(BlockActivationProfile(w.model, w.config, BlockInputRequiresGrad(w.model, 0))),
-        first_plain_block_(BlockActivationProfile(w.model, WithoutCheckpointing(w.config), BlockInputRequiresGrad(w.model, 0))),
+      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), profiles_(BlockProfiles(w)),
         head_(HeadActivationProfile(w.model, w.config)), phases_(w) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
@@ -416,8 +414,26 @@ class StepPlayer {
   // --ac-every leaves un-checkpointed.
   const BlockActivations& BlockProfile(int node_id) const {
     const int block = w_.nodes[node_id].block;
-    if (block == 0) return BlockCheckpointed(c_, block) ? first_block_ : first_plain_block_;
-    return BlockCheckpointed(c_, block) ? block_ : plain_block_;
+    const int64_t window = w_.model.WindowOf(block);
+    return profiles_[ProfileIndex(block == 0, BlockCheckpointed(c_, block), window > 0 && window < c_.seq_len)];
+  }
+  static size_t ProfileIndex(bool first, bool checkpointed, bool windowed) { return 4 * first + 2 * checkpointed + windowed; }
+  // Every kind of block's saved tensors: the first block or another (its input may not require
+  // grad under LoRA), checkpointed or not (--ac-every), its window shorter than the sequence or
+  // not (a masked SDPA); the windowed ones only where some block has such a window.
+  static std::array<BlockActivations, 8> BlockProfiles(const Workload& w) {
+    std::array<BlockActivations, 8> p;
+    const bool windowed = HasMaskedBlocks(w.model, w.config);
+    const int64_t window = w.model.sliding_window;
+    for (bool first : {false, true}) {
+      const bool input_rg = first ? BlockInputRequiresGrad(w.model, 0) : true;
+      for (bool checkpointed : {false, true}) {
+        const FsdpConfig c = checkpointed ? w.config : WithoutCheckpointing(w.config);
+        p[ProfileIndex(first, checkpointed, false)] = BlockActivationProfile(w.model, c, input_rg);
+        p[ProfileIndex(first, checkpointed, true)] = windowed ? BlockActivationProfile(w.model, c, input_rg, window) : p[ProfileIndex(first, checkpointed, false)];
+      }
+    }
+    return p;
   }
   static FsdpConfig WithoutCheckpointing(FsdpConfig c) {
     c.checkpointing = Checkpointing::kNone;
@@ -580,8 +596,7 @@ class StepPlayer {
   const FsdpConfig& c_;
   const Schedule& schedule_;
   MemoryTracker& mem_;
-  BlockActivations block_, plain_block_;
-  BlockActivations first_block_, first_plain_block_;  // block 0: its input may not require grad (LoRA)
+  std::array<BlockActivations, 8> profiles_;  // by ProfileIndex
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   int64_t nf4_dequant_bytes_ = 0;  // QLoRA: the largest quantized weight, dequantized in the compute dtype

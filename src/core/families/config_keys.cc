@@ -158,6 +158,26 @@ void AddLlamaAttention(const ModelSpec& m, bool qkv_bias, bool o_bias, std::vect
   block.push_back({ParamOp::Kind::kNorm, "post_attention_layernorm", 0, h});
 }
 
+Status ReadLayerTypes(const JsonReader& r, int64_t pattern, ModelSpec& m) {
+  m.layer_sliding.assign(static_cast<size_t>(m.num_layers), false);
+  const auto it = r.json().find("layer_types");
+  if (it == r.json().end() || it->is_null()) {
+    for (int64_t i = 0; i < m.num_layers; ++i) m.layer_sliding[static_cast<size_t>(i)] = (i + 1) % pattern != 0;
+    return {};
+  }
+  if (!it->is_array() || static_cast<int64_t>(it->size()) != m.num_layers) {
+    return r.KeyError("layer_types", fmt::format("expected a list of {} layer types (one per layer)", m.num_layers));
+  }
+  for (size_t i = 0; i < it->size(); ++i) {
+    const Json& t = (*it)[i];
+    if (!t.is_string() || (t.get<std::string>() != "sliding_attention" && t.get<std::string>() != "full_attention")) {
+      return r.KeyError("layer_types", fmt::format("entry {} is not \"sliding_attention\" or \"full_attention\"", i));
+    }
+    m.layer_sliding[i] = t.get<std::string>() == "sliding_attention";
+  }
+  return {};
+}
+
 void AddHeadQkNorms(const ModelSpec& m, std::vector<ParamOp>& block) {
   ParamOp q_norm{ParamOp::Kind::kNorm, "self_attn.q_norm", 0, m.head_dim};
   q_norm.qk_norm = true;

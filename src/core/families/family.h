@@ -60,6 +60,10 @@ Status ReadDecoderKeys(const JsonReader& r, const DecoderDefaults& d, ModelSpec&
 Status ReadActivation(const JsonReader& r, ModelSpec& m);
 /// `sliding_window`: 4096 when absent (MistralConfig's and Qwen2Config's default), 0 (none) when null.
 Result<int64_t> ReadSlidingWindow(const JsonReader& r);
+/// `layer_types` (transformers 5: "sliding_attention" or "full_attention" per layer) into
+/// m.layer_sliding, else every `pattern`-th layer (1-based) full and the others sliding, as
+/// Gemma2Config (2) and Gemma3TextConfig (sliding_window_pattern, 6) default them.
+Status ReadLayerTypes(const JsonReader& r, int64_t pattern, ModelSpec& m);
 /// BadInput unless the heads divide into the key/value heads (and, with no head_dim, hidden into heads).
 Status CheckHeads(const JsonReader& r, const ModelSpec& m);
 
