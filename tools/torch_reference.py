@@ -234,6 +234,9 @@ def load_model_json(parser, path):
         parser.error(f"--model: cannot read {path}: {e}")
     if not isinstance(config, dict) or not isinstance(config.get("model_type", "llama"), str):
         parser.error(f"--model: {path} is not a transformers config (no model_type string)")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if config.get("model_type", "llama") not in CONFIG_MAPPING:
+        parser.error(f"--model: {path}: model_type '{config['model_type']}' is not a transformers model type")
     keys = ("vocab_size", "n_embd", "n_layer", "n_head") if config.get("model_type") == "gpt2" else \
         ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
     for key in keys:

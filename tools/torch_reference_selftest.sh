@@ -142,7 +142,8 @@ bad_input micro-batch "${base[@]}" --micro-batch -2
 bad_input steps "${base[@]}" --steps abc
 bad_input lr "${base[@]}" --lr 0
 bad_input missing-model --model models/does-not-exist.json --device cpu --out "$TMP/bad.json"
-bad_input not-llama-or-gpt2 --model models/mistral-7b.json --device cpu --out "$TMP/bad.json"
+printf '{"model_type": "not-a-model", "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}' > "$TMP/unknown-type.json"
+bad_input unknown-model-type --model "$TMP/unknown-type.json" --device cpu --out "$TMP/bad.json"
 bad_input out-dir --model "$MODEL" --device cpu --out "$TMP/no/such/dir/x.json"
 echo "1 2 999999" > "$TMP/bad-tokens.txt"
 bad_input tokens "${base[@]}" --tokens "$TMP/bad-tokens.txt"
