@@ -22,15 +22,13 @@ struct Dims {
   int64_t seq;         // s
   int64_t c;           // compute dtype bytes (param_dtype under mixed precision)
   int64_t h, inner, heads, kv_heads, head_dim, experts, top_k;
-  // SDPA runs with an explicit mask: the layer's sliding window is shorter than the sequence
-  // (otherwise transformers' sdpa_mask returns None and SDPA runs is_causal)
-  bool masked = false;
+  bool masked = false;  // SDPA runs with an explicit mask (WindowMasksSdpa)
 };
 
 Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg, int64_t window = 0) {
   return Dims{cfg.micro_batch * cfg.seq_len, cfg.seq_len, BytesPerElement(cfg.param_dtype), m.hidden_size,
               m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token,
-              cfg.attention != Attention::kEager && window > 0 && window < cfg.seq_len};
+              WindowMasksSdpa(cfg, window)};
 }
 
 // Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
@@ -511,11 +509,13 @@ BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cf
   return a;
 }
 
+bool WindowMasksSdpa(const FsdpConfig& cfg, int64_t window) {
+  return cfg.attention != Attention::kEager && window > 0 && window < cfg.seq_len;
+}
+
 bool HasMaskedBlocks(const ModelSpec& m, const FsdpConfig& cfg) {
-  if (cfg.attention == Attention::kEager) return false;
   for (int b = 0; b < m.num_layers; ++b) {
-    const int64_t window = m.WindowOf(b);
-    if (window > 0 && window < cfg.seq_len) return true;
+    if (WindowMasksSdpa(cfg, m.WindowOf(b))) return true;
   }
   return false;
 }

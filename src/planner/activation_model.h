@@ -52,7 +52,10 @@ struct HeadActivations {
 /// makes SDPA run with a mask, which changes what it saves.
 BlockActivations BlockActivationProfile(const ModelSpec& model, const FsdpConfig& config, bool input_requires_grad = true,
                                         int64_t window = 0);
-/// Whether some block's window is shorter than the sequence under SDPA (so that its profile differs).
+/// Whether a block with this attention window runs SDPA with an explicit mask: a window shorter
+/// than the sequence (otherwise transformers' sdpa_mask returns None and SDPA runs is_causal).
+bool WindowMasksSdpa(const FsdpConfig& config, int64_t window);
+/// Whether some block's window masks SDPA (so that its profile differs).
 bool HasMaskedBlocks(const ModelSpec& model, const FsdpConfig& config);
 
 /// Whether decoder block `block`'s input hidden states require grad (block num_layers: the final

@@ -414,8 +414,7 @@ class StepPlayer {
   // --ac-every leaves un-checkpointed.
   const BlockActivations& BlockProfile(int node_id) const {
     const int block = w_.nodes[node_id].block;
-    const int64_t window = w_.model.WindowOf(block);
-    return profiles_[ProfileIndex(block == 0, BlockCheckpointed(c_, block), window > 0 && window < c_.seq_len)];
+    return profiles_[ProfileIndex(block == 0, BlockCheckpointed(c_, block), WindowMasksSdpa(c_, w_.model.WindowOf(block)))];
   }
   static size_t ProfileIndex(bool first, bool checkpointed, bool windowed) { return 4 * first + 2 * checkpointed + windowed; }
   // Every kind of block's saved tensors: the first block or another (its input may not require

@@ -178,13 +178,19 @@ Status ReadLayerTypes(const JsonReader& r, int64_t pattern, ModelSpec& m) {
   return {};
 }
 
-void AddHeadQkNorms(const ModelSpec& m, std::vector<ParamOp>& block) {
-  ParamOp q_norm{ParamOp::Kind::kNorm, "self_attn.q_norm", 0, m.head_dim};
+std::vector<ParamOp> QkNorms(const ModelSpec& m, bool per_head) {
+  ParamOp q_norm{ParamOp::Kind::kNorm, "self_attn.q_norm", 0, per_head ? m.head_dim : m.num_heads * m.head_dim};
   q_norm.qk_norm = true;
-  q_norm.head_norm = true;
+  q_norm.head_norm = per_head;
   ParamOp k_norm = q_norm;
   k_norm.module = "self_attn.k_norm";
-  block.insert(block.end() - 1, {q_norm, k_norm});
+  k_norm.out = per_head ? m.head_dim : m.num_kv_heads * m.head_dim;
+  return {q_norm, k_norm};
+}
+
+void AddHeadQkNorms(const ModelSpec& m, std::vector<ParamOp>& block) {
+  const std::vector<ParamOp> norms = QkNorms(m, true);
+  block.insert(block.end() - 1, norms.begin(), norms.end());
 }
 
 void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block) {

@@ -72,8 +72,11 @@ Status CheckHeads(const JsonReader& r, const ModelSpec& m);
 /// A Llama-style attention: the input RMSNorm, q/k/v/o projections (heads x head_dim, kv_heads x
 /// head_dim) with optional biases, the post-attention RMSNorm.
 void AddLlamaAttention(const ModelSpec& m, bool qkv_bias, bool o_bias, std::vector<ParamOp>& block);
-/// Qwen3's q_norm and k_norm, RMSNorms over head_dim on every head of q and of k, inserted after
-/// o_proj as Qwen3Attention registers them (before the block's post-attention norm, the last op).
+/// q_norm and k_norm, RMSNorms inside the attention: over head_dim on every head (Qwen3's,
+/// `per_head`) or over the whole q and k projections (OLMo 2's).
+std::vector<ParamOp> QkNorms(const ModelSpec& m, bool per_head);
+/// Qwen3's per-head q_norm and k_norm, inserted after o_proj as Qwen3Attention registers them
+/// (before the block's post-attention norm, the last op).
 void AddHeadQkNorms(const ModelSpec& m, std::vector<ParamOp>& block);
 /// SwiGLU: gate_proj and up_proj (hidden -> intermediate), down_proj back.
 void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block);

@@ -23,12 +23,8 @@ Status ReadOlmo2(const JsonReader& r, ModelSpec& m) {
   block.push_back({ParamOp::Kind::kLinear, "self_attn.k_proj", h, kv, m.qkv_bias});
   block.push_back({ParamOp::Kind::kLinear, "self_attn.v_proj", h, kv, m.qkv_bias});
   block.push_back({ParamOp::Kind::kLinear, "self_attn.o_proj", q, h, m.o_bias});
-  ParamOp q_norm{ParamOp::Kind::kNorm, "self_attn.q_norm", 0, q};
-  q_norm.qk_norm = true;
-  ParamOp k_norm = q_norm;
-  k_norm.module = "self_attn.k_norm";
-  k_norm.out = kv;
-  block.insert(block.end(), {q_norm, k_norm});
+  const std::vector<ParamOp> qk_norms = QkNorms(m, false);
+  block.insert(block.end(), qk_norms.begin(), qk_norms.end());
   AddGatedMlp(m, false, block);
   block.push_back({ParamOp::Kind::kNorm, "post_attention_layernorm", 0, h});
   block.push_back({ParamOp::Kind::kNorm, "post_feedforward_layernorm", 0, h});
