@@ -118,8 +118,12 @@ qlora_rows() {
 # per-head q/k norms, OLMo 2's post-sub-layer norms and whole-projection q/k norms, Phi-3's fused
 # qkv_proj and gate_up_proj, Gemma 2's four norms and soft-capping, Gemma 3's q/k norms and sliding
 # windows (SDPA with a mask)
-# and Qwen3-MoE's router and fused experts (transformers 5.24's grouped_mm path on the CPU, as on CUDA)
+# and Qwen3-MoE's router and fused experts (transformers 5.24's grouped_mm path on the CPU, as on CUDA),
+# DeepSeek-V3's latent attention, dense first layer, grouped sigmoid router and shared expert (eager
+# only: with q/k and v head dims that differ the CPU runs SDPA's fp32 math fallback, where CUDA runs
+# the memory-efficient kernel fsdp-plan models), and Qwen3-MoE with two dense layers (mlp_only_layers)
 Q3=$root/tests/data/hf_configs/qwen3-100m.json O2=$root/tests/data/hf_configs/olmo2-100m.json
+DS3=$root/tests/data/hf_configs/deepseek-v3-tiny.json Q3D=$root/tests/data/hf_configs/qwen3-moe-mlp-only.json
 Q3M=$root/tests/data/hf_configs/qwen3-moe-tiny.json P3=$root/tests/data/hf_configs/phi3-100m.json
 G2=$root/tests/data/hf_configs/gemma2-100m.json G3=$root/tests/data/hf_configs/gemma3-text-100m.json
 family_quick_rows() {
@@ -129,6 +133,7 @@ family_quick_rows() {
   check "1 rank  Phi-3 flash seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$P3" fsdp2 "" flash
   check "1 rank  Gemma 2 soft-capped eager 1024 x 2"  1 FULL_SHARD none 2 1024 "$G2"
   check "1 rank  Gemma 3 windows flash 1024 x 2"     1 FULL_SHARD none 2 1024 "$G3" fsdp2 "" flash
+  check "1 rank  DeepSeek-V3 eager seq 1024 x 2"     1 FULL_SHARD none 2 1024 "$DS3"
 }
 family_rows() {
   family_quick_rows
@@ -142,6 +147,10 @@ family_rows() {
   check "1 rank  Gemma 3 eager seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$G3"
   check "2 ranks Gemma 2 AC full 1024 x 2"            2 FULL_SHARD full 2 1024 "$G2"
   check "1 rank  Gemma 3 windows flash SAC 1024 x 2" 1 FULL_SHARD selective 2 1024 "$G3" fsdp2 "" flash
+  check "2 ranks DeepSeek-V3 AC full seq 1024 x 2"   2 FULL_SHARD full 2 1024 "$DS3"
+  check "1 rank  DeepSeek-V3 SAC seq 1024 x 2"       1 FULL_SHARD selective 2 1024 "$DS3"
+  check "1 rank  DeepSeek-V3 FSDP1 seq 2048 x 1"     1 FULL_SHARD none 1 2048 "$DS3" fsdp1
+  check "1 rank  Qwen3-MoE 2 dense layers 1024 x 2"  1 FULL_SHARD none 2 1024 "$Q3D"
 }
 if [ "${ROWS:-}" = families ]; then
   family_rows

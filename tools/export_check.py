@@ -58,6 +58,11 @@ TINY = {
     "gemma3_text": {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                     "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2, "max_position_embeddings": 64},
+    "deepseek_v3": {"model_type": "deepseek_v3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+                    "moe_intermediate_size": 32, "num_hidden_layers": 2, "first_k_dense_replace": 1, "num_attention_heads": 4,
+                    "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+                    "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+                    "topk_group": 1, "max_position_embeddings": 64, "tie_word_embeddings": False},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
@@ -80,6 +85,7 @@ CASES = [
     ("phi3 selective sdpa", "phi3", "fp32", ["--ac", "selective", "--attention", "flash"]),
     ("gemma2 full eager", "gemma2", "fp32", ["--ac", "full", "--attention", "eager"]),
     ("gemma3_text selective sdpa", "gemma3_text", "fp32", ["--ac", "selective", "--attention", "flash"]),
+    ("deepseek_v3 selective eager", "deepseek_v3", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
 # QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
+#include <fmt/ranges.h>
 
 #include <optional>
 
@@ -68,10 +69,7 @@ void PrintHeader(const Workload& w, std::ostream& out) {
                DTypeName(c.master_dtype));
   }
   if (c.lora.rank > 0) {
-    std::string targets;
-    for (const ParamOp& op : w.model.arch.block) {
-      if (op.lora_rank > 0) targets += (targets.empty() ? "" : ", ") + op.module;
-    }
+    const std::string targets = fmt::format("{}", fmt::join(AdaptedModules(w.model.arch), ", "));
     const DType base = FrozenStorageDtype(c);
     fmt::print(out, "{} r={} (alpha {}, dropout {}) on {}: {} trainable parameters ({}) in {}, the base frozen in {}\n",
                c.lora.qlora ? "QLoRA" : "LoRA", c.lora.rank, c.lora.alpha, c.lora.dropout, targets, WithCommas(w.model.ParamsTrainable()),

@@ -79,6 +79,15 @@ struct Architecture {
   /// rather than in the compute dtype (GPT-2's)
   bool softmax_fp32 = true;
   std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
+  /// A model whose `block` routes its MLP through experts may run a dense one in some layers
+  /// (DeepSeek-V3's first first_k_dense_replace, Qwen3-MoE's mlp_only_layers): those layers'
+  /// modules (a SwiGLU MLP, MlpKind::kGated), and which layers they are; empty: every layer runs `block`
+  std::vector<ParamOp> dense_block;
+  std::vector<bool> dense_layers;
+  bool DenseLayer(int layer) const { return !dense_layers.empty() && dense_layers.at(static_cast<size_t>(layer)); }
+  /// Layer `layer`'s modules in forward order.
+  const std::vector<ParamOp>& BlockOf(int layer) const { return DenseLayer(layer) ? dense_block : block; }
+  MlpKind MlpOf(int layer) const { return DenseLayer(layer) ? MlpKind::kGated : mlp; }
   /// The modules peft's LoRA targets when none are named: its
   /// TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for the model type (peft/utils/constants.py); empty where it has none
   std::vector<std::string> lora_default_targets = {"q_proj", "v_proj"};

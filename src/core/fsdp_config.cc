@@ -226,7 +226,7 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
 bool OpCheckpointingModelled(const ModelSpec& m) {
   bool separate_projections = false;
   for (const ParamOp& op : m.arch.block) separate_projections |= op.module == "self_attn.q_proj";
-  return separate_projections && m.arch.norm == NormKind::kRms && m.arch.norm_placement == NormPlacement::kPre && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
+  return separate_projections && !m.mla.enabled() && m.arch.dense_layers.empty() && m.arch.norm == NormKind::kRms && m.arch.norm_placement == NormPlacement::kPre && m.arch.mlp == MlpKind::kGated && !m.arch.fused_qkv && !m.qkv_bias && !m.o_bias && !m.mlp_bias;
 }
 
 std::string SdpaRuledOut(const ModelSpec& m) {

@@ -3,18 +3,43 @@
 #include <algorithm>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace fsdp {
 namespace {
 
 constexpr const char* kAllLinear = "all-linear";  // peft's INCLUDE_LINEAR_LAYERS_SHORTHAND
 
-std::string LinearNames(const ModelSpec& m) {
-  std::string names;
-  for (const ParamOp& op : m.arch.block) {
-    if (op.kind == ParamOp::Kind::kLinear && op.experts == 0) names += (names.empty() ? "" : ", ") + op.module;
+// Every block shape's modules: the one most layers run, then the dense layers' (Architecture::dense_block).
+std::vector<const ParamOp*> BlockOps(const Architecture& a) {
+  std::vector<const ParamOp*> ops;
+  for (const std::vector<ParamOp>* block : {&a.block, &a.dense_block}) {
+    for (const ParamOp& op : *block) ops.push_back(&op);
   }
-  return names;
+  return ops;
+}
+
+std::string LinearNames(const ModelSpec& m) {
+  std::vector<std::string> names;
+  for (const ParamOp* op : BlockOps(m.arch)) {
+    if (op->kind == ParamOp::Kind::kLinear && op->experts == 0 && std::find(names.begin(), names.end(), op->module) == names.end()) {
+      names.push_back(op->module);
+    }
+  }
+  return fmt::format("{}", fmt::join(names, ", "));
+}
+
+// peft's get_peft_model on one module: frozen, LoRA-wrapped when targeted, its weight NF4 under QLoRA.
+void FreezeAndAdapt(ParamOp& op, const LoraConfig& lora, const std::vector<std::string>& modules, DType quant_storage) {
+  op.trainable = false;
+  if (lora.qlora && op.kind == ParamOp::Kind::kLinear) {
+    op.nf4_storage_bytes = BytesPerElement(quant_storage);
+    op.nf4_double_quant = lora.double_quant;
+  }
+  if (std::find(modules.begin(), modules.end(), op.module) != modules.end()) {
+    op.lora_rank = lora.rank;
+    op.lora_dropout = lora.dropout;
+  }
 }
 
 }  // namespace
@@ -57,7 +82,8 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
     if (all_linear) break;
     if (target == kAllLinear) return Error::BadInput("--lora-targets: all-linear stands alone, not in a list");
     bool found = false;
-    for (const ParamOp& op : m.arch.block) {
+    for (const ParamOp* p : BlockOps(m.arch)) {
+      const ParamOp& op = *p;
       if (!ModulePathMatches(op.module, target)) continue;
       found = true;
       if (op.kind == ParamOp::Kind::kNorm) {
@@ -79,7 +105,8 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
                                          m.id, LinearNames(m)));
     }
   }
-  for (const ParamOp& op : m.arch.block) {
+  for (const ParamOp* p : BlockOps(m.arch)) {
+    const ParamOp& op = *p;
     if (op.kind != ParamOp::Kind::kLinear || op.experts > 0) continue;
     const bool hit = all_linear || std::any_of(targets.begin(), targets.end(), [&](const std::string& t) { return ModulePathMatches(op.module, t); });
     if (!hit) continue;
@@ -87,7 +114,15 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
       return Error::BadInput(fmt::format("--lora-rank {} exceeds the width of {}'s {} ({} x {}): a rank is at most min(in, out) = {}", lora.rank,
                                          m.id, op.module, op.in, op.out, std::min(op.in, op.out)));
     }
-    modules.push_back(op.module);
+    if (std::find(modules.begin(), modules.end(), op.module) == modules.end()) modules.push_back(op.module);
+  }
+  return modules;
+}
+
+std::vector<std::string> AdaptedModules(const Architecture& a) {
+  std::vector<std::string> modules;
+  for (const ParamOp* op : BlockOps(a)) {
+    if (op->lora_rank > 0 && std::find(modules.begin(), modules.end(), op->module) == modules.end()) modules.push_back(op->module);
   }
   return modules;
 }
@@ -125,17 +160,8 @@ Status ApplyLora(ModelSpec& m, const LoraConfig& lora, DType quant_storage) {
                                        "Linear4bit does not replace; fsdpkit models QLoRA on dense models", m.id));
   }
   FSDP_ASSIGN_OR_RETURN(const std::vector<std::string> modules, LoraTargetModules(m, lora));
-  for (ParamOp& op : m.arch.block) {
-    op.trainable = false;
-    if (lora.qlora && op.kind == ParamOp::Kind::kLinear) {
-      op.nf4_storage_bytes = BytesPerElement(quant_storage);
-      op.nf4_double_quant = lora.double_quant;
-    }
-    if (std::find(modules.begin(), modules.end(), op.module) != modules.end()) {
-      op.lora_rank = lora.rank;
-      op.lora_dropout = lora.dropout;
-    }
-  }
+  for (ParamOp& op : m.arch.block) FreezeAndAdapt(op, lora, modules, quant_storage);
+  for (ParamOp& op : m.arch.dense_block) FreezeAndAdapt(op, lora, modules, quant_storage);
   m.arch.base_frozen = true;
   m.tensors = BuildInventory(m);
   return {};

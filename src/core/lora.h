@@ -28,6 +28,9 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& model, const
 /// bitsandbytes' Linear4bit does not replace. Rank 0 leaves the model as it is. Errors as
 /// LoraTargetModules.
 Status ApplyLora(ModelSpec& model, const LoraConfig& lora, DType quant_storage = DType::kBf16);
+/// The block-relative paths of the linears ApplyLora wrapped, in forward order, each once (over
+/// every block shape): what peft's target_modules lists.
+std::vector<std::string> AdaptedModules(const Architecture& arch);
 
 /// The tensors of the quantization state bitsandbytes keeps beside one NF4 weight of
 /// `weight_numel` elements (QuantState of functional.py quantize_4bit), in bytes: the absmax of

@@ -1,5 +1,6 @@
 #include "core/model_spec.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <cmath>
 #include <functional>
@@ -50,8 +51,9 @@ void AddOp(std::vector<TensorSpec>& out, const Architecture& a, const ParamOp& o
 // A block's modules; a run of expert modules is expanded expert by expert (experts.0.w1, .w3, .w2,
 // experts.1.w1, ...), as the checkpoints order them.
 void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::string& prefix, int block) {
-  for (size_t i = 0; i < a.block.size();) {
-    const ParamOp& op = a.block[i];
+  const std::vector<ParamOp>& ops = a.BlockOf(block);
+  for (size_t i = 0; i < ops.size();) {
+    const ParamOp& op = ops[i];
     if (op.experts == 0) {
       AddOp(out, a, op, prefix + op.module, block);
       ++i;
@@ -64,12 +66,12 @@ void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::st
       continue;
     }
     size_t end = i;
-    while (end < a.block.size() && a.block[end].experts == op.experts && !a.block[end].fused_experts) ++end;
+    while (end < ops.size() && ops[end].experts == op.experts && !ops[end].fused_experts) ++end;
     for (int64_t e = 0; e < op.experts; ++e) {
       for (size_t j = i; j < end; ++j) {
-        std::string module = a.block[j].module;
+        std::string module = ops[j].module;
         module.replace(module.find("{}"), 2, std::to_string(e));
-        AddOp(out, a, a.block[j], prefix + module, block);
+        AddOp(out, a, ops[j], prefix + module, block);
       }
     }
     i = end;
@@ -104,22 +106,28 @@ InventorySize CountInventory(const ModelSpec& m) {
   const Architecture& a = m.arch;
   const double h = static_cast<double>(m.hidden_size);
   auto norm = [&](double dim) { return a.norm == NormKind::kLayer ? InventorySize{2, 2 * dim} : InventorySize{1, dim}; };
-  InventorySize block;
-  for (const ParamOp& op : a.block) {
-    InventorySize one = op.kind == ParamOp::Kind::kNorm
-                            ? norm(static_cast<double>(op.out))
-                            : InventorySize{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
-    if (op.lora_rank > 0) {
-      one.tensors += 2;
-      one.params += static_cast<double>(op.lora_rank) * static_cast<double>(op.in + op.out);
+  auto block_size = [&](const std::vector<ParamOp>& ops) {
+    InventorySize block;
+    for (const ParamOp& op : ops) {
+      InventorySize one = op.kind == ParamOp::Kind::kNorm
+                              ? norm(static_cast<double>(op.out))
+                              : InventorySize{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
+      if (op.lora_rank > 0) {
+        one.tensors += 2;
+        one.params += static_cast<double>(op.lora_rank) * static_cast<double>(op.in + op.out);
+      }
+      const double copies = op.experts > 0 ? static_cast<double>(op.experts) : 1.0;
+      block.tensors += op.fused_experts ? 1 : one.tensors * copies;
+      block.params += one.params * copies;
     }
-    const double copies = op.experts > 0 ? static_cast<double>(op.experts) : 1.0;
-    block.tensors += op.fused_experts ? 1 : one.tensors * copies;
-    block.params += one.params * copies;
-  }
-  const double layers = static_cast<double>(m.num_layers);
+    return block;
+  };
+  const double dense = static_cast<double>(std::count(a.dense_layers.begin(), a.dense_layers.end(), true));
+  const InventorySize routed = block_size(a.block), dense_block = block_size(a.dense_block);
+  const double layers = static_cast<double>(m.num_layers) - dense;
+  const InventorySize block{routed.tensors * layers + dense_block.tensors * dense, routed.params * layers + dense_block.params * dense};
   const double vocab = static_cast<double>(m.vocab_size);
-  InventorySize total{block.tensors * layers + 1, block.params * layers + vocab * h};
+  InventorySize total{block.tensors + 1, block.params + vocab * h};
   if (!a.names.positions.empty()) { total.tensors += 1; total.params += static_cast<double>(m.max_position_embeddings) * h; }
   total.tensors += norm(h).tensors;
   total.params += norm(h).params;
@@ -127,7 +135,21 @@ InventorySize CountInventory(const ModelSpec& m) {
   return total;
 }
 
-int64_t ModelSpec::WindowOf(int block) const {
+ModelShape ModelShape::LayerShape(int block) const {
+  ModelShape shape = *this;
+  if (!arch.DenseLayer(block)) return shape;
+  shape.arch.block = arch.dense_block;
+  shape.arch.dense_block.clear();
+  shape.arch.dense_layers.clear();
+  shape.arch.mlp = MlpKind::kGated;
+  shape.num_experts = shape.experts_per_token = 0;
+  for (const ParamOp& op : arch.dense_block) {
+    if (op.module == "mlp.down_proj") shape.intermediate_size = op.in;
+  }
+  return shape;
+}
+
+int64_t ModelShape::WindowOf(int block) const {
   if (sliding_window == 0 || layer_sliding.empty()) return sliding_window;
   return layer_sliding.at(static_cast<size_t>(block)) ? sliding_window : 0;
 }

@@ -43,8 +43,21 @@ struct RopeScaling {
   int64_t original_max_positions = 0;  ///< llama3: original_max_position_embeddings (max_position_embeddings when absent)
 };
 
-/// Architecture hyper-parameters after HF's defaults were applied, plus the tensor inventory.
-struct ModelSpec {
+/// DeepSeek's multi-head latent attention (MLA: DeepSeek-V2, arXiv 2405.04434, section 2.1;
+/// modeling_deepseek_v3.py's DeepseekV3Attention): q through a latent of q_lora_rank features
+/// (0: a plain q_proj), keys and values decompressed per head from one kv_lora_rank latent, each
+/// head's q and k qk_nope_head_dim features without RoPE plus qk_rope_head_dim with it (the
+/// latter shared by every head's k), values v_head_dim wide.
+struct LatentAttention {
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;  ///< 0: not MLA
+  int64_t qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool enabled() const { return kv_lora_rank > 0; }
+};
+
+/// Architecture hyper-parameters after HF's defaults were applied: what a model's shape is,
+/// without its tensors (ModelSpec adds the inventory).
+struct ModelShape {
   std::string id;               ///< catalog id or the config file's stem
   std::string model_type;       ///< HF model_type
   Architecture arch;            ///< the family's layout (core/architecture.h), from core/families/
@@ -54,7 +67,8 @@ struct ModelSpec {
   int64_t num_layers = 0;
   int64_t num_heads = 0;
   int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;         ///< q's and k's per head (MLA: qk_nope_head_dim + qk_rope_head_dim)
+  LatentAttention mla;
   int64_t max_position_embeddings = 0;
   bool tie_word_embeddings = false;
   double norm_eps = 1e-6;       ///< rms_norm_eps (GPT-2: layer_norm_epsilon)
@@ -69,6 +83,9 @@ struct ModelSpec {
   bool mlp_bias = false;        ///< bias on MLP projections
   int64_t num_experts = 0;      ///< routed experts per MoE layer (0 = dense MLP)
   int64_t experts_per_token = 0;
+  /// DeepSeek-V3's router (DeepseekV3TopkRouter): sigmoid scores, the experts in this many groups
+  /// of which expert_groups_kept (topk_group) are searched for the top-k; 0: a softmax router
+  int64_t expert_groups = 0, expert_groups_kept = 0;
   /// Gemma 2's tanh soft-capping of the attention scores (attn_logit_softcapping) and of the
   /// logits (final_logit_softcapping): cap * tanh(x / cap); 0 for none
   double attn_logit_softcapping = 0;
@@ -77,13 +94,23 @@ struct ModelSpec {
   double attention_dropout = 0; ///< GPT-2 attn_pdrop, llama attention_dropout
   double residual_dropout = 0;  ///< GPT-2 resid_pdrop
   double embedding_dropout = 0; ///< GPT-2 embd_pdrop
+
+  /// Decoder block `block`'s attention window in tokens, 0 for full causal attention.
+  int64_t WindowOf(int block) const;
+  /// Features per head of the values (MLA's v_head_dim; else head_dim, as q's and k's).
+  int64_t ValueHeadDim() const { return mla.enabled() ? mla.v_head_dim : head_dim; }
+  /// The shape of decoder block `block` as that of a model whose every block is like it: a dense
+  /// layer of a routed model (Architecture::dense_block) as a dense model with its MLP's width.
+  ModelShape LayerShape(int block) const;
+};
+
+/// A model's shape plus its tensor inventory.
+struct ModelSpec : ModelShape {
   std::vector<TensorSpec> tensors;  ///< in forward execution order; a tied lm_head is not repeated
 
   int64_t ParamsTotal() const;
   /// Parameters that require grad (all of them in full training; the adapters under LoRA).
   int64_t ParamsTrainable() const;
-  /// Decoder block `block`'s attention window in tokens, 0 for full causal attention.
-  int64_t WindowOf(int block) const;
   /// Parameters of decoder block `block`.
   int64_t BlockParams(int block) const;
   /// Parameters active per token (MoE: only experts_per_token experts count).
@@ -93,7 +120,7 @@ struct ModelSpec {
 };
 
 /// Builds a ModelSpec from a parsed HF config.json through its family (core/families/: llama,
-/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, gpt2). Missing keys take the defaults of transformers'
+/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, deepseek_v3, gpt2). Missing keys take the defaults of transformers'
 /// configuration_<type>.py; absurd or inconsistent values (hidden not divisible by heads, heads not
 /// divisible by kv heads, non-positive sizes) give BadInput naming `origin` and the key.
 Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);

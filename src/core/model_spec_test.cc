@@ -1,5 +1,7 @@
 #include "core/model_spec.h"
 
+#include <algorithm>
+
 #include <doctest/doctest.h>
 
 #include <filesystem>
@@ -242,6 +244,57 @@ TEST_CASE("fused routed experts are one 3-D parameter per projection, after the 
   const InventorySize counted = CountInventory(m.value());
   CHECK(counted.tensors == static_cast<double>(m.value().tensors.size()));
   CHECK(counted.params == static_cast<double>(m.value().ParamsTotal()));
+}
+
+TEST_CASE("DeepSeek-V3: latent attention, dense first layers, then routed and shared experts") {
+  // deepseek-v3-tiny.json by hand (h 512, 8 heads, q_lora 192, kv_lora 128, qk 64 + 32, v 64):
+  // attention q_a 512x192 + 192 + q_b 192x(8x96) + kv_a 512x(128+32) + 128 + kv_b 128x(8x128)
+  // + o (8x64)x512 + two norms of 512 = 722,240; the dense layer's SwiGLU 3 x 512 x 1024; a routed
+  // layer's router 16x512, experts 16 x 3 x 512 x 128, shared expert 3 x 512 x 128
+  const ModelSpec m = LoadModel(DataDir() + "/tests/data/hf_configs/deepseek-v3-tiny.json").value();
+  CHECK(m.head_dim == 96);
+  CHECK(m.ValueHeadDim() == 64);
+  CHECK(m.BlockParams(0) == 722'240 + 1'572'864);
+  for (int b = 1; b < 4; ++b) CHECK(m.BlockParams(b) == 722'240 + 8'192 + 3'145'728 + 196'608);
+  CHECK(m.ParamsTotal() == 2 * 4096 * 512 + 512 + (722'240 + 1'572'864) + 3 * (722'240 + 3'350'528));
+  // block 0 is dense, block 1 routed: their tensors by name
+  std::vector<std::string> names0, names1;
+  for (const TensorSpec& t : m.tensors) (t.block == 0 ? names0 : names1).push_back(t.name);
+  CHECK(names0.back() == "model.layers.0.mlp.down_proj.weight");
+  CHECK(std::find(names1.begin(), names1.end(), "model.layers.1.mlp.experts.gate_up_proj") != names1.end());
+  CHECK(std::find(names1.begin(), names1.end(), "model.layers.1.mlp.shared_experts.down_proj.weight") != names1.end());
+  CHECK(std::find(names1.begin(), names1.end(), "model.layers.1.self_attn.kv_b_proj.weight") != names1.end());
+  // the routed experts run 4 of 16, everything else on every token
+  CHECK(m.ActiveParamsPerToken() == m.ParamsTotal() - 3 * 3'145'728 + 3 * 3'145'728 / 4);
+  const InventorySize counted = CountInventory(m);
+  CHECK(counted.tensors == static_cast<double>(m.tensors.size()));
+  CHECK(counted.params == static_cast<double>(m.ParamsTotal()));
+  // the published model (models/README.md): 671,026,404,352, multi-token prediction layer excluded
+  CHECK(CountOf("deepseek-v3") == 671'026'404'352);
+  // a dense layer's shape: a dense model's
+  const ModelShape dense = m.LayerShape(0);
+  CHECK((dense.arch.mlp == MlpKind::kGated && dense.intermediate_size == 1024 && dense.num_experts == 0));
+  CHECK(m.LayerShape(1).intermediate_size == 128);
+}
+
+TEST_CASE("DeepSeek-V3's inconsistent keys are refused naming the key") {
+  const std::string base = R"({"model_type":"deepseek_v3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":4,)";
+  auto groups = FromText(base + R"("n_routed_experts":8,"n_group":3})");
+  REQUIRE_FALSE(groups.ok());
+  CHECK(groups.error().message == "inline.json: key 'n_group': 3 groups must divide 8 experts into groups of at least two");
+  auto kept = FromText(base + R"("n_routed_experts":8,"n_group":2,"topk_group":3})");
+  CHECK(kept.error().message == "inline.json: key 'topk_group': 3 exceeds n_group 2");
+  auto topk = FromText(base + R"("n_routed_experts":8,"n_group":4,"topk_group":1,"num_experts_per_tok":3})");
+  CHECK(topk.error().message == "inline.json: key 'num_experts_per_tok': 3 exceeds the 2 experts of the topk_group 1 groups it picks from");
+  auto kv = FromText(R"({"model_type":"deepseek_v3","num_attention_heads":4,"num_key_value_heads":2})");
+  CHECK(kv.error().message == "inline.json: key 'num_key_value_heads': MLA decompresses k and v for every head: expected 4 (num_attention_heads), got 2");
+  auto dense = FromText(base + R"("first_k_dense_replace":-1})");
+  REQUIRE_FALSE(dense.ok());
+  CHECK(dense.error().message.find("first_k_dense_replace") != std::string::npos);
+  // q_lora_rank null: a plain q_proj
+  auto plain_q = FromText(base + R"("q_lora_rank":null,"n_routed_experts":8,"n_group":2,"topk_group":1,"num_experts_per_tok":2})");
+  REQUIRE(plain_q.ok());
+  CHECK(plain_q.value().tensors[2].name == "model.layers.0.self_attn.q_proj.weight");
 }
 
 TEST_CASE("bad model configs give one-line errors naming the problem") {

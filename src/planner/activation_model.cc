@@ -25,7 +25,7 @@ struct Dims {
   bool masked = false;  // SDPA runs with an explicit mask (WindowMasksSdpa)
 };
 
-Dims DimsOf(const ModelSpec& m, const FsdpConfig& cfg, int64_t window = 0) {
+Dims DimsOf(const ModelShape& m, const FsdpConfig& cfg, int64_t window = 0) {
   return Dims{cfg.micro_batch * cfg.seq_len, cfg.seq_len, BytesPerElement(cfg.param_dtype), m.hidden_size,
               m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token,
               WindowMasksSdpa(cfg, window)};
@@ -45,7 +45,7 @@ struct NormGrad {
 };
 
 // The block's first parameter-owning module whose path is `name` or ends in "." + `name`, or null.
-const ParamOp* FindOp(const ModelSpec& m, std::string_view name) {
+const ParamOp* FindOp(const ModelShape& m, std::string_view name) {
   for (const ParamOp& op : m.arch.block) {
     if (ModulePathMatches(op.module, name)) return &op;
   }
@@ -54,7 +54,7 @@ const ParamOp* FindOp(const ModelSpec& m, std::string_view name) {
 
 // The linear computing a block's q, k or v ("q_proj"), or gate or up ("gate_proj"): its own, or
 // the fused projection whose output holds it (Phi-3's qkv_proj, gate_up_proj), or null.
-const ParamOp* ProjectionOf(const ModelSpec& m, std::string_view name) {
+const ParamOp* ProjectionOf(const ModelShape& m, std::string_view name) {
   if (const ParamOp* op = FindOp(m, name)) return op;
   const bool mlp = name == "gate_proj" || name == "up_proj";
   return FindOp(m, mlp ? "gate_up_proj" : "qkv_proj");
@@ -78,7 +78,7 @@ void AddLoraSaved(std::vector<SavedTensor>& out, const ParamOp* op, bool input_r
 
 // The hidden-state norms a block runs, in forward order (core/families/: the attention's, then
 // the MLP's), for the names of their saved tensors; q/k norms are the attention's own.
-std::vector<std::string_view> BlockNorms(const ModelSpec& m) {
+std::vector<std::string_view> BlockNorms(const ModelShape& m) {
   std::vector<std::string_view> norms;
   for (const ParamOp& op : m.arch.block) {
     if (op.kind == ParamOp::Kind::kNorm && !op.qk_norm) norms.push_back(op.module);
@@ -135,7 +135,7 @@ struct BlockFlow {
 // compute dtype) and dropout's mask and output. SDPA's flash/memory-efficient kernels save a fp32
 // log-sum-exp per row beside q, k, v and the output. The softmax saves its output when the scores
 // require grad; probs @ v saves the probabilities only for v's gradient.
-void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
+void AddAttentionCore(std::vector<SavedTensor>& out, const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
   if (cfg.attention != Attention::kEager) {
     if (f.attn_out) out.push_back({m.arch.fused_qkv ? "attn.lse" : "self_attn.lse", 4 * d.heads * d.tokens});
@@ -165,7 +165,7 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelSpec& m, const F
 // [B, s, a, d] underneath, so HF's transpose(1, 2).contiguous() copies nothing and o_proj saves
 // that same tensor (counted once, as o_proj_in). Eager q k^T saves q for k's gradient and k for
 // q's; SDPA saves all of them once any requires grad.
-void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
+void AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
   const ParamOp* fused_qkv = FindOp(m, "qkv_proj");
   for (const char* name : {"q_proj", "k_proj", "v_proj", "qkv_proj"}) AddLoraSaved(out, FindOp(m, name), f.norm1, d);
@@ -216,15 +216,77 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
   AddLoraSaved(out, o, f.attn_out, d);
 }
 
+// DeepSeek's multi-head latent attention (DeepseekV3Attention, ModelShape::mla). q_a_proj and
+// kv_a_proj_with_mqa read the normed hidden states (saved by the caller); each latent's RMSNorm
+// saves as AddNorm does over the latent's width, and q_b_proj / kv_b_proj save that norm's
+// output. RoPE runs on slices whose results are copied into new q and k tensors of qk_head_dim
+// per head (torch.cat; new_empty + copy_), saving only the shared cos and sin; the values are a
+// view of kv_b_proj's output. Eager: q k^T saves q and k, probs @ v a contiguous copy of the
+// values (matmul's of the strided view), the softmax core as Llama's, o_proj its input.
+// saved_tensors_hooks on a bf16 DeepseekV3DecoderLayer (transformers 5.24, deepseek-v3-tiny.json).
+// SDPA: q's and k's head dim differs from v's, which rules out the flash kernel
+// (sdp_utils.cpp, check_head_dim_size_flash); CUDA runs the memory-efficient one, which saves
+// q, k, v (the view: all of kv_b_proj's output), its output (o_proj's input, the same tensor)
+// and a fp32 log-sum-exp per row. The CPU runs SDPA's math fallback for such shapes, so these
+// SDPA entries follow the kernel's code and are not measured here.
+void AddLatentAttention(std::vector<SavedTensor>& out, const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
+  const LatentAttention& a = m.mla;
+  const int64_t qk = d.heads * d.head_dim * d.tokens, v = d.heads * a.v_head_dim * d.tokens;
+  auto latent = [&](std::string_view norm, std::string_view reader, int64_t width, bool input_rg) {
+    const ParamOp* op = FindOp(m, norm);
+    const int64_t features = width * d.tokens;
+    if (input_rg) {
+      out.push_back({Name(norm, "x_fp32"), 4 * features});
+      out.push_back({Name(norm, "rsqrt"), 4 * d.tokens});
+    }
+    if (op == nullptr || op->trainable) out.push_back({Name(norm, "x_normalized"), (m.arch.norm_weight_fp32 ? 4 : d.c) * features});
+    if (SavesInput(FindOp(m, reader))) out.push_back({Name(norm, "out"), d.c * features});
+  };
+  if (a.q_lora_rank > 0) latent("q_a_layernorm", "q_b_proj", a.q_lora_rank, f.norm1 || Trains(FindOp(m, "q_a_proj")));
+  latent("kv_a_layernorm", "kv_b_proj", a.kv_lora_rank, f.norm1 || Trains(FindOp(m, "kv_a_proj_with_mqa")));
+  if (cfg.attention == Attention::kEager) {
+    if (f.k) out.push_back({"self_attn.q", d.c * qk});
+    if (f.q) out.push_back({"self_attn.k", d.c * qk});
+    if (f.scores) out.push_back({"self_attn.v_contiguous", d.c * v, true});
+    AddAttentionCore(out, m, cfg, d, f);
+  } else if (f.attn_out) {
+    out.push_back({"self_attn.q", d.c * qk});
+    out.push_back({"self_attn.k", d.c * qk});
+    out.push_back({"self_attn.kv_b_out", d.c * d.heads * (a.qk_nope_head_dim + a.v_head_dim) * d.tokens});
+    AddAttentionCore(out, m, cfg, d, f);
+  }
+  const ParamOp* o = FindOp(m, "o_proj");
+  if ((cfg.attention != Attention::kEager && f.attn_out) || SavesInput(o)) out.push_back({"self_attn.o_proj_in", d.c * v});
+  AddLoraSaved(out, o, f.attn_out, d);
+}
+
 // One fused q/k/v projection (GPT-2's c_attn) without RoPE: q, k and v are views of its output,
 // which stays saved.
-void AddFusedAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
+void AddFusedAttention(std::vector<SavedTensor>& out, const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   AddLoraSaved(out, FindOp(m, "attn.c_attn"), f.norm1, d);
   if (f.scores) out.push_back({"attn.qkv", d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens});
   AddAttentionCore(out, m, cfg, d, f);
   const ParamOp* proj = FindOp(m, "attn.c_proj");
   if (SavesInput(proj)) out.push_back({"attn.c_proj_in", d.c * d.h * d.tokens});
   AddLoraSaved(out, proj, f.attn_out, d);
+}
+
+// DeepSeek-V3's router (DeepseekV3TopkRouter.forward): F.linear on fp32 copies of the input and
+// of the weight (each saved for the other's gradient), sigmoid's output, topk's int64 indices of
+// the best two scores of every group and of the kept groups, the bool mask of the kept groups'
+// experts (masked_fill), the top-k indices, and for norm_topk_prob the denominator and the
+// weights the in-place division saves. saved_tensors_hooks on deepseek-v3-tiny.json's routed layer.
+void AddGroupedSigmoidRouter(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d) {
+  const int64_t pairs = d.top_k * d.tokens;
+  out.push_back({"moe.router_in_fp32", 4 * d.h * d.tokens});
+  out.push_back({"moe.router_weight_fp32", 4 * d.experts * d.h});
+  out.push_back({"moe.sigmoid_out", 4 * d.experts * d.tokens});
+  out.push_back({"moe.group_top2_indices", 8 * 2 * m.expert_groups * d.tokens});
+  out.push_back({"moe.kept_group_indices", 8 * m.expert_groups_kept * d.tokens});
+  out.push_back({"moe.group_mask", d.experts * d.tokens});
+  out.push_back({"moe.topk_indices", 8 * pairs});
+  out.push_back({"moe.topk_denominator", 4 * d.tokens});
+  out.push_back({"moe.topk_weights", 4 * pairs});
 }
 
 // The MLP after its norm. Gated (SwiGLU): gate's output (SiLU's input), SiLU's output, up's output
@@ -234,7 +296,7 @@ void AddFusedAttention(std::vector<SavedTensor>& out, const ModelSpec& m, const 
 // NewGELUActivation is written in Python and saves input, tanh, 0.5*x and 1+tanh) and proj's input.
 // Gated under LoRA: SiLU saves its input when gate's output requires grad, act * up saves each
 // factor for the other's gradient, down saves its input as any linear (SavesInput).
-void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d, const BlockFlow& f) {
+void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, const BlockFlow& f) {
   const int64_t x = d.c * d.inner * d.tokens;
   switch (m.arch.mlp) {
     case MlpKind::kGated: {
@@ -260,8 +322,12 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d, co
       // with the pair's routing weight (their product's), and three int64 index vectors (perm //
       // top_k, perm and inv_perm, each saved by the gather it drives).
       const int64_t pairs = d.top_k * d.tokens;
-      out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
-      out.push_back({"moe.topk_indices", 8 * pairs});
+      if (m.expert_groups > 0) {
+        AddGroupedSigmoidRouter(out, m, d);
+      } else {
+        out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
+        out.push_back({"moe.topk_indices", 8 * pairs});
+      }
       out.push_back({"moe.expert_in", d.c * d.h * pairs});
       out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * pairs});
       out.push_back({"moe.act_out", d.c * d.inner * pairs});
@@ -269,6 +335,11 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelSpec& m, const Dims& d, co
       out.push_back({"moe.down_out", d.c * d.h * pairs});
       out.push_back({"moe.pair_weights", 4 * pairs});
       out.push_back({"moe.permutations", 3 * 8 * pairs});
+      // DeepSeek's shared experts (DeepseekV3MLP on every token): a SwiGLU MLP's four tensors
+      if (const ParamOp* shared = FindOp(m, "shared_experts.gate_proj")) {
+        const int64_t y = d.c * shared->out * d.tokens;
+        for (const char* name : {"moe.shared_gate_out", "moe.shared_act_out", "moe.shared_up_out", "moe.shared_down_in"}) out.push_back({name, y});
+      }
       return;
     }
     case MlpKind::kPlain: {
@@ -299,7 +370,7 @@ NormRoles RolesOf(NormPlacement placement) {
 }
 
 // The grad flow through a block from its input's.
-BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
+BlockFlow FlowOf(const ModelShape& m, bool input_requires_grad) {
   BlockFlow f;
   const std::vector<std::string_view> norms = BlockNorms(m);
   const NormRoles roles = RolesOf(m.arch.norm_placement);
@@ -329,7 +400,7 @@ BlockFlow FlowOf(const ModelSpec& m, bool input_requires_grad) {
 // saves its output for the sub-layer's linears; without one the linears save the hidden states
 // themselves. A norm after a sub-layer reads the sub-layer's output. Residual dropout saves a bool
 // mask of the hidden states.
-std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, bool input_requires_grad) {
+std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, bool input_requires_grad) {
   const std::vector<std::string_view> norms = BlockNorms(m);
   const NormRoles roles = RolesOf(m.arch.norm_placement);
   const BlockFlow f = FlowOf(m, input_requires_grad);
@@ -349,14 +420,19 @@ std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, c
       out.push_back({hidden_name, d.c * d.h * d.tokens});
     }
   };
-  const bool attention_input_saved = m.arch.fused_qkv ? reads_saved({"attn.c_attn"}) : reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj"});
+  const bool attention_input_saved = m.arch.fused_qkv ? reads_saved({"attn.c_attn"})
+                                                      : reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa"});
+  // a routed MLP: a softmax router reads it as it is; DeepSeek's casts it to fp32 first, so that
+  // only its shared experts save it
   const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj", "gate_up_proj"})
                                : m.arch.mlp == MlpKind::kPlain ? reads_saved({"mlp.c_fc"})
-                                                               : true;  // the router and the experts
+                                                               : m.expert_groups == 0 || reads_saved({"shared_experts.gate_proj", "shared_experts.up_proj"});
   std::vector<SavedTensor> out;
   add_sublayer_input(out, roles.pre_attn, f.input, attention_input_saved, "block.input");
   if (m.arch.fused_qkv) {
     AddFusedAttention(out, m, cfg, d, f);
+  } else if (m.mla.enabled()) {
+    AddLatentAttention(out, m, cfg, d, f);
   } else {
     AddSplitAttention(out, m, cfg, d, f);
   }
@@ -372,8 +448,14 @@ std::vector<SavedTensor> BlockSaved(const ModelSpec& m, const FsdpConfig& cfg, c
 // What selective checkpointing keeps beyond the un-recomputed tensors: the checkpointed attention
 // function's inputs stay referenced until its recomputation. q (after RoPE) is saved anyway; with
 // GQA k and v are kept at kv-head width where the matmuls would have saved their expansions.
-// GPT-2's q/k/v are views of c_attn's output, which stays saved.
-std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d) {
+// GPT-2's q/k/v are views of c_attn's output, which stays saved; so do MLA's values of
+// kv_b_proj's.
+std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelShape& m, const FsdpConfig& cfg, const Dims& d) {
+  // MLA's values: a view of kv_b_proj's output, which eager attention copies inside the function
+  if (m.mla.enabled()) {
+    if (cfg.attention != Attention::kEager) return {};
+    return {{"attn_core.kv_b_out", d.c * d.heads * (m.mla.qk_nope_head_dim + m.mla.v_head_dim) * d.tokens}};
+  }
   if (m.arch.fused_qkv || (cfg.attention != Attention::kEager && !d.masked) || d.kv_heads >= d.heads) return {};
   const int64_t kv = d.kv_heads * d.head_dim * d.tokens;
   return {{"attn_core.k_input", d.c * kv}, {"attn_core.v_input", d.c * kv}};
@@ -435,7 +517,7 @@ int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::s
 // Largest set of gradients alive at once inside a block's backward, beyond its saved tensors:
 // the incoming and outgoing hidden-state gradients plus the largest op-level transient. `block`
 // is what the block's forward saves (LlamaBlock / Gpt2Block).
-int64_t BackwardWorkingBytes(const ModelSpec& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block) {
+int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block) {
   const int64_t hT = d.h * d.tokens, scores = d.heads * d.seq * d.tokens;
   int64_t attention = 0;
   if (cfg.attention == Attention::kEager && !m.arch.softmax_fp32) {
@@ -476,14 +558,15 @@ int64_t HeadActivations::SavedBytes() const {
 
 bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
   if (!m.arch.base_frozen) return true;
-  if (block == 0) return false;  // a frozen embedding's output
-  for (const ParamOp& op : m.arch.block) {
-    if (Trains(&op)) return true;  // its output carries the adapters' contribution onwards
+  for (int earlier = 0; earlier < block; ++earlier) {  // none: a frozen embedding's output
+    for (const ParamOp& op : m.arch.BlockOf(earlier)) {
+      if (Trains(&op)) return true;  // its output carries the adapters' contribution onwards
+    }
   }
   return false;
 }
 
-BlockActivations BlockActivationProfile(const ModelSpec& m, const FsdpConfig& cfg, bool input_requires_grad, int64_t window) {
+BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& cfg, bool input_requires_grad, int64_t window) {
   const Dims d = DimsOf(m, cfg, window);
   BlockActivations a;
   a.full = BlockSaved(m, cfg, d, input_requires_grad);

@@ -50,7 +50,7 @@ struct HeadActivations {
 /// require grad (the first, behind a frozen embedding) saves less again.
 /// `window`: the block's attention window (ModelSpec::WindowOf); one shorter than the sequence
 /// makes SDPA run with a mask, which changes what it saves.
-BlockActivations BlockActivationProfile(const ModelSpec& model, const FsdpConfig& config, bool input_requires_grad = true,
+BlockActivations BlockActivationProfile(const ModelShape& model, const FsdpConfig& config, bool input_requires_grad = true,
                                         int64_t window = 0);
 /// Whether a block with this attention window runs SDPA with an explicit mask: a window shorter
 /// than the sequence (otherwise transformers' sdpa_mask returns None and SDPA runs is_causal).

@@ -1,5 +1,6 @@
 #include "planner/activation_model.h"
 
+#include "core/catalog.h"
 #include "core/lora.h"
 
 #include <doctest/doctest.h>
@@ -181,6 +182,32 @@ TEST_CASE("Routed experts save each token once per selected expert, as transform
   moe = 0;
   for (const auto& t : a.full) if (t.name.starts_with("moe.")) moe += t.bytes;
   CHECK(moe == 4 * 128 + 8 * 8 + 8 * (2 * 2048 + 8 * 768 + 2 * 2048 + 28));
+}
+
+TEST_CASE("DeepSeek-V3 blocks, eager: latent attention's norms and copies, the grouped sigmoid router, the shared expert") {
+  // deepseek-v3-tiny.json in bf16 at 2 x 256 tokens: every tensor a DeepseekV3DecoderLayer's
+  // forward saves (saved_tensors_hooks on transformers 5.24, the parameters and the model-wide
+  // RoPE cos / sin left out): 18,620,416 bytes for the dense layer 0, 22,489,152 for a routed
+  // one, less the 64 bytes of grouped_mm's int32 expert offsets, which fsdp-plan leaves out.
+  const ModelSpec m = LoadModel(DataDir() + "/tests/data/hf_configs/deepseek-v3-tiny.json").value();
+  FsdpConfig c;
+  c.seq_len = 256;
+  c.micro_batch = 2;
+  c.attention = Attention::kEager;
+  CHECK(BlockActivationProfile(m.LayerShape(0), c).FullBytes() == 18'620'416);
+  CHECK(BlockActivationProfile(m.LayerShape(1), c).FullBytes() == 22'489'152 - 64);
+  // by hand, per token of the routed layer: the router's fp32 input 4h and sigmoid 4E, the
+  // groups' top-2 and kept indices 8 x (2 x 4 + 2), the mask E, top-k indices 8k, denominator 4,
+  // weights 4k; the fp32 weight copy 4 E h once
+  int64_t router = 0;
+  for (const SavedTensor& t : BlockActivationProfile(m.LayerShape(1), c).full) {
+    for (const char* name : {"moe.router_in_fp32", "moe.router_weight_fp32", "moe.sigmoid_out", "moe.group_top2_indices", "moe.kept_group_indices",
+                             "moe.group_mask", "moe.topk_indices", "moe.topk_denominator", "moe.topk_weights"}) {
+      if (t.name == name) router += t.bytes;
+    }
+  }
+  const int64_t tokens = 512, h = 512, e = 16, k = 4;
+  CHECK(router == tokens * (4 * h + 4 * e + 8 * (2 * 4 + 2) + e + 8 * k + 4 + 4 * k) + 4 * e * h);
 }
 
 TEST_CASE("logits and loss buffers scale with the vocabulary") {

@@ -1,5 +1,7 @@
 #include "planner/compute_model.h"
 
+#include <algorithm>
+
 #include <vector>
 
 #include "planner/activation_model.h"
@@ -47,7 +49,8 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
   const double seq = static_cast<double>(w.config.seq_len);
   const double keys = flash ? (seq + 1) / 2 : seq;  // causal flash skips the masked half
   if (n.role == ModuleNode::Role::kBlock) {
-    work.attention_flops = 4.0 * keys * static_cast<double>(m.num_heads * m.head_dim) * tokens;
+    // q k^T over q's and k's head dim, probs @ v over v's (they differ in MLA)
+    work.attention_flops = 2.0 * keys * static_cast<double>(m.num_heads * (m.head_dim + m.ValueHeadDim())) * tokens;
     work.traffic_bytes = traffic_per_saved_byte * static_cast<double>(block.FullBytes());
   } else if (n.role == ModuleNode::Role::kLmHead) {
     if (n.tensors.empty()) {  // tied: the embedding's weight
@@ -134,6 +137,11 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
   cm.units.assign(w.units.size(), UnitCompute{});
   cm.nodes.assign(w.nodes.size(), NodeCompute{});
   const BlockActivations block = BlockActivationProfile(w.model, w.config);
+  // a routed model's dense layers (Architecture::dense_block) save what their own shape does
+  const auto& dense_layers = w.model.arch.dense_layers;
+  const auto first_dense = std::find(dense_layers.begin(), dense_layers.end(), true);
+  const BlockActivations dense_block =
+      first_dense == dense_layers.end() ? block : BlockActivationProfile(w.model.LayerShape(static_cast<int>(first_dense - dense_layers.begin())), w.config);
   const HeadActivations head = HeadActivationProfile(w.model, w.config);
   const double gemm_rate = w.hardware.PeakFlops(w.config.param_dtype) * w.hardware.matmul_efficiency;
   // the attention's products run at their own measured rate when the hardware file has one
@@ -146,7 +154,8 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
   const double recomputed_bytes = static_cast<double>(SumBytes(block.recomputed));
   for (int id = 0; id < static_cast<int>(w.nodes.size()); ++id) {
     const ModuleNode& n = w.nodes[id];
-    const NodeWork work = OwnWork(w, n, block, head, traffic_per_saved_byte);
+    const NodeWork work = OwnWork(w, n, n.role == ModuleNode::Role::kBlock && w.model.arch.DenseLayer(n.block) ? dense_block : block, head,
+                                  traffic_per_saved_byte);
     UnitCompute& u = cm.units[OwningUnit(w, id)];
     NodeCompute& own = cm.nodes[id];
     const double fwd_flops = work.gemm_flops + work.attention_flops;
@@ -186,7 +195,7 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
   cm.segments_s = SegmentSeconds(*w.walk, cm.nodes);
   const ModelSpec& m = w.model;
   cm.model_flops_per_token = 6.0 * MatmulParams(m) +
-                             12.0 * static_cast<double>(m.num_layers * w.config.seq_len * m.num_heads * m.head_dim);
+                             6.0 * static_cast<double>(m.num_layers * w.config.seq_len * m.num_heads * (m.head_dim + m.ValueHeadDim()));
   return cm;
 }
 

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/lora.h"
 #include "core/workload.h"
 
 namespace fsdp {
@@ -149,8 +150,8 @@ std::string LoraCode(const Workload& w) {
   const LoraConfig& l = c.lora;
   if (l.rank == 0) return "";
   std::string targets;
-  for (const ParamOp& op : w.model.arch.block) {  // block-relative paths: peft matches them as suffixes
-    if (op.lora_rank > 0) targets += fmt::format("{}\"{}\"", targets.empty() ? "" : ", ", op.module);
+  for (const std::string& module : AdaptedModules(w.model.arch)) {  // block-relative paths: peft matches them as suffixes
+    targets += fmt::format("{}\"{}\"", targets.empty() ? "" : ", ", module);
   }
   const DType base = FrozenStorageDtype(c);
   std::string out;

@@ -414,22 +414,34 @@ class StepPlayer {
   // --ac-every leaves un-checkpointed.
   const BlockActivations& BlockProfile(int node_id) const {
     const int block = w_.nodes[node_id].block;
-    return profiles_[ProfileIndex(block == 0, BlockCheckpointed(c_, block), WindowMasksSdpa(c_, w_.model.WindowOf(block)))];
+    return profiles_[ProfileIndex(w_.model.arch.DenseLayer(block), block == 0, BlockCheckpointed(c_, block),
+                                  WindowMasksSdpa(c_, w_.model.WindowOf(block)))];
   }
-  static size_t ProfileIndex(bool first, bool checkpointed, bool windowed) { return 4 * first + 2 * checkpointed + windowed; }
-  // Every kind of block's saved tensors: the first block or another (its input may not require
-  // grad under LoRA), checkpointed or not (--ac-every), its window shorter than the sequence or
-  // not (a masked SDPA); the windowed ones only where some block has such a window.
-  static std::array<BlockActivations, 8> BlockProfiles(const Workload& w) {
-    std::array<BlockActivations, 8> p;
+  static size_t ProfileIndex(bool dense, bool first, bool checkpointed, bool windowed) {
+    return 8 * dense + 4 * first + 2 * checkpointed + windowed;
+  }
+  // Every kind of block's saved tensors: a dense layer of a routed model or not (its shape), the
+  // first block or another (its input may not require grad under LoRA), checkpointed or not
+  // (--ac-every), its window shorter than the sequence or not (a masked SDPA); the dense and
+  // windowed ones only where some block is.
+  static std::array<BlockActivations, 16> BlockProfiles(const Workload& w) {
+    std::array<BlockActivations, 16> p;
     const bool windowed = HasMaskedBlocks(w.model, w.config);
     const int64_t window = w.model.sliding_window;
-    for (bool first : {false, true}) {
-      const bool input_rg = first ? BlockInputRequiresGrad(w.model, 0) : true;
-      for (bool checkpointed : {false, true}) {
-        const FsdpConfig c = checkpointed ? w.config : WithoutCheckpointing(w.config);
-        p[ProfileIndex(first, checkpointed, false)] = BlockActivationProfile(w.model, c, input_rg);
-        p[ProfileIndex(first, checkpointed, true)] = windowed ? BlockActivationProfile(w.model, c, input_rg, window) : p[ProfileIndex(first, checkpointed, false)];
+    const auto& dense_layers = w.model.arch.dense_layers;
+    const auto first_dense = std::find(dense_layers.begin(), dense_layers.end(), true);
+    const ModelShape dense_shape = first_dense == dense_layers.end() ? ModelShape{} : w.model.LayerShape(static_cast<int>(first_dense - dense_layers.begin()));
+    for (bool dense : {false, true}) {
+      if (dense && first_dense == dense_layers.end()) continue;
+      const ModelShape& shape = dense ? dense_shape : w.model;
+      for (bool first : {false, true}) {
+        const bool input_rg = first ? BlockInputRequiresGrad(w.model, 0) : true;
+        for (bool checkpointed : {false, true}) {
+          const FsdpConfig c = checkpointed ? w.config : WithoutCheckpointing(w.config);
+          BlockActivations& unmasked = p[ProfileIndex(dense, first, checkpointed, false)];
+          unmasked = BlockActivationProfile(shape, c, input_rg);
+          p[ProfileIndex(dense, first, checkpointed, true)] = windowed ? BlockActivationProfile(shape, c, input_rg, window) : unmasked;
+        }
       }
     }
     return p;
@@ -595,7 +607,7 @@ class StepPlayer {
   const FsdpConfig& c_;
   const Schedule& schedule_;
   MemoryTracker& mem_;
-  std::array<BlockActivations, 8> profiles_;  // by ProfileIndex
+  std::array<BlockActivations, 16> profiles_;  // by ProfileIndex
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   int64_t nf4_dequant_bytes_ = 0;  // QLoRA: the largest quantized weight, dequantized in the compute dtype

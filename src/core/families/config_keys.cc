@@ -120,7 +120,7 @@ Status ReadDecoderKeys(const JsonReader& r, const DecoderDefaults& d, ModelSpec&
   FSDP_ASSIGN(m.intermediate_size, ReadDim(r, {"intermediate_size"}, d.intermediate_size, kMaxDim));
   FSDP_ASSIGN(m.num_kv_heads, ReadDim(r, {"num_key_value_heads"}, d.num_kv_heads == 0 ? m.num_heads : d.num_kv_heads, kMaxDim));
   FSDP_ASSIGN_OR_RETURN(const int64_t head_dim, ReadDim(r, {"head_dim"}, 0, kMaxDim));
-  if (head_dim == 0) {
+  if (head_dim == 0 && !d.own_head_dim) {
     if (m.hidden_size % m.num_heads != 0) {
       return Error::BadInput(fmt::format("{}: hidden size {} is not divisible by {} attention heads (and no head_dim is given)", r.origin(), m.hidden_size, m.num_heads));
     }
@@ -198,6 +198,18 @@ void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block) {
   block.push_back({ParamOp::Kind::kLinear, "mlp.gate_proj", h, inner, bias});
   block.push_back({ParamOp::Kind::kLinear, "mlp.up_proj", h, inner, bias});
   block.push_back({ParamOp::Kind::kLinear, "mlp.down_proj", inner, h, bias});
+}
+
+void AddFusedExperts(const ModelSpec& m, std::vector<ParamOp>& block) {
+  const int64_t h = m.hidden_size, inner = m.intermediate_size, e = m.num_experts, k = m.experts_per_token;
+  block.push_back({ParamOp::Kind::kRouter, "mlp.gate", h, e});
+  ParamOp gate_up{ParamOp::Kind::kLinear, "mlp.experts.gate_up_proj", h, 2 * inner, false, false, e, k};
+  gate_up.fused_experts = true;
+  ParamOp down = gate_up;
+  down.module = "mlp.experts.down_proj";
+  down.in = inner;
+  down.out = h;
+  block.insert(block.end(), {gate_up, down});
 }
 
 }  // namespace fsdp::families

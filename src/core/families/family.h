@@ -50,6 +50,8 @@ struct DecoderDefaults {
   bool tie_word_embeddings;
   double rms_norm_eps;
   double rope_theta;
+  /// the family sets head_dim itself (DeepSeek's MLA): hidden need not divide into the heads
+  bool own_head_dim = false;
 };
 /// vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 /// num_key_value_heads, head_dim (hidden / heads when absent), max_position_embeddings,
@@ -80,5 +82,10 @@ std::vector<ParamOp> QkNorms(const ModelSpec& m, bool per_head);
 void AddHeadQkNorms(const ModelSpec& m, std::vector<ParamOp>& block);
 /// SwiGLU: gate_proj and up_proj (hidden -> intermediate), down_proj back.
 void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block);
+/// A router mlp.gate [experts, hidden] and routed SwiGLU experts as transformers 5 stores them:
+/// two 3-D parameters, mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden] and
+/// mlp.experts.down_proj [experts, hidden, intermediate] (Qwen3MoeExperts, DeepseekV3Experts),
+/// each token through experts_per_token of them; intermediate is m.intermediate_size.
+void AddFusedExperts(const ModelSpec& m, std::vector<ParamOp>& block);
 
 }  // namespace fsdp::families

@@ -3,7 +3,10 @@
 // a router (Qwen3MoeTopKRouter, mlp.gate.weight [experts, hidden]) choosing num_experts_per_tok of
 // num_experts SwiGLU experts, stored as transformers 5 stores them, two 3-D parameters
 // (Qwen3MoeExperts: gate_up_proj [experts, 2 x moe_intermediate_size, hidden], down_proj
-// [experts, hidden, moe_intermediate_size]).
+// [experts, hidden, moe_intermediate_size]). Layers in mlp_only_layers, or off decoder_sparse_step,
+// run a dense SwiGLU MLP of intermediate_size instead (Architecture::dense_block).
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "core/families/family.h"
@@ -11,15 +14,24 @@
 namespace fsdp::families {
 namespace {
 
-// Every layer routed: decoder_sparse_step 1 and no mlp_only_layers, as every released Qwen3-MoE
-// has them; the dense layers the other values make are not modelled (a block per layer).
-Status CheckEveryLayerSparse(const JsonReader& r) {
+// Which layers run Qwen3MoeMLP (a SwiGLU MLP of intermediate_size) instead of the experts, as
+// Qwen3MoeDecoderLayer decides: those listed in mlp_only_layers, and those whose 1-based index
+// decoder_sparse_step does not divide. Every released Qwen3-MoE routes every layer.
+Status ReadDenseLayers(const JsonReader& r, ModelSpec& m) {
   FSDP_ASSIGN_OR_RETURN(const int64_t step, ReadDim(r, {"decoder_sparse_step"}, 1, kMaxLayers));
-  if (step != 1) return r.KeyError("decoder_sparse_step", fmt::format("only 1 (every layer routed) is modelled, got {}", step));
-  const auto dense = r.json().find("mlp_only_layers");
-  if (dense != r.json().end() && !dense->is_null() && !(dense->is_array() && dense->empty())) {
-    return r.KeyError("mlp_only_layers", "dense layers among the routed ones are not modelled (only an empty list or null)");
+  std::vector<bool> dense(static_cast<size_t>(m.num_layers), false);
+  for (int64_t layer = 0; layer < m.num_layers; ++layer) dense[static_cast<size_t>(layer)] = (layer + 1) % step != 0;
+  const auto listed = r.json().find("mlp_only_layers");
+  if (listed != r.json().end() && !listed->is_null()) {
+    if (!listed->is_array()) return r.KeyError("mlp_only_layers", "expected a list of layer indices");
+    for (const Json& index : *listed) {
+      if (!index.is_number_integer() || index.get<int64_t>() < 0 || index.get<int64_t>() >= m.num_layers) {
+        return r.KeyError("mlp_only_layers", fmt::format("expected layer indices from 0 to {}, got {}", m.num_layers - 1, index.dump()));
+      }
+      dense[static_cast<size_t>(index.get<int64_t>())] = true;
+    }
   }
+  if (std::find(dense.begin(), dense.end(), true) != dense.end()) m.arch.dense_layers = std::move(dense);
   return {};
 }
 
@@ -37,22 +49,19 @@ Status ReadQwen3Moe(const JsonReader& r, ModelSpec& m) {
   if (m.experts_per_token > m.num_experts) {
     return r.KeyError("num_experts_per_tok", fmt::format("{} exceeds num_experts {}", m.experts_per_token, m.num_experts));
   }
-  FSDP_ASSIGN(m.intermediate_size, ReadDim(r, {"moe_intermediate_size"}, 768, kMaxDim));  // each expert's
-  FSDP_TRY(CheckEveryLayerSparse(r));
+  FSDP_TRY(ReadDenseLayers(r, m));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Qwen3MoeDecoderLayer";
+  if (!m.arch.dense_layers.empty()) {  // Qwen3MoeMLP over intermediate_size
+    AddLlamaAttention(m, bias, bias, m.arch.dense_block);
+    AddHeadQkNorms(m, m.arch.dense_block);
+    AddGatedMlp(m, false, m.arch.dense_block);
+  }
+  FSDP_ASSIGN(m.intermediate_size, ReadDim(r, {"moe_intermediate_size"}, 768, kMaxDim));  // each expert's from here on
   m.arch.mlp = MlpKind::kMoe;
   AddLlamaAttention(m, bias, bias, m.arch.block);
   AddHeadQkNorms(m, m.arch.block);
-  const int64_t h = m.hidden_size, inner = m.intermediate_size, e = m.num_experts, k = m.experts_per_token;
-  m.arch.block.push_back({ParamOp::Kind::kRouter, "mlp.gate", h, e});
-  ParamOp gate_up{ParamOp::Kind::kLinear, "mlp.experts.gate_up_proj", h, 2 * inner, false, false, e, k};
-  gate_up.fused_experts = true;
-  ParamOp down = gate_up;
-  down.module = "mlp.experts.down_proj";
-  down.in = inner;
-  down.out = h;
-  m.arch.block.insert(m.arch.block.end(), {gate_up, down});
+  AddFusedExperts(m, m.arch.block);
   return {};
 }
 
