@@ -63,6 +63,10 @@ TINY = {
                     "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
                     "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
                     "topk_group": 1, "max_position_embeddings": 64, "tie_word_embeddings": False},
+    "gpt_oss": {"model_type": "gpt_oss", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "max_position_embeddings": 64,
+                "tie_word_embeddings": False},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
@@ -86,6 +90,7 @@ CASES = [
     ("gemma2 full eager", "gemma2", "fp32", ["--ac", "full", "--attention", "eager"]),
     ("gemma3_text selective sdpa", "gemma3_text", "fp32", ["--ac", "selective", "--attention", "flash"]),
     ("deepseek_v3 selective eager", "deepseek_v3", "fp32", ["--ac", "selective", "--attention", "eager"]),
+    ("gpt_oss selective eager", "gpt_oss", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
 # QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's
@@ -179,7 +184,8 @@ def run_case(fsdp_plan, name, family, dtype, flags, workdir):
     code = exported_code(fsdp_plan, config_path, dtype, flags)
     attention = "eager" if "eager" in flags else "sdpa"
     heads = TINY[family].get("num_attention_heads", TINY[family].get("n_head"))
-    scores = (BATCH, heads, SEQ, SEQ)
+    # gpt-oss's softmax runs over SEQ keys and the head's sink
+    scores = (BATCH, heads, SEQ, SEQ + 1 if family == "gpt_oss" else SEQ)
     data = batches()
     reference_model = with_lora(build(family, attention), flags)
     reference_trainable = sum(p.numel() for p in reference_model.parameters() if p.requires_grad)

@@ -459,6 +459,18 @@ def strategy_notes(strategy, world):
     return notes
 
 
+def family_eager_attention(args):
+    """The model type's own eager_attention_forward, from the modeling module beside its
+    configuration class (gpt-oss's adds the sinks, Gemma 2's soft-caps, GPT-2's runs its softmax
+    in the compute dtype), as `fsdp-plan --export` imports it; Llama's where the module has none."""
+    import importlib
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    config_module = type(AutoConfig.for_model(args.model_dict.get("model_type", "llama"))).__module__
+    modeling = importlib.import_module(config_module.replace(".configuration_", ".modeling_"))
+    return getattr(modeling, "eager_attention_forward", eager_attention_forward)
+
+
 def attention_implementation(args):
     """The attn_implementation name for --attention. With --ac selective, "fsdpkit_selective": HF's
     attention function under a non-reentrant torch.utils.checkpoint, registered with its mask
@@ -471,13 +483,8 @@ def attention_implementation(args):
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import eager_mask, sdpa_mask
-    if is_gpt2(args):
-        from transformers.models.gpt2.modeling_gpt2 import eager_attention_forward
-    else:
-        from transformers.models.llama.modeling_llama import eager_attention_forward
-
     eager = args.attention == "eager"
-    core = eager_attention_forward if eager else sdpa_attention_forward
+    core = family_eager_attention(args) if eager else sdpa_attention_forward
 
     def checkpointed_attention(module, query, key, value, attention_mask, **kwargs):
         return checkpoint(core, module, query, key, value, attention_mask, use_reentrant=False, **kwargs)

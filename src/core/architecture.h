@@ -13,14 +13,16 @@ namespace fsdp {
 
 /// One module of a decoder block that owns parameters.
 struct ParamOp {
-  enum class Kind { kNorm, kLinear, kRouter };
+  /// kParameter: a bare nn.Parameter of `out` elements named `module` itself (gpt-oss's
+  /// self_attn.sinks, one per head)
+  enum class Kind { kNorm, kLinear, kRouter, kParameter };
   Kind kind = Kind::kLinear;
   /// Module path inside the block ("self_attn.q_proj"); with experts, "{}" stands for the expert index.
   std::string module;
   int64_t in = 0;    ///< linear / router: input features
   int64_t out = 0;   ///< linear / router: output features; norm: its dimension
-  bool bias = false;
-  bool conv1d = false;        ///< GPT-2's Conv1D: the weight is stored [in, out]
+  bool bias = false;          ///< fused experts: "<module>_bias" [experts, out] (gpt-oss's)
+  bool conv1d = false;        ///< the weight is stored [in, out]: GPT-2's Conv1D, gpt-oss's fused experts ([experts, in, out])
   int64_t experts = 0;        ///< > 0: one copy per expert...
   int64_t experts_per_token = 0;  ///< ...of which each token runs this many
   bool trainable = true;      ///< requires_grad (TensorSpec::trainable of its tensors)
@@ -75,6 +77,9 @@ struct Architecture {
   bool norm_weight_fp32 = false;
   MlpKind mlp = MlpKind::kGated;
   bool fused_qkv = false;           ///< one projection for q, k and v (GPT-2's c_attn)
+  /// the routed experts' activation is gpt-oss's clamped SwiGLU (GptOssExperts._apply_gate:
+  /// (clamp(up) + 1) * clamp(gate) * sigmoid(alpha * clamp(gate))), not SiLU(gate) * up
+  bool experts_clamped_swiglu = false;
   /// eager attention's softmax runs in fp32 and is cast back (HF Llama-style eager_attention_forward),
   /// rather than in the compute dtype (GPT-2's)
   bool softmax_fp32 = true;

@@ -230,6 +230,10 @@ bool OpCheckpointingModelled(const ModelSpec& m) {
 }
 
 std::string SdpaRuledOut(const ModelSpec& m) {
+  if (m.attention_sinks) {
+    return fmt::format("{} adds a learned sink logit per head to every softmax, which transformers' SDPA attention does not do "
+                       "({} models do not support sdpa; the flash kernels with sinks come from the kernels hub, not modelled)", m.id, m.model_type);
+  }
   if (m.attn_logit_softcapping <= 0) return "";
   return fmt::format("{} soft-caps its attention scores (attn_logit_softcapping {}), which transformers' SDPA attention does not do "
                      "({} models do not support sdpa)", m.id, m.attn_logit_softcapping, m.model_type);

@@ -127,7 +127,8 @@ bool OpCheckpointingModelled(const ModelSpec& model);
 
 /// Why transformers cannot run the model's attention through SDPA, or "" when it can: Gemma 2's
 /// soft-capped scores (Gemma2PreTrainedModel._supports_sdpa = False; sdpa_attention_forward
-/// refuses a softcap). Without --attention the CLIs plan such a model with eager attention.
+/// refuses a softcap), gpt-oss's attention sinks (GptOssPreTrainedModel._supports_sdpa = False).
+/// Without --attention the CLIs plan such a model with eager attention.
 std::string SdpaRuledOut(const ModelSpec& model);
 
 /// Whether decoder block `block` (0-based) runs under activation checkpointing: every block for

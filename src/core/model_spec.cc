@@ -29,6 +29,10 @@ void AddOp(std::vector<TensorSpec>& out, const Architecture& a, const ParamOp& o
     AddNorm(out, a.norm, module, op.out, block, op.trainable);
     return;
   }
+  if (op.kind == ParamOp::Kind::kParameter) {
+    AddTensor(out, module, {op.out}, block, false, 1.0, op.trainable);
+    return;
+  }
   const double share = op.experts > 0 ? static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts) : 1.0;
   // peft's lora.Linear holds the wrapped module as base_layer, registered before its adapters
   const std::string base = op.lora_rank > 0 ? module + ".base_layer" : module;
@@ -60,8 +64,10 @@ void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::st
       continue;
     }
     if (op.fused_experts) {
-      AddTensor(out, prefix + op.module, {op.experts, op.out, op.in}, block, true,
-                static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts), op.trainable);
+      const double share = static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts);
+      AddTensor(out, prefix + op.module, op.conv1d ? std::vector<int64_t>{op.experts, op.in, op.out} : std::vector<int64_t>{op.experts, op.out, op.in},
+                block, true, share, op.trainable);
+      if (op.bias) AddTensor(out, prefix + op.module + "_bias", {op.experts, op.out}, block, false, share, op.trainable);
       ++i;
       continue;
     }
@@ -109,15 +115,15 @@ InventorySize CountInventory(const ModelSpec& m) {
   auto block_size = [&](const std::vector<ParamOp>& ops) {
     InventorySize block;
     for (const ParamOp& op : ops) {
-      InventorySize one = op.kind == ParamOp::Kind::kNorm
-                              ? norm(static_cast<double>(op.out))
-                              : InventorySize{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
+      InventorySize one = op.kind == ParamOp::Kind::kNorm        ? norm(static_cast<double>(op.out))
+                          : op.kind == ParamOp::Kind::kParameter ? InventorySize{1, static_cast<double>(op.out)}
+                                                                 : InventorySize{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
       if (op.lora_rank > 0) {
         one.tensors += 2;
         one.params += static_cast<double>(op.lora_rank) * static_cast<double>(op.in + op.out);
       }
       const double copies = op.experts > 0 ? static_cast<double>(op.experts) : 1.0;
-      block.tensors += op.fused_experts ? 1 : one.tensors * copies;
+      block.tensors += op.fused_experts ? (op.bias ? 2 : 1) : one.tensors * copies;
       block.params += one.params * copies;
     }
     return block;

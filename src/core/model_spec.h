@@ -83,11 +83,19 @@ struct ModelShape {
   bool mlp_bias = false;        ///< bias on MLP projections
   int64_t num_experts = 0;      ///< routed experts per MoE layer (0 = dense MLP)
   int64_t experts_per_token = 0;
-  /// DeepSeek-V3's router (DeepseekV3TopkRouter): sigmoid scores, the experts in this many groups
-  /// of which expert_groups_kept (topk_group) are searched for the top-k; 0: a softmax router
+  /// How the router picks and weighs a token's experts: a fp32 softmax over every expert, then
+  /// the top-k (Mixtral's, Qwen3-MoE's); the top-k logits, then a softmax over them in the compute
+  /// dtype (GptOssTopKRouter); sigmoid scores with group-limited top-k (DeepseekV3TopkRouter)
+  enum class Router { kSoftmaxThenTopK, kTopKThenSoftmax, kGroupedSigmoid };
+  Router router = Router::kSoftmaxThenTopK;
+  /// kGroupedSigmoid: the experts in this many groups (n_group), of which expert_groups_kept
+  /// (topk_group) are searched for the top-k
   int64_t expert_groups = 0, expert_groups_kept = 0;
   /// Gemma 2's tanh soft-capping of the attention scores (attn_logit_softcapping) and of the
   /// logits (final_logit_softcapping): cap * tanh(x / cap); 0 for none
+  /// gpt-oss's attention sinks: a learned logit per head joins every row's softmax and is
+  /// dropped after it (eager only: GptOssPreTrainedModel's _supports_sdpa is False)
+  bool attention_sinks = false;
   double attn_logit_softcapping = 0;
   double final_logit_softcapping = 0;
   std::string activation;       ///< hidden_act / activation_function
@@ -120,7 +128,7 @@ struct ModelSpec : ModelShape {
 };
 
 /// Builds a ModelSpec from a parsed HF config.json through its family (core/families/: llama,
-/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, deepseek_v3, gpt2). Missing keys take the defaults of transformers'
+/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, deepseek_v3, gpt_oss, gpt2). Missing keys take the defaults of transformers'
 /// configuration_<type>.py; absurd or inconsistent values (hidden not divisible by heads, heads not
 /// divisible by kv heads, non-positive sizes) give BadInput naming `origin` and the key.
 Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);

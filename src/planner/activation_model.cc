@@ -145,7 +145,13 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelShape& m, const 
   // (for its own backward, which runs after the softmax's: not an "attn_core." tensor that
   // FreedBeforeSoftmaxBackward counts as freed)
   if (m.attn_logit_softcapping > 0 && f.scores) out.push_back({"self_attn.softcap_tanh", d.c * scores, true});
-  if (m.arch.softmax_fp32) {
+  if (m.attention_sinks) {
+    // gpt-oss: the scores joined by the head's sink logit (torch.cat), less their row maximum
+    // (max saves its int64 indices), a softmax in c over s + 1 keys whose output the product
+    // with v saves too (the sink's column sliced off: a view)
+    if (f.scores) out.push_back({"attn_core.max_indices", 8 * d.heads * d.tokens, true});
+    if (f.scores || f.v) out.push_back({"attn_core.probs", d.c * d.heads * (d.seq + 1) * d.tokens, true});
+  } else if (m.arch.softmax_fp32) {
     if (f.scores) out.push_back({"attn_core.softmax_fp32", 4 * scores, true});
     if (d.c != 4 && f.v) out.push_back({"attn_core.probs", d.c * scores, true});
   } else if (f.scores || f.v) {
@@ -322,19 +328,36 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
       // with the pair's routing weight (their product's), and three int64 index vectors (perm //
       // top_k, perm and inv_perm, each saved by the gather it drives).
       const int64_t pairs = d.top_k * d.tokens;
-      if (m.expert_groups > 0) {
-        AddGroupedSigmoidRouter(out, m, d);
-      } else {
-        out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
-        out.push_back({"moe.topk_indices", 8 * pairs});
+      int64_t weight_bytes = 4;  // each pair's routing weight: fp32 unless the router weighs in c
+      switch (m.router) {
+        case ModelShape::Router::kSoftmaxThenTopK:
+          out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
+          out.push_back({"moe.topk_indices", 8 * pairs});
+          break;
+        case ModelShape::Router::kTopKThenSoftmax:  // GptOssTopKRouter: topk's indices, softmax's output in c
+          out.push_back({"moe.topk_indices", 8 * pairs});
+          out.push_back({"moe.topk_softmax", d.c * pairs});
+          weight_bytes = d.c;
+          break;
+        case ModelShape::Router::kGroupedSigmoid: AddGroupedSigmoidRouter(out, m, d); break;
       }
       out.push_back({"moe.expert_in", d.c * d.h * pairs});
       out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * pairs});
-      out.push_back({"moe.act_out", d.c * d.inner * pairs});
+      if (m.arch.experts_clamped_swiglu) {
+        // gpt-oss's _apply_gate on gate_up's strided halves: the clamped gate, sigmoid's output,
+        // their product, the shifted clamped up, and the product down's input (clamp saves its
+        // input: gate_up's output again)
+        out.push_back({"moe.clamped_swiglu", 4 * d.c * d.inner * pairs});
+      } else {
+        out.push_back({"moe.act_out", d.c * d.inner * pairs});
+      }
       out.push_back({"moe.down_in", d.c * d.inner * pairs});
       out.push_back({"moe.down_out", d.c * d.h * pairs});
-      out.push_back({"moe.pair_weights", 4 * pairs});
-      out.push_back({"moe.permutations", 3 * 8 * pairs});
+      out.push_back({"moe.pair_weights", weight_bytes * pairs});
+      // perm // top_k, perm and inv_perm, and with expert biases the expert of each pair that
+      // gathers them
+      const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
+      out.push_back({"moe.permutations", (experts != nullptr && experts->bias ? 4 : 3) * 8 * pairs});
       // DeepSeek's shared experts (DeepseekV3MLP on every token): a SwiGLU MLP's four tensors
       if (const ParamOp* shared = FindOp(m, "shared_experts.gate_proj")) {
         const int64_t y = d.c * shared->out * d.tokens;
@@ -426,7 +449,8 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
   // only its shared experts save it
   const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj", "gate_up_proj"})
                                : m.arch.mlp == MlpKind::kPlain ? reads_saved({"mlp.c_fc"})
-                                                               : m.expert_groups == 0 || reads_saved({"shared_experts.gate_proj", "shared_experts.up_proj"});
+                                                               : m.router != ModelShape::Router::kGroupedSigmoid ||
+                                                                     reads_saved({"shared_experts.gate_proj", "shared_experts.up_proj"});
   std::vector<SavedTensor> out;
   add_sublayer_input(out, roles.pre_attn, f.input, attention_input_saved, "block.input");
   if (m.arch.fused_qkv) {

@@ -210,6 +210,29 @@ TEST_CASE("DeepSeek-V3 blocks, eager: latent attention's norms and copies, the g
   CHECK(router == tokens * (4 * h + 4 * e + 8 * (2 * 4 + 2) + e + 8 * k + 4 + 4 * k) + 4 * e * h);
 }
 
+TEST_CASE("gpt-oss block, eager: the sink-joined softmax in c, a top-k-then-softmax router, biased experts' clamped SwiGLU") {
+  // gpt-oss-tiny.json in bf16 at 2 x 256 tokens (h 512, 8 heads / 2 kv of 64, 8 experts of 256,
+  // top-2): saved_tensors_hooks on a GptOssDecoderLayer (transformers 5.24) list 15,294,496
+  // bytes beside the shared RoPE cos / sin, of which fsdp-plan leaves out grouped_mm's 32-byte
+  // int32 expert offsets. Per token, by hand: the two norms' fp32 input, rsqrt and fp32
+  // normalised input and outputs 2 x (4h + 4 + 4h + 2h); q after RoPE, k and v repeated to the
+  // heads 3 x 2 x 8 x 64; max's indices 8 x 8; the probabilities over s + 1 keys 2 x 8 x 257;
+  // o_proj's input 2 x 8 x 64; the router's top-k indices 8 x 2 and softmax 2 x 2; per pair
+  // (two per token) the gathered input 2h, gate_up's output 2 x 2 x 256, five c x 256 tensors of
+  // the clamped SwiGLU and down's input, the weight 2, down's output 2h, four int64 indices.
+  const ModelSpec m = LoadModel(DataDir() + "/tests/data/hf_configs/gpt-oss-tiny.json").value();
+  FsdpConfig c;
+  c.seq_len = 256;
+  c.micro_batch = 2;
+  c.attention = Attention::kEager;
+  const int64_t h = 512, per_pair = 2 * h + 4 * 256 + 5 * 2 * 256 + 2 + 2 * h + 32;
+  const int64_t per_token = 2 * (4 * h + 4 + 4 * h + 2 * h) + 3 * 2 * 8 * 64 + 8 * 8 + 2 * 8 * 257 + 2 * 8 * 64 + 8 * 2 + 2 * 2 + 2 * per_pair;
+  CHECK(per_token * 512 == 15'294'496 - 32);
+  CHECK(BlockActivationProfile(m, c).FullBytes() == 15'294'496 - 32);
+  // SDPA cannot run it: without --attention the CLIs plan eager
+  CHECK(SdpaRuledOut(m).find("sink logit per head") != std::string::npos);
+}
+
 TEST_CASE("logits and loss buffers scale with the vocabulary") {
   auto m = LoadModel("llama-3.1-8b");
   REQUIRE(m.ok());

@@ -120,7 +120,9 @@ Status ReadDecoderKeys(const JsonReader& r, const DecoderDefaults& d, ModelSpec&
   FSDP_ASSIGN(m.intermediate_size, ReadDim(r, {"intermediate_size"}, d.intermediate_size, kMaxDim));
   FSDP_ASSIGN(m.num_kv_heads, ReadDim(r, {"num_key_value_heads"}, d.num_kv_heads == 0 ? m.num_heads : d.num_kv_heads, kMaxDim));
   FSDP_ASSIGN_OR_RETURN(const int64_t head_dim, ReadDim(r, {"head_dim"}, 0, kMaxDim));
-  if (head_dim == 0 && !d.own_head_dim) {
+  if (head_dim == 0 && d.head_dim > 0) {
+    m.head_dim = d.head_dim;
+  } else if (head_dim == 0 && !d.own_head_dim) {
     if (m.hidden_size % m.num_heads != 0) {
       return Error::BadInput(fmt::format("{}: hidden size {} is not divisible by {} attention heads (and no head_dim is given)", r.origin(), m.hidden_size, m.num_heads));
     }
@@ -142,11 +144,13 @@ Status ReadActivation(const JsonReader& r, ModelSpec& m) {
   return {};
 }
 
-Result<int64_t> ReadSlidingWindow(const JsonReader& r) {
+Result<int64_t> ReadSlidingWindow(const JsonReader& r, int64_t fallback) {
   const auto it = r.json().find("sliding_window");
   if (it != r.json().end() && it->is_null()) return int64_t{0};
-  return ReadDim(r, {"sliding_window"}, 4096, kMaxPositions);
+  return ReadDim(r, {"sliding_window"}, fallback, kMaxPositions);
 }
+
+Result<int64_t> ReadSlidingWindow(const JsonReader& r) { return ReadSlidingWindow(r, 4096); }
 
 void AddLlamaAttention(const ModelSpec& m, bool qkv_bias, bool o_bias, std::vector<ParamOp>& block) {
   const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
@@ -200,10 +204,10 @@ void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block) {
   block.push_back({ParamOp::Kind::kLinear, "mlp.down_proj", inner, h, bias});
 }
 
-void AddFusedExperts(const ModelSpec& m, std::vector<ParamOp>& block) {
+void AddFusedExperts(const ModelSpec& m, std::vector<ParamOp>& block, const FusedExpertsLayout& layout) {
   const int64_t h = m.hidden_size, inner = m.intermediate_size, e = m.num_experts, k = m.experts_per_token;
-  block.push_back({ParamOp::Kind::kRouter, "mlp.gate", h, e});
-  ParamOp gate_up{ParamOp::Kind::kLinear, "mlp.experts.gate_up_proj", h, 2 * inner, false, false, e, k};
+  block.push_back({ParamOp::Kind::kRouter, layout.router, h, e, layout.biases});
+  ParamOp gate_up{ParamOp::Kind::kLinear, "mlp.experts.gate_up_proj", h, 2 * inner, layout.biases, layout.transposed, e, k};
   gate_up.fused_experts = true;
   ParamOp down = gate_up;
   down.module = "mlp.experts.down_proj";

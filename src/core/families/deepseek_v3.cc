@@ -63,6 +63,7 @@ Status ReadRouting(const JsonReader& r, ModelSpec& m) {
   FSDP_ASSIGN(m.experts_per_token, ReadDim(r, {"num_experts_per_tok"}, 8, kMaxExperts));
   FSDP_ASSIGN_OR_RETURN(const int64_t groups, ReadDim(r, {"n_group"}, 8, kMaxExperts));
   FSDP_ASSIGN_OR_RETURN(const int64_t topk_groups, ReadDim(r, {"topk_group"}, 4, kMaxExperts));
+  m.router = ModelShape::Router::kGroupedSigmoid;
   m.expert_groups = groups;
   m.expert_groups_kept = topk_groups;
   // DeepseekV3TopkRouter: the experts viewed as n_group groups, each scored by its best two

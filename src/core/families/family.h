@@ -52,6 +52,9 @@ struct DecoderDefaults {
   double rope_theta;
   /// the family sets head_dim itself (DeepSeek's MLA): hidden need not divide into the heads
   bool own_head_dim = false;
+  /// head_dim when the config has none (the configuration class's default: Qwen3Config 128,
+  /// Gemma's 256, GptOssConfig 64); 0: hidden / heads
+  int64_t head_dim = 0;
 };
 /// vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 /// num_key_value_heads, head_dim (hidden / heads when absent), max_position_embeddings,
@@ -82,10 +85,19 @@ std::vector<ParamOp> QkNorms(const ModelSpec& m, bool per_head);
 void AddHeadQkNorms(const ModelSpec& m, std::vector<ParamOp>& block);
 /// SwiGLU: gate_proj and up_proj (hidden -> intermediate), down_proj back.
 void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block);
-/// A router mlp.gate [experts, hidden] and routed SwiGLU experts as transformers 5 stores them:
-/// two 3-D parameters, mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden] and
-/// mlp.experts.down_proj [experts, hidden, intermediate] (Qwen3MoeExperts, DeepseekV3Experts),
-/// each token through experts_per_token of them; intermediate is m.intermediate_size.
-void AddFusedExperts(const ModelSpec& m, std::vector<ParamOp>& block);
+/// How a family lays out its router and fused experts.
+struct FusedExpertsLayout {
+  const char* router = "mlp.gate";
+  bool biases = false;      ///< gpt-oss's: the router's and each expert projection's ("<name>_bias" [experts, out])
+  bool transposed = false;  ///< gpt-oss's experts are stored [experts, in, out]
+};
+/// A router [experts, hidden] and routed SwiGLU experts as transformers 5 stores them: two 3-D
+/// parameters, mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden] and
+/// mlp.experts.down_proj [experts, hidden, intermediate] (Qwen3MoeExperts, DeepseekV3Experts;
+/// GptOssExperts transposed), each token through experts_per_token of them; intermediate is
+/// m.intermediate_size.
+void AddFusedExperts(const ModelSpec& m, std::vector<ParamOp>& block, const FusedExpertsLayout& layout = {});
+/// `sliding_window` with the family's default when absent, 0 (none) when null.
+Result<int64_t> ReadSlidingWindow(const JsonReader& r, int64_t fallback);
 
 }  // namespace fsdp::families

@@ -41,9 +41,9 @@ Status ReadGemmaBlock(const JsonReader& r, bool head_qk_norms, ModelSpec& m) {
 }  // namespace
 
 Status ReadGemma2(const JsonReader& r, ModelSpec& m) {
-  FSDP_TRY(ReadDecoderKeys(r, {256000, 2304, 9216, 26, 8, 4, 8192, true, 1e-6, 10000.0}, m));
-  FSDP_ASSIGN_OR_RETURN(const int64_t head_dim, ReadDim(r, {"head_dim"}, 0, kMaxDim));
-  if (head_dim == 0) m.head_dim = 256;  // Gemma2Config(head_dim=256)
+  DecoderDefaults defaults{256000, 2304, 9216, 26, 8, 4, 8192, true, 1e-6, 10000.0};
+  defaults.head_dim = 256;  // Gemma2Config(head_dim=256)
+  FSDP_TRY(ReadDecoderKeys(r, defaults, m));
   FSDP_TRY(ReadLayerTypes(r, 2, m));  // Gemma2Config: every second layer full
   FSDP_ASSIGN(m.attn_logit_softcapping, ReadSoftcap(r, "attn_logit_softcapping", 50.0));
   FSDP_ASSIGN(m.final_logit_softcapping, ReadSoftcap(r, "final_logit_softcapping", 30.0));
@@ -52,9 +52,9 @@ Status ReadGemma2(const JsonReader& r, ModelSpec& m) {
 }
 
 Status ReadGemma3Text(const JsonReader& r, ModelSpec& m) {
-  FSDP_TRY(ReadDecoderKeys(r, {262208, 2304, 9216, 26, 8, 4, 131072, true, 1e-6, 1e6}, m));
-  FSDP_ASSIGN_OR_RETURN(const int64_t head_dim, ReadDim(r, {"head_dim"}, 0, kMaxDim));
-  if (head_dim == 0) m.head_dim = 256;  // Gemma3TextConfig(head_dim=256)
+  DecoderDefaults defaults{262208, 2304, 9216, 26, 8, 4, 131072, true, 1e-6, 1e6};
+  defaults.head_dim = 256;  // Gemma3TextConfig(head_dim=256)
+  FSDP_TRY(ReadDecoderKeys(r, defaults, m));
   FSDP_ASSIGN(m.attn_logit_softcapping, ReadSoftcap(r, "attn_logit_softcapping", 0.0));
   FSDP_ASSIGN(m.final_logit_softcapping, ReadSoftcap(r, "final_logit_softcapping", 0.0));
   FSDP_ASSIGN_OR_RETURN(const int64_t pattern, ReadDim(r, {"sliding_window_pattern"}, 6, kMaxLayers));

@@ -7,9 +7,9 @@
 namespace fsdp::families {
 
 Status ReadQwen3(const JsonReader& r, ModelSpec& m) {
-  FSDP_TRY(ReadDecoderKeys(r, {151936, 4096, 22016, 32, 32, 32, 32768, false, 1e-6, 10000.0}, m));
-  FSDP_ASSIGN_OR_RETURN(const int64_t head_dim, ReadDim(r, {"head_dim"}, 0, kMaxDim));
-  if (head_dim == 0) m.head_dim = 128;  // Qwen3Config(head_dim=128)
+  DecoderDefaults defaults{151936, 4096, 22016, 32, 32, 32, 32768, false, 1e-6, 10000.0};
+  defaults.head_dim = 128;  // Qwen3Config(head_dim=128)
+  FSDP_TRY(ReadDecoderKeys(r, defaults, m));
   FSDP_ASSIGN_OR_RETURN(const bool bias, ReadFlag(r, "attention_bias", false));
   m.qkv_bias = bias;
   m.o_bias = bias;
