@@ -184,6 +184,19 @@ double DdpStepSeconds(const Workload& w) {
 std::string Ms(double seconds) { return fmt::format("{:.1f} ms", seconds * 1e3); }
 std::string Gb(double bytes) { return fmt::format("{:.2f} GB", bytes / kGB); }
 
+// What a routed model's experts cost: FSDP shards, all-gathers and reduces every expert, whichever
+// the tokens pick (expert parallelism is not modelled).
+void PrintExperts(const Workload& w, const CommVolume& v, std::ostream& out) {
+  const RoutedExpertBytes e = RoutedExpertBytesPerGpu(w);
+  if (e.params == 0) return;
+  const int64_t total = w.model.ParamsTotal();
+  fmt::print(out, "  routed experts: {} of the {} parameters ({}; {} of them active per token), {} of the all-gathers and {} of the reductions\n",
+             WithCommas(e.params), WithCommas(total), Percent(e.params, total), Percent(std::llround(e.active_params_per_token), e.params),
+             Gb(v.routed_expert_gather_bytes), Gb(v.routed_expert_reduce_bytes));
+  fmt::print(out, "  {} keeps {} GiB of their sharded parameters, {} GiB of gradients and {} GiB of optimizer states between steps\n",
+             w.config.cpu_offload ? "the host of each GPU" : "each GPU", Gib(e.sharded_param_bytes), Gib(e.gradient_bytes), Gib(e.optimizer_state_bytes));
+}
+
 void PrintTime(const Workload& w, const TimeEstimate& t, double ddp_step_s, std::ostream& out) {
   const CommVolume& v = t.comm.volume;
   fmt::print(out, "\ncommunication per step per GPU (nccl-tests sizes; {} ranks per shard group, {} per node):\n",
@@ -194,6 +207,7 @@ void PrintTime(const Workload& w, const TimeEstimate& t, double ddp_step_s, std:
   if (v.all_reduce_count > 0) fmt::print(out, "  all-reduces           {:>5} x  {:>10}\n", v.all_reduce_count, Gb(v.all_reduce_bytes));
   if (v.host_to_device_bytes > 0) fmt::print(out, "  host<->device (PCIe)          {:>10} in, {} out\n", Gb(v.host_to_device_bytes), Gb(v.device_to_host_bytes));
   fmt::print(out, "  sent on the links {} in {} of collectives if nothing overlapped\n", Gb(v.sent_bytes), Ms(v.total_comm_s));
+  PrintExperts(w, v, out);
   const StepEstimate& s = t.step;
   fmt::print(out, "\nstep time {} = compute {} + exposed communication {} (first all-gather {}, after the last backward {})\n",
              Ms(s.step_s), Ms(s.compute_s), Ms(s.exposed_comm_s), Ms(s.first_all_gather_s), Ms(s.last_reduce_s));
@@ -345,6 +359,7 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
   if (flags.json) {
     Json j = PlanToJson(w, m);
     AddTimeToJson(time, ddp_step_s, j);
+    AddExpertsToJson(w, time.comm.volume, j);
     if (flags.timeline) {
       Json points = Json::array();
       for (const auto& p : m.timeline) points.push_back({{"phase", p.phase}, {"bytes", TotalBytes(p.device)}});

@@ -86,6 +86,15 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
         v.sent_bytes += static_cast<double>(reductions * unit.grad_shard_numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
       }
     }
+    int64_t experts = 0, trainable_experts = 0;  // the unit's routed-expert elements
+    for (int t : unit.tensors) {
+      const TensorSpec& ts = w.model.tensors[t];
+      if (ts.active_share >= 1) continue;
+      experts += ts.numel();
+      trainable_experts += ts.trainable ? ts.numel() : 0;
+    }
+    v.routed_expert_gather_bytes += no_shard ? 0 : gathers * experts * p;
+    v.routed_expert_reduce_bytes += reductions * trainable_experts * r;
     const int64_t copies_in = c.cpu_offload ? schedule.Unshards(u) : 0;
     if (c.cpu_offload) {
       uc.host_to_device_s = HostCopySeconds(unit.shard_bytes, w.hardware);

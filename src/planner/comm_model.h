@@ -36,6 +36,10 @@ struct CommVolume {
   int64_t host_to_device_bytes = 0, device_to_host_bytes = 0;
   double sent_bytes = 0;          ///< sum of size * BusFactor over all collectives
   double total_comm_s = 0;        ///< sum of all collective and copy times (no overlap)
+  /// Of the all-gather and reduce-scatter (NO_SHARD: all-reduce) bytes above, the routed experts'
+  /// elements (TensorSpec::active_share < 1): FSDP moves every expert of a unit whichever experts
+  /// the tokens pick
+  int64_t routed_expert_gather_bytes = 0, routed_expert_reduce_bytes = 0;
 };
 
 struct CommModel {

@@ -669,6 +669,23 @@ int OptimizerStateCount(Optimizer optimizer) {
   return 0;
 }
 
+RoutedExpertBytes RoutedExpertBytesPerGpu(const Workload& w) {
+  RoutedExpertBytes e;
+  const FsdpConfig& c = w.config;
+  const int64_t master = BytesPerElement(c.master_dtype), states = OptimizerStateBytesPerParam(c.optimizer, c.master_dtype);
+  for (const TensorSpec& t : w.model.tensors) {
+    if (t.active_share >= 1) continue;
+    const int64_t shard = Fsdp2ShardNumel(t, w.shard_world);
+    e.params += t.LogicalNumel();
+    e.active_params_per_token += static_cast<double>(t.LogicalNumel()) * t.active_share;
+    e.sharded_param_bytes += shard * BytesPerElement(StorageDtype(c, t));
+    if (!t.trainable) continue;
+    e.gradient_bytes += shard * master;
+    e.optimizer_state_bytes += shard * states;
+  }
+  return e;
+}
+
 int64_t OptimizerStateBytesPerParam(Optimizer optimizer, DType master_dtype) {
   return OptimizerStateCount(optimizer) * BytesPerElement(master_dtype);
 }

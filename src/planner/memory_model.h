@@ -141,6 +141,17 @@ MemoryEstimate ReplayOnCard(const Workload& workload, const FrameworkOverheads& 
 /// Same with FrameworkOverheadsFor(workload).
 MemoryEstimate EstimateMemory(const Workload& workload);
 
+/// What a routed model's experts (TensorSpec::active_share < 1) keep on each rank between steps:
+/// their shards of the parameters (in their storage dtype), and when they train, of the
+/// gradients and optimizer states (master dtype). FSDP2's per-parameter shards; FSDP1's flat
+/// parameter shards each element once, padding aside. With CPU offload these sit on the host.
+struct RoutedExpertBytes {
+  int64_t params = 0;            ///< the experts' elements (all of them)
+  double active_params_per_token = 0;
+  int64_t sharded_param_bytes = 0, gradient_bytes = 0, optimizer_state_bytes = 0;
+};
+RoutedExpertBytes RoutedExpertBytesPerGpu(const Workload& workload);
+
 /// Optimizer states per parameter: AdamW/Adam 2 (exp_avg, exp_avg_sq), SGD momentum 1, SGD 0.
 int OptimizerStateCount(Optimizer optimizer);
 /// Optimizer state bytes per element of the sharded parameters: the states are created zeros_like

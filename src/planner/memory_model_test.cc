@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include "planner/activation_model.h"
+#include "planner/comm_model.h"
 
 #include <algorithm>
 #include <string>
@@ -513,6 +514,32 @@ TEST_CASE("QLoRA under FSDP1 with peft's wrap: the base packed in bf16 and shard
   const auto mixed = BuildWorkload(model.value(), hw, c);
   REQUIRE_FALSE(mixed.ok());
   CHECK(mixed.error().message.find("uniform dtype") != std::string::npos);
+}
+
+TEST_CASE("what routed experts cost: every expert sharded, all-gathered and reduced whichever the tokens pick") {
+  // mixtral-8x7b on 8 ranks, FSDP2 FULL_SHARD, bf16 params, fp32 reduce, AdamW: 32 layers x 8
+  // experts x w1/w3/w2 of 4096 x 14336 = 45,097,156,608 routed elements, 2 of 8 per token; each
+  // weight's dim 0 (14336 or 4096) divides by 8, so every rank holds an eighth of each in fp32,
+  // its fp32 gradient and two fp32 AdamW states; each block is all-gathered in the forward and
+  // again in the backward in bf16 and reduce-scattered once in fp32
+  FsdpConfig c;
+  c.gpus = 8;
+  c.framework = Framework::kFsdp2;
+  const Workload w = BuildWorkload(LoadModel("mixtral-8x7b").value(), LoadHardware("h100-sxm").value(), c).value();
+  const RoutedExpertBytes e = RoutedExpertBytesPerGpu(w);
+  const int64_t experts = 32LL * 8 * 3 * 4096 * 14336;
+  CHECK(e.params == experts);
+  CHECK(e.active_params_per_token == doctest::Approx(experts / 4.0));
+  CHECK(e.sharded_param_bytes == experts / 8 * 4);
+  CHECK(e.gradient_bytes == experts / 8 * 4);
+  CHECK(e.optimizer_state_bytes == experts / 8 * 8);
+  const CommVolume v = EstimateComm(w).volume;
+  CHECK(v.routed_expert_gather_bytes == 2 * experts * 2);
+  CHECK(v.routed_expert_reduce_bytes == experts * 4);
+  // a dense model has none
+  const Workload dense = BuildWorkload(LoadModel("llama-100m").value(), LoadHardware("h100-sxm").value(), c).value();
+  CHECK(RoutedExpertBytesPerGpu(dense).params == 0);
+  CHECK(EstimateComm(dense).volume.routed_expert_gather_bytes == 0);
 }
 
 }  // namespace

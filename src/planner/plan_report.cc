@@ -1,5 +1,6 @@
 #include "planner/plan_report.h"
 
+#include <cmath>
 #include <string>
 
 #include "core/lora.h"
@@ -49,6 +50,18 @@ Json OverheadsToJson(const FrameworkOverheads& o) {
 }
 
 }  // namespace
+
+void AddExpertsToJson(const Workload& w, const CommVolume& v, Json& plan) {
+  const RoutedExpertBytes e = RoutedExpertBytesPerGpu(w);
+  if (e.params == 0) return;
+  plan["experts"] = {{"routed_params", e.params},
+                     {"routed_params_active_per_token", std::llround(e.active_params_per_token)},
+                     {"sharded_param_bytes_per_gpu", e.sharded_param_bytes},
+                     {"gradient_bytes_per_gpu", e.gradient_bytes},
+                     {"optimizer_state_bytes_per_gpu", e.optimizer_state_bytes},
+                     {"all_gather_bytes_per_step", v.routed_expert_gather_bytes},
+                     {"reduce_bytes_per_step", v.routed_expert_reduce_bytes}};
+}
 
 void AddTimeToJson(const TimeEstimate& t, double ddp_step_s, Json& plan) {
   const CommVolume& v = t.comm.volume;

@@ -15,6 +15,11 @@ Json PlanToJson(const Workload& workload, const MemoryEstimate& memory);
 /// DDP comparison when `ddp_step_s` > 0) to a plan document.
 void AddTimeToJson(const TimeEstimate& time, double ddp_step_s, Json& plan);
 
+/// Adds "experts" for a routed model (RoutedExpertBytesPerGpu and CommVolume's routed-expert
+/// bytes): what its experts cost each GPU in memory and per step in collectives; nothing for a
+/// dense one.
+void AddExpertsToJson(const Workload& workload, const CommVolume& volume, Json& plan);
+
 /// The configuration alone (strategy, dtypes, ...), as written in plan files.
 Json ConfigToJson(const FsdpConfig& config);
 
