@@ -122,10 +122,11 @@ qlora_rows() {
 # DeepSeek-V3's latent attention, dense first layer, grouped sigmoid router and shared expert (eager
 # only: with q/k and v head dims that differ the CPU runs SDPA's fp32 math fallback, where CUDA runs
 # the memory-efficient kernel fsdp-plan models), Qwen3-MoE with two dense layers (mlp_only_layers),
-# and gpt-oss's attention sinks, biased experts and clamped SwiGLU (eager: it has no SDPA path)
+# gpt-oss's attention sinks, biased experts and clamped SwiGLU (eager: it has no SDPA path), and
+# Llama 4's dense and routed layers, NoPE layers and every-token experts
 Q3=$root/tests/data/hf_configs/qwen3-100m.json O2=$root/tests/data/hf_configs/olmo2-100m.json
 DS3=$root/tests/data/hf_configs/deepseek-v3-tiny.json Q3D=$root/tests/data/hf_configs/qwen3-moe-mlp-only.json
-GO=$root/tests/data/hf_configs/gpt-oss-tiny.json
+GO=$root/tests/data/hf_configs/gpt-oss-tiny.json L4=$root/tests/data/hf_configs/llama4-text-tiny.json
 Q3M=$root/tests/data/hf_configs/qwen3-moe-tiny.json P3=$root/tests/data/hf_configs/phi3-100m.json
 G2=$root/tests/data/hf_configs/gemma2-100m.json G3=$root/tests/data/hf_configs/gemma3-text-100m.json
 family_quick_rows() {
@@ -137,6 +138,7 @@ family_quick_rows() {
   check "1 rank  Gemma 3 windows flash 1024 x 2"     1 FULL_SHARD none 2 1024 "$G3" fsdp2 "" flash
   check "1 rank  DeepSeek-V3 eager seq 1024 x 2"     1 FULL_SHARD none 2 1024 "$DS3"
   check "1 rank  gpt-oss eager seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$GO"
+  check "1 rank  Llama 4 flash seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$L4" fsdp2 "" flash
 }
 family_rows() {
   family_quick_rows
@@ -156,6 +158,9 @@ family_rows() {
   check "1 rank  Qwen3-MoE 2 dense layers 1024 x 2"  1 FULL_SHARD none 2 1024 "$Q3D"
   check "2 ranks gpt-oss AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$GO"
   check "1 rank  gpt-oss SAC seq 1024 x 2"           1 FULL_SHARD selective 2 1024 "$GO"
+  check "1 rank  Llama 4 eager seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$L4"
+  check "2 ranks Llama 4 AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$L4"
+  check "1 rank  Llama 4 SAC seq 1024 x 2"           1 FULL_SHARD selective 2 1024 "$L4"
 }
 if [ "${ROWS:-}" = families ]; then
   family_rows

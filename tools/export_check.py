@@ -67,6 +67,10 @@ TINY = {
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                 "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "max_position_embeddings": 64,
                 "tie_word_embeddings": False},
+    "llama4_text": {"model_type": "llama4_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32,
+                    "intermediate_size_mlp": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                    "max_position_embeddings": 64, "tie_word_embeddings": False},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
@@ -91,6 +95,7 @@ CASES = [
     ("gemma3_text selective sdpa", "gemma3_text", "fp32", ["--ac", "selective", "--attention", "flash"]),
     ("deepseek_v3 selective eager", "deepseek_v3", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("gpt_oss selective eager", "gpt_oss", "fp32", ["--ac", "selective", "--attention", "eager"]),
+    ("llama4_text full sdpa", "llama4_text", "fp32", ["--ac", "full", "--attention", "flash"]),
     ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
 # QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's

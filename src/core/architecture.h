@@ -44,6 +44,8 @@ struct ParamOp {
   /// experts: one 3-D parameter [experts, out, in] named `module` itself (transformers 5's
   /// Qwen3MoeExperts.gate_up_proj / down_proj), rather than a linear per expert ("{}" in `module`)
   bool fused_experts = false;
+  /// fused experts that multiply every token (TensorSpec::dense_dispatch: transformers' Llama 4)
+  bool dense_dispatch = false;
 };
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)
@@ -80,6 +82,9 @@ struct Architecture {
   /// the routed experts' activation is gpt-oss's clamped SwiGLU (GptOssExperts._apply_gate:
   /// (clamp(up) + 1) * clamp(gate) * sigmoid(alpha * clamp(gate))), not SiLU(gate) * up
   bool experts_clamped_swiglu = false;
+  /// the routed experts run every token, weighted by the router's scores (0 for the unselected):
+  /// transformers' Llama4TextMoe repeats the tokens for each expert and multiplies them by bmm
+  bool experts_dense_dispatch = false;
   /// eager attention's softmax runs in fp32 and is cast back (HF Llama-style eager_attention_forward),
   /// rather than in the compute dtype (GPT-2's)
   bool softmax_fp32 = true;

@@ -82,18 +82,21 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
     if (all_linear) break;
     if (target == kAllLinear) return Error::BadInput("--lora-targets: all-linear stands alone, not in a list");
     bool found = false;
+    const ParamOp* bare = nullptr;
     for (const ParamOp* p : BlockOps(m.arch)) {
       const ParamOp& op = *p;
       if (!ModulePathMatches(op.module, target)) continue;
+      if (op.dense_dispatch) continue;  // Llama 4's experts: peft 0.21 leaves them alone (hf_lora_param_count)
       found = true;
       if (op.kind == ParamOp::Kind::kNorm) {
         return Error::BadInput(fmt::format("--lora-targets: '{}' is a norm of {}'s blocks, not a linear (LoRA wraps: {})", target, m.id, LinearNames(m)));
       }
-      if (op.kind == ParamOp::Kind::kRouter || op.experts > 0) {
-        return Error::BadInput(fmt::format("--lora-targets: '{}' is {}'s {}: a bare parameter in transformers 5 (peft adapts it through "
-                                           "target_parameters), which fsdpkit does not model (LoRA wraps: {})",
-                                           target, m.id, op.kind == ParamOp::Kind::kRouter ? "router" : "routed experts", LinearNames(m)));
-      }
+      if (op.kind == ParamOp::Kind::kRouter || op.experts > 0) bare = &op;
+    }
+    if (bare != nullptr) {
+      return Error::BadInput(fmt::format("--lora-targets: '{}' is {}'s {}: a bare parameter in transformers 5 (peft adapts it through "
+                                         "target_parameters), which fsdpkit does not model (LoRA wraps: {})",
+                                         target, m.id, bare->kind == ParamOp::Kind::kRouter ? "router" : "routed experts", LinearNames(m)));
     }
     const ModuleNames& names = m.arch.names;
     if (!found && (ModulePathMatches(names.lm_head, target) || ModulePathMatches(names.embedding, target))) {

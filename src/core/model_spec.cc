@@ -67,6 +67,7 @@ void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::st
       const double share = static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts);
       AddTensor(out, prefix + op.module, op.conv1d ? std::vector<int64_t>{op.experts, op.in, op.out} : std::vector<int64_t>{op.experts, op.out, op.in},
                 block, true, share, op.trainable);
+      out.back().dense_dispatch = op.dense_dispatch;
       if (op.bias) AddTensor(out, prefix + op.module + "_bias", {op.experts, op.out}, block, false, share, op.trainable);
       ++i;
       continue;
@@ -143,6 +144,8 @@ InventorySize CountInventory(const ModelSpec& m) {
 
 ModelShape ModelShape::LayerShape(int block) const {
   ModelShape shape = *this;
+  if (LayerWithoutRope(block)) shape.nope = true;
+  shape.layer_nope.clear();
   if (!arch.DenseLayer(block)) return shape;
   shape.arch.block = arch.dense_block;
   shape.arch.dense_block.clear();
@@ -150,7 +153,7 @@ ModelShape ModelShape::LayerShape(int block) const {
   shape.arch.mlp = MlpKind::kGated;
   shape.num_experts = shape.experts_per_token = 0;
   for (const ParamOp& op : arch.dense_block) {
-    if (op.module == "mlp.down_proj") shape.intermediate_size = op.in;
+    if (op.module.ends_with(".down_proj")) shape.intermediate_size = op.in;
   }
   return shape;
 }

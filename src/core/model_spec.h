@@ -19,10 +19,15 @@ struct TensorSpec {
   bool in_linear = false;       ///< owned by an nn.Linear (or GPT-2 Conv1D) module
   bool trainable = true;        ///< requires_grad: gets a gradient and optimizer states (all of them in full training)
   double active_share = 1.0;    ///< share of the tokens whose forward uses it (a routed expert's: top_k / experts)
+  /// a routed expert the forward multiplies by every token all the same (transformers' Llama 4
+  /// experts: the unselected tokens with a zero weight), so that its FLOPs are a dense weight's
+  bool dense_dispatch = false;
   /// > 0: a weight bitsandbytes stores packed as NF4 (QLoRA): its own element count; `shape` is the
   /// packed storage's ([(n + 1) / (2 x storage bytes), 1], as Params4bit holds it)
   int64_t nf4_numel = 0;
 
+  /// Share of the tokens the forward multiplies it with: its FLOPs' (active_share, or 1 under dense_dispatch).
+  double ComputedShare() const { return dense_dispatch ? 1.0 : active_share; }
   /// Elements stored: what FSDP flattens, shards and all-gathers.
   int64_t numel() const;
   /// Elements of the weight as the model computes with it (the unpacked NF4 weight's): FLOPs and
@@ -85,8 +90,9 @@ struct ModelShape {
   int64_t experts_per_token = 0;
   /// How the router picks and weighs a token's experts: a fp32 softmax over every expert, then
   /// the top-k (Mixtral's, Qwen3-MoE's); the top-k logits, then a softmax over them in the compute
-  /// dtype (GptOssTopKRouter); sigmoid scores with group-limited top-k (DeepseekV3TopkRouter)
-  enum class Router { kSoftmaxThenTopK, kTopKThenSoftmax, kGroupedSigmoid };
+  /// dtype (GptOssTopKRouter); sigmoid scores with group-limited top-k (DeepseekV3TopkRouter); the
+  /// top-k logits scattered into -inf and a fp32 sigmoid over every expert (Llama4Router)
+  enum class Router { kSoftmaxThenTopK, kTopKThenSoftmax, kGroupedSigmoid, kTopKThenSigmoid };
   Router router = Router::kSoftmaxThenTopK;
   /// kGroupedSigmoid: the experts in this many groups (n_group), of which expert_groups_kept
   /// (topk_group) are searched for the top-k
@@ -105,10 +111,21 @@ struct ModelShape {
 
   /// Decoder block `block`'s attention window in tokens, 0 for full causal attention.
   int64_t WindowOf(int block) const;
+  /// Llama 4's layers without RoPE (no_rope_layers 0: no q/k norm, temperature-tuned q instead);
+  /// empty: every layer has RoPE (GPT-2: its learned positions)
+  std::vector<bool> layer_nope;
+  /// This shape's layers run without RoPE (a LayerShape of one of layer_nope's)
+  bool nope = false;
+  /// Llama 4's use_qk_norm: a weightless L2 norm over each head's q and k after RoPE (Llama4TextL2Norm)
+  bool qk_l2_norm = false;
+  /// Llama 4's attn_temperature_tuning: q scaled by a fp32 factor per position in the NoPE layers
+  bool nope_temperature_tuning = false;
+  bool LayerWithoutRope(int block) const { return !layer_nope.empty() && layer_nope.at(static_cast<size_t>(block)); }
   /// Features per head of the values (MLA's v_head_dim; else head_dim, as q's and k's).
   int64_t ValueHeadDim() const { return mla.enabled() ? mla.v_head_dim : head_dim; }
   /// The shape of decoder block `block` as that of a model whose every block is like it: a dense
-  /// layer of a routed model (Architecture::dense_block) as a dense model with its MLP's width.
+  /// layer of a routed model (Architecture::dense_block) as a dense model with its MLP's width, a
+  /// layer without RoPE as a model without it (`nope`).
   ModelShape LayerShape(int block) const;
 };
 
@@ -128,7 +145,7 @@ struct ModelSpec : ModelShape {
 };
 
 /// Builds a ModelSpec from a parsed HF config.json through its family (core/families/: llama,
-/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, deepseek_v3, gpt_oss, gpt2). Missing keys take the defaults of transformers'
+/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, deepseek_v3, gpt_oss, llama4_text, gpt2). Missing keys take the defaults of transformers'
 /// configuration_<type>.py; absurd or inconsistent values (hidden not divisible by heads, heads not
 /// divisible by kv heads, non-positive sizes) give BadInput naming `origin` and the key.
 Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);

@@ -188,6 +188,20 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const
     }
     if (op.trainable) out.push_back({Name(op.module, "x_normalized"), (m.arch.norm_weight_fp32 ? 4 : d.c) * features});
   }
+  // Llama 4's RoPE layers: a weightless L2 norm over each head's q and k (Llama4TextL2Norm:
+  // x.float() saved by pow and the product, rsqrt's result per head); its NoPE layers scale q by
+  // a fp32 factor per position (saved by the product, one per position of the micro-batch)
+  if (m.qk_l2_norm && !m.nope) {
+    if (f.q) {
+      out.push_back({"self_attn.q_l2_fp32", 4 * q});
+      out.push_back({"self_attn.q_l2_rsqrt", 4 * d.heads * d.tokens});
+    }
+    if (f.k) {
+      out.push_back({"self_attn.k_l2_fp32", 4 * kv});
+      out.push_back({"self_attn.k_l2_rsqrt", 4 * d.kv_heads * d.tokens});
+    }
+  }
+  if (m.nope && m.nope_temperature_tuning && f.q) out.push_back({"self_attn.attn_scales", 4 * d.seq});
   const bool eager = cfg.attention == Attention::kEager;
   if (eager ? f.k : f.attn_out) out.push_back({"self_attn.q_rope", d.c * q});
   if (eager) {
@@ -295,6 +309,32 @@ void AddGroupedSigmoidRouter(std::vector<SavedTensor>& out, const ModelShape& m,
   out.push_back({"moe.topk_weights", 4 * pairs});
 }
 
+// A shared expert every token runs beside the routed ones (DeepSeek's shared_experts, Llama 4's
+// shared_expert): a SwiGLU MLP's four tensors over its width.
+void AddSharedExpert(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d) {
+  const ParamOp* shared = FindOp(m, "shared_experts.gate_proj");
+  if (shared == nullptr) shared = FindOp(m, "shared_expert.gate_proj");
+  if (shared == nullptr) return;
+  const int64_t y = d.c * shared->out * d.tokens;
+  for (const char* name : {"moe.shared_gate_out", "moe.shared_act_out", "moe.shared_up_out", "moe.shared_down_in"}) out.push_back({name, y});
+}
+
+// transformers' Llama4TextMoe: every token to every expert. The tokens repeated once per expert
+// and the column of scores they are multiplied by (each saved for the other's gradient), that
+// product (bmm's input), gate_up's output (SiLU and the product save its halves), the
+// activation and the product (down's bmm input): E rows per token, whatever top-k is.
+// saved_tensors_hooks on tests/data/hf_configs/llama4-text-tiny.json (transformers 5.24).
+void AddDenseDispatchExperts(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d) {
+  const int64_t rows = d.experts * d.tokens;
+  out.push_back({"moe.scores_column", d.c * rows});
+  out.push_back({"moe.tokens_repeated", d.c * d.h * rows});
+  out.push_back({"moe.expert_in", d.c * d.h * rows});
+  out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * rows});
+  out.push_back({"moe.act_out", d.c * d.inner * rows});
+  out.push_back({"moe.down_in", d.c * d.inner * rows});
+  AddSharedExpert(out, m, d);
+}
+
 // The MLP after its norm. Gated (SwiGLU): gate's output (SiLU's input), SiLU's output, up's output
 // and down's input. Routed experts (MixtralSparseMoeBlock): router logits, fp32 routing softmax,
 // then for each of the top_k (token, expert) pairs the gathered input, w1/act/w3/product and w2's
@@ -340,6 +380,14 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
           weight_bytes = d.c;
           break;
         case ModelShape::Router::kGroupedSigmoid: AddGroupedSigmoidRouter(out, m, d); break;
+        case ModelShape::Router::kTopKThenSigmoid:  // Llama4Router: topk's indices (scatter's too), the fp32 sigmoid over every expert
+          out.push_back({"moe.topk_indices", 8 * pairs});
+          out.push_back({"moe.sigmoid_fp32", 4 * d.experts * d.tokens});
+          break;
+      }
+      if (m.arch.experts_dense_dispatch) {
+        AddDenseDispatchExperts(out, m, d);
+        return;
       }
       out.push_back({"moe.expert_in", d.c * d.h * pairs});
       out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * pairs});
@@ -358,11 +406,7 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
       // gathers them
       const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
       out.push_back({"moe.permutations", (experts != nullptr && experts->bias ? 4 : 3) * 8 * pairs});
-      // DeepSeek's shared experts (DeepseekV3MLP on every token): a SwiGLU MLP's four tensors
-      if (const ParamOp* shared = FindOp(m, "shared_experts.gate_proj")) {
-        const int64_t y = d.c * shared->out * d.tokens;
-        for (const char* name : {"moe.shared_gate_out", "moe.shared_act_out", "moe.shared_up_out", "moe.shared_down_in"}) out.push_back({name, y});
-      }
+      AddSharedExpert(out, m, d);
       return;
     }
     case MlpKind::kPlain: {

@@ -22,6 +22,18 @@ BlockActivations Profile(const char* id, int64_t seq, Attention attention, Check
   return BlockActivationProfile(Loaded(id), c);
 }
 
+// A config of tests/data/hf_configs/.
+ModelSpec TestConfig(const char* file) { return LoadModel(DataDir() + "/tests/data/hf_configs/" + file).value(); }
+
+// bf16, eager attention at 2 x 256 tokens: how the saved_tensors_hooks measurements below ran.
+FsdpConfig HookedConfig() {
+  FsdpConfig c;
+  c.seq_len = 256;
+  c.micro_batch = 2;
+  c.attention = Attention::kEager;
+  return c;
+}
+
 TEST_CASE("GPT-2 block, eager, bf16: Korthikanti et al.'s sbh(34 + 5as/h) plus what HF really saves") {
   // Per token (h=768, a=12, s=1024, inner 3072, dropout 0.1): LayerNorms 2*(2h + 8), c_attn input 2h,
   // qkv 6h, probs 2as, dropout mask as + output 2as, c_proj input 2h, residual-dropout masks 2*h,
@@ -189,11 +201,8 @@ TEST_CASE("DeepSeek-V3 blocks, eager: latent attention's norms and copies, the g
   // forward saves (saved_tensors_hooks on transformers 5.24, the parameters and the model-wide
   // RoPE cos / sin left out): 18,620,416 bytes for the dense layer 0, 22,489,152 for a routed
   // one, less the 64 bytes of grouped_mm's int32 expert offsets, which fsdp-plan leaves out.
-  const ModelSpec m = LoadModel(DataDir() + "/tests/data/hf_configs/deepseek-v3-tiny.json").value();
-  FsdpConfig c;
-  c.seq_len = 256;
-  c.micro_batch = 2;
-  c.attention = Attention::kEager;
+  const ModelSpec m = TestConfig("deepseek-v3-tiny.json");
+  const FsdpConfig c = HookedConfig();
   CHECK(BlockActivationProfile(m.LayerShape(0), c).FullBytes() == 18'620'416);
   CHECK(BlockActivationProfile(m.LayerShape(1), c).FullBytes() == 22'489'152 - 64);
   // by hand, per token of the routed layer: the router's fp32 input 4h and sigmoid 4E, the
@@ -220,17 +229,33 @@ TEST_CASE("gpt-oss block, eager: the sink-joined softmax in c, a top-k-then-soft
   // o_proj's input 2 x 8 x 64; the router's top-k indices 8 x 2 and softmax 2 x 2; per pair
   // (two per token) the gathered input 2h, gate_up's output 2 x 2 x 256, five c x 256 tensors of
   // the clamped SwiGLU and down's input, the weight 2, down's output 2h, four int64 indices.
-  const ModelSpec m = LoadModel(DataDir() + "/tests/data/hf_configs/gpt-oss-tiny.json").value();
-  FsdpConfig c;
-  c.seq_len = 256;
-  c.micro_batch = 2;
-  c.attention = Attention::kEager;
+  const ModelSpec m = TestConfig("gpt-oss-tiny.json");
+  const FsdpConfig c = HookedConfig();
   const int64_t h = 512, per_pair = 2 * h + 4 * 256 + 5 * 2 * 256 + 2 + 2 * h + 32;
   const int64_t per_token = 2 * (4 * h + 4 + 4 * h + 2 * h) + 3 * 2 * 8 * 64 + 8 * 8 + 2 * 8 * 257 + 2 * 8 * 64 + 8 * 2 + 2 * 2 + 2 * per_pair;
   CHECK(per_token * 512 == 15'294'496 - 32);
   CHECK(BlockActivationProfile(m, c).FullBytes() == 15'294'496 - 32);
   // SDPA cannot run it: without --attention the CLIs plan eager
   CHECK(SdpaRuledOut(m).find("sink logit per head") != std::string::npos);
+}
+
+TEST_CASE("Llama 4 blocks, eager: L2-normed q/k on RoPE layers, a temperature on NoPE ones, every token through every expert") {
+  // llama4-text-tiny.json in bf16 at 2 x 256 tokens (h 512, 8 heads / 2 kv of 64, 4 experts of
+  // 256 and a shared one, dense layers of 1024 on even indices, NoPE on the fourth):
+  // saved_tensors_hooks on Llama4TextDecoderLayer (transformers 5.24) list, beside the model-wide
+  // complex RoPE table, 13,918,208 bytes for layer 0 (RoPE, dense), 19,177,472 for layer 1
+  // (RoPE, routed) and 17,847,296 for layer 3 (NoPE, routed)
+  const ModelSpec m = TestConfig("llama4-text-tiny.json");
+  const FsdpConfig c = HookedConfig();
+  CHECK(BlockActivationProfile(m.LayerShape(0), c).FullBytes() == 13'918'208);
+  CHECK(BlockActivationProfile(m.LayerShape(1), c).FullBytes() == 19'177'472);
+  CHECK(BlockActivationProfile(m.LayerShape(3), c).FullBytes() == 17'847'296);
+  // the routed layer's MLP per token, by hand: top-1 index 8, fp32 sigmoid 4 x 4, then 4 rows of
+  // the score 2, the repeated token 2h, bmm's input 2h, gate_up 2 x 2 x 256, activation and
+  // product 2 x 256 each; the shared expert 4 x 2 x 256
+  int64_t moe = 0;
+  for (const SavedTensor& t : BlockActivationProfile(m.LayerShape(1), c).full) moe += t.name.starts_with("moe.") ? t.bytes : 0;
+  CHECK(moe == 512 * (8 + 16 + 4 * (2 + 2 * 512 + 2 * 512 + 4 * 256 + 2 * 2 * 256) + 4 * 2 * 256));
 }
 
 TEST_CASE("logits and loss buffers scale with the vocabulary") {

@@ -40,7 +40,7 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
   for (int t : n.tensors) {
     const TensorSpec& ts = m.tensors[t];
     if (!IsMatmulWeight(ts)) continue;
-    const double share = ts.active_share;
+    const double share = ts.ComputedShare();
     work.gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
     if (!ts.trainable) work.frozen_gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
     if (ts.nf4_numel > 0) work.dequant_bytes += Nf4DequantTrafficBytes(ts.nf4_numel, w.config.param_dtype);

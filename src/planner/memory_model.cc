@@ -42,7 +42,7 @@ constexpr int64_t kBlasThreads = 2;
 class StepPlayer {
  public:
   StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem)
-      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), profiles_(BlockProfiles(w)),
+      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), profiles_(ProfilesOf(w)),
         head_(HeadActivationProfile(w.model, w.config)), phases_(w) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
@@ -412,36 +412,36 @@ class StepPlayer {
 
   // The saved tensors of a block: the configured checkpointing's, or none's for a block that
   // --ac-every leaves un-checkpointed.
-  const BlockActivations& BlockProfile(int node_id) const {
-    const int block = w_.nodes[node_id].block;
-    return profiles_[ProfileIndex(w_.model.arch.DenseLayer(block), block == 0, BlockCheckpointed(c_, block),
-                                  WindowMasksSdpa(c_, w_.model.WindowOf(block)))];
-  }
-  static size_t ProfileIndex(bool dense, bool first, bool checkpointed, bool windowed) {
-    return 8 * dense + 4 * first + 2 * checkpointed + windowed;
-  }
-  // Every kind of block's saved tensors: a dense layer of a routed model or not (its shape), the
-  // first block or another (its input may not require grad under LoRA), checkpointed or not
-  // (--ac-every), its window shorter than the sequence or not (a masked SDPA); the dense and
-  // windowed ones only where some block is.
-  static std::array<BlockActivations, 16> BlockProfiles(const Workload& w) {
-    std::array<BlockActivations, 16> p;
-    const bool windowed = HasMaskedBlocks(w.model, w.config);
-    const int64_t window = w.model.sliding_window;
-    const auto& dense_layers = w.model.arch.dense_layers;
-    const auto first_dense = std::find(dense_layers.begin(), dense_layers.end(), true);
-    const ModelShape dense_shape = first_dense == dense_layers.end() ? ModelShape{} : w.model.LayerShape(static_cast<int>(first_dense - dense_layers.begin()));
-    for (bool dense : {false, true}) {
-      if (dense && first_dense == dense_layers.end()) continue;
-      const ModelShape& shape = dense ? dense_shape : w.model;
-      for (bool first : {false, true}) {
-        const bool input_rg = first ? BlockInputRequiresGrad(w.model, 0) : true;
-        for (bool checkpointed : {false, true}) {
-          const FsdpConfig c = checkpointed ? w.config : WithoutCheckpointing(w.config);
-          BlockActivations& unmasked = p[ProfileIndex(dense, first, checkpointed, false)];
-          unmasked = BlockActivationProfile(shape, c, input_rg);
-          p[ProfileIndex(dense, first, checkpointed, true)] = windowed ? BlockActivationProfile(shape, c, input_rg, window) : unmasked;
-        }
+  const BlockActivations& BlockProfile(int node_id) const { return profiles_.kinds[profiles_.of_block[w_.nodes[node_id].block]]; }
+
+  // Every kind of block's saved tensors, once per kind: its shape (ModelShape::LayerShape: a dense
+  // layer of a routed model, a layer without RoPE), the first block or another (its input may not
+  // require grad under LoRA), checkpointed or not (--ac-every), its window shorter than the
+  // sequence or not (a masked SDPA).
+  struct BlockProfiles {
+    std::vector<BlockActivations> kinds;
+    std::vector<size_t> of_block;  // index into kinds
+  };
+  static BlockProfiles ProfilesOf(const Workload& w) {
+    const ModelSpec& m = w.model;
+    BlockProfiles p;
+    std::vector<std::array<bool, 5>> keys;
+    p.of_block.resize(static_cast<size_t>(m.num_layers));
+    for (int b = 0; b < m.num_layers; ++b) {
+      const int64_t window = m.WindowOf(b);
+      const std::array<bool, 5> key = {m.arch.DenseLayer(b), m.LayerWithoutRope(b), b == 0, BlockCheckpointed(w.config, b),
+                                       WindowMasksSdpa(w.config, window)};
+      const auto known = std::find(keys.begin(), keys.end(), key);
+      p.of_block[static_cast<size_t>(b)] = static_cast<size_t>(known - keys.begin());
+      if (known != keys.end()) continue;
+      keys.push_back(key);
+      const FsdpConfig c = key[3] ? w.config : WithoutCheckpointing(w.config);
+      const bool input_rg = key[2] ? BlockInputRequiresGrad(m, 0) : true;
+      const int64_t masked_window = key[4] ? window : 0;
+      if (key[0] || key[1]) {
+        p.kinds.push_back(BlockActivationProfile(m.LayerShape(b), c, input_rg, masked_window));
+      } else {
+        p.kinds.push_back(BlockActivationProfile(m, c, input_rg, masked_window));
       }
     }
     return p;
@@ -607,7 +607,7 @@ class StepPlayer {
   const FsdpConfig& c_;
   const Schedule& schedule_;
   MemoryTracker& mem_;
-  std::array<BlockActivations, 16> profiles_;  // by ProfileIndex
+  BlockProfiles profiles_;
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   int64_t nf4_dequant_bytes_ = 0;  // QLoRA: the largest quantized weight, dequantized in the compute dtype

@@ -207,10 +207,11 @@ void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block) {
 void AddFusedExperts(const ModelSpec& m, std::vector<ParamOp>& block, const FusedExpertsLayout& layout) {
   const int64_t h = m.hidden_size, inner = m.intermediate_size, e = m.num_experts, k = m.experts_per_token;
   block.push_back({ParamOp::Kind::kRouter, layout.router, h, e, layout.biases});
-  ParamOp gate_up{ParamOp::Kind::kLinear, "mlp.experts.gate_up_proj", h, 2 * inner, layout.biases, layout.transposed, e, k};
+  ParamOp gate_up{ParamOp::Kind::kLinear, std::string(layout.experts) + ".gate_up_proj", h, 2 * inner, layout.biases, layout.transposed, e, k};
   gate_up.fused_experts = true;
+  gate_up.dense_dispatch = layout.dense_dispatch;
   ParamOp down = gate_up;
-  down.module = "mlp.experts.down_proj";
+  down.module = std::string(layout.experts) + ".down_proj";
   down.in = inner;
   down.out = h;
   block.insert(block.end(), {gate_up, down});

@@ -89,7 +89,9 @@ void AddGatedMlp(const ModelSpec& m, bool bias, std::vector<ParamOp>& block);
 struct FusedExpertsLayout {
   const char* router = "mlp.gate";
   bool biases = false;      ///< gpt-oss's: the router's and each expert projection's ("<name>_bias" [experts, out])
-  bool transposed = false;  ///< gpt-oss's experts are stored [experts, in, out]
+  bool transposed = false;  ///< gpt-oss's and Llama 4's experts are stored [experts, in, out]
+  const char* experts = "mlp.experts";
+  bool dense_dispatch = false;  ///< Llama 4's: every token through every expert (ParamOp::dense_dispatch)
 };
 /// A router [experts, hidden] and routed SwiGLU experts as transformers 5 stores them: two 3-D
 /// parameters, mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden] and
