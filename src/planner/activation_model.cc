@@ -604,7 +604,8 @@ int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const D
   } else {
     attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }
-  const int64_t mlp_factor = d.experts > 0 ? d.top_k : 1;
+  // rows per token through the experts: top-k, or every expert (Llama 4's dense dispatch)
+  const int64_t mlp_factor = d.experts == 0 ? 1 : m.arch.experts_dense_dispatch ? d.experts : d.top_k;
   const int64_t mlp = (m.arch.mlp == MlpKind::kPlain ? 4 : 3) * d.c * d.inner * d.tokens * mlp_factor;
   const int64_t norm = 12 * hT;
   return 2 * d.c * hT + std::max({attention, mlp, norm});

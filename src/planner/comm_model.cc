@@ -61,7 +61,15 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
     const int64_t gathers = gathers_fwd + gathers_bwd;
     // only gradients are reduced: a unit with nothing to train has no reduction
     const int64_t reductions = unit.grad_padded_numel > 0 ? step_reductions : 0;
+    int64_t experts = 0, trainable_experts = 0;  // the unit's routed-expert elements
+    for (int t : unit.tensors) {
+      const TensorSpec& ts = w.model.tensors[t];
+      if (ts.active_share >= 1) continue;
+      experts += ts.numel();
+      trainable_experts += ts.trainable ? ts.numel() : 0;
+    }
     if (no_shard) {
+      v.routed_expert_reduce_bytes += reductions * trainable_experts * r;
       uc.all_reduce = replica_cache.Get(Collective::kAllReduce, unit.numel * r);  // the flat gradient, unpadded
       v.all_reduce_bytes += reductions * unit.numel * r;
       v.all_reduce_count += uc.all_reduce.time_s > 0 ? reductions : 0;
@@ -76,6 +84,8 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
         v.backward_all_gather_count += gathers_bwd;
         v.reduce_scatter_bytes += reductions * unit.grad_padded_numel * r;
         v.reduce_scatter_count += reductions;
+        v.routed_expert_gather_bytes += gathers * experts * p;
+        v.routed_expert_reduce_bytes += reductions * trainable_experts * r;
       }
       const double ag_factor = BusFactor(Collective::kAllGather, cm.shard_group.ranks);
       v.sent_bytes += static_cast<double>(gathers * unit.padded_numel * p + reductions * unit.grad_padded_numel * r) * ag_factor;
@@ -86,15 +96,6 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
         v.sent_bytes += static_cast<double>(reductions * unit.grad_shard_numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
       }
     }
-    int64_t experts = 0, trainable_experts = 0;  // the unit's routed-expert elements
-    for (int t : unit.tensors) {
-      const TensorSpec& ts = w.model.tensors[t];
-      if (ts.active_share >= 1) continue;
-      experts += ts.numel();
-      trainable_experts += ts.trainable ? ts.numel() : 0;
-    }
-    v.routed_expert_gather_bytes += no_shard ? 0 : gathers * experts * p;
-    v.routed_expert_reduce_bytes += reductions * trainable_experts * r;
     const int64_t copies_in = c.cpu_offload ? schedule.Unshards(u) : 0;
     if (c.cpu_offload) {
       uc.host_to_device_s = HostCopySeconds(unit.shard_bytes, w.hardware);

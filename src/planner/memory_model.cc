@@ -415,9 +415,9 @@ class StepPlayer {
   const BlockActivations& BlockProfile(int node_id) const { return profiles_.kinds[profiles_.of_block[w_.nodes[node_id].block]]; }
 
   // Every kind of block's saved tensors, once per kind: its shape (ModelShape::LayerShape: a dense
-  // layer of a routed model, a layer without RoPE), the first block or another (its input may not
-  // require grad under LoRA), checkpointed or not (--ac-every), its window shorter than the
-  // sequence or not (a masked SDPA).
+  // layer of a routed model, a layer without RoPE), whether its input requires grad (not under
+  // LoRA before the first block with an adapter), checkpointed or not (--ac-every), its window
+  // shorter than the sequence or not (a masked SDPA).
   struct BlockProfiles {
     std::vector<BlockActivations> kinds;
     std::vector<size_t> of_block;  // index into kinds
@@ -429,14 +429,14 @@ class StepPlayer {
     p.of_block.resize(static_cast<size_t>(m.num_layers));
     for (int b = 0; b < m.num_layers; ++b) {
       const int64_t window = m.WindowOf(b);
-      const std::array<bool, 5> key = {m.arch.DenseLayer(b), m.LayerWithoutRope(b), b == 0, BlockCheckpointed(w.config, b),
+      const std::array<bool, 5> key = {m.arch.DenseLayer(b), m.LayerWithoutRope(b), BlockInputRequiresGrad(m, b), BlockCheckpointed(w.config, b),
                                        WindowMasksSdpa(w.config, window)};
       const auto known = std::find(keys.begin(), keys.end(), key);
       p.of_block[static_cast<size_t>(b)] = static_cast<size_t>(known - keys.begin());
       if (known != keys.end()) continue;
       keys.push_back(key);
       const FsdpConfig c = key[3] ? w.config : WithoutCheckpointing(w.config);
-      const bool input_rg = key[2] ? BlockInputRequiresGrad(m, 0) : true;
+      const bool input_rg = key[2];
       const int64_t masked_window = key[4] ? window : 0;
       if (key[0] || key[1]) {
         p.kinds.push_back(BlockActivationProfile(m.LayerShape(b), c, input_rg, masked_window));

@@ -536,6 +536,11 @@ TEST_CASE("what routed experts cost: every expert sharded, all-gathered and redu
   const CommVolume v = EstimateComm(w).volume;
   CHECK(v.routed_expert_gather_bytes == 2 * experts * 2);
   CHECK(v.routed_expert_reduce_bytes == experts * 4);
+  // on one GPU FULL_SHARD issues no collective, the experts' share of none is none
+  c.gpus = 1;
+  const CommVolume one = EstimateComm(BuildWorkload(LoadModel("mixtral-8x7b").value(), LoadHardware("h100-sxm").value(), c).value()).volume;
+  CHECK(one.routed_expert_gather_bytes <= one.forward_all_gather_bytes + one.backward_all_gather_bytes);
+  CHECK(one.routed_expert_reduce_bytes <= one.reduce_scatter_bytes + one.all_reduce_bytes);
   // a dense model has none
   const Workload dense = BuildWorkload(LoadModel("llama-100m").value(), LoadHardware("h100-sxm").value(), c).value();
   CHECK(RoutedExpertBytesPerGpu(dense).params == 0);

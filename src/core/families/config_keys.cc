@@ -120,7 +120,10 @@ Status ReadDecoderKeys(const JsonReader& r, const DecoderDefaults& d, ModelSpec&
   FSDP_ASSIGN(m.intermediate_size, ReadDim(r, {"intermediate_size"}, d.intermediate_size, kMaxDim));
   FSDP_ASSIGN(m.num_kv_heads, ReadDim(r, {"num_key_value_heads"}, d.num_kv_heads == 0 ? m.num_heads : d.num_kv_heads, kMaxDim));
   FSDP_ASSIGN_OR_RETURN(const int64_t head_dim, ReadDim(r, {"head_dim"}, 0, kMaxDim));
-  if (head_dim == 0 && d.head_dim > 0) {
+  // an explicit null is hidden / heads in every configuration class (their __post_init__)
+  const auto head_dim_key = r.json().find("head_dim");
+  const bool head_dim_null = head_dim_key != r.json().end() && head_dim_key->is_null();
+  if (head_dim == 0 && d.head_dim > 0 && !head_dim_null) {
     m.head_dim = d.head_dim;
   } else if (head_dim == 0 && !d.own_head_dim) {
     if (m.hidden_size % m.num_heads != 0) {
