@@ -161,6 +161,14 @@ family_rows() {
   check "1 rank  Llama 4 eager seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$L4"
   check "2 ranks Llama 4 AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$L4"
   check "1 rank  Llama 4 SAC seq 1024 x 2"           1 FULL_SHARD selective 2 1024 "$L4"
+  family_lora_rows
+}
+# LoRA on the routed families (peft's adapters, the experts frozen: their matmuls save no inputs)
+family_lora_rows() {
+  check "1 rank  Qwen3-MoE LoRA q,v r8 1024 x 2"     1 FULL_SHARD none 2 1024 "$Q3M" fsdp2 "--lora-rank 8 --lora-targets q_proj,v_proj"
+  check "1 rank  gpt-oss LoRA q,v r8 1024 x 2"       1 FULL_SHARD none 2 1024 "$GO" fsdp2 "--lora-rank 8 --lora-targets q_proj,v_proj"
+  check "1 rank  DeepSeek-V3 LoRA q_a,kv_b,o 1024 x 2" 1 FULL_SHARD none 2 1024 "$DS3" fsdp2 "--lora-rank 8 --lora-targets q_a_proj,kv_b_proj,o_proj"
+  check "1 rank  Llama 4 LoRA q,down r8 1024 x 2"    1 FULL_SHARD none 2 1024 "$L4" fsdp2 "--lora-rank 8 --lora-targets q_proj,down_proj"
 }
 if [ "${ROWS:-}" = families ]; then
   family_rows

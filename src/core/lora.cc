@@ -93,6 +93,14 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
       }
       if (op.kind == ParamOp::Kind::kRouter || op.experts > 0) bare = &op;
     }
+    // peft 0.21 converts a target for transformers 5's fused experts by its last component
+    // (transformers_weight_conversion.py), so "shared_experts.down_proj" adapts the routed
+    // experts' down_proj too (hf_lora_param_count: their LoRA parameters appear)
+    const std::string_view last = std::string_view(target).substr(target.rfind('.') + 1);
+    for (const ParamOp* p : BlockOps(m.arch)) {
+      const std::string_view expert_last = std::string_view(p->module).substr(p->module.rfind('.') + 1);
+      if (found && bare == nullptr && p->fused_experts && !p->dense_dispatch && expert_last == last) bare = p;
+    }
     if (bare != nullptr) {
       return Error::BadInput(fmt::format("--lora-targets: '{}' is {}'s {}: a bare parameter in transformers 5 (peft adapts it through "
                                          "target_parameters), which fsdpkit does not model (LoRA wraps: {})",

@@ -262,8 +262,19 @@ void AddLatentAttention(std::vector<SavedTensor>& out, const ModelShape& m, cons
     if (op == nullptr || op->trainable) out.push_back({Name(norm, "x_normalized"), (m.arch.norm_weight_fp32 ? 4 : d.c) * features});
     if (SavesInput(FindOp(m, reader))) out.push_back({Name(norm, "out"), d.c * features});
   };
-  if (a.q_lora_rank > 0) latent("q_a_layernorm", "q_b_proj", a.q_lora_rank, f.norm1 || Trains(FindOp(m, "q_a_proj")));
+  // peft's adapters on the projections: those reading the normed hidden states, then those
+  // reading a latent's norm (whose output requires grad when anything before it trains)
+  for (const char* reader : {"q_proj", "q_a_proj", "kv_a_proj_with_mqa"}) AddLoraSaved(out, FindOp(m, reader), f.norm1, d);
+  auto latent_rg = [&](const char* projection, const char* norm) {
+    const ParamOp* n = FindOp(m, norm);
+    return f.norm1 || Trains(FindOp(m, projection)) || (n != nullptr && n->trainable);
+  };
+  if (a.q_lora_rank > 0) {
+    latent("q_a_layernorm", "q_b_proj", a.q_lora_rank, f.norm1 || Trains(FindOp(m, "q_a_proj")));
+    AddLoraSaved(out, FindOp(m, "q_b_proj"), latent_rg("q_a_proj", "q_a_layernorm"), d);
+  }
   latent("kv_a_layernorm", "kv_b_proj", a.kv_lora_rank, f.norm1 || Trains(FindOp(m, "kv_a_proj_with_mqa")));
+  AddLoraSaved(out, FindOp(m, "kv_b_proj"), latent_rg("kv_a_proj_with_mqa", "kv_a_layernorm"), d);
   if (cfg.attention == Attention::kEager) {
     if (f.k) out.push_back({"self_attn.q", d.c * qk});
     if (f.q) out.push_back({"self_attn.k", d.c * qk});
@@ -291,6 +302,14 @@ void AddFusedAttention(std::vector<SavedTensor>& out, const ModelShape& m, const
   AddLoraSaved(out, proj, f.attn_out, d);
 }
 
+// The block's router (ParamOp::Kind::kRouter), or null.
+const ParamOp* RouterOf(const ModelShape& m) {
+  for (const ParamOp& op : m.arch.block) {
+    if (op.kind == ParamOp::Kind::kRouter) return &op;
+  }
+  return nullptr;
+}
+
 // DeepSeek-V3's router (DeepseekV3TopkRouter.forward): F.linear on fp32 copies of the input and
 // of the weight (each saved for the other's gradient), sigmoid's output, topk's int64 indices of
 // the best two scores of every group and of the kept groups, the bool mask of the kept groups'
@@ -298,7 +317,7 @@ void AddFusedAttention(std::vector<SavedTensor>& out, const ModelShape& m, const
 // weights the in-place division saves. saved_tensors_hooks on deepseek-v3-tiny.json's routed layer.
 void AddGroupedSigmoidRouter(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d) {
   const int64_t pairs = d.top_k * d.tokens;
-  out.push_back({"moe.router_in_fp32", 4 * d.h * d.tokens});
+  if (SavesInput(RouterOf(m))) out.push_back({"moe.router_in_fp32", 4 * d.h * d.tokens});
   out.push_back({"moe.router_weight_fp32", 4 * d.experts * d.h});
   out.push_back({"moe.sigmoid_out", 4 * d.experts * d.tokens});
   out.push_back({"moe.group_top2_indices", 8 * 2 * m.expert_groups * d.tokens});
@@ -309,14 +328,48 @@ void AddGroupedSigmoidRouter(std::vector<SavedTensor>& out, const ModelShape& m,
   out.push_back({"moe.topk_weights", 4 * pairs});
 }
 
+// Whether the routed experts' first and last projections train: their matmuls (grouped_mm, bmm,
+// a linear per expert) save their inputs only for the weights' gradients, so frozen experts
+// (LoRA's base) save neither the gathered tokens nor down's input.
+struct ExpertWeights {
+  bool gate_up_trains = true, down_trains = true;
+};
+ExpertWeights ExpertWeightsOf(const ModelShape& m) {
+  const ParamOp *first = nullptr, *last = nullptr;
+  for (const ParamOp& op : m.arch.block) {
+    if (op.experts == 0 || op.kind != ParamOp::Kind::kLinear) continue;
+    if (first == nullptr) first = &op;
+    last = &op;
+  }
+  return {first == nullptr || first->trainable, last == nullptr || last->trainable};
+}
+
+// A SwiGLU MLP reading `input_rg` hidden states, `x` bytes per inner tensor: gate's output (SiLU's
+// input), SiLU's output, up's output and down's input, with peft's adapters. Under LoRA SiLU saves
+// its input when gate's output requires grad, act * up saves each factor for the other's gradient,
+// down saves its input as any linear (SavesInput).
+void AddSwiGlu(std::vector<SavedTensor>& out, std::string_view prefix, const ParamOp* gate, const ParamOp* up, const ParamOp* down, int64_t x,
+               bool input_rg, const Dims& d) {
+  AddLoraSaved(out, gate, input_rg, d);
+  if (up != gate) AddLoraSaved(out, up, input_rg, d);
+  const bool gate_rg = input_rg || Trains(gate), up_rg = input_rg || Trains(up);
+  if (gate_rg) out.push_back({Name(prefix, "gate_out"), x});
+  if (up_rg) out.push_back({Name(prefix, "act_out"), x});
+  if (gate_rg) out.push_back({Name(prefix, "up_out"), x});
+  if (SavesInput(down)) out.push_back({Name(prefix, "down_in"), x});
+  AddLoraSaved(out, down, gate_rg || up_rg, d);
+}
+
 // A shared expert every token runs beside the routed ones (DeepSeek's shared_experts, Llama 4's
-// shared_expert): a SwiGLU MLP's four tensors over its width.
-void AddSharedExpert(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d) {
-  const ParamOp* shared = FindOp(m, "shared_experts.gate_proj");
-  if (shared == nullptr) shared = FindOp(m, "shared_expert.gate_proj");
-  if (shared == nullptr) return;
-  const int64_t y = d.c * shared->out * d.tokens;
-  for (const char* name : {"moe.shared_gate_out", "moe.shared_act_out", "moe.shared_up_out", "moe.shared_down_in"}) out.push_back({name, y});
+// shared_expert): a SwiGLU MLP over its width, reading the normed hidden states.
+void AddSharedExpert(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, bool input_rg) {
+  for (const char* module : {"shared_experts", "shared_expert"}) {
+    const std::string name(module);
+    const ParamOp* gate = FindOp(m, name + ".gate_proj");
+    if (gate == nullptr) continue;
+    AddSwiGlu(out, "moe.shared", gate, FindOp(m, name + ".up_proj"), FindOp(m, name + ".down_proj"), d.c * gate->out * d.tokens, input_rg, d);
+    return;
+  }
 }
 
 // transformers' Llama4TextMoe: every token to every expert. The tokens repeated once per expert
@@ -324,15 +377,16 @@ void AddSharedExpert(std::vector<SavedTensor>& out, const ModelShape& m, const D
 // product (bmm's input), gate_up's output (SiLU and the product save its halves), the
 // activation and the product (down's bmm input): E rows per token, whatever top-k is.
 // saved_tensors_hooks on tests/data/hf_configs/llama4-text-tiny.json (transformers 5.24).
-void AddDenseDispatchExperts(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d) {
+void AddDenseDispatchExperts(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, bool input_rg) {
   const int64_t rows = d.experts * d.tokens;
+  const ExpertWeights w = ExpertWeightsOf(m);
   out.push_back({"moe.scores_column", d.c * rows});
   out.push_back({"moe.tokens_repeated", d.c * d.h * rows});
-  out.push_back({"moe.expert_in", d.c * d.h * rows});
+  if (w.gate_up_trains) out.push_back({"moe.expert_in", d.c * d.h * rows});
   out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * rows});
   out.push_back({"moe.act_out", d.c * d.inner * rows});
-  out.push_back({"moe.down_in", d.c * d.inner * rows});
-  AddSharedExpert(out, m, d);
+  if (w.down_trains) out.push_back({"moe.down_in", d.c * d.inner * rows});
+  AddSharedExpert(out, m, d, input_rg);
 }
 
 // The MLP after its norm. Gated (SwiGLU): gate's output (SiLU's input), SiLU's output, up's output
@@ -345,20 +399,11 @@ void AddDenseDispatchExperts(std::vector<SavedTensor>& out, const ModelShape& m,
 void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, const BlockFlow& f) {
   const int64_t x = d.c * d.inner * d.tokens;
   switch (m.arch.mlp) {
-    case MlpKind::kGated: {
+    case MlpKind::kGated:
       // Phi-3's gate_up_proj: gate and up are halves of its output, which SiLU and the product save
       // between them (the same bytes as the two outputs)
-      const ParamOp *gate = ProjectionOf(m, "gate_proj"), *up = ProjectionOf(m, "up_proj"), *down = FindOp(m, "down_proj");
-      AddLoraSaved(out, gate, f.norm2, d);
-      if (up != gate) AddLoraSaved(out, up, f.norm2, d);
-      const bool gate_rg = f.norm2 || Trains(gate), up_rg = f.norm2 || Trains(up);
-      if (gate_rg) out.push_back({"mlp.gate_out", x});
-      if (up_rg) out.push_back({"mlp.act_out", x});
-      if (gate_rg) out.push_back({"mlp.up_out", x});
-      if (SavesInput(down)) out.push_back({"mlp.down_in", x});
-      AddLoraSaved(out, down, gate_rg || up_rg, d);
+      AddSwiGlu(out, "mlp", ProjectionOf(m, "gate_proj"), ProjectionOf(m, "up_proj"), FindOp(m, "down_proj"), x, f.norm2, d);
       return;
-    }
     case MlpKind::kMoe: {
       // transformers 5.24's routed experts: the router (Qwen3MoeTopKRouter, MixtralTopKRouter)
       // saves its fp32 softmax and the top-k indices; integrations/moe.py's
@@ -386,10 +431,11 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
           break;
       }
       if (m.arch.experts_dense_dispatch) {
-        AddDenseDispatchExperts(out, m, d);
+        AddDenseDispatchExperts(out, m, d, f.norm2);
         return;
       }
-      out.push_back({"moe.expert_in", d.c * d.h * pairs});
+      const ExpertWeights w = ExpertWeightsOf(m);
+      if (w.gate_up_trains) out.push_back({"moe.expert_in", d.c * d.h * pairs});
       out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * pairs});
       if (m.arch.experts_clamped_swiglu) {
         // gpt-oss's _apply_gate on gate_up's strided halves: the clamped gate, sigmoid's output,
@@ -399,14 +445,14 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
       } else {
         out.push_back({"moe.act_out", d.c * d.inner * pairs});
       }
-      out.push_back({"moe.down_in", d.c * d.inner * pairs});
+      if (w.down_trains) out.push_back({"moe.down_in", d.c * d.inner * pairs});
       out.push_back({"moe.down_out", d.c * d.h * pairs});
       out.push_back({"moe.pair_weights", weight_bytes * pairs});
       // perm // top_k, perm and inv_perm, and with expert biases the expert of each pair that
       // gathers them
       const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
       out.push_back({"moe.permutations", (experts != nullptr && experts->bias ? 4 : 3) * 8 * pairs});
-      AddSharedExpert(out, m, d);
+      AddSharedExpert(out, m, d, f.norm2);
       return;
     }
     case MlpKind::kPlain: {
@@ -450,6 +496,11 @@ BlockFlow FlowOf(const ModelShape& m, bool input_requires_grad) {
   f.norm1 = f.input || norm_trains(roles.pre_attn);  // what the projections read
   if (m.arch.fused_qkv) {
     f.q = f.k = f.v = f.norm1 || Trains(FindOp(m, "c_attn"));
+  } else if (m.mla.enabled()) {
+    // q through q_a_proj and q_b_proj (or one q_proj), k and v both through kv_a_proj_with_mqa and kv_b_proj
+    const ParamOp* q_proj = FindOp(m, "q_proj");
+    f.q = f.norm1 || (q_proj != nullptr ? Trains(q_proj) : Trains(FindOp(m, "q_a_proj")) || Trains(FindOp(m, "q_b_proj")));
+    f.k = f.v = f.norm1 || Trains(FindOp(m, "kv_a_proj_with_mqa")) || Trains(FindOp(m, "kv_b_proj"));
   } else {
     f.q = f.norm1 || Trains(ProjectionOf(m, "q_proj"));
     f.k = f.norm1 || Trains(ProjectionOf(m, "k_proj"));
@@ -489,12 +540,14 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
   };
   const bool attention_input_saved = m.arch.fused_qkv ? reads_saved({"attn.c_attn"})
                                                       : reads_saved({"q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "kv_a_proj_with_mqa"});
-  // a routed MLP: a softmax router reads it as it is; DeepSeek's casts it to fp32 first, so that
-  // only its shared experts save it
+  // a routed MLP: the router saves it for its weight's gradient (DeepSeek's a fp32 copy instead),
+  // and a shared expert's gate and up for theirs; the experts' gather saves only indices
+  const ParamOp* router = RouterOf(m);
   const bool mlp_input_saved = m.arch.mlp == MlpKind::kGated ? reads_saved({"gate_proj", "up_proj", "gate_up_proj"})
                                : m.arch.mlp == MlpKind::kPlain ? reads_saved({"mlp.c_fc"})
-                                                               : m.router != ModelShape::Router::kGroupedSigmoid ||
-                                                                     reads_saved({"shared_experts.gate_proj", "shared_experts.up_proj"});
+                                                               : (m.router != ModelShape::Router::kGroupedSigmoid && SavesInput(router)) ||
+                                                                     reads_saved({"shared_experts.gate_proj", "shared_experts.up_proj",
+                                                                                  "shared_expert.gate_proj", "shared_expert.up_proj"});
   std::vector<SavedTensor> out;
   add_sublayer_input(out, roles.pre_attn, f.input, attention_input_saved, "block.input");
   if (m.arch.fused_qkv) {
