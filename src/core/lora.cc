@@ -97,9 +97,8 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
     // (transformers_weight_conversion.py), so "shared_experts.down_proj" adapts the routed
     // experts' down_proj too (hf_lora_param_count: their LoRA parameters appear)
     const std::string_view last = std::string_view(target).substr(target.rfind('.') + 1);
-    for (const ParamOp* p : BlockOps(m.arch)) {
-      const std::string_view expert_last = std::string_view(p->module).substr(p->module.rfind('.') + 1);
-      if (found && bare == nullptr && p->fused_experts && !p->dense_dispatch && expert_last == last) bare = p;
+    for (const ParamOp* p : found && bare == nullptr ? BlockOps(m.arch) : std::vector<const ParamOp*>{}) {
+      if (p->fused_experts && !p->dense_dispatch && std::string_view(p->module).substr(p->module.rfind('.') + 1) == last) bare = p;
     }
     if (bare != nullptr) {
       return Error::BadInput(fmt::format("--lora-targets: '{}' is {}'s {}: a bare parameter in transformers 5 (peft adapts it through "

@@ -1,6 +1,7 @@
 #include "planner/activation_model.h"
 
 #include <algorithm>
+#include <array>
 #include <set>
 #include <string>
 
@@ -718,11 +719,30 @@ bool WindowMasksSdpa(const FsdpConfig& cfg, int64_t window) {
   return cfg.attention != Attention::kEager && window > 0 && window < cfg.seq_len;
 }
 
-bool HasMaskedBlocks(const ModelSpec& m, const FsdpConfig& cfg) {
+BlockProfiles BlockProfilesOf(const ModelSpec& m, const FsdpConfig& cfg) {
+  FsdpConfig uncheckpointed = cfg;
+  uncheckpointed.checkpointing = Checkpointing::kNone;
+  uncheckpointed.ac_every = 1;
+  BlockProfiles p;
+  std::vector<std::array<bool, 5>> keys;
+  p.of_block.resize(static_cast<size_t>(m.num_layers));
   for (int b = 0; b < m.num_layers; ++b) {
-    if (WindowMasksSdpa(cfg, m.WindowOf(b))) return true;
+    const int64_t window = m.WindowOf(b);
+    const std::array<bool, 5> key = {m.arch.DenseLayer(b), m.LayerWithoutRope(b), BlockInputRequiresGrad(m, b), BlockCheckpointed(cfg, b),
+                                     WindowMasksSdpa(cfg, window)};
+    const auto known = std::find(keys.begin(), keys.end(), key);
+    p.of_block[static_cast<size_t>(b)] = static_cast<size_t>(known - keys.begin());
+    if (known != keys.end()) continue;
+    keys.push_back(key);
+    const FsdpConfig& c = key[3] ? cfg : uncheckpointed;
+    const int64_t masked_window = key[4] ? window : 0;
+    if (key[0] || key[1]) {
+      p.kinds.push_back(BlockActivationProfile(m.LayerShape(b), c, key[2], masked_window));
+    } else {
+      p.kinds.push_back(BlockActivationProfile(m, c, key[2], masked_window));
+    }
   }
-  return false;
+  return p;
 }
 
 HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg) {

@@ -55,8 +55,17 @@ BlockActivations BlockActivationProfile(const ModelShape& model, const FsdpConfi
 /// Whether a block with this attention window runs SDPA with an explicit mask: a window shorter
 /// than the sequence (otherwise transformers' sdpa_mask returns None and SDPA runs is_causal).
 bool WindowMasksSdpa(const FsdpConfig& config, int64_t window);
-/// Whether some block's window masks SDPA (so that its profile differs).
-bool HasMaskedBlocks(const ModelSpec& model, const FsdpConfig& config);
+
+/// Every decoder block's saved tensors, computed once per kind of block: its shape
+/// (ModelShape::LayerShape: a dense layer of a routed model, a layer without RoPE), whether its
+/// input requires grad (BlockInputRequiresGrad), whether it is checkpointed (BlockCheckpointed:
+/// --ac-every leaves some without) and whether its window masks SDPA.
+struct BlockProfiles {
+  std::vector<BlockActivations> kinds;
+  std::vector<size_t> of_block;  ///< per decoder block, its index into kinds
+  const BlockActivations& Of(int block) const { return kinds[of_block.at(static_cast<size_t>(block))]; }
+};
+BlockProfiles BlockProfilesOf(const ModelSpec& model, const FsdpConfig& config);
 
 /// Whether decoder block `block`'s input hidden states require grad (block num_layers: the final
 /// norm's input): always in full training; under LoRA (a frozen base) not for the first block,

@@ -42,7 +42,7 @@ constexpr int64_t kBlasThreads = 2;
 class StepPlayer {
  public:
   StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem)
-      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), profiles_(ProfilesOf(w)),
+      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), profiles_(BlockProfilesOf(w.model, w.config)),
         head_(HeadActivationProfile(w.model, w.config)), phases_(w) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
@@ -412,45 +412,8 @@ class StepPlayer {
 
   // The saved tensors of a block: the configured checkpointing's, or none's for a block that
   // --ac-every leaves un-checkpointed.
-  const BlockActivations& BlockProfile(int node_id) const { return profiles_.kinds[profiles_.of_block[w_.nodes[node_id].block]]; }
+  const BlockActivations& BlockProfile(int node_id) const { return profiles_.Of(w_.nodes[node_id].block); }
 
-  // Every kind of block's saved tensors, once per kind: its shape (ModelShape::LayerShape: a dense
-  // layer of a routed model, a layer without RoPE), whether its input requires grad (not under
-  // LoRA before the first block with an adapter), checkpointed or not (--ac-every), its window
-  // shorter than the sequence or not (a masked SDPA).
-  struct BlockProfiles {
-    std::vector<BlockActivations> kinds;
-    std::vector<size_t> of_block;  // index into kinds
-  };
-  static BlockProfiles ProfilesOf(const Workload& w) {
-    const ModelSpec& m = w.model;
-    BlockProfiles p;
-    std::vector<std::array<bool, 5>> keys;
-    p.of_block.resize(static_cast<size_t>(m.num_layers));
-    for (int b = 0; b < m.num_layers; ++b) {
-      const int64_t window = m.WindowOf(b);
-      const std::array<bool, 5> key = {m.arch.DenseLayer(b), m.LayerWithoutRope(b), BlockInputRequiresGrad(m, b), BlockCheckpointed(w.config, b),
-                                       WindowMasksSdpa(w.config, window)};
-      const auto known = std::find(keys.begin(), keys.end(), key);
-      p.of_block[static_cast<size_t>(b)] = static_cast<size_t>(known - keys.begin());
-      if (known != keys.end()) continue;
-      keys.push_back(key);
-      const FsdpConfig c = key[3] ? w.config : WithoutCheckpointing(w.config);
-      const bool input_rg = key[2];
-      const int64_t masked_window = key[4] ? window : 0;
-      if (key[0] || key[1]) {
-        p.kinds.push_back(BlockActivationProfile(m.LayerShape(b), c, input_rg, masked_window));
-      } else {
-        p.kinds.push_back(BlockActivationProfile(m, c, input_rg, masked_window));
-      }
-    }
-    return p;
-  }
-  static FsdpConfig WithoutCheckpointing(FsdpConfig c) {
-    c.checkpointing = Checkpointing::kNone;
-    c.ac_every = 1;
-    return c;
-  }
 
   int OwningUnit(int node_id) const {
     while (w_.nodes[node_id].unit < 0) node_id = w_.nodes[node_id].parent;
