@@ -123,12 +123,15 @@ qlora_rows() {
 # only: with q/k and v head dims that differ the CPU runs SDPA's fp32 math fallback, where CUDA runs
 # the memory-efficient kernel fsdp-plan models), Qwen3-MoE with two dense layers (mlp_only_layers),
 # gpt-oss's attention sinks, biased experts and clamped SwiGLU (eager: it has no SDPA path), and
-# Llama 4's dense and routed layers, NoPE layers and every-token experts
+# Llama 4's dense and routed layers, NoPE layers and every-token experts, and Gemma 3's multimodal
+# model with its SigLIP vision tower idle in text-only steps (FSDP2: no gradients or optimizer
+# states for it; FSDP1: its FlatParameter's gradient and states cover it)
 Q3=$root/tests/data/hf_configs/qwen3-100m.json O2=$root/tests/data/hf_configs/olmo2-100m.json
 DS3=$root/tests/data/hf_configs/deepseek-v3-tiny.json Q3D=$root/tests/data/hf_configs/qwen3-moe-mlp-only.json
 GO=$root/tests/data/hf_configs/gpt-oss-tiny.json L4=$root/tests/data/hf_configs/llama4-text-tiny.json
 Q3M=$root/tests/data/hf_configs/qwen3-moe-tiny.json P3=$root/tests/data/hf_configs/phi3-100m.json
 G2=$root/tests/data/hf_configs/gemma2-100m.json G3=$root/tests/data/hf_configs/gemma3-text-100m.json
+G3V=$root/tests/data/hf_configs/gemma3-100m.json
 family_quick_rows() {
   check "1 rank  Qwen3 GQA seq 1024 x 2"             1 FULL_SHARD none 2 1024 "$Q3"
   check "1 rank  OLMo 2 GQA seq 1024 x 2"            1 FULL_SHARD none 2 1024 "$O2"
@@ -139,6 +142,7 @@ family_quick_rows() {
   check "1 rank  DeepSeek-V3 eager seq 1024 x 2"     1 FULL_SHARD none 2 1024 "$DS3"
   check "1 rank  gpt-oss eager seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$GO"
   check "1 rank  Llama 4 flash seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$L4" fsdp2 "" flash
+  check "2 ranks Gemma 3 + vision flash 1024 x 2"    2 FULL_SHARD none 2 1024 "$G3V" fsdp2 "" flash
 }
 family_rows() {
   family_quick_rows
@@ -158,6 +162,7 @@ family_rows() {
   check "1 rank  Qwen3-MoE 2 dense layers 1024 x 2"  1 FULL_SHARD none 2 1024 "$Q3D"
   check "2 ranks gpt-oss AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$GO"
   check "1 rank  gpt-oss SAC seq 1024 x 2"           1 FULL_SHARD selective 2 1024 "$GO"
+  check "2 ranks Gemma 3 + vision FSDP1 1024 x 2"    2 FULL_SHARD none 2 1024 "$G3V" fsdp1 "" flash
   check "1 rank  Llama 4 eager seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$L4"
   check "2 ranks Llama 4 AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$L4"
   check "1 rank  Llama 4 SAC seq 1024 x 2"           1 FULL_SHARD selective 2 1024 "$L4"
@@ -169,6 +174,7 @@ family_lora_rows() {
   check "1 rank  gpt-oss LoRA q,v r8 1024 x 2"       1 FULL_SHARD none 2 1024 "$GO" fsdp2 "--lora-rank 8 --lora-targets q_proj,v_proj"
   check "1 rank  DeepSeek-V3 LoRA q_a,kv_b,o 1024 x 2" 1 FULL_SHARD none 2 1024 "$DS3" fsdp2 "--lora-rank 8 --lora-targets q_a_proj,kv_b_proj,o_proj"
   check "1 rank  Llama 4 LoRA q,down r8 1024 x 2"    1 FULL_SHARD none 2 1024 "$L4" fsdp2 "--lora-rank 8 --lora-targets q_proj,down_proj"
+  check "2 ranks Gemma 3 + vision LoRA q,v 1024 x 2" 2 FULL_SHARD none 2 1024 "$G3V" fsdp2 "--lora-rank 8 --lora-targets q_proj,v_proj" flash
 }
 if [ "${ROWS:-}" = families ]; then
   family_rows

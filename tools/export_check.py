@@ -71,6 +71,14 @@ TINY = {
                     "intermediate_size_mlp": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
                     "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
                     "max_position_embeddings": 64, "tie_word_embeddings": False},
+    "gemma3": {"model_type": "gemma3", "mm_tokens_per_image": 4,
+               "text_config": {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                               "query_pre_attn_scalar": 16, "sliding_window": 8, "sliding_window_pattern": 2,
+                               "max_position_embeddings": 64},
+               "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48,
+                                 "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+                                 "vision_use_head": False}},
     "gpt2": {"model_type": "gpt2", "vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
              "n_positions": 64, "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
@@ -96,6 +104,9 @@ CASES = [
     ("deepseek_v3 selective eager", "deepseek_v3", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("gpt_oss selective eager", "gpt_oss", "fp32", ["--ac", "selective", "--attention", "eager"]),
     ("llama4_text full sdpa", "llama4_text", "fp32", ["--ac", "full", "--attention", "flash"]),
+    ("gemma3 vision selective sdpa", "gemma3", "fp32", ["--ac", "selective", "--attention", "flash"]),
+    ("gemma3 vision lora q,v", "gemma3", "fp32", ["--ac", "none", "--attention", "flash", "--lora-rank", "4",
+                                                   "--lora-targets", "q_proj,v_proj"]),
     ("gpt2 lora all-linear", "gpt2", "fp32", ["--ac", "none", "--attention", "eager", "--lora-rank", "2", "--lora-targets", "all-linear"]),
 ]
 # QLoRA plans, whose exports load the model through bitsandbytes (a comment here): each format's
@@ -188,7 +199,8 @@ def run_case(fsdp_plan, name, family, dtype, flags, workdir):
         json.dump(TINY[family], f)
     code = exported_code(fsdp_plan, config_path, dtype, flags)
     attention = "eager" if "eager" in flags else "sdpa"
-    heads = TINY[family].get("num_attention_heads", TINY[family].get("n_head"))
+    text = TINY[family].get("text_config", TINY[family])  # a multimodal config's language model
+    heads = text.get("num_attention_heads", text.get("n_head"))
     # gpt-oss's softmax runs over SEQ keys and the head's sink
     scores = (BATCH, heads, SEQ, SEQ + 1 if family == "gpt_oss" else SEQ)
     data = batches()
@@ -206,7 +218,7 @@ def run_case(fsdp_plan, name, family, dtype, flags, workdir):
     problems = []
     if trainable != reference_trainable:
         problems.append(f"{trainable} parameters require grad, {reference_trainable} in the reference")
-    if sharded != TINY[family].get("num_hidden_layers", TINY[family].get("n_layer")) + 1:
+    if sharded != text.get("num_hidden_layers", text.get("n_layer")) + 1:
         problems.append(f"{sharded} FSDP modules")
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
     if worst > (5e-3 if dtype == "fp16" else 1e-5):

@@ -239,10 +239,16 @@ def load_model_json(parser, path):
         parser.error(f"--model: {path}: model_type '{config['model_type']}' is not a transformers model type")
     keys = ("vocab_size", "n_embd", "n_layer", "n_head") if config.get("model_type") == "gpt2" else \
         ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    text = text_config_dict(config)
     for key in keys:
-        if not isinstance(config.get(key), int) or config[key] <= 0:
+        if not isinstance(text.get(key), int) or text[key] <= 0:
             parser.error(f"--model: {path}: missing or non-positive {key}")
     return config
+
+
+def text_config_dict(config):
+    """The language model's keys: a multimodal config's text_config (Gemma 3's), else the config."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def load_tokens(parser, path, vocab):
@@ -272,7 +278,7 @@ def parse_args(argv=None):
         parser.error("--ac-every needs --ac full and --framework fsdp2")
     if args.init_from and not os.path.isdir(args.init_from):
         parser.error(f"--init-from: not a directory: {args.init_from}")
-    args.token_ids = load_tokens(parser, args.tokens, args.model_dict["vocab_size"]) if args.tokens else None
+    args.token_ids = load_tokens(parser, args.tokens, text_config_dict(args.model_dict)["vocab_size"]) if args.tokens else None
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         parser.error(f"--out: directory does not exist: {out_dir}")
@@ -329,8 +335,11 @@ def is_gpt2(args):
 
 
 def decoder_layers(model):
-    """The decoder blocks FSDP wraps: LlamaForCausalLM's model.layers, GPT2LMHeadModel's transformer.h."""
-    return model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    """The decoder blocks FSDP wraps: LlamaForCausalLM's model.layers, GPT2LMHeadModel's transformer.h,
+    Gemma3ForConditionalGeneration's model.language_model.layers (its vision tower stays in the root)."""
+    if hasattr(model, "transformer"):
+        return model.transformer.h
+    return model.model.language_model.layers if hasattr(model.model, "language_model") else model.model.layers
 
 
 def decoder_layer_class(args):
@@ -833,7 +842,7 @@ def print_summary(report):
 def run_training(args, model, device, rank, world):
     import torch
 
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     batches = make_batches(args, vocab, args.warmup + args.steps + 1, rank, world)
     optimizer = make_optimizer(model, args.lr)
     if device.type == "cuda":

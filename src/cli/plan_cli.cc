@@ -64,6 +64,12 @@ void PrintHeader(const Workload& w, std::ostream& out) {
              c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),
              c.ac_every > 1 ? fmt::format("full on 1 block in {}", c.ac_every) : std::string(CheckpointingName(c.checkpointing)),
              AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
+  if (const int64_t vision = w.model.VisionParams(); vision > 0) {
+    fmt::print(out, "vision tower: {} parameters ({}), held in the root unit but idle in these text-only steps: no FLOPs, no activations, {}\n",
+               WithCommas(vision), Percent(vision, w.model.ParamsTotal()),
+               c.framework == Framework::kFsdp2 ? "and under FSDP2 no gradients or optimizer states"
+                                                : "but FSDP1's flat gradient and optimizer states cover it");
+  }
   if (c.master_dtype != DType::kFp32) {
     fmt::print(out, "pure {}: parameters, gradients and optimizer states in {} (no fp32 master copy)\n", DTypeName(c.master_dtype),
                DTypeName(c.master_dtype));

@@ -13,8 +13,8 @@ namespace fsdp {
 
 /// One module of a decoder block that owns parameters.
 struct ParamOp {
-  /// kParameter: a bare nn.Parameter of `out` elements named `module` itself (gpt-oss's
-  /// self_attn.sinks, one per head)
+  /// kParameter: a bare nn.Parameter of `out` elements (or of `shape`) named `module` itself
+  /// (gpt-oss's self_attn.sinks, one per head; a vision tower's patch convolution)
   enum class Kind { kNorm, kLinear, kRouter, kParameter };
   Kind kind = Kind::kLinear;
   /// Module path inside the block ("self_attn.q_proj"); with experts, "{}" stands for the expert index.
@@ -46,6 +46,7 @@ struct ParamOp {
   bool fused_experts = false;
   /// fused experts that multiply every token (TensorSpec::dense_dispatch: transformers' Llama 4)
   bool dense_dispatch = false;
+  std::vector<int64_t> shape = {};  ///< kParameter: its shape when not one-dimensional ({out} when empty)
 };
 
 enum class NormKind { kRms, kLayer };    ///< RMSNorm (weight only) or LayerNorm (weight and bias)
@@ -64,6 +65,21 @@ struct ModuleNames {
   std::string blocks = "model.layers";  ///< block i is blocks + "." + i
   std::string final_norm = "model.norm";
   std::string lm_head = "lm_head";
+};
+
+/// A vision encoder beside the decoder, whose modules run only on images (Gemma 3's SigLIP tower
+/// and multi-modal projector): its parameters in state-dict order, for the inventory. fsdpkit
+/// plans text-only steps, in which these modules hold parameters but run no forward (no FLOPs, no
+/// activations); which of them get gradients depends on the FSDP version (workload.h).
+struct VisionTower {
+  std::vector<ParamOp> before;  ///< modules before the encoder layers, full module paths
+  std::string layers;           ///< the encoder layers' list ("model.vision_tower.encoder.layers")
+  int64_t num_layers = 0;
+  std::vector<ParamOp> layer;   ///< one encoder layer's modules, relative to layers + "." + index
+  std::vector<ParamOp> after;   ///< modules after the layers (post norm, projector), full paths
+  NormKind norm = NormKind::kLayer;  ///< its kNorm ops' kind
+  std::string layer_class;      ///< transformers' encoder-layer class (SiglipEncoderLayer)
+  bool present() const { return num_layers > 0 || !before.empty(); }
 };
 
 struct Architecture {
@@ -101,6 +117,8 @@ struct Architecture {
   /// The modules peft's LoRA targets when none are named: its
   /// TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING entry for the model type (peft/utils/constants.py); empty where it has none
   std::vector<std::string> lora_default_targets = {"q_proj", "v_proj"};
+  /// A vision tower the model holds beside its decoder (absent: a text-only model)
+  VisionTower vision;
   /// Every parameter outside the LoRA adapters is frozen (requires_grad=False), as peft's
   /// get_peft_model leaves them: the embedding, final norm and lm_head too.
   bool base_frozen = false;

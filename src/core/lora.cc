@@ -1,6 +1,7 @@
 #include "core/lora.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -17,6 +18,43 @@ std::vector<const ParamOp*> BlockOps(const Architecture& a) {
     for (const ParamOp& op : *block) ops.push_back(&op);
   }
   return ops;
+}
+
+// A vision tower's modules (Architecture::vision): its layer's, with paths relative to a layer,
+// and those before and after the layers, with full paths.
+template <class Tower, class Op = std::conditional_t<std::is_const_v<Tower>, const ParamOp, ParamOp>>
+std::vector<Op*> VisionOps(Tower& v) {
+  std::vector<Op*> ops;
+  for (auto* part : {&v.before, &v.layer, &v.after}) {
+    for (Op& op : *part) ops.push_back(&op);
+  }
+  return ops;
+}
+
+// peft matches target_modules against every module of the model, so a vision tower's linears whose
+// path ends with a target (SigLIP's q/k/v_proj, out_proj, fc1, fc2) get adapters too, and
+// all-linear adapts all of them (CTest hf_lora_param_count.gemma3); everything else there is frozen.
+Status AdaptVisionTower(ModelSpec& m, const LoraConfig& lora) {
+  VisionTower& v = m.arch.vision;
+  if (!v.present()) return {};
+  if (lora.qlora) {
+    return Error::BadInput(fmt::format("--qlora on {}: bitsandbytes would quantize its vision tower's linears too, which fsdpkit does not model; "
+                                       "fsdpkit models QLoRA on text-only models", m.id));
+  }
+  const std::vector<std::string> targets = lora.targets.empty() ? m.arch.lora_default_targets : SplitTargets(lora.targets);
+  const bool all_linear = targets.size() == 1 && targets[0] == kAllLinear;
+  for (ParamOp* op : VisionOps(v)) {
+    op->trainable = false;
+    if (op->kind != ParamOp::Kind::kLinear) continue;
+    if (!all_linear && std::none_of(targets.begin(), targets.end(), [&](const std::string& t) { return ModulePathMatches(op->module, t); })) continue;
+    if (lora.rank > std::min(op->in, op->out)) {
+      return Error::BadInput(fmt::format("--lora-rank {} exceeds the width of {}'s vision {} ({} x {}): a rank is at most min(in, out) = {}",
+                                         lora.rank, m.id, op->module, op->in, op->out, std::min(op->in, op->out)));
+    }
+    op->lora_rank = lora.rank;
+    op->lora_dropout = lora.dropout;
+  }
+  return {};
 }
 
 std::string LinearNames(const ModelSpec& m) {
@@ -131,7 +169,9 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& m, const Lor
 
 std::vector<std::string> AdaptedModules(const Architecture& a) {
   std::vector<std::string> modules;
-  for (const ParamOp* op : BlockOps(a)) {
+  std::vector<const ParamOp*> ops = BlockOps(a);
+  for (const ParamOp* op : VisionOps(a.vision)) ops.push_back(op);
+  for (const ParamOp* op : ops) {
     if (op->lora_rank > 0 && std::find(modules.begin(), modules.end(), op->module) == modules.end()) modules.push_back(op->module);
   }
   return modules;
@@ -172,6 +212,7 @@ Status ApplyLora(ModelSpec& m, const LoraConfig& lora, DType quant_storage) {
   FSDP_ASSIGN_OR_RETURN(const std::vector<std::string> modules, LoraTargetModules(m, lora));
   for (ParamOp& op : m.arch.block) FreezeAndAdapt(op, lora, modules, quant_storage);
   for (ParamOp& op : m.arch.dense_block) FreezeAndAdapt(op, lora, modules, quant_storage);
+  FSDP_TRY(AdaptVisionTower(m, lora));
   m.arch.base_frozen = true;
   m.tensors = BuildInventory(m);
   return {};

@@ -29,7 +29,9 @@ Result<std::vector<std::string>> LoraTargetModules(const ModelSpec& model, const
 /// LoraTargetModules.
 Status ApplyLora(ModelSpec& model, const LoraConfig& lora, DType quant_storage = DType::kBf16);
 /// The block-relative paths of the linears ApplyLora wrapped, in forward order, each once (over
-/// every block shape): what peft's target_modules lists.
+/// every block shape), then the vision tower's (layer-relative, or full outside its layers): what
+/// peft's target_modules lists. A vision tower's linears matching the targets are wrapped too, as
+/// peft matches every module of the model.
 std::vector<std::string> AdaptedModules(const Architecture& arch);
 
 /// The tensors of the quantization state bitsandbytes keeps beside one NF4 weight of

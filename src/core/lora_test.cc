@@ -64,6 +64,40 @@ TEST_CASE("all-linear: every linear of the blocks; ranks up to each layer's widt
   CHECK(ApplyLora(q_only, Lora(5, "q_proj")).ok());  // q is 8 x 8
 }
 
+TEST_CASE("LoRA on Gemma 3's multimodal model: peft adapts the vision tower's linears the targets name") {
+  auto json = ParseJson(R"({"model_type":"gemma3","text_config":{"vocab_size":16,"hidden_size":8,"intermediate_size":16,)"
+                        R"("num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":4},)"
+                        R"("vision_config":{"hidden_size":4,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,)"
+                        R"("num_channels":1,"image_size":4,"patch_size":2,"vision_use_head":false}})",
+                        "gemma3.json");
+  REQUIRE(json.ok());
+  ModelSpec m = ModelFromHfConfig(json.value(), "g3", "gemma3.json").value();
+  ModelSpec q = m;
+  REQUIRE(ApplyLora(q, Lora(2, "q_proj")).ok());
+  // text q_proj: A [2, 8] + B [8, 2] = 32; the tower's q_proj: A [2, 4] + B [4, 2] = 16
+  CHECK(q.ParamsTrainable() == 48);
+  const TensorSpec* a = Find(q, "model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A.default.weight");
+  REQUIRE(a != nullptr);
+  CHECK(a->image_only);
+  CHECK(Find(q, "model.vision_tower.encoder.layers.0.self_attn.k_proj.weight")->trainable == false);
+  CHECK(AdaptedModules(q.arch) == std::vector<std::string>{"self_attn.q_proj"});
+  FsdpConfig c;
+  c.gpus = 1;
+  c.framework = Framework::kFsdp2;
+  c.lora = Lora(2, "q_proj");
+  // FSDP2: the tower's adapters get no gradient in a text-only step
+  CHECK(BuildWorkload(m, testing::GibGpu(), c).value().GradShardNumelTotal() == 32);
+  ModelSpec all = m;
+  REQUIRE(ApplyLora(all, Lora(2, "all-linear")).ok());
+  // text: q 32, k 24, v 24, o 32, gate 48, up 48, down 48 = 256; tower: k/v/q/out 4 x 16, fc1 24, fc2 24 = 112
+  CHECK(all.ParamsTrainable() == 256 + 112);
+  // the tower's q/k/v_proj share the blocks' paths; its out_proj, fc1 and fc2 are its own
+  CHECK(AdaptedModules(all.arch).size() == 7 + 3);
+  ModelSpec wide = m;
+  const Status too_wide = ApplyLora(wide, Lora(6, "q_proj"));
+  CHECK(too_wide.error().message.find("--lora-rank 6 exceeds the width of g3's vision self_attn.q_proj (4 x 4)") != std::string::npos);
+}
+
 TEST_CASE("bad LoRA targets are refused with the reason") {
   auto message = [](const char* targets) {
     ModelSpec m = testing::HandLlama();

@@ -24,13 +24,13 @@ void AddNorm(std::vector<TensorSpec>& out, NormKind kind, const std::string& mod
   if (kind == NormKind::kLayer) AddTensor(out, module + ".bias", {dim}, block, false, 1.0, trainable);
 }
 
-void AddOp(std::vector<TensorSpec>& out, const Architecture& a, const ParamOp& op, const std::string& module, int block) {
+void AddOp(std::vector<TensorSpec>& out, NormKind norm, const ParamOp& op, const std::string& module, int block) {
   if (op.kind == ParamOp::Kind::kNorm) {
-    AddNorm(out, a.norm, module, op.out, block, op.trainable);
+    AddNorm(out, norm, module, op.out, block, op.trainable);
     return;
   }
   if (op.kind == ParamOp::Kind::kParameter) {
-    AddTensor(out, module, {op.out}, block, false, 1.0, op.trainable);
+    AddTensor(out, module, op.shape.empty() ? std::vector<int64_t>{op.out} : op.shape, block, false, 1.0, op.trainable);
     return;
   }
   const double share = op.experts > 0 ? static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts) : 1.0;
@@ -59,7 +59,7 @@ void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::st
   for (size_t i = 0; i < ops.size();) {
     const ParamOp& op = ops[i];
     if (op.experts == 0) {
-      AddOp(out, a, op, prefix + op.module, block);
+      AddOp(out, a.norm, op, prefix + op.module, block);
       ++i;
       continue;
     }
@@ -78,7 +78,7 @@ void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::st
       for (size_t j = i; j < end; ++j) {
         std::string module = ops[j].module;
         module.replace(module.find("{}"), 2, std::to_string(e));
-        AddOp(out, a, ops[j], prefix + module, block);
+        AddOp(out, a.norm, ops[j], prefix + module, block);
       }
     }
     i = end;
@@ -94,6 +94,50 @@ Result<const families::Family*> FamilyOf(const std::string& model_type, const st
   return Error::BadInput(fmt::format("{}: key 'model_type': unsupported model type '{}' (supported: {})", origin, model_type, supported));
 }
 
+// The vision tower's tensors (image_only), requiring grad as their ops say.
+void AddVisionTower(std::vector<TensorSpec>& out, const VisionTower& v) {
+  const size_t first = out.size();
+  for (const ParamOp& op : v.before) AddOp(out, v.norm, op, op.module, -1);
+  for (int64_t l = 0; l < v.num_layers; ++l) {
+    for (const ParamOp& op : v.layer) AddOp(out, v.norm, op, fmt::format("{}.{}.{}", v.layers, l, op.module), -1);
+  }
+  for (const ParamOp& op : v.after) AddOp(out, v.norm, op, op.module, -1);
+  for (size_t i = first; i < out.size(); ++i) {
+    out[i].image_only = true;
+    out[i].requires_grad = out[i].trainable;  // frozen ops (LoRA's base) say so themselves
+  }
+}
+
+// Tensors and parameters of one op (a norm of `norm`'s kind).
+InventorySize OpSize(const ParamOp& op, NormKind norm) {
+  if (op.kind == ParamOp::Kind::kNorm) {
+    const double dim = static_cast<double>(op.out);
+    return norm == NormKind::kLayer ? InventorySize{2, 2 * dim} : InventorySize{1, dim};
+  }
+  if (op.kind == ParamOp::Kind::kParameter) {
+    double n = 1;
+    for (int64_t d : op.shape) n *= static_cast<double>(d);
+    return {1, op.shape.empty() ? static_cast<double>(op.out) : n};
+  }
+  InventorySize one{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
+  if (op.lora_rank > 0) {
+    one.tensors += 2;
+    one.params += static_cast<double>(op.lora_rank) * static_cast<double>(op.in + op.out);
+  }
+  return one;
+}
+
+InventorySize VisionTowerSize(const VisionTower& v) {
+  InventorySize total, layer;
+  for (const ParamOp& op : v.layer) { const InventorySize s = OpSize(op, v.norm); layer.tensors += s.tensors; layer.params += s.params; }
+  total.tensors = layer.tensors * static_cast<double>(v.num_layers);
+  total.params = layer.params * static_cast<double>(v.num_layers);
+  for (const std::vector<ParamOp>* ops : {&v.before, &v.after}) {
+    for (const ParamOp& op : *ops) { const InventorySize s = OpSize(op, v.norm); total.tensors += s.tensors; total.params += s.params; }
+  }
+  return total;
+}
+
 }  // namespace
 
 std::vector<TensorSpec> BuildInventory(const ModelSpec& m) {
@@ -101,6 +145,7 @@ std::vector<TensorSpec> BuildInventory(const ModelSpec& m) {
   const int64_t h = m.hidden_size;
   std::vector<TensorSpec> out;
   const bool train = !a.base_frozen;
+  AddVisionTower(out, a.vision);
   AddTensor(out, a.names.embedding + ".weight", {m.vocab_size, h}, -1, false, 1.0, train);
   if (!a.names.positions.empty()) AddTensor(out, a.names.positions + ".weight", {m.max_position_embeddings, h}, -1, false, 1.0, train);
   for (int b = 0; b < m.num_layers; ++b) AddBlock(out, a, fmt::format("{}.{}.", a.names.blocks, b), b);
@@ -116,13 +161,7 @@ InventorySize CountInventory(const ModelSpec& m) {
   auto block_size = [&](const std::vector<ParamOp>& ops) {
     InventorySize block;
     for (const ParamOp& op : ops) {
-      InventorySize one = op.kind == ParamOp::Kind::kNorm        ? norm(static_cast<double>(op.out))
-                          : op.kind == ParamOp::Kind::kParameter ? InventorySize{1, static_cast<double>(op.out)}
-                                                                 : InventorySize{op.bias ? 2.0 : 1.0, static_cast<double>(op.in) * static_cast<double>(op.out) + (op.bias ? static_cast<double>(op.out) : 0.0)};
-      if (op.lora_rank > 0) {
-        one.tensors += 2;
-        one.params += static_cast<double>(op.lora_rank) * static_cast<double>(op.in + op.out);
-      }
+      const InventorySize one = OpSize(op, a.norm);
       const double copies = op.experts > 0 ? static_cast<double>(op.experts) : 1.0;
       block.tensors += op.fused_experts ? (op.bias ? 2 : 1) : one.tensors * copies;
       block.params += one.params * copies;
@@ -134,7 +173,8 @@ InventorySize CountInventory(const ModelSpec& m) {
   const double layers = static_cast<double>(m.num_layers) - dense;
   const InventorySize block{routed.tensors * layers + dense_block.tensors * dense, routed.params * layers + dense_block.params * dense};
   const double vocab = static_cast<double>(m.vocab_size);
-  InventorySize total{block.tensors + 1, block.params + vocab * h};
+  const InventorySize vision = VisionTowerSize(a.vision);
+  InventorySize total{vision.tensors + block.tensors + 1, vision.params + block.params + vocab * h};
   if (!a.names.positions.empty()) { total.tensors += 1; total.params += static_cast<double>(m.max_position_embeddings) * h; }
   total.tensors += norm(h).tensors;
   total.params += norm(h).params;
@@ -176,7 +216,7 @@ std::string TensorSpec::module() const {
 
 int64_t ModelSpec::ParamsTrainable() const {
   int64_t n = 0;
-  for (const TensorSpec& t : tensors) n += t.trainable ? t.LogicalNumel() : 0;
+  for (const TensorSpec& t : tensors) n += (t.image_only ? t.requires_grad : t.trainable) ? t.LogicalNumel() : 0;
   return n;
 }
 
@@ -192,9 +232,15 @@ int64_t ModelSpec::BlockParams(int block) const {
   return total;
 }
 
+int64_t ModelSpec::VisionParams() const {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.image_only ? t.LogicalNumel() : 0;
+  return total;
+}
+
 int64_t ModelSpec::ActiveParamsPerToken() const {
   double active = 0;
-  for (const TensorSpec& t : tensors) active += static_cast<double>(t.LogicalNumel()) * t.active_share;
+  for (const TensorSpec& t : tensors) active += t.image_only ? 0.0 : static_cast<double>(t.LogicalNumel()) * t.active_share;
   return std::llround(active);
 }
 

@@ -17,7 +17,7 @@ struct TensorSpec {
   std::vector<int64_t> shape;   ///< as stored in the checkpoint (GPT-2 Conv1D weights are [in, out])
   int block = -1;               ///< decoder block index, -1 outside the blocks
   bool in_linear = false;       ///< owned by an nn.Linear (or GPT-2 Conv1D) module
-  bool trainable = true;        ///< requires_grad: gets a gradient and optimizer states (all of them in full training)
+  bool trainable = true;        ///< gets a gradient and optimizer states in the planned step (all of them in full training)
   double active_share = 1.0;    ///< share of the tokens whose forward uses it (a routed expert's: top_k / experts)
   /// a routed expert the forward multiplies by every token all the same (transformers' Llama 4
   /// experts: the unselected tokens with a zero weight), so that its FLOPs are a dense weight's
@@ -25,6 +25,12 @@ struct TensorSpec {
   /// > 0: a weight bitsandbytes stores packed as NF4 (QLoRA): its own element count; `shape` is the
   /// packed storage's ([(n + 1) / (2 x storage bytes), 1], as Params4bit holds it)
   int64_t nf4_numel = 0;
+  /// a vision tower's (Architecture::vision): runs only on images, which the planned text-only
+  /// steps have none of
+  bool image_only = false;
+  /// requires_grad as the model declares it; differs from `trainable` only for image_only tensors
+  /// under FSDP2, which get no gradient in a text-only step (workload.h)
+  bool requires_grad = true;
 
   /// Share of the tokens the forward multiplies it with: its FLOPs' (active_share, or 1 under dense_dispatch).
   double ComputedShare() const { return dense_dispatch ? 1.0 : active_share; }
@@ -134,23 +140,27 @@ struct ModelSpec : ModelShape {
   std::vector<TensorSpec> tensors;  ///< in forward execution order; a tied lm_head is not repeated
 
   int64_t ParamsTotal() const;
-  /// Parameters that require grad (all of them in full training; the adapters under LoRA).
+  /// Parameters that require grad (all of them in full training; the adapters under LoRA), as
+  /// peft's print_trainable_parameters counts them: a vision tower's too, idle or not.
   int64_t ParamsTrainable() const;
   /// Parameters of decoder block `block`.
   int64_t BlockParams(int block) const;
-  /// Parameters active per token (MoE: only experts_per_token experts count).
+  /// Parameters of the vision tower (TensorSpec::image_only); 0 for a text-only model.
+  int64_t VisionParams() const;
+  /// Parameters active per text token (MoE: only experts_per_token experts count; a vision tower's none).
   int64_t ActiveParamsPerToken() const;
   /// Module path prefix of decoder blocks ("model.layers" or "transformer.h").
   const std::string& BlockPrefix() const { return arch.names.blocks; }
 };
 
 /// Builds a ModelSpec from a parsed HF config.json through its family (core/families/: llama,
-/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, deepseek_v3, gpt_oss, llama4_text, gpt2). Missing keys take the defaults of transformers'
+/// mistral, mixtral, qwen2, qwen3, qwen3_moe, olmo2, phi3, gemma2, gemma3_text, gemma3, deepseek_v3, gpt_oss, llama4_text, llama4, gpt2). Missing keys take the defaults of transformers'
 /// configuration_<type>.py; absurd or inconsistent values (hidden not divisible by heads, heads not
 /// divisible by kv heads, non-positive sizes) give BadInput naming `origin` and the key.
 Result<ModelSpec> ModelFromHfConfig(const Json& config, const std::string& id, const std::string& origin);
 
-/// The tensor inventory of a model whose hyper-parameters and architecture are set: embedding,
+/// The tensor inventory of a model whose hyper-parameters and architecture are set: the vision
+/// tower's (image_only, as transformers registers it before the language model), embedding,
 /// learned positions, every block's modules in forward order (experts expanded in expert order),
 /// final norm, lm_head unless tied; HF names and checkpoint shapes.
 std::vector<TensorSpec> BuildInventory(const ModelSpec& model);

@@ -139,7 +139,7 @@ TEST_CASE("RoPE scaling and Mistral's sliding window come from the config") {
   CHECK(small.error().message == "inline.json: key 'rope_scaling': key 'factor': must be between 1 and 1000000, got 0.5");
   auto bands = FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":4,"high_freq_factor":1}})");
   REQUIRE_FALSE(bands.ok());
-  CHECK(bands.error().message == "inline.json: key 'rope_scaling': key 'high_freq_factor': must exceed low_freq_factor 4, got 1");
+  CHECK(bands.error().message == "inline.json: key 'rope_scaling': key 'high_freq_factor': must be at least low_freq_factor 4, got 1");
   auto missing = FromText(R"({"model_type":"llama","rope_scaling":{"rope_type":"llama3","factor":8}})");
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.error().message == "inline.json: key 'rope_scaling': key 'low_freq_factor': missing");
@@ -295,6 +295,56 @@ TEST_CASE("DeepSeek-V3's inconsistent keys are refused naming the key") {
   auto plain_q = FromText(base + R"("q_lora_rank":null,"n_routed_experts":8,"n_group":2,"topk_group":1,"num_experts_per_tok":2})");
   REQUIRE(plain_q.ok());
   CHECK(plain_q.value().tensors[2].name == "model.layers.0.self_attn.q_proj.weight");
+}
+
+// Gemma 3's multimodal config, small enough to count by hand. Text (gemma3_text, head_dim 4):
+// embed 16 x 8 = 128; a block of q 64, k 32, v 32, o 64, q_norm 4, k_norm 4, four norms 32 and
+// gate/up/down 3 x 128 = 616; norm 8; tied: 752. Vision (SigLIP, 1 channel, 4 px in 2 px
+// patches): patch conv [4, 1, 2, 2] 16 + bias 4, positions [4, 4] 16; a layer of two LayerNorms
+// 16, k/v/q/out 4 x (16 + 4) = 80, fc1 32 + 8, fc2 32 + 4 = 172; post_layernorm 8; projector
+// [4, 8] 32 + its norm 4: 252. Total 1,004.
+constexpr const char* kHandGemma3 =
+    R"({"model_type":"gemma3","text_config":{"vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,)"
+    R"("num_attention_heads":2,"num_key_value_heads":1,"head_dim":4,"tie_word_embeddings":false},)"
+    R"("vision_config":{"hidden_size":4,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"num_channels":1,)"
+    R"("image_size":4,"patch_size":2,"vision_use_head":false}})";
+
+TEST_CASE("Gemma 3's multimodal config: the text model under model.language_model beside the SigLIP tower") {
+  auto m = FromText(kHandGemma3);
+  REQUIRE_MESSAGE(m.ok(), (m.ok() ? "" : m.error().message));
+  const ModelSpec& g = m.value();
+  CHECK(g.ParamsTotal() == 1004);
+  CHECK(g.VisionParams() == 252);
+  CHECK(g.tensors.size() == 23 + 1 + 13 + 1);  // tower, embedding, block, norm; lm_head tied by the top-level key
+  CHECK(g.tensors.front().name == "model.vision_tower.embeddings.patch_embedding.weight");
+  CHECK(g.tensors.front().shape == std::vector<int64_t>{4, 1, 2, 2});
+  CHECK(g.tensors[22].name == "model.multi_modal_projector.mm_soft_emb_norm.weight");
+  CHECK(g.tensors[21].shape == std::vector<int64_t>{4, 8});  // mm_input_projection_weight [vision hidden, text hidden]
+  for (size_t i = 0; i < g.tensors.size(); ++i) CHECK(g.tensors[i].image_only == (i < 23));
+  CHECK(g.tensors[23].name == "model.language_model.embed_tokens.weight");
+  CHECK(g.tensors.back().name == "model.language_model.norm.weight");
+  CHECK(g.arch.vision.layer_class == "SiglipEncoderLayer");
+  // text-only steps: the tower adds no parameter a token multiplies by
+  CHECK(g.ActiveParamsPerToken() == 752);
+  std::string untied = kHandGemma3;
+  untied.replace(untied.rfind('}'), 1, R"(,"tie_word_embeddings":false})");
+  CHECK(FromText(untied).value().tensors.back().name == "lm_head.weight");
+  std::string pooled = kHandGemma3;
+  pooled.replace(pooled.find(R"("vision_use_head":false)"), 23, R"("vision_use_head":true)");
+  // probe 4, in_proj [12, 4] 48 + 12, out_proj 16 + 4, layernorm 8, mlp 40 + 36
+  CHECK(FromText(pooled).value().VisionParams() == 252 + 4 + 60 + 20 + 8 + 76);
+}
+
+TEST_CASE("Llama 4's multimodal config loads its text model, as AutoModelForCausalLM builds it") {
+  const std::string text = R"({"vocab_size":64,"hidden_size":16,"intermediate_size":8,"intermediate_size_mlp":24,"num_hidden_layers":2,)"
+                           R"("num_attention_heads":2,"num_key_value_heads":1,"head_dim":8,"num_local_experts":2})";
+  auto outer = FromText(R"({"model_type":"llama4","text_config":)" + text + R"(,"vision_config":{"hidden_size":32},"tie_word_embeddings":true})");
+  auto inner = FromText(R"({"model_type":"llama4_text",)" + text.substr(1));
+  REQUIRE(outer.ok());
+  REQUIRE(inner.ok());
+  CHECK(outer.value().ParamsTotal() == inner.value().ParamsTotal());
+  CHECK(outer.value().VisionParams() == 0);
+  CHECK(outer.value().tensors.back().name == "lm_head.weight");  // text_config's tie_word_embeddings (false), not the outer one
 }
 
 TEST_CASE("bad model configs give one-line errors naming the problem") {

@@ -286,6 +286,23 @@ void ApplyWrapPolicy(Workload& w, const FsdpConfig& config) {
   }
 }
 
+// A text-only step never runs the vision tower (TensorSpec::image_only). FSDP2 then leaves its
+// gradients None: FSDPParamGroup.post_backward reduce-scatters only the parameters whose grad is
+// set, and AdamW keeps no state for a parameter without one (torch/optim/adamw.py,
+// _init_group's `if p.grad is not None`), as for a frozen one. FSDP1 flattens them into their
+// unit's FlatParameter, whose gradient covers every element and is reduced and stepped whole.
+// Sets `trainable` (what gets a gradient) on those tensors for `framework`; true when it changed.
+bool SetImageOnlyGradients(ModelSpec& m, Framework framework) {
+  bool changed = false;
+  for (TensorSpec& t : m.tensors) {
+    const bool grads = t.requires_grad && framework == Framework::kFsdp1;
+    if (!t.image_only || t.trainable == grads) continue;
+    t.trainable = grads;
+    changed = true;
+  }
+  return changed;
+}
+
 }  // namespace
 
 // FSDP1 flattens a unit's parameters into one FlatParameter, which takes one requires_grad unless
@@ -345,7 +362,8 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
     return Error::BadInput("Reconfigure cannot change the param dtype under QLoRA (the 4-bit weights are packed in it): build a new workload");
   }
   if (Status s = ResolveAndValidate(config, w.model, hardware); !s.ok()) return s;
-  const bool rewrap = w.units.empty() || config.wrap != w.config.wrap ||
+  const bool regrad = SetImageOnlyGradients(w.model, config.framework);
+  const bool rewrap = w.units.empty() || regrad || config.wrap != w.config.wrap ||
                       (config.wrap == WrapPolicy::kSize && config.wrap_min_params != w.config.wrap_min_params);
   if (rewrap) ApplyWrapPolicy(w, config);
   const int64_t world = ShardWorldSize(config);
@@ -355,6 +373,7 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
   Status uniform = CheckUniformRequiresGrad(w, config);
   if (uniform.ok()) uniform = CheckUniformDtype(w, config);
   if (!uniform.ok()) {
+    if (regrad) SetImageOnlyGradients(w.model, w.config.framework);
     if (rewrap && !w.units.empty()) ApplyWrapPolicy(w, w.config);  // left as it was
     return uniform;
   }

@@ -123,6 +123,11 @@ struct Workload {
 /// tree, applies the wrap policy and computes padding. BadInput on inconsistent configurations.
 Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfig config);
 
+/// A vision tower's tensors (TensorSpec::image_only) run no forward in the text-only steps
+/// planned: under FSDP2 they get no gradient and no optimizer state (`trainable` false in
+/// Workload::model), under FSDP1 their unit's FlatParameter gradient covers them (trainable unless
+/// the base is frozen). BuildWorkload and Reconfigure set this for the framework.
+///
 /// Re-targets an existing workload (same model) at another GPU and configuration: re-applies the
 /// wrap policy only when it changed and recomputes the padding. Cheaper than BuildWorkload, for
 /// searches. On error the workload is left unchanged.

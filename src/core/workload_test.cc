@@ -160,5 +160,31 @@ TEST_CASE("frozen parameters: FSDP1 still reduces the whole flat parameter, FSDP
   CHECK(BuildWorkload(m, testing::GibGpu(), c).value().units[2].grad_padded_numel == 0);
 }
 
+TEST_CASE("a vision tower idle in text-only steps: FSDP2 gives it no gradient, FSDP1's flat gradient covers it") {
+  // model_spec_test's hand Gemma 3: a 252-element tower in the root beside the embedding 128 and
+  // the final norm 8 (lm_head tied); one block of 616
+  constexpr const char* kGemma3 =
+      R"({"model_type":"gemma3","text_config":{"vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":1,)"
+      R"("num_attention_heads":2,"num_key_value_heads":1,"head_dim":4},)"
+      R"("vision_config":{"hidden_size":4,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2,"num_channels":1,)"
+      R"("image_size":4,"patch_size":2,"vision_use_head":false}})";
+  FsdpConfig c;
+  c.gpus = 1;
+  c.framework = Framework::kFsdp2;
+  Workload fsdp2 = Build(c, kGemma3);
+  REQUIRE(fsdp2.units.size() == 2);
+  CHECK(fsdp2.units[0].numel == 252 + 128 + 8);
+  CHECK(fsdp2.units[0].trainable_numel == 136);
+  CHECK(fsdp2.GradShardNumelTotal() == 136 + 616);
+  CHECK(fsdp2.model.ParamsTrainable() == 1004);  // requires_grad all the same
+  c.framework = Framework::kFsdp1;
+  REQUIRE(Reconfigure(fsdp2, testing::GibGpu(), c).ok());  // the same workload, re-targeted
+  CHECK(fsdp2.units[0].trainable_numel == 388);
+  CHECK(fsdp2.GradShardNumelTotal() == 388 + 616);
+  c.framework = Framework::kFsdp2;
+  REQUIRE(Reconfigure(fsdp2, testing::GibGpu(), c).ok());
+  CHECK(fsdp2.GradShardNumelTotal() == 136 + 616);
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -29,7 +29,8 @@ struct NodeWork {
 
 // A weight the forward multiplies by: a linear's [out, in] (GPT-2's Conv1D [in, out]) or fused
 // routed experts' [experts, out, in], each token through experts_per_token of them (active_share).
-bool IsMatmulWeight(const TensorSpec& t) { return t.in_linear && t.shape.size() >= 2; }
+// A vision tower's (image_only) runs in no text-only step.
+bool IsMatmulWeight(const TensorSpec& t) { return t.in_linear && t.shape.size() >= 2 && !t.image_only; }
 
 // Forward work of a module-tree node (its own tensors and role), not of its children.
 NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations& block, const HeadActivations& head,

@@ -32,7 +32,7 @@ Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& m, int64_t s
       const double wavelen = 2 * std::numbers::pi / f;
       if (wavelen > low_freq_wavelen) {
         f /= s.factor;  // long wavelengths: interpolated
-      } else if (wavelen >= high_freq_wavelen) {  // between the bands: smoothed
+      } else if (wavelen >= high_freq_wavelen && s.high_freq_factor > s.low_freq_factor) {  // between the bands: smoothed
         const double smooth = (old_context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
         f = (1 - smooth) * f / s.factor + smooth * f;
       }  // short wavelengths: unchanged

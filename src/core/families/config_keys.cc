@@ -35,6 +35,13 @@ Result<double> ReadPositive(const JsonReader& reader, const char* key, double fa
   return x;
 }
 
+Result<JsonReader> ReadSubConfig(const JsonReader& r, const char* key) {
+  static const Json kEmpty = Json::object();
+  const auto it = r.json().find(key);
+  if (it == r.json().end() || it->is_null()) return JsonReader(kEmpty, fmt::format("{}: {}", r.origin(), key));
+  return r.Object(key);
+}
+
 Result<bool> ReadFlag(const JsonReader& reader, const char* key, bool fallback) {
   auto v = reader.OptionalBool(key);
   if (!v.ok()) return v.error();
@@ -76,8 +83,9 @@ Status ReadRopeScaling(const JsonReader& s, int64_t max_positions, RopeScaling& 
   auto low = s.PositiveNumber("low_freq_factor"), high = s.PositiveNumber("high_freq_factor");
   if (!low.ok()) return low.error();
   if (!high.ok()) return high.error();
-  if (!(high.value() > low.value())) {
-    return s.KeyError("high_freq_factor", fmt::format("must exceed low_freq_factor {}, got {}", low.value(), high.value()));
+  // equal factors (Llama 4 Scout's 1 and 1) leave no band between: transformers only warns
+  if (high.value() < low.value()) {
+    return s.KeyError("high_freq_factor", fmt::format("must be at least low_freq_factor {}, got {}", low.value(), high.value()));
   }
   out.low_freq_factor = low.value();
   out.high_freq_factor = high.value();

@@ -69,6 +69,9 @@ Result<int64_t> ReadSlidingWindow(const JsonReader& r);
 /// m.layer_sliding, else every `pattern`-th layer (1-based) full and the others sliding, as
 /// Gemma2Config (2) and Gemma3TextConfig (sliding_window_pattern, 6) default them.
 Status ReadLayerTypes(const JsonReader& r, int64_t pattern, ModelSpec& m);
+/// A nested config (a multimodal model's text_config, vision_config); absent or null: an empty
+/// object, every key at its default.
+Result<JsonReader> ReadSubConfig(const JsonReader& r, const char* key);
 /// BadInput unless the heads divide into the key/value heads (and, with no head_dim, hidden into heads).
 Status CheckHeads(const JsonReader& r, const ModelSpec& m);
 

@@ -8,6 +8,11 @@
 // [experts, hidden, 2 x intermediate_size], down_proj [experts, intermediate_size, hidden]) that
 // transformers runs on every token, and a shared SwiGLU expert of intermediate_size; the other
 // layers' MLP is a SwiGLU of intermediate_size_mlp (Architecture::dense_block).
+//
+// The multimodal config (model_type llama4, Llama4Config: text_config and vision_config) loads as
+// its text model: AutoModelForCausalLM, which every export uses, builds Llama4ForCausalLM from
+// text_config alone (its tie_word_embeddings too) and leaves the vision model out, so that is the
+// model planned. (Llama4ForConditionalGeneration adds the vision encoder and its projector.)
 #include <fmt/format.h>
 
 #include "core/families/family.h"
@@ -103,6 +108,11 @@ Status ReadLlama4Text(const JsonReader& r, ModelSpec& m) {
   a.block.push_back({ParamOp::Kind::kLinear, "feed_forward.shared_expert.up_proj", h, inner});
   a.block.push_back({ParamOp::Kind::kLinear, "feed_forward.shared_expert.down_proj", inner, h});
   return {};
+}
+
+Status ReadLlama4(const JsonReader& r, ModelSpec& m) {
+  FSDP_ASSIGN_OR_RETURN(const JsonReader text, ReadSubConfig(r, "text_config"));
+  return ReadLlama4Text(text, m);
 }
 
 }  // namespace fsdp::families
