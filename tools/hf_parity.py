@@ -2,7 +2,7 @@
 """fsdp-run's numerics against HuggingFace transformers on the same weights and tokens.
 
 For each case a small model is built with transformers (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM; seeded), saved with save_pretrained (config.json and safetensors: fp32, one case
+Qwen2ForCausalLM, Qwen3ForCausalLM; seeded), saved with save_pretrained (config.json and safetensors: fp32, one case
 sharded over several files, one in bf16), and trained for a few
 AdamW steps in plain PyTorch fp32 on a token file. fsdp-run then starts from that checkpoint
 (--init-from) with the same tokens (--tokens), fp32 parameters and reductions, and the losses of
@@ -80,6 +80,15 @@ CASES = [
         "seq": 16, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--strategy", "no_shard"],
         "mpi_ranks": 2, "save_bf16": True,  # a bf16 checkpoint, as Hub models are stored; both sides train from its values in fp32
     },
+    {   # Qwen3: per-head q_norm and k_norm (drawn away from 1 below), head_dim 24 != hidden / heads,
+        # untied head, theta 1e6; 2 ranks FULL_SHARD
+        "name": "qwen3-qk-norm",
+        "config": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 200, "initializer_range": 0.1,
+                   "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "head_dim": 24,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False},
+        "seq": 16, "micro_batch": 2, "grad_accum": 2, "steps": 3, "flags": [], "mpi_ranks": 2,
+    },
 ]
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.01  # fsdp-run's TrainOptions defaults
@@ -89,7 +98,7 @@ def build_model(case, seed):
     import torch
     import transformers
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                    "qwen2": transformers.Qwen2Config}[case["config"]["model_type"]]
+                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[case["config"]["model_type"]]
     model_class = getattr(transformers, case["config"]["architectures"][0])
     config = config_class.from_dict(dict(case["config"]), attn_implementation="eager")
     config.use_cache = False
@@ -198,9 +207,9 @@ def case_from_config(args):
         config = json.load(f)
     kind = config.get("model_type")
     config.setdefault("architectures", [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                         "qwen2": "Qwen2ForCausalLM"}.get(kind, "")])
-    if kind not in ("llama", "mistral", "qwen2"):
-        raise SystemExit(f"hf_parity: --config {args.config}: model_type {kind!r} is not llama, mistral or qwen2")
+                                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(kind, "")])
+    if kind not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise SystemExit(f"hf_parity: --config {args.config}: model_type {kind!r} is not llama, mistral, qwen2 or qwen3")
     name = os.path.basename(os.path.dirname(os.path.abspath(args.config))) if os.path.basename(args.config) == "config.json" \
         else os.path.splitext(os.path.basename(args.config))[0]
     return {"name": name, "config": config, "seq": args.seq_len, "micro_batch": 2, "grad_accum": 1, "steps": args.steps,

@@ -148,7 +148,10 @@ int64_t RuntimeBlockSavedBytes(const Workload& w) {
   const int64_t t = w.TokensPerMicroBatch();
   const int64_t floats = 4 * t * m.hidden_size + 2 * t * m.num_heads * m.head_dim + 2 * t * m.num_kv_heads * m.head_dim +
                          3 * t * m.intermediate_size + 2 * t + w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
-  return floats * 4;
+  // Qwen3's q/k norms: q and k before them, one head per row, and each row's inverse RMS (BlockCache)
+  const bool head_norms = std::any_of(m.arch.block.begin(), m.arch.block.end(), [](const ParamOp& op) { return op.qk_norm && op.head_norm; });
+  const int64_t head_rows = t * (m.num_heads + m.num_kv_heads);
+  return (floats + (head_norms ? head_rows * m.head_dim + head_rows : 0)) * 4;
 }
 
 int64_t RuntimeAttentionCoreBytes(const Workload& w) {

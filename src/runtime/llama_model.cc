@@ -46,16 +46,25 @@ namespace {
 
 // The block the kernels below implement: RMSNorm, separate q/k/v/o projections, RMSNorm, SwiGLU,
 // RoPE positions, with the module names its weight offsets (LlamaDims::Offsets) follow.
+// Qwen3's block adds per-head q_norm and k_norm after o_proj, where Qwen3Attention registers them.
 bool RunsLlamaBlock(const Architecture& a) {
-  static constexpr std::string_view kModules[] = {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                  "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
-                                                  "mlp.down_proj"};
-  if (a.norm != NormKind::kRms || a.mlp != MlpKind::kGated || a.fused_qkv || !a.names.positions.empty()) return false;
-  if (a.block.size() != std::size(kModules)) return false;
-  for (size_t i = 0; i < a.block.size(); ++i) {
-    if (a.block[i].module != kModules[i] || a.block[i].experts != 0) return false;
-  }
-  return true;
+  static const std::vector<std::string_view> kLlama = {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                                                       "mlp.down_proj"};
+  static const std::vector<std::string_view> kQwen3 = {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
+                                                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
+  if (a.norm != NormKind::kRms || a.mlp != MlpKind::kGated || a.fused_qkv || !a.names.positions.empty() || a.norm_weight_fp32) return false;
+  if (a.norm_placement != NormPlacement::kPre || !a.dense_layers.empty() || a.vision.present()) return false;
+  auto matches = [&](const std::vector<std::string_view>& modules) {
+    if (a.block.size() != modules.size()) return false;
+    for (size_t i = 0; i < a.block.size(); ++i) {
+      const ParamOp& op = a.block[i];
+      if (op.module != modules[i] || op.experts != 0 || (op.qk_norm && !op.head_norm)) return false;
+    }
+    return true;
+  };
+  return matches(kLlama) || matches(kQwen3);
 }
 
 // Where block 0's tensors sit in its flat buffer, read off the inventory by their names; every
@@ -65,7 +74,8 @@ void SetBlockLayout(const ModelSpec& m, LlamaDims& d) {
   const std::pair<std::string_view, int64_t*> fields[] = {
       {"input_layernorm.weight", &o.in_norm}, {"self_attn.q_proj.weight", &o.wq}, {"self_attn.q_proj.bias", &o.bq},
       {"self_attn.k_proj.weight", &o.wk},     {"self_attn.k_proj.bias", &o.bk},   {"self_attn.v_proj.weight", &o.wv},
-      {"self_attn.v_proj.bias", &o.bv},       {"self_attn.o_proj.weight", &o.wo}, {"post_attention_layernorm.weight", &o.post_norm},
+      {"self_attn.v_proj.bias", &o.bv},       {"self_attn.o_proj.weight", &o.wo}, {"self_attn.q_norm.weight", &o.q_norm},
+      {"self_attn.k_norm.weight", &o.k_norm}, {"post_attention_layernorm.weight", &o.post_norm},
       {"mlp.gate_proj.weight", &o.wg},        {"mlp.up_proj.weight", &o.wu},      {"mlp.down_proj.weight", &o.wd}};
   const std::string prefix = m.arch.names.blocks + ".0.";
   int64_t offset = 0;
@@ -84,7 +94,7 @@ void SetBlockLayout(const ModelSpec& m, LlamaDims& d) {
 
 Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   if (!RunsLlamaBlock(m.arch)) {
-    return Error::BadInput(fmt::format("fsdp-run trains llama, mistral and qwen2 models; {} is {}", m.id, m.model_type));
+    return Error::BadInput(fmt::format("fsdp-run trains llama, mistral, qwen2 and qwen3 models; {} is {}", m.id, m.model_type));
   }
   if (m.o_bias || m.mlp_bias) {
     return Error::BadInput(fmt::format("fsdp-run implements biases on q/k/v only (Qwen2's); {} has {} biases", m.id, m.o_bias ? "o_proj" : "MLP"));
@@ -100,12 +110,13 @@ Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
               .kv_heads = m.num_kv_heads, .head_dim = m.head_dim, .layers = m.num_layers, .qkv_bias = m.qkv_bias,
               .rms_eps = static_cast<float>(m.norm_eps), .rope_inv_freq = std::move(inv_freq).value(), .tied = m.tie_word_embeddings, .offsets = {}, .block_numel = 0};
   SetBlockLayout(m, d);
+  d.qk_norm = d.offsets.q_norm >= 0;
   return d;
 }
 
 int64_t BlockCache::SavedBytes() const {
   int64_t floats = x.size() + n1.size() + q.size() + k.size() + v.size() + attn.size() + x2.size() + n2.size() + gate.size() + up.size() +
-                   mid.size() + inv1.size() + inv2.size();
+                   mid.size() + inv1.size() + inv2.size() + q_heads.size() + k_heads.size() + inv_q.size() + inv_k.size();
   for (const auto& p : probs) floats += p.size();
   return floats * 4;
 }
@@ -122,6 +133,23 @@ int64_t RecomputeAttentionCore(const LlamaDims& d, BlockCache& cache, int64_t ba
 namespace {
 ConstMatMap W(const float* p, int64_t rows, int64_t cols) { return ConstMatMap(p, rows, cols); }
 Eigen::Map<const Vec> V(const float* p, int64_t n) { return Eigen::Map<const Vec>(p, n); }
+
+// x (T, heads x head_dim) seen as one head per row, (T x heads, head_dim): the same row-major data.
+Mat Heads(const Mat& x, int64_t head_dim) { return ConstMatMap(x.data(), x.size() / head_dim, head_dim); }
+Mat Tokens(const Mat& heads, int64_t rows) { return ConstMatMap(heads.data(), rows, heads.size() / rows); }
+
+// Qwen3's q_norm / k_norm: an RMSNorm over each head's features (Qwen3RMSNorm), `x` replaced by
+// its normalised self; `pre` and `inv` keep what the backward needs.
+void HeadNormForward(const LlamaDims& d, const float* w, Mat& x, Mat& pre, Vec& inv) {
+  pre = Heads(x, d.head_dim);
+  x = Tokens(RmsNormForward(pre, V(w, d.head_dim), d.rms_eps, inv), x.rows());
+}
+
+// The gradient through it: `dx` (of the normalised x) becomes that of x; dw accumulates.
+void HeadNormBackward(const LlamaDims& d, const float* w, float* dw, Mat& dx, const Mat& pre, const Vec& inv) {
+  Eigen::Map<Vec> g(dw, d.head_dim);
+  dx = Tokens(RmsNormBackward(Heads(dx, d.head_dim), pre, V(w, d.head_dim), inv, g), dx.rows());
+}
 }  // namespace
 
 Mat BlockForward(const LlamaDims& d, const float* p, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache) {
@@ -138,6 +166,10 @@ Mat BlockForward(const LlamaDims& d, const float* p, const Mat& x, int64_t batch
     c.q.rowwise() += V(p + o.bq, qd).transpose();
     c.k.rowwise() += V(p + o.bk, kvd).transpose();
     c.v.rowwise() += V(p + o.bv, kvd).transpose();
+  }
+  if (d.qk_norm) {
+    HeadNormForward(d, p + o.q_norm, c.q, c.q_heads, c.inv_q);
+    HeadNormForward(d, p + o.k_norm, c.k, c.k_heads, c.inv_k);
   }
   Rope(c.q, d.heads, d.head_dim, seq, d.rope_inv_freq, false);
   Rope(c.k, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, false);
@@ -169,6 +201,10 @@ Mat BlockBackward(const LlamaDims& d, const float* p, float* g, const Mat& dy, c
   AttentionBackward(d_attn, c.q, c.k, c.v, c.probs, batch, seq, d.heads, d.kv_heads, d.head_dim, dq, dk, dv);
   Rope(dq, d.heads, d.head_dim, seq, d.rope_inv_freq, true);
   Rope(dk, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, true);
+  if (d.qk_norm) {
+    HeadNormBackward(d, p + o.q_norm, g + o.q_norm, dq, c.q_heads, c.inv_q);
+    HeadNormBackward(d, p + o.k_norm, g + o.k_norm, dk, c.k_heads, c.inv_k);
+  }
   if (d.qkv_bias) {  // the projections' outputs' gradients, summed over tokens
     Eigen::Map<Vec>(g + o.bq, qd) += dq.colwise().sum().transpose();
     Eigen::Map<Vec>(g + o.bk, kvd) += dk.colwise().sum().transpose();

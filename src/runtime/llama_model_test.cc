@@ -11,13 +11,15 @@
 namespace fsdp::runtime {
 namespace {
 
-// One block with or without Qwen2's q/k/v biases against finite differences of sum(y * r).
-void CheckBlockGradients(bool qkv_bias) {
-  CAPTURE(qkv_bias);
-  // vocab 11, hidden 8, inner 12, 4 heads of 2, 2 kv heads, 1 layer (Qwen2 has q/k/v biases)
-  auto config = ParseJson(fmt::format(R"({{"model_type": "{}", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 12,
+// One block of a llama, qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) against finite
+// differences of sum(y * r).
+void CheckBlockGradients(const std::string& type) {
+  CAPTURE(type);
+  const bool qkv_bias = type == "qwen2";
+  // vocab 11, hidden 8, inner 12, 4 heads of 2, 2 kv heads, 1 layer
+  auto config = ParseJson(fmt::format(R"({{"model_type": "{}", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 12, "head_dim": 2,
                                            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1}})",
-                                      qkv_bias ? "qwen2" : "llama"),
+                                      type),
                           "block.json");
   REQUIRE(config.ok());
   auto model = ModelFromHfConfig(config.value(), "block", "block.json");
@@ -32,7 +34,9 @@ void CheckBlockGradients(bool qkv_bias) {
   std::vector<float> params(static_cast<size_t>(d.BlockNumel()));
   for (auto& v : params) v = n(rng);
   const auto o = d.Offsets();
+  REQUIRE(d.qk_norm == (type == "qwen3"));
   for (int64_t i = 0; i < d.hidden; ++i) params[o.in_norm + i] = params[o.post_norm + i] = 1.0f + 0.1f * n(rng);
+  for (int64_t i = 0; d.qk_norm && i < d.head_dim; ++i) params[o.q_norm + i] = params[o.k_norm + i] = 1.0f + 0.1f * n(rng);
   const int64_t batch = 2, seq = 3;
   Mat x(batch * seq, d.hidden), r(batch * seq, d.hidden);
   for (Eigen::Index i = 0; i < x.size(); ++i) { x.data()[i] = n(rng); r.data()[i] = n(rng); }
@@ -49,10 +53,18 @@ void CheckBlockGradients(bool qkv_bias) {
     CheckGradient(params.data() + o.bk, kvd, grads.data() + o.bk, loss, rng, 2 * static_cast<int>(kvd), "k bias");
     CheckGradient(params.data() + o.bv, kvd, grads.data() + o.bv, loss, rng, 2 * static_cast<int>(kvd), "v bias");
   }
+  if (d.qk_norm) {  // every norm weight
+    CheckGradient(params.data() + o.q_norm, d.head_dim, grads.data() + o.q_norm, loss, rng, 2 * static_cast<int>(d.head_dim), "q_norm");
+    CheckGradient(params.data() + o.k_norm, d.head_dim, grads.data() + o.k_norm, loss, rng, 2 * static_cast<int>(d.head_dim), "k_norm");
+    CHECK(cache.SavedBytes() == BlockCache{cache.x, cache.n1, cache.q, cache.k, cache.v, cache.attn, cache.x2, cache.n2, cache.gate,
+                                           cache.up, cache.mid, cache.inv1, cache.inv2, {}, {}, {}, {}, cache.probs}.SavedBytes() +
+                                    4 * (batch * seq * (d.heads + d.kv_heads) * (d.head_dim + 1)));
+  }
 }
 
-TEST_CASE("a whole decoder block: backward against finite differences") { CheckBlockGradients(false); }
-TEST_CASE("a block with q/k/v biases (Qwen2): backward against finite differences") { CheckBlockGradients(true); }
+TEST_CASE("a whole decoder block: backward against finite differences") { CheckBlockGradients("llama"); }
+TEST_CASE("a block with q/k/v biases (Qwen2): backward against finite differences") { CheckBlockGradients("qwen2"); }
+TEST_CASE("a block with per-head q/k norms (Qwen3): backward against finite differences") { CheckBlockGradients("qwen3"); }
 
 TEST_CASE("the flat block layout matches the checkpoint inventory") {
   auto m = LoadModel("tiny-llama");
