@@ -216,7 +216,7 @@ std::string TensorSpec::module() const {
 
 int64_t ModelSpec::ParamsTrainable() const {
   int64_t n = 0;
-  for (const TensorSpec& t : tensors) n += (t.image_only ? t.requires_grad : t.trainable) ? t.LogicalNumel() : 0;
+  for (const TensorSpec& t : tensors) n += t.RequiresGrad() ? t.LogicalNumel() : 0;
   return n;
 }
 

@@ -31,6 +31,8 @@ struct TensorSpec {
   /// requires_grad as the model declares it; differs from `trainable` only for image_only tensors
   /// under FSDP2, which get no gradient in a text-only step (workload.h)
   bool requires_grad = true;
+  /// Whether the model declares it requires grad (`requires_grad` for a tower's, else `trainable`).
+  bool RequiresGrad() const { return image_only ? requires_grad : trainable; }
 
   /// Share of the tokens the forward multiplies it with: its FLOPs' (active_share, or 1 under dense_dispatch).
   double ComputedShare() const { return dense_dispatch ? 1.0 : active_share; }

@@ -172,7 +172,8 @@ DType FrozenStorageDtype(const FsdpConfig& config) {
 }
 
 DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor) {
-  return tensor.trainable ? config.master_dtype : FrozenStorageDtype(config);
+  // a vision tower's parameters keep the dtype they require grad in, gradient or not (FSDP2's idle tower)
+  return tensor.RequiresGrad() ? config.master_dtype : FrozenStorageDtype(config);
 }
 
 std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config) {
