@@ -9,7 +9,9 @@ AdamW steps in plain PyTorch fp32 on a token file. fsdp-run then starts from tha
 every step are compared. Step 1's loss checks the forward (embedding, RMSNorm eps, RoPE with the
 config's scaling, grouped-query attention, SwiGLU, tied or untied head, cross-entropy); later steps
 check the backward, gradient accumulation and AdamW (lr, betas, eps, decoupled weight decay on every
-parameter, as torch.optim.AdamW over model.parameters()).
+parameter, as torch.optim.AdamW over model.parameters()). The LoRA cases wrap the model with peft's
+get_peft_model (adapters drawn non-zero) and train the parameters that require grad; fsdp-run
+starts from the peft model's own parameters under FSDP2 with the same LoRA flags.
 
 fsdp-run's token windows are TrainingTokens' (runtime/fsdp_engine.h): sequence index
 ((step * grad_accum + micro) * world + rank) * micro_batch + i takes tokens
@@ -90,6 +92,29 @@ CASES = [
         "seq": 16, "micro_batch": 2, "grad_accum": 2, "steps": 3, "flags": [], "mpi_ranks": 2,
         "cpu_only": "the GPU engine does not implement Qwen3's q/k norms yet",
     },
+    {   # LoRA (peft) on q_proj and v_proj under FSDP2: the base frozen, adapters trained; lora_B drawn
+        # non-zero (init_lora_weights=False) so that step 1 checks the adapters' forward too; 2 ranks
+        "name": "llama-lora-qv",
+        "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "initializer_range": 0.1,
+                   "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+        "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--framework", "fsdp2"], "mpi_ranks": 2,
+        "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "v_proj"]},
+        "cpu_only": "the GPU engine does not implement LoRA",
+    },
+    {   # LoRA on every linear of a Qwen2 (frozen q/k/v biases, tied head), whole-model wrap, full
+        # activation checkpointing, gradient accumulation; 2 ranks
+        "name": "qwen2-lora-all-linear-ac",
+        "config": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 240, "initializer_range": 0.1,
+                   "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+                   "use_sliding_window": False},
+        "seq": 16, "micro_batch": 2, "grad_accum": 2, "steps": 3, "flags": ["--framework", "fsdp2", "--wrap", "none", "--ac", "full"],
+        "mpi_ranks": 2, "lora": {"r": 2, "alpha": 5, "targets": "all-linear"},
+        "cpu_only": "the GPU engine does not implement LoRA",
+    },
 ]
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.01  # fsdp-run's TrainOptions defaults
@@ -119,11 +144,36 @@ def window(tokens, index, seq):
     return [tokens[(index * (seq + 1) + j) % n] for j in range(seq + 1)]
 
 
+def with_lora(case, model, directory, seed):
+    """peft's get_peft_model on the case's LoRA; the whole model (base and adapters, under the names
+    peft gives them, which fsdp-run's inventory uses) saved to DIR/lora/model.safetensors."""
+    import peft
+    import torch
+    from safetensors.torch import save_file
+    lora = case["lora"]
+    torch.manual_seed(seed + 1)
+    config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=lora["targets"], lora_dropout=0.0,
+                             init_lora_weights=False)  # lora_B drawn like lora_A (kaiming uniform), not zero
+    model = peft.get_peft_model(model, config)
+    inner = model.base_model.model  # the transformers model, its modules wrapped
+    os.makedirs(os.path.join(directory, "lora"), exist_ok=True)
+    tensors = {name: p.detach().contiguous() for name, p in inner.named_parameters()}  # a tied head once
+    save_file(tensors, os.path.join(directory, "lora", "model.safetensors"))
+    return model
+
+
+def lora_flags(case):
+    lora = case["lora"]
+    targets = lora["targets"] if isinstance(lora["targets"], str) else ",".join(lora["targets"])
+    return ["--lora-rank", str(lora["r"]), "--lora-alpha", str(lora["alpha"]), "--lora-targets", targets]
+
+
 def reference_losses(case, model, tokens):
     import torch
     import torch.nn.functional as F
     seq, mb, accum = case["seq"], case["micro_batch"], case["grad_accum"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    trained = [p for p in model.parameters() if p.requires_grad]  # all of them, or LoRA's adapters
+    optimizer = torch.optim.AdamW(trained, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     model.train()
     losses = []
     for step in range(case["steps"]):
@@ -148,6 +198,9 @@ def run_fsdp(args, case, directory, token_file, ranks):
            "--seq-len", str(case["seq"]), "--micro-batch", str(case["micro_batch"] // ranks),
            "--grad-accum", str(case["grad_accum"]), "--param-dtype", "fp32", "--reduce-dtype", "fp32",
            "--lr", str(LR), "--device", args.device, "--quiet", "--out", out] + case["flags"]
+    if case.get("lora"):  # from the peft model's own checkpoint: base_layer names and its adapters
+        cmd[cmd.index("--init-from") + 1] = os.path.join(directory, "lora", "model.safetensors")
+        cmd += lora_flags(case)
     if ranks > 1:
         cmd = shlex.split(args.mpirun) + ["-np", str(ranks)] + cmd
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -190,6 +243,13 @@ def run_case(args, case, root):
     token_file = os.path.join(directory, "tokens.txt")
     with open(token_file, "w") as f:
         f.write(" ".join(map(str, tokens)) + "\n")
+    if case.get("lora"):
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            print(f"skip {case['name']}: peft is not installed")
+            return True
+        model = with_lora(case, model, directory, args.seed)
     reference = reference_losses(case, model, tokens)
     del model
     ok = True

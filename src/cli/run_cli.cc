@@ -248,9 +248,6 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (!w.ok()) return w.error();
   const FsdpConfig& c = w.value().config;
   if (c.cpu_offload) return Error::BadInput("fsdp-run does not implement CPU offload (--cpu-offload): fsdp-plan and fsdp-sim model it");
-  if (c.lora.rank > 0) {
-    return Error::BadInput("fsdp-run trains every parameter: LoRA and QLoRA (--lora-rank, --qlora) are not in its engines yet; fsdp-plan and fsdp-sim model them");
-  }
   if (c.master_dtype != DType::kFp32) {
     return Error::BadInput("fsdp-run keeps fp32 master weights: --master-dtype bf16 is not in its engines yet; fsdp-plan and fsdp-sim model it");
   }
@@ -272,7 +269,9 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     auto checkpoint = runtime::Checkpoint::Open(f.init_from);
     if (!checkpoint.ok()) return checkpoint.error();
     for (const TensorSpec& t : run.workload.model.tensors) {  // every tensor before any rank starts
-      if (Status s = checkpoint.value().Check(t.name, t.shape); !s.ok()) return s.error();
+      const std::string name = runtime::CheckpointTensorName(checkpoint.value(), t);
+      if (name.empty()) continue;  // a LoRA adapter the checkpoint does not have: peft's initial values
+      if (Status s = checkpoint.value().Check(name, t.shape); !s.ok()) return s.error();
     }
     run.options.checkpoint = std::make_shared<const runtime::Checkpoint>(std::move(checkpoint).value());
   }

@@ -37,7 +37,7 @@ class RuntimePlayer {
     mem_.SetPhase(Phase{StepPhase::kInitialisation});
     for (const auto& u : w_.units) {
       mem_.Alloc(Cat::kShardedParams, u.shard_numel * 4);
-      mem_.Alloc(Cat::kOptimizerStates, 2 * u.shard_numel * 4);
+      mem_.Alloc(Cat::kOptimizerStates, 2 * u.grad_shard_numel * 4);  // AdamW's over the trained group's shard
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));
@@ -83,19 +83,23 @@ class RuntimePlayer {
     }
   }
 
+  // FsdpEngine::Reduce: the trained group's gradient (grad_padded_numel), nothing for a frozen unit.
   void Reduce(int u) {
-    BlockId shard = mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4);
-    if (shard_grad_[u] == kNoBlock) shard_grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].shard_numel * 4);
+    if (w_.units[u].grad_shard_numel == 0) return;
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, w_.units[u].grad_shard_numel * 4);
+    if (shard_grad_[u] == kNoBlock) shard_grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].grad_shard_numel * 4);
     mem_.Free(shard);
     mem_.Free(grad_[u]);
   }
 
-  // FsdpEngine::Grads: the unit's unsharded gradient, from its first backward on.
+  // FsdpEngine::Grads: the unit's unsharded gradient (its trained group), from its first backward
+  // on; none for a unit with nothing to train.
   void EnsureGrad(int node) {
-    const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
-    const int u = w_.tensor_unit[t];
-    if (grad_[u] == kNoBlock) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].padded_numel * 4);
+    const int u = w_.tensor_unit[OwnTensor(node)];
+    if (grad_[u] == kNoBlock && w_.units[u].grad_padded_numel > 0) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].grad_padded_numel * 4);
   }
+
+  int OwnTensor(int node) const { return w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor; }
 
   void Forward(int node) {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
@@ -115,7 +119,9 @@ class RuntimePlayer {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
     const bool selective = w_.config.checkpointing == Checkpointing::kSelective;
     switch (w_.nodes[node].role) {
-      case ModuleNode::Role::kLmHead: EnsureGrad(node); break;
+      case ModuleNode::Role::kLmHead:
+        if (w_.model.tensors[OwnTensor(node)].trainable) EnsureGrad(node);  // a frozen head passes only the input's gradient
+        break;
       case ModuleNode::Role::kBlock: {
         EnsureGrad(node);
         BlockId recompute = ac ? mem_.Alloc(Cat::kActivations, block_bytes_) : selective ? mem_.Alloc(Cat::kActivations, core_bytes_) : kNoBlock;
@@ -151,7 +157,10 @@ int64_t RuntimeBlockSavedBytes(const Workload& w) {
   // Qwen3's q/k norms: q and k before them, one head per row, and each row's inverse RMS (BlockCache)
   const bool head_norms = std::any_of(m.arch.block.begin(), m.arch.block.end(), [](const ParamOp& op) { return op.qk_norm && op.head_norm; });
   const int64_t head_rows = t * (m.num_heads + m.num_kv_heads);
-  return (floats + (head_norms ? head_rows * m.head_dim + head_rows : 0)) * 4;
+  // LoRA: each adapted projection's x A^T (T, r), for lora_B's gradient
+  int64_t lora = 0;
+  for (const ParamOp& op : m.arch.block) lora += t * op.lora_rank;
+  return (floats + (head_norms ? head_rows * m.head_dim + head_rows : 0) + lora) * 4;
 }
 
 int64_t RuntimeAttentionCoreBytes(const Workload& w) {
@@ -184,8 +193,10 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
   const double reductions = static_cast<double>(schedule.Reductions());
   for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
     const double shard = static_cast<double>(w.units[u].shard_numel) * 4, padded = static_cast<double>(w.units[u].padded_numel) * 4;
+    // what is reduced: the trained group (all of the unit in full training)
+    const double grad_shard = static_cast<double>(w.units[u].grad_shard_numel) * 4, grad = static_cast<double>(w.units[u].grad_padded_numel) * 4;
     const double gathers = static_cast<double>(schedule.Unshards(u));
-    pass_bytes += gathers * (2 * shard + padded) + reductions * (3 * padded + 2 * shard);
+    pass_bytes += gathers * (2 * shard + padded) + reductions * (3 * grad + 2 * grad_shard);
   }
   const double passes_s = pass_bytes / (w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency);
   return cm.compute_s_per_step + v.total_comm_s + passes_s;

@@ -1,7 +1,9 @@
 // The memory of fsdp-run's own CPU engine (src/runtime/fsdp_engine.cc), played out like the
 // PyTorch model but with that engine's buffers: fp32 storage of the gathered parameters and
 // gradients, the tensors its kernels save per block (BlockCache), the logits and their gradient.
-// fsdp-run prints it next to what it measures.
+// fsdp-run prints it next to what it measures. Under LoRA the engine gathers the frozen base with
+// the adapters and reduces, stores and steps the adapters' group only (runtime/fsdp_engine.h,
+// EngineLayout).
 #pragma once
 
 #include <array>
@@ -14,7 +16,8 @@ namespace fsdp {
 
 /// Bytes one block's forward saves in fsdp-run's engine for T = micro_batch * seq_len tokens:
 /// x, n1, x2, n2 (T*h each), q and attn (T*a*d), k and v (T*g*d), gate, up, mid (T*I), two
-/// inverse RMS vectors (T), and the attention probabilities (B*a*s*s), all fp32.
+/// inverse RMS vectors (T), and the attention probabilities (B*a*s*s), all fp32; with Qwen3's q/k
+/// norms q and k before them and their inverse RMS; under LoRA each adapted projection's x A^T (T*r).
 int64_t RuntimeBlockSavedBytes(const Workload& workload);
 
 /// Of those, the attention probabilities (B*a*s*s fp32): what --ac selective frees after a block's

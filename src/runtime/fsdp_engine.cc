@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 
@@ -36,29 +37,74 @@ double Seconds(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-std::vector<float> InitialUnit(const Workload& w, int u, uint64_t seed) {
-  const WrapUnit& unit = w.units[u];
-  std::vector<float> flat(static_cast<size_t>(unit.padded_numel), 0.0f);
-  size_t offset = 0;
-  for (int t : unit.tensors) {  // seeded per tensor: the same model whatever the wrapping
-    std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(t));
-    std::normal_distribution<float> normal(0.0f, 0.02f);
-    const TensorSpec& ts = w.model.tensors[t];
-    const bool norm = ts.shape.size() == 1;
-    for (int64_t i = 0; i < ts.numel(); ++i) flat[offset + i] = norm ? 1.0f : normal(rng);
-    offset += static_cast<size_t>(ts.numel());
+bool EngineLayout::Trained(const Workload& w, int t) const {
+  const int u = w.tensor_unit[t];
+  return w.units[u].grad_padded_numel > 0 && (frozen_padded[u] == 0 || w.model.tensors[t].trainable);
+}
+
+EngineLayout LayoutOf(const Workload& w) {
+  EngineLayout l;
+  l.offset.assign(w.model.tensors.size(), 0);
+  l.frozen_padded.assign(w.units.size(), 0);
+  for (size_t u = 0; u < w.units.size(); ++u) {
+    const WrapUnit& unit = w.units[u];
+    l.frozen_padded[u] = unit.padded_numel - unit.grad_padded_numel;
+    int64_t frozen = 0, trained = l.frozen_padded[u];
+    for (int t : unit.tensors) {
+      int64_t& next = l.Trained(w, t) ? trained : frozen;
+      l.offset[t] = next;
+      next += w.model.tensors[t].numel();
+    }
   }
+  return l;
+}
+
+namespace {
+constexpr std::string_view kBaseLayer = ".base_layer.", kLoraA = ".lora_A.default.weight", kLoraB = ".lora_B.default.weight";
+
+// Tensor t's seeded initial values (InitialUnit) into out (its numel floats).
+void InitialTensor(const Workload& w, int t, uint64_t seed, float* out) {
+  std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(t));  // seeded per tensor: the same model whatever the wrapping
+  const TensorSpec& ts = w.model.tensors[t];
+  if (ts.name.ends_with(kLoraB)) {  // peft: nn.init.zeros_(lora_B)
+    std::fill(out, out + ts.numel(), 0.0f);
+  } else if (ts.name.ends_with(kLoraA)) {  // peft: nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5)), a bound of 1 / sqrt(fan_in)
+    const float bound = 1.0f / std::sqrt(static_cast<float>(ts.shape[1]));
+    std::uniform_real_distribution<float> uniform(-bound, bound);
+    for (int64_t i = 0; i < ts.numel(); ++i) out[i] = uniform(rng);
+  } else {
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    const bool norm = ts.shape.size() == 1;
+    for (int64_t i = 0; i < ts.numel(); ++i) out[i] = norm ? 1.0f : normal(rng);
+  }
+}
+}  // namespace
+
+std::vector<float> InitialUnit(const Workload& w, const EngineLayout& layout, int u, uint64_t seed) {
+  std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
+  for (int t : w.units[u].tensors) InitialTensor(w, t, seed, flat.data() + layout.offset[t]);
   return flat;
 }
 
-Result<std::vector<float>> StartingUnit(const Workload& w, int u, const TrainOptions& o) {
-  if (!o.checkpoint) return InitialUnit(w, u, o.seed);
+std::string CheckpointTensorName(const Checkpoint& checkpoint, const TensorSpec& tensor) {
+  if (checkpoint.Has(tensor.name)) return tensor.name;
+  if (tensor.name.ends_with(kLoraA) || tensor.name.ends_with(kLoraB)) return "";
+  std::string name = tensor.name;
+  if (const size_t base = name.find(kBaseLayer); base != std::string::npos) name.erase(base, kBaseLayer.size() - 1);
+  return name;
+}
+
+Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& layout, int u, const TrainOptions& o) {
+  if (!o.checkpoint) return InitialUnit(w, layout, u, o.seed);
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
-  int64_t offset = 0;
   for (int t : w.units[u].tensors) {
     const TensorSpec& ts = w.model.tensors[t];
-    if (Status s = o.checkpoint->Read(ts.name, ts.shape, flat.data() + offset); !s.ok()) return s.error();
-    offset += ts.numel();
+    const std::string name = CheckpointTensorName(*o.checkpoint, ts);
+    if (name.empty()) {  // an adapter the checkpoint does not have
+      InitialTensor(w, t, o.seed, flat.data() + layout.offset[t]);
+      continue;
+    }
+    if (Status s = o.checkpoint->Read(name, ts.shape, flat.data() + layout.offset[t]); !s.ok()) return s.error();
   }
   return flat;
 }
@@ -70,7 +116,7 @@ AdamCorrections AdamBiasCorrections(const TrainOptions& o, int64_t steps_taken) 
 
 Status CheckEveryParameterTrains(const Workload& w) {
   for (const TensorSpec& t : w.model.tensors) {
-    if (!t.trainable) return Error::BadInput(fmt::format("fsdp-run trains every parameter; {} is frozen", t.name));
+    if (!t.trainable) return Error::BadInput(fmt::format("fsdp-run's GPU engine trains every parameter; {} is frozen (LoRA trains on --device cpu)", t.name));
   }
   return {};
 }
@@ -80,9 +126,11 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   uint64_t h = 1469598103934665603ULL;
   auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
   for (int64_t v : {w.model.ParamsTotal(), c.gpus, c.seq_len, c.micro_batch, c.grad_accum, static_cast<int64_t>(c.strategy),
-                    static_cast<int64_t>(c.checkpointing), static_cast<int64_t>(c.param_dtype), static_cast<int64_t>(c.reduce_dtype)}) {
+                    static_cast<int64_t>(c.checkpointing), static_cast<int64_t>(c.param_dtype), static_cast<int64_t>(c.reduce_dtype),
+                    static_cast<int64_t>(c.framework), c.lora.rank, w.model.ParamsTrainable()}) {
     mix(static_cast<uint64_t>(v));
   }
+  mix(std::hash<double>{}(c.lora.alpha));
   mix(o.seed);
   mix(o.checkpoint ? o.checkpoint->Fingerprint() : 0);
   mix(static_cast<uint64_t>(o.loss_scaling.mode));
@@ -91,9 +139,26 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   return h;
 }
 
+// What of LoRA the CPU engine implements: FSDP2's per-parameter gradients (FSDP1's flat
+// parameter mixing frozen and trained tensors is planned only), an fp32 base, no dropout.
+Status CheckLoraSupported(const Workload& w) {
+  const LoraConfig& l = w.config.lora;
+  if (l.rank == 0) return CheckEveryParameterTrains(w);
+  if (l.qlora) return Error::BadInput("fsdp-run's engines do not implement QLoRA's NF4 weights (--qlora): fsdp-plan and fsdp-sim model them");
+  if (w.config.framework != Framework::kFsdp2) {
+    return Error::BadInput("fsdp-run trains LoRA under FSDP2 (--framework fsdp2); FSDP1's flat parameters with frozen parts are planned only");
+  }
+  if (l.dropout != 0) return Error::BadInput(fmt::format("fsdp-run's LoRA has no dropout (--lora-dropout 0), got {}", l.dropout));
+  if (FrozenStorageDtype(w.config) != DType::kFp32) {
+    return Error::BadInput("fsdp-run stores LoRA's frozen base in fp32: --base-dtype bf16 is planned only");
+  }
+  return {};
+}
+
 Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& world, const TrainOptions& o) {
   auto dims = DimsOf(w.model, w.config.seq_len);
   if (!dims.ok()) return dims.error();
+  if (Status s = CheckLoraSupported(w); !s.ok()) return s.error();
   if (w.config.wrap != WrapPolicy::kBlock && w.config.wrap != WrapPolicy::kNone) {
     return Error::BadInput("fsdp-run wraps per block (--wrap block) or the whole model (--wrap none)");
   }
@@ -101,10 +166,14 @@ Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& 
     return Error::BadInput(fmt::format("--gpus {} but {} ranks are running (start as many ranks as --gpus)", w.config.gpus, world.size()));
   }
   if (Status s = CheckLossScalerOptions(o.loss_scaling); !s.ok()) return s.error();
-  if (Status s = CheckEveryParameterTrains(w); !s.ok()) return s.error();
   if (Status s = world.CheckSame(ConfigFingerprint(w, o), "configurations"); !s.ok()) return s.error();
   std::unique_ptr<FsdpEngine> e(new FsdpEngine(w, world, o));
   e->dims_ = dims.value();
+  e->layout_ = LayoutOf(w);
+  if (w.config.lora.rank > 0) {
+    e->dims_.lora_scale = static_cast<float>(w.config.lora.alpha / static_cast<double>(w.config.lora.rank));
+    SetBlockLayout(w.model, [&e](int t) { return e->layout_.offset[t]; }, e->dims_);
+  }
   if (Status s = e->Init(); !s.ok()) return s.error();
   return e;
 }
@@ -125,26 +194,41 @@ Status FsdpEngine::Init() {
   exp_avg_sq_.resize(n);
   full_.resize(n);
   full_grad_.resize(n);
+  first_adapter_.assign(w_.nodes.size(), -1);
   for (size_t i = 0; i < w_.nodes.size(); ++i) {
     if (w_.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
   }
+  for (size_t t = 0; t < w_.model.tensors.size(); ++t) {  // a block's first lora_A: where its adapters start
+    const TensorSpec& ts = w_.model.tensors[t];
+    for (size_t i = 0; ts.block >= 0 && ts.name.ends_with(kLoraA) && i < w_.nodes.size(); ++i) {
+      if (w_.nodes[i].role == ModuleNode::Role::kBlock && w_.nodes[i].block == ts.block && first_adapter_[i] < 0) first_adapter_[i] = static_cast<int>(t);
+    }
+  }
   const int shard_rank = shard_comm_->rank();
   for (size_t u = 0; u < n; ++u) {
-    const int64_t s = w_.units[u].shard_numel;
-    auto start = StartingUnit(w_, static_cast<int>(u), o_);
+    const WrapUnit& unit = w_.units[u];
+    auto start = StartingUnit(w_, layout_, static_cast<int>(u), o_);
     if (!start.ok()) return start.error();
     const std::vector<float>& flat = start.value();
-    shard_[u].assign(flat.begin() + shard_rank * s, flat.begin() + (shard_rank + 1) * s);
-    exp_avg_[u].assign(static_cast<size_t>(s), 0.0f);
-    exp_avg_sq_[u].assign(static_cast<size_t>(s), 0.0f);
-    ledger_.Add(MemCategory::kShardedParams, s * 4);
-    ledger_.Add(MemCategory::kOptimizerStates, 2 * s * 4);
+    // each group's shard: [frozen shard F/W | trained shard G/W]
+    const int64_t f = layout_.frozen_padded[u] / shard_world_, g = unit.grad_shard_numel;
+    shard_[u].reserve(static_cast<size_t>(unit.shard_numel));  // exactly: the heap holds what the ledger counts
+    shard_[u].assign(flat.begin() + shard_rank * f, flat.begin() + (shard_rank + 1) * f);
+    const auto trained = flat.begin() + layout_.frozen_padded[u];
+    shard_[u].insert(shard_[u].end(), trained + shard_rank * g, trained + (shard_rank + 1) * g);
+    exp_avg_[u].assign(static_cast<size_t>(g), 0.0f);
+    exp_avg_sq_[u].assign(static_cast<size_t>(g), 0.0f);
+    ledger_.Add(MemCategory::kShardedParams, unit.shard_numel * 4);
+    ledger_.Add(MemCategory::kOptimizerStates, 2 * g * 4);
   }
   return ledger_.Sample();
 }
 
 Status FsdpEngine::WaitFor(size_t index) {
-  Status s = shard_comm_->Wait(in_flight_[index].handle);
+  Status s;
+  for (int handle : in_flight_[index].handles) {
+    if (Status w = shard_comm_->Wait(handle); s.ok() && !w.ok()) s = w;
+  }
   ledger_.Sub(MemCategory::kCommBuffers, static_cast<int64_t>(in_flight_[index].low.size()) * 4);
   in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(index));
   return s;
@@ -153,21 +237,28 @@ Status FsdpEngine::WaitFor(size_t index) {
 Status FsdpEngine::Unshard(int u, bool prefetch) {
   if (!full_[u].empty()) return {};
   const WrapUnit& unit = w_.units[u];
-  InFlight f{u, std::vector<float>(shard_[u].size()), -1};
+  InFlight f{u, std::vector<float>(shard_[u].size()), {}};
   for (size_t i = 0; i < f.low.size(); ++i) f.low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
   ledger_.Add(MemCategory::kCommBuffers, unit.shard_numel * 4);
   full_[u].resize(static_cast<size_t>(unit.padded_numel));
   ledger_.Add(MemCategory::kUnshardedParams, unit.padded_numel * 4);
+  // one all-gather per group: the frozen one into [0, F), the trained one into [F, F + G)
+  const int64_t frozen = layout_.frozen_padded[u] / shard_world_, groups[2][2] = {{0, frozen}, {frozen, unit.shard_numel - frozen}};
   if (!prefetch || w_.config.strategy == Strategy::kNoShard) {  // NO_SHARD's copy is local: done at once
     Status s = ledger_.Sample();
-    if (s.ok()) s = shard_comm_->AllGather(f.low.data(), full_[u].data(), unit.shard_numel);
+    for (const auto& [first, numel] : groups) {
+      if (s.ok() && numel > 0) s = shard_comm_->AllGather(f.low.data() + first, full_[u].data() + first * shard_world_, numel);
+    }
     ledger_.Sub(MemCategory::kCommBuffers, unit.shard_numel * 4);
     return s;
   }
   in_flight_.push_back(std::move(f));
-  auto handle = shard_comm_->StartAllGather(in_flight_.back().low.data(), full_[u].data(), unit.shard_numel);
-  if (!handle.ok()) return handle.error();
-  in_flight_.back().handle = handle.value();
+  for (const auto& [first, numel] : groups) {
+    if (numel == 0) continue;
+    auto handle = shard_comm_->StartAllGather(in_flight_.back().low.data() + first, full_[u].data() + first * shard_world_, numel);
+    if (!handle.ok()) return handle.error();
+    in_flight_.back().handles.push_back(handle.value());
+  }
   return ledger_.Sample();
 }
 
@@ -188,21 +279,23 @@ void FsdpEngine::Reshard(int u) {
 Status FsdpEngine::Reduce(int u) {
   std::vector<float>& g = full_grad_[u];
   for (float& v : g) v = RoundTo(v, w_.config.reduce_dtype);
-  std::vector<float> shard(static_cast<size_t>(w_.units[u].shard_numel));
-  ledger_.Add(MemCategory::kCommBuffers, w_.units[u].shard_numel * 4);
+  const int64_t numel = w_.units[u].grad_shard_numel;  // the trained group's shard
+  if (numel == 0) return {};  // nothing of the unit trains
+  std::vector<float> shard(static_cast<size_t>(numel));
+  ledger_.Add(MemCategory::kCommBuffers, numel * 4);
   if (grad_shard_[u].empty()) {  // allocated before the sample, so that the heap holds what the ledger counts
     grad_shard_[u].assign(shard.size(), 0.0f);
-    ledger_.Add(MemCategory::kGradients, w_.units[u].shard_numel * 4);
+    ledger_.Add(MemCategory::kGradients, numel * 4);
   }
   if (Status st = ledger_.Sample(); !st.ok()) return st;
-  if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), w_.units[u].shard_numel); !s.ok()) return s;
+  if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), numel); !s.ok()) return s;
   if (replica_comm_->size() > 1) {
     if (Status s = replica_comm_->AllReduce(shard.data(), static_cast<int64_t>(shard.size())); !s.ok()) return s;
   }
   // the mean over the world's micro-batches, unscaled (S a power of two: exact)
   const float scale = 1.0f / (static_cast<float>(world_.size() * w_.config.grad_accum) * scaler_.scale());
   for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u][i] += shard[i] * scale;
-  ledger_.Sub(MemCategory::kCommBuffers, w_.units[u].shard_numel * 4);
+  ledger_.Sub(MemCategory::kCommBuffers, numel * 4);
   ledger_.Sub(MemCategory::kGradients, static_cast<int64_t>(g.size()) * 4);
   std::vector<float>().swap(g);
   return {};
@@ -245,26 +338,38 @@ struct FsdpEngine::Pass {
   int64_t head_bytes = 0;
 };
 
-// A tied lm_head owns no tensor: its weight is the embedding's.
-const float* FsdpEngine::Params(int node) const {
-  const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
-  return full_[w_.tensor_unit[t]].data() + w_.tensor_offset[t];
+// A tied lm_head owns no tensor: its weight is the embedding's. A block's own tensors start at its
+// first tensor, its adapters at the first of theirs (block 0's layout: LlamaDims).
+namespace {
+int OwnTensor(const Workload& w, int node, int embedding_node) {
+  return w.nodes[node].first_tensor >= 0 ? w.nodes[node].first_tensor : w.nodes[embedding_node].first_tensor;
+}
+}  // namespace
+
+bool FsdpEngine::Trains(int node) const { return w_.model.tensors[OwnTensor(w_, node, embedding_node_)].trainable; }
+
+BlockWeights FsdpEngine::Params(int node) const {
+  const int t = OwnTensor(w_, node, embedding_node_), a = first_adapter_[node];
+  const float* full = full_[w_.tensor_unit[t]].data();
+  return BlockWeights(full + layout_.offset[t], a >= 0 ? full + layout_.offset[a] : nullptr);
 }
 
-float* FsdpEngine::Grads(int node) {
-  const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
+BlockGrads FsdpEngine::Grads(int node) {
+  const int t = OwnTensor(w_, node, embedding_node_), a = first_adapter_[node];
   const int u = w_.tensor_unit[t];
+  if (w_.units[u].grad_padded_numel == 0) return BlockGrads(nullptr);
   if (full_grad_[u].empty()) {  // under no_sync it holds the earlier micro-batches' gradients
-    full_grad_[u].assign(full_[u].size(), 0.0f);
-    ledger_.Add(MemCategory::kGradients, static_cast<int64_t>(full_[u].size()) * 4);
+    full_grad_[u].assign(static_cast<size_t>(w_.units[u].grad_padded_numel), 0.0f);
+    ledger_.Add(MemCategory::kGradients, w_.units[u].grad_padded_numel * 4);
   }
-  return full_grad_[u].data() + w_.tensor_offset[t];
+  auto at = [&](int tensor) { return full_grad_[u].data() + (layout_.offset[tensor] - layout_.frozen_padded[u]); };  // the trained group starts at F_u
+  return BlockGrads(layout_.Trained(w_, t) ? at(t) : nullptr, a >= 0 ? at(a) : nullptr);
 }
 
 Status FsdpEngine::ForwardNode(int node, Pass& p) {
   const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
   switch (w_.nodes[node].role) {
-    case ModuleNode::Role::kEmbedding: p.x = EmbeddingForward(ConstMatMap(Params(node), vocab, h), p.inputs); return {};
+    case ModuleNode::Role::kEmbedding: p.x = EmbeddingForward(ConstMatMap(Params(node).base, vocab, h), p.inputs); return {};
     case ModuleNode::Role::kBlock: {
       const int b = w_.nodes[node].block;
       const bool ac = w_.config.checkpointing == Checkpointing::kFull;
@@ -279,10 +384,10 @@ Status FsdpEngine::ForwardNode(int node, Pass& p) {
     }
     case ModuleNode::Role::kFinalNorm:
       p.final_x = std::move(p.x);
-      p.normed = RmsNormForward(p.final_x, Eigen::Map<const Vec>(Params(node), h), dims_.rms_eps, p.inv);
+      p.normed = RmsNormForward(p.final_x, Eigen::Map<const Vec>(Params(node).base, h), dims_.rms_eps, p.inv);
       return {};
     case ModuleNode::Role::kLmHead: {
-      const Mat logits = LinearForward(p.normed, ConstMatMap(Params(node), vocab, h));
+      const Mat logits = LinearForward(p.normed, ConstMatMap(Params(node).base, vocab, h));
       p.loss = CrossEntropy(logits, p.targets, p.d_logits);
       if (scaler_.enabled()) p.d_logits *= scaler_.scale();  // GradScaler.scale(loss).backward()
       p.head_bytes = (logits.size() + p.d_logits.size() + p.normed.size() + p.final_x.size()) * 4;
@@ -298,27 +403,35 @@ Status FsdpEngine::BackwardNode(int node, Pass& p) {
   const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
   switch (w_.nodes[node].role) {
     case ModuleNode::Role::kLmHead: {
-      float* g_head = Grads(node);
-      MatMap g(g_head, vocab, h);
-      p.d_normed = LinearBackward(p.d_logits, p.normed, ConstMatMap(Params(node), vocab, h), g);
+      const ConstMatMap w(Params(node).base, vocab, h);
+      if (!Trains(node)) {  // frozen (LoRA): the input's gradient only
+        p.d_normed = p.d_logits * w;
+        return {};
+      }
+      MatMap g(Grads(node).base, vocab, h);
+      p.d_normed = LinearBackward(p.d_logits, p.normed, w, g);
       return {};
     }
     case ModuleNode::Role::kFinalNorm: {
-      Eigen::Map<Vec> g_norm(Grads(node), h);
-      p.x = RmsNormBackward(p.d_normed, p.final_x, Eigen::Map<const Vec>(Params(node), h), p.inv, g_norm);
+      Vec frozen = Vec::Zero(Trains(node) ? 0 : h);  // a frozen norm's weight gradient is dropped
+      Eigen::Map<Vec> g_norm(Trains(node) ? Grads(node).base : frozen.data(), h);
+      p.x = RmsNormBackward(p.d_normed, p.final_x, Eigen::Map<const Vec>(Params(node).base, h), p.inv, g_norm);
       return {};
     }
     case ModuleNode::Role::kBlock: {
       const int b = w_.nodes[node].block;
       const bool ac = w_.config.checkpointing == Checkpointing::kFull;
-      float* grads = Grads(node);
+      const BlockGrads grads = Grads(node);
       if (ac) {
         BlockForward(dims_, Params(node), p.inputs_saved[b], mb, seq, &p.caches[b]);
         ledger_.Add(MemCategory::kActivations, p.caches[b].SavedBytes());
       }
       if (w_.config.checkpointing == Checkpointing::kSelective) ledger_.Add(MemCategory::kActivations, RecomputeAttentionCore(dims_, p.caches[b], mb, seq));
       p.x = BlockBackward(dims_, Params(node), grads, p.x, p.caches[b], mb, seq);
-      if (Status st = ledger_.Sample(); !st.ok()) return st;
+      ledger_.Add(MemCategory::kActivations, p.x.size() * 4);  // the gradient flowing back, live at the sample
+      const Status sampled = ledger_.Sample();
+      ledger_.Sub(MemCategory::kActivations, p.x.size() * 4);
+      if (!sampled.ok()) return sampled;
       ledger_.Sub(MemCategory::kActivations, p.caches[b].SavedBytes());
       p.caches[b] = BlockCache();
       if (ac) {
@@ -328,8 +441,10 @@ Status FsdpEngine::BackwardNode(int node, Pass& p) {
       return {};
     }
     case ModuleNode::Role::kEmbedding: {
-      MatMap g_embed(Grads(node), vocab, h);
-      EmbeddingBackward(p.x, p.inputs, g_embed);
+      if (Trains(node)) {
+        MatMap g_embed(Grads(node).base, vocab, h);
+        EmbeddingBackward(p.x, p.inputs, g_embed);
+      }
       ledger_.Sub(MemCategory::kActivations, p.head_bytes);
       return {};
     }
@@ -401,9 +516,11 @@ Status FsdpEngine::Optimizer() {
   const bool apply = allowed.value();
   const auto [c1, c2] = AdamBiasCorrections(o_, optimizer_steps_);
   for (size_t u = 0; u < shard_.size(); ++u) {
-    for (size_t i = 0; apply && i < shard_[u].size(); ++i) {
+    // the trained group's shard, after the frozen group's F_u / W elements
+    float* trained = shard_[u].data() + layout_.frozen_padded[u] / shard_world_;
+    for (size_t i = 0; apply && i < exp_avg_[u].size(); ++i) {
       const float g = grad_shard_[u].empty() ? 0.0f : grad_shard_[u][i];
-      float& p = shard_[u][i];
+      float& p = trained[i];
       exp_avg_[u][i] = o_.beta1 * exp_avg_[u][i] + (1 - o_.beta1) * g;
       exp_avg_sq_[u][i] = o_.beta2 * exp_avg_sq_[u][i] + (1 - o_.beta2) * g * g;
       p -= o_.lr * o_.weight_decay * p;

@@ -5,7 +5,8 @@
 // across HYBRID_SHARD replicas (NO_SHARD: all-reduced); sharded AdamW, with dynamic loss scaling
 // when asked (ShardedGradScaler's: loss scaled, shards unscaled, inf/NaN steps skipped); activation checkpointing
 // (full: a block's forward rerun in its backward; selective: its attention probabilities
-// recomputed); gradient accumulation.
+// recomputed); gradient accumulation; LoRA under FSDP2 (the frozen base sharded and gathered, no
+// gradient or optimizer state for it, the adapters trained: EngineLayout).
 #pragma once
 
 #include <cstdint>
@@ -33,10 +34,26 @@ struct TrainOptions {
   LossScalerOptions loss_scaling;  ///< dynamic loss scaling (fp16): a step with inf/NaN gradients is skipped
 };
 
+/// How fsdp-run's engines lay out each unit. Its flat buffer (padded_numel) holds two groups, each
+/// packed in inventory order and padded at its end: first the tensors FSDP reduces no gradient for
+/// (F_u = padded_numel - grad_padded_numel elements: a frozen unit whole, LoRA's base under FSDP2),
+/// then the rest (G_u = grad_padded_numel: its gradient, its optimizer states). Each group is
+/// sharded on its own, so a rank's shard is F_u / W frozen then G_u / W trained elements, and the
+/// gradient shard lines up with the trained one. Without frozen tensors this is
+/// Workload::tensor_offset.
+struct EngineLayout {
+  std::vector<int64_t> offset;         ///< per tensor: its first element in its unit's flat buffer
+  std::vector<int64_t> frozen_padded;  ///< per unit: F_u
+  /// Whether tensor t sits in its unit's trained group.
+  bool Trained(const Workload& workload, int t) const;
+};
+EngineLayout LayoutOf(const Workload& workload);
+
 class FsdpEngine {
  public:
-  /// `world` is every rank; the engine splits shard and replica groups from it. Supports llama /
-  /// mistral models (no biases) with block or whole-model wrapping.
+  /// `world` is every rank; the engine splits shard and replica groups from it. Supports the
+  /// models DimsOf accepts with block or whole-model wrapping, and LoRA (fp32 base, lora_dropout 0)
+  /// under FSDP2.
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
   /// Rehearse an out-of-memory: fail with the phase and category when the rank's heap exceeds it.
@@ -78,9 +95,12 @@ class FsdpEngine {
   struct Pass;  // one micro-batch's activations (fsdp_engine.cc)
   Status ForwardNode(int node, Pass& pass);
   Status BackwardNode(int node, Pass& pass);
-  /// Module node `node`'s parameters in its unit's unsharded buffer, and its gradients.
-  const float* Params(int node) const;
-  float* Grads(int node);
+  /// Module node `node`'s parameters in its unit's unsharded buffer (its own tensors, then its
+  /// adapters), and its gradients (null for frozen ones).
+  BlockWeights Params(int node) const;
+  BlockGrads Grads(int node);
+  /// Whether the node's own tensors (not its adapters) get gradients.
+  bool Trains(int node) const;
   Status Optimizer();
 
   const Workload& w_;
@@ -91,13 +111,16 @@ class FsdpEngine {
   LlamaDims dims_{};
   std::unique_ptr<Comm> shard_comm_, replica_comm_;
   int64_t shard_world_ = 1;
-  std::vector<std::vector<float>> shard_, grad_shard_, exp_avg_, exp_avg_sq_;  // per unit, S_u floats
-  std::vector<std::vector<float>> full_, full_grad_;                          // per unit, P_u floats while live
+  EngineLayout layout_;
+  std::vector<std::vector<float>> shard_;                          // per unit, S_u floats: the frozen group's shard, then the trained group's
+  std::vector<std::vector<float>> grad_shard_, exp_avg_, exp_avg_sq_;  // per unit, the trained group's shard (grad_shard_numel)
+  std::vector<std::vector<float>> full_, full_grad_;                // per unit while live: P_u floats, the trained group's G_u
   int embedding_node_ = 0;  // the module node of the token embedding (a tied lm_head's weight)
+  std::vector<int> first_adapter_;  // per module node: a block's first adapter tensor, -1 for none
   struct InFlight {
     int unit;
-    std::vector<float> low;  // the all-gather input, alive until the wait
-    int handle;
+    std::vector<float> low;    // the all-gather input, alive until the wait
+    std::vector<int> handles;  // one all-gather per group
   };
   std::vector<InFlight> in_flight_;
   Status WaitFor(size_t index);
@@ -112,14 +135,23 @@ class FsdpEngine {
 /// consecutive windows of options.tokens when given, else a seeded start and t' = (5 t + 3) mod V.
 std::vector<int32_t> TrainingTokens(const Workload& workload, const TrainOptions& options, int64_t step, int64_t micro, int rank, int world);
 
-/// Deterministic initial values of unit u's flat buffer (padded_numel), independent of the world
-/// size: norms 1, everything else N(0, 0.02) from mt19937_64, padding 0.
-std::vector<float> InitialUnit(const Workload& workload, int u, uint64_t seed);
 
-/// Unit u's starting flat buffer (padded_numel): each tensor read by its HF name from
-/// options.checkpoint when there is one (BadInput when it lacks one or its shape differs), else
-/// InitialUnit's seeded values.
-Result<std::vector<float>> StartingUnit(const Workload& workload, int u, const TrainOptions& options);
+/// Deterministic initial values of unit u's flat buffer (padded_numel, in `layout`), independent
+/// of the world size: norms 1, LoRA's lora_A as peft initialises it (kaiming_uniform_ with a =
+/// sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) and lora_B 0, everything else N(0, 0.02), from mt19937_64
+/// seeded per tensor; padding 0.
+std::vector<float> InitialUnit(const Workload& workload, const EngineLayout& layout, int u, uint64_t seed);
+
+/// The checkpoint tensor `tensor` starts from: its own name; for LoRA's wrapped weight
+/// ("<module>.base_layer.weight") the base model's ("<module>.weight") when the checkpoint does not
+/// have the wrapped name; "" for an adapter the checkpoint does not have (it starts as peft
+/// initialises it).
+std::string CheckpointTensorName(const Checkpoint& checkpoint, const TensorSpec& tensor);
+
+/// Unit u's starting flat buffer (padded_numel, in `layout`): each tensor read from
+/// options.checkpoint when there is one (CheckpointTensorName; BadInput when it lacks one or its
+/// shape differs), else InitialUnit's seeded values.
+Result<std::vector<float>> StartingUnit(const Workload& workload, const EngineLayout& layout, int u, const TrainOptions& options);
 
 /// AdamW's bias corrections 1 - beta^t for the step after `steps_taken` applied steps.
 struct AdamCorrections {
@@ -127,8 +159,8 @@ struct AdamCorrections {
 };
 AdamCorrections AdamBiasCorrections(const TrainOptions& options, int64_t steps_taken);
 
-/// fsdp-run's engines train every parameter: BadInput naming the first frozen one otherwise (a
-/// training mode with frozen weights is planned by fsdp-plan and fsdp-sim only).
+/// fsdp-run's GPU engine trains every parameter: BadInput naming the first frozen one otherwise
+/// (LoRA trains on the CPU engine; fsdp-plan and fsdp-sim plan it for GPUs).
 Status CheckEveryParameterTrains(const Workload& workload);
 
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).

@@ -67,28 +67,11 @@ bool RunsLlamaBlock(const Architecture& a) {
   return matches(kLlama) || matches(kQwen3);
 }
 
-// Where block 0's tensors sit in its flat buffer, read off the inventory by their names; every
-// block has the same layout.
-void SetBlockLayout(const ModelSpec& m, LlamaDims& d) {
-  LlamaDims::BlockOffsets& o = d.offsets;
-  const std::pair<std::string_view, int64_t*> fields[] = {
-      {"input_layernorm.weight", &o.in_norm}, {"self_attn.q_proj.weight", &o.wq}, {"self_attn.q_proj.bias", &o.bq},
-      {"self_attn.k_proj.weight", &o.wk},     {"self_attn.k_proj.bias", &o.bk},   {"self_attn.v_proj.weight", &o.wv},
-      {"self_attn.v_proj.bias", &o.bv},       {"self_attn.o_proj.weight", &o.wo}, {"self_attn.q_norm.weight", &o.q_norm},
-      {"self_attn.k_norm.weight", &o.k_norm}, {"post_attention_layernorm.weight", &o.post_norm},
-      {"mlp.gate_proj.weight", &o.wg},        {"mlp.up_proj.weight", &o.wu},      {"mlp.down_proj.weight", &o.wd}};
-  const std::string prefix = m.arch.names.blocks + ".0.";
-  int64_t offset = 0;
-  for (const TensorSpec& t : m.tensors) {
-    if (t.block != 0) continue;
-    const std::string_view name = std::string_view(t.name).substr(prefix.size());
-    for (const auto& [field_name, field] : fields) {
-      if (name == field_name) *field = offset;
-    }
-    offset += t.numel();
-  }
-  d.block_numel = offset;
-}
+// peft's lora.Linear keeps the wrapped weight as "<module>.base_layer.weight" and its adapters as
+// "<module>.lora_A.default.weight", "<module>.lora_B.default.weight".
+constexpr std::string_view kBaseLayer = ".base_layer", kLoraA = ".lora_A.default.weight", kLoraB = ".lora_B.default.weight";
+
+bool IsAdapter(std::string_view name) { return name.ends_with(kLoraA) || name.ends_with(kLoraB); }
 
 }  // namespace
 
@@ -109,15 +92,64 @@ Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   LlamaDims d{.vocab = m.vocab_size, .hidden = m.hidden_size, .inner = m.intermediate_size, .heads = m.num_heads,
               .kv_heads = m.num_kv_heads, .head_dim = m.head_dim, .layers = m.num_layers, .qkv_bias = m.qkv_bias,
               .rms_eps = static_cast<float>(m.norm_eps), .rope_inv_freq = std::move(inv_freq).value(), .tied = m.tie_word_embeddings, .offsets = {}, .block_numel = 0};
-  SetBlockLayout(m, d);
+  d.lora_rank = m.arch.block.empty() ? 0 : std::max_element(m.arch.block.begin(), m.arch.block.end(), [](const ParamOp& x, const ParamOp& y) {
+                                                return x.lora_rank < y.lora_rank;
+                                              })->lora_rank;
+  std::vector<int64_t> packed(m.tensors.size(), 0);  // the inventory's packing, block by block
+  for (size_t t = 1; t < m.tensors.size(); ++t) packed[t] = packed[t - 1] + m.tensors[t - 1].numel();
+  SetBlockLayout(m, [&packed](int t) { return packed[static_cast<size_t>(t)]; }, d);
   d.qk_norm = d.offsets.q_norm >= 0;
   return d;
+}
+
+void SetBlockLayout(const ModelSpec& m, const std::function<int64_t(int)>& offset_of, LlamaDims& d) {
+  LlamaDims::BlockOffsets& o = d.offsets;
+  o = {};
+  d.lora.fill({});
+  const std::pair<std::string_view, int64_t*> fields[] = {
+      {"input_layernorm.weight", &o.in_norm}, {"self_attn.q_proj.weight", &o.wq}, {"self_attn.q_proj.bias", &o.bq},
+      {"self_attn.k_proj.weight", &o.wk},     {"self_attn.k_proj.bias", &o.bk},   {"self_attn.v_proj.weight", &o.wv},
+      {"self_attn.v_proj.bias", &o.bv},       {"self_attn.o_proj.weight", &o.wo}, {"self_attn.q_norm.weight", &o.q_norm},
+      {"self_attn.k_norm.weight", &o.k_norm}, {"post_attention_layernorm.weight", &o.post_norm},
+      {"mlp.gate_proj.weight", &o.wg},        {"mlp.up_proj.weight", &o.wu},      {"mlp.down_proj.weight", &o.wd}};
+  constexpr std::string_view kProjection[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                              "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+  const std::string prefix = m.arch.names.blocks + ".0.";
+  int64_t base_start = -1, adapter_start = -1, numel = 0;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    if (m.tensors[t].block != 0) continue;
+    const int64_t at = offset_of(static_cast<int>(t));
+    int64_t& start = IsAdapter(m.tensors[t].name) ? adapter_start : base_start;
+    start = start < 0 ? at : std::min(start, at);
+    numel += m.tensors[t].numel();
+  }
+  d.block_numel = numel;
+  d.base_frozen = false;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    if (m.tensors[t].block != 0) continue;
+    std::string name = m.tensors[t].name.substr(prefix.size());
+    const int64_t at = offset_of(static_cast<int>(t));
+    if (IsAdapter(name)) {
+      const bool a = name.ends_with(kLoraA);
+      const std::string_view module = std::string_view(name).substr(0, name.size() - (a ? kLoraA : kLoraB).size());
+      for (int p = 0; p < LlamaDims::kProjections; ++p) {
+        if (module == kProjection[p]) (a ? d.lora[p].a : d.lora[p].b) = at - adapter_start;
+      }
+      continue;
+    }
+    if (!m.tensors[t].trainable) d.base_frozen = true;
+    if (const size_t base = name.find(kBaseLayer); base != std::string::npos) name.erase(base, kBaseLayer.size());
+    for (const auto& [field_name, field] : fields) {
+      if (name == field_name) *field = at - base_start;
+    }
+  }
 }
 
 int64_t BlockCache::SavedBytes() const {
   int64_t floats = x.size() + n1.size() + q.size() + k.size() + v.size() + attn.size() + x2.size() + n2.size() + gate.size() + up.size() +
                    mid.size() + inv1.size() + inv2.size() + q_heads.size() + k_heads.size() + inv_q.size() + inv_k.size();
   for (const auto& p : probs) floats += p.size();
+  for (const auto& m : lora_mid) floats += m.size();
   return floats * 4;
 }
 
@@ -152,16 +184,50 @@ void HeadNormBackward(const LlamaDims& d, const float* w, float* dw, Mat& dx, co
 }
 }  // namespace
 
-Mat BlockForward(const LlamaDims& d, const float* p, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache) {
+namespace {
+// One projection of the block: x W^T, plus scale (x A^T) B^T when LoRA adapts it (peft's
+// lora.Linear.forward: base_layer(x) + lora_B(lora_A(x)) * scaling), x A^T kept in `mid`.
+Mat Project(const LlamaDims& d, const BlockWeights& p, int64_t w, int proj, int64_t out, int64_t in, const Mat& x, Mat& mid) {
+  Mat y = LinearForward(x, W(p.base + w, out, in));
+  const LlamaDims::LoraOffsets lo = d.lora[proj];
+  if (lo.a < 0) return y;
+  mid = LinearForward(x, W(p.adapters + lo.a, d.lora_rank, in));
+  y += LinearForward(mid, W(p.adapters + lo.b, out, d.lora_rank)) * d.lora_scale;
+  return y;
+}
+
+// Its backward: returns dx; dW += dy^T x unless the base is frozen (no weight-gradient GEMM then);
+// dB += (s dy)^T mid and dA += (s dy B)^T x for the adapters.
+Mat ProjectBackward(const LlamaDims& d, const BlockWeights& p, const BlockGrads& g, int64_t w, int proj, int64_t out, int64_t in, const Mat& dy,
+                    const Mat& x, const Mat& mid) {
+  Mat dx;
+  if (d.base_frozen) {
+    dx = dy * W(p.base + w, out, in);
+  } else {
+    MatMap gw(g.base + w, out, in);
+    dx = LinearBackward(dy, x, W(p.base + w, out, in), gw);
+  }
+  const LlamaDims::LoraOffsets lo = d.lora[proj];
+  if (lo.a < 0) return dx;
+  MatMap gb(g.adapters + lo.b, out, d.lora_rank), ga(g.adapters + lo.a, d.lora_rank, in);
+  const Mat d_mid = LinearBackward(dy * d.lora_scale, mid, W(p.adapters + lo.b, out, d.lora_rank), gb);
+  dx += LinearBackward(d_mid, x, W(p.adapters + lo.a, d.lora_rank, in), ga);
+  return dx;
+}
+}  // namespace
+
+Mat BlockForward(const LlamaDims& d, const BlockWeights& w, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache) {
   const auto o = d.Offsets();
+  const float* p = w.base;
   const int64_t qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim;
   BlockCache local;
   BlockCache& c = cache ? *cache : local;
+  auto& mid = c.lora_mid;
   c.x = x;
   c.n1 = RmsNormForward(x, V(p + o.in_norm, d.hidden), d.rms_eps, c.inv1);
-  c.q = LinearForward(c.n1, W(p + o.wq, qd, d.hidden));
-  c.k = LinearForward(c.n1, W(p + o.wk, kvd, d.hidden));
-  c.v = LinearForward(c.n1, W(p + o.wv, kvd, d.hidden));
+  c.q = Project(d, w, o.wq, LlamaDims::kQ, qd, d.hidden, c.n1, mid[LlamaDims::kQ]);
+  c.k = Project(d, w, o.wk, LlamaDims::kK, kvd, d.hidden, c.n1, mid[LlamaDims::kK]);
+  c.v = Project(d, w, o.wv, LlamaDims::kV, kvd, d.hidden, c.n1, mid[LlamaDims::kV]);
   if (d.qkv_bias) {
     c.q.rowwise() += V(p + o.bq, qd).transpose();
     c.k.rowwise() += V(p + o.bk, kvd).transpose();
@@ -174,44 +240,50 @@ Mat BlockForward(const LlamaDims& d, const float* p, const Mat& x, int64_t batch
   Rope(c.q, d.heads, d.head_dim, seq, d.rope_inv_freq, false);
   Rope(c.k, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, false);
   c.attn = AttentionForward(c.q, c.k, c.v, batch, seq, d.heads, d.kv_heads, d.head_dim, c.probs);
-  c.x2 = x + LinearForward(c.attn, W(p + o.wo, d.hidden, qd));
+  c.x2 = x + Project(d, w, o.wo, LlamaDims::kO, d.hidden, qd, c.attn, mid[LlamaDims::kO]);
   c.n2 = RmsNormForward(c.x2, V(p + o.post_norm, d.hidden), d.rms_eps, c.inv2);
-  c.gate = LinearForward(c.n2, W(p + o.wg, d.inner, d.hidden));
-  c.up = LinearForward(c.n2, W(p + o.wu, d.inner, d.hidden));
+  c.gate = Project(d, w, o.wg, LlamaDims::kGate, d.inner, d.hidden, c.n2, mid[LlamaDims::kGate]);
+  c.up = Project(d, w, o.wu, LlamaDims::kUp, d.inner, d.hidden, c.n2, mid[LlamaDims::kUp]);
   c.mid = SwiGluForward(c.gate, c.up);
-  return c.x2 + LinearForward(c.mid, W(p + o.wd, d.hidden, d.inner));
+  return c.x2 + Project(d, w, o.wd, LlamaDims::kDown, d.hidden, d.inner, c.mid, mid[LlamaDims::kDown]);
 }
 
-Mat BlockBackward(const LlamaDims& d, const float* p, float* g, const Mat& dy, const BlockCache& c, int64_t batch, int64_t seq) {
+Mat BlockBackward(const LlamaDims& d, const BlockWeights& w, const BlockGrads& grads, const Mat& dy, const BlockCache& c, int64_t batch,
+                  int64_t seq) {
   const auto o = d.Offsets();
+  const float* p = w.base;
   const int64_t qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim;
-  auto G = [&](int64_t off, int64_t rows, int64_t cols) { return MatMap(g + off, rows, cols); };
-  MatMap g_wd = G(o.wd, d.hidden, d.inner), g_wg = G(o.wg, d.inner, d.hidden), g_wu = G(o.wu, d.inner, d.hidden);
-  MatMap g_wo = G(o.wo, d.hidden, qd), g_wq = G(o.wq, qd, d.hidden), g_wk = G(o.wk, kvd, d.hidden), g_wv = G(o.wv, kvd, d.hidden);
-  Eigen::Map<Vec> g_post(g + o.post_norm, d.hidden), g_in(g + o.in_norm, d.hidden);
+  const auto& mid = c.lora_mid;
+  // a frozen base's norms still pass the gradient through; their weights' gradients go to a scratch
+  std::vector<float> scratch(d.base_frozen ? static_cast<size_t>(std::max(d.hidden, d.head_dim)) : 0);
+  auto norm_grad = [&](int64_t off, int64_t n) { return Eigen::Map<Vec>(d.base_frozen ? scratch.data() : grads.base + off, n); };
+  Eigen::Map<Vec> g_post = norm_grad(o.post_norm, d.hidden);
   // MLP branch
-  Mat d_mid = LinearBackward(dy, c.mid, W(p + o.wd, d.hidden, d.inner), g_wd);
+  Mat d_mid = ProjectBackward(d, w, grads, o.wd, LlamaDims::kDown, d.hidden, d.inner, dy, c.mid, mid[LlamaDims::kDown]);
   Mat d_gate, d_up;
   SwiGluBackward(d_mid, c.gate, c.up, d_gate, d_up);
-  Mat d_n2 = LinearBackward(d_gate, c.n2, W(p + o.wg, d.inner, d.hidden), g_wg) + LinearBackward(d_up, c.n2, W(p + o.wu, d.inner, d.hidden), g_wu);
+  Mat d_n2 = ProjectBackward(d, w, grads, o.wg, LlamaDims::kGate, d.inner, d.hidden, d_gate, c.n2, mid[LlamaDims::kGate]) +
+             ProjectBackward(d, w, grads, o.wu, LlamaDims::kUp, d.inner, d.hidden, d_up, c.n2, mid[LlamaDims::kUp]);
   Mat d_x2 = dy + RmsNormBackward(d_n2, c.x2, V(p + o.post_norm, d.hidden), c.inv2, g_post);
   // attention branch
-  Mat d_attn = LinearBackward(d_x2, c.attn, W(p + o.wo, d.hidden, qd), g_wo);
+  Mat d_attn = ProjectBackward(d, w, grads, o.wo, LlamaDims::kO, d.hidden, qd, d_x2, c.attn, mid[LlamaDims::kO]);
   Mat dq, dk, dv;
   AttentionBackward(d_attn, c.q, c.k, c.v, c.probs, batch, seq, d.heads, d.kv_heads, d.head_dim, dq, dk, dv);
   Rope(dq, d.heads, d.head_dim, seq, d.rope_inv_freq, true);
   Rope(dk, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, true);
   if (d.qk_norm) {
-    HeadNormBackward(d, p + o.q_norm, g + o.q_norm, dq, c.q_heads, c.inv_q);
-    HeadNormBackward(d, p + o.k_norm, g + o.k_norm, dk, c.k_heads, c.inv_k);
+    HeadNormBackward(d, p + o.q_norm, norm_grad(o.q_norm, d.head_dim).data(), dq, c.q_heads, c.inv_q);
+    HeadNormBackward(d, p + o.k_norm, norm_grad(o.k_norm, d.head_dim).data(), dk, c.k_heads, c.inv_k);
   }
-  if (d.qkv_bias) {  // the projections' outputs' gradients, summed over tokens
-    Eigen::Map<Vec>(g + o.bq, qd) += dq.colwise().sum().transpose();
-    Eigen::Map<Vec>(g + o.bk, kvd) += dk.colwise().sum().transpose();
-    Eigen::Map<Vec>(g + o.bv, kvd) += dv.colwise().sum().transpose();
+  if (d.qkv_bias && !d.base_frozen) {  // the projections' outputs' gradients, summed over tokens
+    Eigen::Map<Vec>(grads.base + o.bq, qd) += dq.colwise().sum().transpose();
+    Eigen::Map<Vec>(grads.base + o.bk, kvd) += dk.colwise().sum().transpose();
+    Eigen::Map<Vec>(grads.base + o.bv, kvd) += dv.colwise().sum().transpose();
   }
-  Mat d_n1 = LinearBackward(dq, c.n1, W(p + o.wq, qd, d.hidden), g_wq) + LinearBackward(dk, c.n1, W(p + o.wk, kvd, d.hidden), g_wk) +
-             LinearBackward(dv, c.n1, W(p + o.wv, kvd, d.hidden), g_wv);
+  Mat d_n1 = ProjectBackward(d, w, grads, o.wq, LlamaDims::kQ, qd, d.hidden, dq, c.n1, mid[LlamaDims::kQ]) +
+             ProjectBackward(d, w, grads, o.wk, LlamaDims::kK, kvd, d.hidden, dk, c.n1, mid[LlamaDims::kK]) +
+             ProjectBackward(d, w, grads, o.wv, LlamaDims::kV, kvd, d.hidden, dv, c.n1, mid[LlamaDims::kV]);
+  Eigen::Map<Vec> g_in = norm_grad(o.in_norm, d.hidden);
   return d_x2 + RmsNormBackward(d_n1, c.x, V(p + o.in_norm, d.hidden), c.inv1, g_in);
 }
 

@@ -3,7 +3,9 @@
 // tensors (ModelSpec inventory order), so that FSDP units are contiguous slices.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/model_spec.h"
@@ -25,7 +27,18 @@ struct LlamaDims {
             wd = -1;
   };
   BlockOffsets offsets;
-  int64_t block_numel = 0;  ///< parameters of one block
+  /// LoRA (peft's lora.Linear): where a projection's lora_A (rank, in) and lora_B (out, rank) sit,
+  /// relative to the block's first adapter tensor; -1 for a projection without adapters.
+  struct LoraOffsets {
+    int64_t a = -1, b = -1;
+  };
+  /// In forward order: q, k, v, o, gate, up, down.
+  enum Projection { kQ, kK, kV, kO, kGate, kUp, kDown, kProjections };
+  std::array<LoraOffsets, kProjections> lora{};
+  int64_t lora_rank = 0;     ///< r; 0 without adapters
+  float lora_scale = 0;      ///< lora_alpha / r, peft's scaling of lora_B's output: set by the caller, who knows the LoraConfig
+  bool base_frozen = false;  ///< the block's own tensors get no gradient (LoRA's base)
+  int64_t block_numel = 0;  ///< parameters of one block, adapters included
   int64_t BlockNumel() const { return block_numel; }
   const BlockOffsets& Offsets() const { return offsets; }
 };
@@ -40,8 +53,30 @@ Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& model, int64
 /// Dimensions of a llama, mistral, qwen2 or qwen3 model trained at seq_len (biases on q/k/v only,
 /// as Qwen2's; Qwen3's per-head q/k norms); BadInput for other models or biases, for RoPE scaling
 /// it does not implement, and for a sliding window shorter than seq_len (fsdp-run's attention is
-/// fully causal).
+/// fully causal). A LoRA model's adapters (lora_A, lora_B of the q/k/v/o and MLP projections) are
+/// found, LlamaDims::lora_scale is left for the caller.
 Result<LlamaDims> DimsOf(const ModelSpec& model, int64_t seq_len);
+
+/// Lays block 0's tensors out as a buffer holds them: `offset_of(t)` is tensor t's first element
+/// there. LlamaDims::offsets become relative to the block's first own (base) tensor, LlamaDims::lora
+/// to its first adapter (they may sit in another buffer: BlockWeights). DimsOf lays them out as the
+/// inventory packs them.
+void SetBlockLayout(const ModelSpec& model, const std::function<int64_t(int)>& offset_of, LlamaDims& d);
+
+/// A block's parameters: its own tensors (laid out by LlamaDims::offsets) and its LoRA adapters
+/// (by LlamaDims::lora; unused without them).
+struct BlockWeights {
+  BlockWeights(const float* base_in, const float* adapters_in = nullptr) : base(base_in), adapters(adapters_in) {}
+  const float* base;
+  const float* adapters;
+};
+/// Where a block's gradients accumulate, in the same layouts; `base` is ignored when
+/// LlamaDims::base_frozen.
+struct BlockGrads {
+  BlockGrads(float* base_in, float* adapters_in = nullptr) : base(base_in), adapters(adapters_in) {}
+  float* base;
+  float* adapters;
+};
 
 /// What a block's forward keeps for its backward.
 struct BlockCache {
@@ -51,6 +86,8 @@ struct BlockCache {
   Mat q_heads, k_heads;
   Vec inv_q, inv_k;
   std::vector<Mat> probs;
+  /// LoRA: each adapted projection's x A^T (T, rank), what lora_B's gradient needs (LlamaDims::Projection order)
+  std::array<Mat, LlamaDims::kProjections> lora_mid{};
   int64_t SavedBytes() const;
 };
 
@@ -59,9 +96,12 @@ void DropAttentionCore(BlockCache& cache);
 /// ...and recomputes them from the saved q and k (after RoPE) before the backward; returns their bytes.
 int64_t RecomputeAttentionCore(const LlamaDims& d, BlockCache& cache, int64_t batch, int64_t seq);
 
-/// x (T, h) -> block output; fills `cache` when non-null. `params` is the block's flat buffer.
-Mat BlockForward(const LlamaDims& d, const float* params, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache);
-/// Returns dx; accumulates the block's parameter gradients into `grads` (same layout as params).
-Mat BlockBackward(const LlamaDims& d, const float* params, float* grads, const Mat& dy, const BlockCache& cache, int64_t batch, int64_t seq);
+/// x (T, h) -> block output; fills `cache` when non-null. An adapted projection computes
+/// x W^T + scale (x A^T) B^T, as peft's lora.Linear.forward (lora_dropout the identity).
+Mat BlockForward(const LlamaDims& d, const BlockWeights& params, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache);
+/// Returns dx; accumulates the block's parameter gradients into `grads` (the layouts of params):
+/// the adapters' always, the block's own unless LlamaDims::base_frozen.
+Mat BlockBackward(const LlamaDims& d, const BlockWeights& params, const BlockGrads& grads, const Mat& dy, const BlockCache& cache, int64_t batch,
+                  int64_t seq);
 
 }  // namespace fsdp::runtime

@@ -2,8 +2,10 @@
 
 #include <doctest/doctest.h>
 
+#include "core/lora.h"
 #include "runtime/gradient_check.h"
 
+#include <algorithm>
 #include <random>
 
 #include <fmt/format.h>
@@ -65,6 +67,69 @@ void CheckBlockGradients(const std::string& type) {
 TEST_CASE("a whole decoder block: backward against finite differences") { CheckBlockGradients("llama"); }
 TEST_CASE("a block with q/k/v biases (Qwen2): backward against finite differences") { CheckBlockGradients("qwen2"); }
 TEST_CASE("a block with per-head q/k norms (Qwen3): backward against finite differences") { CheckBlockGradients("qwen3"); }
+
+// LoRA r=2 on every projection of a Qwen2 block (biases too), alpha 3: the adapters' gradients and
+// the input's against finite differences, the frozen base's gradients never written, the adapters
+// in a buffer of their own (as the engine's trained group holds them under FSDP2).
+TEST_CASE("a LoRA block: the adapters' and the input's gradients against finite differences, the base untouched") {
+  auto config = ParseJson(R"({"model_type": "qwen2", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 12, "head_dim": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1})",
+                          "block.json");
+  REQUIRE(config.ok());
+  auto model = ModelFromHfConfig(config.value(), "block", "block.json");
+  REQUIRE(model.ok());
+  LoraConfig lora;
+  lora.rank = 2;
+  lora.alpha = 3;
+  lora.targets = "all-linear";
+  REQUIRE(ApplyLora(model.value(), lora).ok());
+  const ModelSpec& m = model.value();
+  // the engine's layout: the block's own tensors packed in one buffer, its adapters in another
+  std::vector<int64_t> offset(m.tensors.size(), 0);
+  int64_t base_numel = 0, adapter_numel = 0;
+  for (size_t t = 0; t < m.tensors.size(); ++t) {
+    if (m.tensors[t].block != 0) continue;
+    int64_t& next = m.tensors[t].trainable ? adapter_numel : base_numel;
+    offset[t] = next;
+    next += m.tensors[t].numel();
+  }
+  auto dims = DimsOf(m, 3);
+  REQUIRE(dims.ok());
+  LlamaDims d = dims.value();
+  SetBlockLayout(m, [&offset](int t) { return offset[static_cast<size_t>(t)]; }, d);
+  d.lora_scale = 1.5f;
+  CHECK(d.lora_rank == 2);
+  CHECK(d.base_frozen);
+  CHECK(d.BlockNumel() == base_numel + adapter_numel);
+  // in = 8 for q, k, v, gate, up; o's in is 8 (4 heads x 2), down's 12: A (2, in), B (out, 2)
+  CHECK(adapter_numel == 2 * (8 + 8) + 2 * (8 + 4) * 2 + 2 * (8 + 8) + 2 * (8 + 12) * 2 + 2 * (12 + 8));
+  CHECK(d.lora[LlamaDims::kQ].a == 0);
+  CHECK(d.lora[LlamaDims::kQ].b == 16);
+  CHECK(d.lora[LlamaDims::kK].a == 32);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.0f, 0.3f);
+  std::vector<float> base(static_cast<size_t>(base_numel)), adapters(static_cast<size_t>(adapter_numel));
+  for (auto& v : base) v = n(rng);
+  for (auto& v : adapters) v = n(rng);  // lora_B non-zero, so that lora_A's gradient is too
+  const auto o = d.Offsets();
+  for (int64_t i = 0; i < d.hidden; ++i) base[o.in_norm + i] = base[o.post_norm + i] = 1.0f + 0.1f * n(rng);
+  const int64_t batch = 2, seq = 3;
+  Mat x(batch * seq, d.hidden), r(batch * seq, d.hidden);
+  for (Eigen::Index i = 0; i < x.size(); ++i) { x.data()[i] = n(rng); r.data()[i] = n(rng); }
+  const BlockWeights weights(base.data(), adapters.data());
+  auto loss = [&] { return static_cast<double>(BlockForward(d, weights, x, batch, seq, nullptr).cwiseProduct(r).sum()); };
+  BlockCache cache;
+  BlockForward(d, weights, x, batch, seq, &cache);
+  std::vector<float> base_grads(base.size(), 0.0f), adapter_grads(adapters.size(), 0.0f);
+  Mat dx = BlockBackward(d, weights, BlockGrads(base_grads.data(), adapter_grads.data()), r, cache, batch, seq);
+  CheckGradient(adapters.data(), adapter_numel, adapter_grads.data(), loss, rng, 2 * static_cast<int>(adapter_numel), "adapters");
+  CheckGradient(x.data(), x.size(), dx.data(), loss, rng, 20, "x");
+  CHECK(std::all_of(base_grads.begin(), base_grads.end(), [](float g) { return g == 0.0f; }));
+  // x A^T of every projection saved: 7 x (T, 2)
+  CHECK(cache.SavedBytes() == BlockCache{cache.x, cache.n1, cache.q, cache.k, cache.v, cache.attn, cache.x2, cache.n2, cache.gate,
+                                         cache.up, cache.mid, cache.inv1, cache.inv2, {}, {}, {}, {}, cache.probs}.SavedBytes() +
+                                  4 * 7 * batch * seq * 2);
+}
 
 TEST_CASE("the flat block layout matches the checkpoint inventory") {
   auto m = LoadModel("tiny-llama");

@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "core/catalog.h"
+#include "core/lora.h"
 #include "core/workload.h"
 #include "runtime/fsdp_engine.h"
 
@@ -225,7 +227,7 @@ TEST_CASE("StartingUnit places every checkpoint tensor at its offset in each uni
     const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
     int64_t checked = 0;
     for (size_t u = 0; u < w.units.size(); ++u) {
-      auto flat = StartingUnit(w, static_cast<int>(u), options);
+      auto flat = StartingUnit(w, LayoutOf(w), static_cast<int>(u), options);
       REQUIRE(flat.ok());
       REQUIRE(static_cast<int64_t>(flat.value().size()) == w.units[u].padded_numel);
       int64_t offset = 0;
@@ -245,9 +247,57 @@ TEST_CASE("StartingUnit places every checkpoint tensor at its offset in each uni
   FsdpConfig config;
   config.gpus = config.gpus_per_node = 1;
   const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
-  auto missing = StartingUnit(w, 0, options);  // the root unit holds the final norm
+  auto missing = StartingUnit(w, LayoutOf(w), 0, options);  // the root unit holds the final norm
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.error().message == "checkpoint '" + dir.path.string() + "' has no tensor 'model.norm.weight'");
+}
+
+// A base model's checkpoint under LoRA (FSDP2, 2 ranks): each wrapped weight read from its HF name,
+// the frozen group first in each block's buffer, then the adapters as peft initialises them.
+TEST_CASE("StartingUnit under LoRA: base weights by their HF names, the frozen group first, adapters as peft starts them") {
+  TempDir dir("model");
+  const ModelSpec base = LoadModel("tiny-llama").value();
+  WriteModel(dir / "model.safetensors", base);
+  TrainOptions options;
+  options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
+  FsdpConfig config;
+  config.gpus = config.gpus_per_node = 2;
+  config.framework = Framework::kFsdp2;
+  config.seq_len = 16;
+  config.lora.rank = 4;  // q_proj, v_proj (peft's default for llama)
+  ModelSpec model = base;
+  REQUIRE(ApplyLora(model, config.lora).ok());
+  const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
+  const EngineLayout layout = LayoutOf(w);
+  const WrapUnit& block = w.units[1];
+  REQUIRE(block.name == "model.layers.0");
+  // tiny-llama: hidden 128, 2 kv heads of 32: q A (4, 128) B (128, 4), v A (4, 128) B (64, 4)
+  CHECK(block.grad_padded_numel == 512 + 512 + 512 + 256);  // the adapters only (dim 0 already a multiple of 2)
+  CHECK(layout.frozen_padded[1] == block.padded_numel - block.grad_padded_numel);
+  auto flat = StartingUnit(w, layout, 1, options);
+  REQUIRE(flat.ok());
+  for (int t : block.tensors) {
+    const TensorSpec& ts = model.tensors[t];
+    const float* v = flat.value().data() + layout.offset[t];
+    CAPTURE(ts.name);
+    CHECK(layout.Trained(w, t) == ts.trainable);
+    CHECK((layout.offset[t] >= layout.frozen_padded[1]) == ts.trainable);
+    if (ts.name.ends_with("lora_B.default.weight")) {
+      CHECK(std::all_of(v, v + ts.numel(), [](float x) { return x == 0.0f; }));
+    } else if (ts.name.ends_with("lora_A.default.weight")) {  // U(-1/sqrt(128), 1/sqrt(128)), not all zero
+      CHECK(std::all_of(v, v + ts.numel(), [](float x) { return std::abs(x) <= 1.0f / std::sqrt(128.0f); }));
+      CHECK(std::any_of(v, v + ts.numel(), [](float x) { return x != 0.0f; }));
+    } else {  // the base checkpoint's tensor of the name without ".base_layer"
+      std::string name = ts.name;
+      if (const size_t at = name.find(".base_layer"); at != std::string::npos) name.erase(at, 11);
+      const auto it = std::find_if(base.tensors.begin(), base.tensors.end(), [&](const TensorSpec& b) { return b.name == name; });
+      REQUIRE(it != base.tensors.end());
+      const int source = static_cast<int>(it - base.tensors.begin());
+      for (int64_t i = 0; i < ts.numel(); ++i) {
+        if (v[i] != Marker(source, i)) FAIL("element ", i);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -1,13 +1,17 @@
-// check_prediction results.json: exit 0 when fsdp-run's measured rank-0 peak is within 3% of the
-// planner's prediction for its engine, the collective bytes match the prediction exactly and the
-// inputs (default seed and learning rate, no checkpoint, no token file) are recorded.
+// check_prediction results.json [--exact-categories]: exit 0 when fsdp-run's measured rank-0 peak is
+// within 3% of the planner's prediction for its engine, the collective bytes match the prediction
+// exactly and the inputs (default seed and learning rate, no checkpoint, no token file) are
+// recorded; with --exact-categories, every category the prediction has equals rank 0's at its peak
+// to the byte.
 #include <cmath>
 #include <cstdio>
+#include <string>
 
 #include "core/json_io.h"
 
 int main(int argc, char** argv) {
-  if (argc != 2) { std::fprintf(stderr, "usage: check_prediction results.json\n"); return 2; }
+  const bool exact = argc == 3 && std::string(argv[2]) == "--exact-categories";
+  if (argc != 2 && !exact) { std::fprintf(stderr, "usage: check_prediction results.json [--exact-categories]\n"); return 2; }
   auto doc = fsdp::LoadJsonFile(argv[1]);
   if (!doc.ok()) { std::fprintf(stderr, "%s\n", doc.error().message.c_str()); return 2; }
   const auto& j = doc.value();
@@ -21,6 +25,13 @@ int main(int argc, char** argv) {
               100 * error, ag, ag_pred, rs, rs_pred);
   if (error > 0.03) { std::fprintf(stderr, "peak memory off by %.2f%% (> 3%%)\n", 100 * error); return 1; }
   if (ag != ag_pred || rs != rs_pred) { std::fprintf(stderr, "collective bytes differ from the prediction\n"); return 1; }
+  for (const auto& [name, bytes] : j["predicted"]["memory"]["categories"].items()) {
+    const auto& got = j["measured"]["memory"]["rank0_categories"][name];
+    if (exact && got != bytes) {
+      std::fprintf(stderr, "%s: measured %s, predicted %s\n", name.c_str(), got.dump().c_str(), bytes.dump().c_str());
+      return 1;
+    }
+  }
   const auto& in = j["inputs"];  // seeded weights and tokens unless told otherwise
   if (!in.is_object() || !in["init_from"].is_null() || !in["tokens"].is_null() || in["seed"] != 1 || in["lr"] != 0.001) {
     std::fprintf(stderr, "inputs not recorded as {init_from: null, tokens: null, seed: 1, lr: 0.001}: %s\n", in.dump().c_str());

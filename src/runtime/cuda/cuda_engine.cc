@@ -319,7 +319,7 @@ Status CudaEngine::InitUnit(int u) {
   FSDP_CUDA_TRY(cudaMemsetAsync(m.get(), 0, static_cast<size_t>(s * 4), compute_));
   FSDP_CUDA_TRY(cudaMemsetAsync(v.get(), 0, static_cast<size_t>(s * 4), compute_));
   if (o_.checkpoint || unit.padded_numel <= kHostInitMaxNumel) {
-    auto start = StartingUnit(w_, u, o_);
+    auto start = StartingUnit(w_, LayoutOf(w_), u, o_);
     if (!start.ok()) return start.error();
     const std::vector<float>& flat = start.value();
     FSDP_CUDA_TRY(cudaMemcpyAsync(p.get(), flat.data() + first, static_cast<size_t>(s * 4), cudaMemcpyHostToDevice, compute_));
