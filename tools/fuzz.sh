@@ -2,8 +2,12 @@
 # libFuzzer runs of every parser's harness (fuzz/, docs/fuzzing.md) in a clang build of its own.
 #   tools/fuzz.sh build [DIR]             configure and build the harnesses (default DIR build-fuzz)
 #   tools/fuzz.sh smoke [DIR] [SECONDS]   each harness for SECONDS (default 5) over its seed corpus: CTest's fuzz_smoke
-#   tools/fuzz.sh long [DIR] [RUNS]       each harness for RUNS executions (default 10000000), one after another;
-#                                         logs in DIR/logs, the summary line of each printed at the end
+#   tools/fuzz.sh long [DIR] [RUNS] [HARNESS...]
+#                                         each harness (default: all) for RUNS executions (default 10000000), one
+#                                         after another; logs in DIR/logs, the summary line of each printed at the
+#                                         end. Two of these with different harnesses use both cores. Long runs keep
+#                                         no allocation stacks (ASan's malloc_context_size=0, for speed): rerun a
+#                                         reproducer alone for them
 # Exit status non-zero when a harness finds a crash, a leak or a timeout (its reproducer is in DIR/artifacts).
 set -euo pipefail
 SRC=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,7 +46,7 @@ runs_of() { grep -o 'Done [0-9]* runs' "$DIR/logs/$1.log" | tail -1 | cut -d' ' 
 run() {  # harness, extra libFuzzer flags...
   local h=$1; shift
   mkdir -p "$DIR/artifacts" "$DIR/logs"
-  ASAN_OPTIONS=detect_leaks=1 "$DIR/fuzz/$h" "$(seed "$h")" -artifact_prefix="$DIR/artifacts/$h-" -timeout=10 -rss_limit_mb=4096 \
+  ASAN_OPTIONS=detect_leaks=1${ASAN_EXTRA:-} "$DIR/fuzz/$h" "$(seed "$h")" -artifact_prefix="$DIR/artifacts/$h-" -timeout=10 -rss_limit_mb=4096 \
     -max_len=65536 "$@" >"$DIR/logs/$h.log" 2>&1
 }
 
@@ -60,8 +64,11 @@ case $mode in
   long)
     build
     runs=${3:-10000000}
+    selected=("${@:4}")
+    [ ${#selected[@]} -eq 0 ] && selected=("${HARNESSES[@]}")
+    export ASAN_EXTRA=:malloc_context_size=0
     status=0
-    for h in "${HARNESSES[@]}"; do
+    for h in "${selected[@]}"; do
       start=$(date +%s)
       if run "$h" -runs="$runs" -print_final_stats=1; then result=ok; else result=FAILED; status=1; fi
       echo "$h: $result, $(runs_of "$h") executions in $(( $(date +%s) - start )) s"

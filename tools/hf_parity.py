@@ -103,6 +103,17 @@ CASES = [
         "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "v_proj"]},
         "cpu_only": "the GPU engine does not implement LoRA",
     },
+    {   # the same under FSDP1 with use_orig_params: the flat gradient covers the frozen base, AdamW
+        # steps the adapters' parts of each rank's shard; 2 ranks
+        "name": "llama-lora-qv-fsdp1",
+        "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "initializer_range": 0.1,
+                   "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+        "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--wrap", "block", "--use-orig-params"],
+        "mpi_ranks": 2, "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "v_proj"]},
+        "cpu_only": "the GPU engine does not implement LoRA",
+    },
     {   # LoRA on every linear of a Qwen2 (frozen q/k/v biases, tied head), whole-model wrap, full
         # activation checkpointing, gradient accumulation; 2 ranks
         "name": "qwen2-lora-all-linear-ac",

@@ -195,6 +195,22 @@ int64_t Workload::ShardNumelTotal() const {
   return total;
 }
 
+std::vector<ElementRun> SteppedShardRuns(const Workload& w, int u, int64_t shard_rank) {
+  const WrapUnit& unit = w.units[u];
+  if (unit.grad_shard_numel == 0) return {};
+  if (unit.trainable_numel == unit.numel || unit.grad_padded_numel != unit.padded_numel) return {{0, unit.grad_shard_numel}};
+  const int64_t lo = shard_rank * unit.grad_shard_numel, hi = lo + unit.grad_shard_numel;
+  std::vector<ElementRun> runs;
+  for (int t : unit.tensors) {
+    if (!w.model.tensors[t].trainable) continue;
+    const int64_t first = std::max(lo, w.tensor_offset[t]), last = std::min(hi, w.tensor_offset[t] + w.model.tensors[t].numel());
+    if (last <= first) continue;
+    if (!runs.empty() && runs.back().first + runs.back().numel == first - lo) runs.back().numel += last - first;  // adjacent tensors
+    else runs.push_back({first - lo, last - first});
+  }
+  return runs;
+}
+
 int64_t Workload::GradShardNumelTotal() const {
   int64_t total = 0;
   for (const auto& u : units) total += u.grad_shard_numel;

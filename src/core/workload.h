@@ -138,6 +138,18 @@ Status Reconfigure(Workload& workload, const HardwareSpec& hardware, FsdpConfig 
 /// multiple of world) or FSDP2 per-parameter dim-0 padding.
 int64_t PaddedNumel(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config, int64_t world);
 
+/// A run of elements: [first, first + numel).
+struct ElementRun {
+  int64_t first = 0, numel = 0;
+  bool operator==(const ElementRun&) const = default;
+};
+/// The elements of unit u's gradient shard on `shard_rank` that fsdp-run's optimizer steps, as runs
+/// within that shard: all grad_shard_numel of them, except where the unit's gradient covers frozen
+/// parameters (FSDP1 with use_orig_params, whose flat gradient is the whole flat parameter): then
+/// the trainable tensors' parts of the shard, the tensors packed as Workload::tensor_offset packs
+/// them, as FlatParamHandle's sharded views give AdamW only those.
+std::vector<ElementRun> SteppedShardRuns(const Workload& workload, int u, int64_t shard_rank);
+
 /// FSDP1: where each of `tensors` starts in its unit's flat parameter (16-byte aligned in the
 /// parameters' storage dtype with use_orig_params, packed without), in elements.
 std::vector<int64_t> Fsdp1FlatOffsets(const ModelSpec& model, const std::vector<int>& tensors, const FsdpConfig& config);

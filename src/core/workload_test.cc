@@ -186,5 +186,27 @@ TEST_CASE("a vision tower idle in text-only steps: FSDP2 gives it no gradient, F
   CHECK(fsdp2.GradShardNumelTotal() == 136 + 616);
 }
 
+// Block 0 under LoRA r=2 on q_proj and v_proj, packed in inventory order: input_layernorm 8, q base
+// 64, q.lora_A 16, q.lora_B 16, k 32, v 32, v.lora_A 16, v.lora_B 8, o 64, post norm 8, gate, up,
+// down 128 each = 648; 2 ranks of 324.
+TEST_CASE("SteppedShardRuns: FSDP1 with use_orig_params steps the adapters' parts of each rank's shard, else the whole shard") {
+  FsdpConfig c;
+  c.gpus = 2;
+  c.lora.rank = 2;
+  c.use_orig_params = true;
+  c.wrap = WrapPolicy::kBlock;
+  const Workload fsdp1 = Build(c);
+  REQUIRE(fsdp1.units[1].grad_shard_numel == 324);  // the whole flat gradient
+  CHECK(SteppedShardRuns(fsdp1, 1, 0) == std::vector<ElementRun>{{72, 32}, {168, 24}});  // q's two adapters are adjacent
+  CHECK(SteppedShardRuns(fsdp1, 1, 1).empty());
+  CHECK(SteppedShardRuns(fsdp1, 0, 0).empty());  // the root: frozen, no gradient
+  c.framework = Framework::kFsdp2;  // the adapters' own gradients: all of the shard
+  const Workload fsdp2 = Build(c);
+  CHECK(SteppedShardRuns(fsdp2, 1, 1) == std::vector<ElementRun>{{0, fsdp2.units[1].grad_shard_numel}});
+  c.lora.rank = 0;
+  const Workload full = Build(c);
+  CHECK(SteppedShardRuns(full, 0, 1) == std::vector<ElementRun>{{0, full.units[0].shard_numel}});
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -35,9 +35,11 @@ class RuntimePlayer {
 
   void Play() {
     mem_.SetPhase(Phase{StepPhase::kInitialisation});
-    for (const auto& u : w_.units) {
-      mem_.Alloc(Cat::kShardedParams, u.shard_numel * 4);
-      mem_.Alloc(Cat::kOptimizerStates, 2 * u.grad_shard_numel * 4);  // AdamW's over the trained group's shard
+    for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) {
+      mem_.Alloc(Cat::kShardedParams, w_.units[u].shard_numel * 4);
+      int64_t stepped = 0;  // AdamW's states, for what rank 0 steps
+      for (const ElementRun& run : SteppedShardRuns(w_, u, 0)) stepped += run.numel;
+      mem_.Alloc(Cat::kOptimizerStates, 2 * stepped * 4);
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));

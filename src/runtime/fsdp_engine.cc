@@ -139,14 +139,15 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   return h;
 }
 
-// What of LoRA the CPU engine implements: FSDP2's per-parameter gradients (FSDP1's flat
-// parameter mixing frozen and trained tensors is planned only), an fp32 base, no dropout.
+// What of LoRA the CPU engine implements: FSDP2's per-parameter gradients, FSDP1's flat parameters
+// with use_orig_params under block or whole-model wrapping, an fp32 base, no dropout.
 Status CheckLoraSupported(const Workload& w) {
   const LoraConfig& l = w.config.lora;
   if (l.rank == 0) return CheckEveryParameterTrains(w);
   if (l.qlora) return Error::BadInput("fsdp-run's engines do not implement QLoRA's NF4 weights (--qlora): fsdp-plan and fsdp-sim model them");
-  if (w.config.framework != Framework::kFsdp2) {
-    return Error::BadInput("fsdp-run trains LoRA under FSDP2 (--framework fsdp2); FSDP1's flat parameters with frozen parts are planned only");
+  if (w.config.framework == Framework::kFsdp1 && w.config.wrap == WrapPolicy::kPeft) {  // FSDP1's mixed units need use_orig_params (BuildWorkload)
+    return Error::BadInput("fsdp-run wraps per block or the whole model: for LoRA under FSDP1 pass --wrap block --use-orig-params "
+                           "(peft's wrap, each adapter a unit of its own, is planned only), or --framework fsdp2");
   }
   if (l.dropout != 0) return Error::BadInput(fmt::format("fsdp-run's LoRA has no dropout (--lora-dropout 0), got {}", l.dropout));
   if (FrozenStorageDtype(w.config) != DType::kFp32) {
@@ -192,6 +193,7 @@ Status FsdpEngine::Init() {
   grad_shard_.resize(n);
   exp_avg_.resize(n);
   exp_avg_sq_.resize(n);
+  stepped_.resize(n);
   full_.resize(n);
   full_grad_.resize(n);
   first_adapter_.assign(w_.nodes.size(), -1);
@@ -216,10 +218,13 @@ Status FsdpEngine::Init() {
     shard_[u].assign(flat.begin() + shard_rank * f, flat.begin() + (shard_rank + 1) * f);
     const auto trained = flat.begin() + layout_.frozen_padded[u];
     shard_[u].insert(shard_[u].end(), trained + shard_rank * g, trained + (shard_rank + 1) * g);
-    exp_avg_[u].assign(static_cast<size_t>(g), 0.0f);
-    exp_avg_sq_[u].assign(static_cast<size_t>(g), 0.0f);
+    stepped_[u] = SteppedShardRuns(w_, static_cast<int>(u), shard_rank);
+    int64_t states = 0;  // AdamW's, for the elements it steps
+    for (const ElementRun& run : stepped_[u]) states += run.numel;
+    exp_avg_[u].assign(static_cast<size_t>(states), 0.0f);
+    exp_avg_sq_[u].assign(static_cast<size_t>(states), 0.0f);
     ledger_.Add(MemCategory::kShardedParams, unit.shard_numel * 4);
-    ledger_.Add(MemCategory::kOptimizerStates, 2 * g * 4);
+    ledger_.Add(MemCategory::kOptimizerStates, 2 * states * 4);
   }
   return ledger_.Sample();
 }
@@ -518,13 +523,18 @@ Status FsdpEngine::Optimizer() {
   for (size_t u = 0; u < shard_.size(); ++u) {
     // the trained group's shard, after the frozen group's F_u / W elements
     float* trained = shard_[u].data() + layout_.frozen_padded[u] / shard_world_;
-    for (size_t i = 0; apply && i < exp_avg_[u].size(); ++i) {
-      const float g = grad_shard_[u].empty() ? 0.0f : grad_shard_[u][i];
-      float& p = trained[i];
-      exp_avg_[u][i] = o_.beta1 * exp_avg_[u][i] + (1 - o_.beta1) * g;
-      exp_avg_sq_[u][i] = o_.beta2 * exp_avg_sq_[u][i] + (1 - o_.beta2) * g * g;
-      p -= o_.lr * o_.weight_decay * p;
-      p -= o_.lr * (exp_avg_[u][i] / c1) / (std::sqrt(exp_avg_sq_[u][i] / c2) + o_.eps);
+    size_t state = 0;  // the states are packed over the stepped runs
+    for (const ElementRun& run : stepped_[u]) {
+      for (int64_t i = run.first; apply && i < run.first + run.numel; ++i, ++state) {
+        const float g = grad_shard_[u].empty() ? 0.0f : grad_shard_[u][static_cast<size_t>(i)];
+        float& p = trained[i];
+        float& m = exp_avg_[u][state];
+        float& v = exp_avg_sq_[u][state];
+        m = o_.beta1 * m + (1 - o_.beta1) * g;
+        v = o_.beta2 * v + (1 - o_.beta2) * g * g;
+        p -= o_.lr * o_.weight_decay * p;
+        p -= o_.lr * (m / c1) / (std::sqrt(v / c2) + o_.eps);
+      }
     }
     ledger_.Sub(MemCategory::kGradients, static_cast<int64_t>(grad_shard_[u].size()) * 4);
     std::vector<float>().swap(grad_shard_[u]);  // zero_grad(set_to_none=True)

@@ -6,7 +6,8 @@
 // when asked (ShardedGradScaler's: loss scaled, shards unscaled, inf/NaN steps skipped); activation checkpointing
 // (full: a block's forward rerun in its backward; selective: its attention probabilities
 // recomputed); gradient accumulation; LoRA under FSDP2 (the frozen base sharded and gathered, no
-// gradient or optimizer state for it, the adapters trained: EngineLayout).
+// gradient or optimizer state for it, the adapters trained: EngineLayout), and under FSDP1 with
+// use_orig_params (the flat gradient covers the frozen base, AdamW steps the adapters' parts).
 #pragma once
 
 #include <cstdint>
@@ -53,7 +54,7 @@ class FsdpEngine {
  public:
   /// `world` is every rank; the engine splits shard and replica groups from it. Supports the
   /// models DimsOf accepts with block or whole-model wrapping, and LoRA (fp32 base, lora_dropout 0)
-  /// under FSDP2.
+  /// under FSDP2, or FSDP1 with use_orig_params.
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
   /// Rehearse an out-of-memory: fail with the phase and category when the rank's heap exceeds it.
@@ -113,7 +114,9 @@ class FsdpEngine {
   int64_t shard_world_ = 1;
   EngineLayout layout_;
   std::vector<std::vector<float>> shard_;                          // per unit, S_u floats: the frozen group's shard, then the trained group's
-  std::vector<std::vector<float>> grad_shard_, exp_avg_, exp_avg_sq_;  // per unit, the trained group's shard (grad_shard_numel)
+  std::vector<std::vector<float>> grad_shard_;  // per unit, the trained group's shard (grad_shard_numel)
+  std::vector<std::vector<ElementRun>> stepped_;  // per unit, what of that shard AdamW steps (SteppedShardRuns)
+  std::vector<std::vector<float>> exp_avg_, exp_avg_sq_;  // per unit, packed over stepped_
   std::vector<std::vector<float>> full_, full_grad_;                // per unit while live: P_u floats, the trained group's G_u
   int embedding_node_ = 0;  // the module node of the token embedding (a tied lm_head's weight)
   std::vector<int> first_adapter_;  // per module node: a block's first adapter tensor, -1 for none
