@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "core/hardware_spec.h"
 #include "core/json_io.h"
@@ -18,7 +19,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto model = ModelFromHfConfig(json.value(), "fuzz", "config.json");
   if (!model.ok()) return 0;
   fuzz::Require(!model.value().tensors.empty() && static_cast<double>(model.value().tensors.size()) <= limits::kMaxTensors, "tensor bound holds");
-  ModelSpec shallow = model.value();
+  ModelSpec shallow = std::move(model).value();  // not a copy: the full inventory may hold a million tensors
   shallow.num_layers = std::min<int64_t>(shallow.num_layers, 2);
   shallow.tensors = BuildInventory(shallow);
   if (shallow.tensors.size() > 5000) return 0;  // thousands of experts: parsed and bounded is enough

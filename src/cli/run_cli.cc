@@ -189,8 +189,7 @@ void AddRunFlags(CLI::App& app, RunFlags& f) {
 
 Json RunInputsJson(const RunFlags& f) {
   auto path = [](const std::string& p) { return p.empty() ? Json(nullptr) : Json(p); };
-  const double lr = std::stod(fmt::format("{}", f.lr));  // the float's shortest decimal, 0.001 rather than 0.0010000000474974513
-  return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", lr}};
+  return Json{{"init_from", path(f.init_from)}, {"tokens", path(f.tokens_path)}, {"seed", f.seed}, {"lr", f.lr}};
 }
 
 Result<int64_t> MaxOverRanks(runtime::Comm& comm, int64_t value) {
@@ -248,8 +247,8 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (!w.ok()) return w.error();
   const FsdpConfig& c = w.value().config;
   if (c.cpu_offload) return Error::BadInput("fsdp-run does not implement CPU offload (--cpu-offload): fsdp-plan and fsdp-sim model it");
-  if (c.master_dtype != DType::kFp32) {
-    return Error::BadInput("fsdp-run keeps fp32 master weights: --master-dtype bf16 is not in its engines yet; fsdp-plan and fsdp-sim model it");
+  if (c.master_dtype != DType::kFp32 && f.device == "cuda") {
+    return Error::BadInput("fsdp-run's GPU engine keeps fp32 master weights: --master-dtype bf16 trains on --device cpu; fsdp-plan and fsdp-sim model it");
   }
   if (c.ac_every != 1) return Error::BadInput("fsdp-run checkpoints every block under --ac full; --ac-every is a planning option");
   if (c.checkpointing == Checkpointing::kSelectiveOp) {

@@ -20,7 +20,7 @@ struct RunFlags {
   PlanFlags plan;
   int64_t steps = 3;
   uint64_t seed = 1;
-  float lr = 1e-3f;
+  double lr = 1e-3;
   std::string json_path;
   bool quiet = false;
   double memory_limit_mib = 0;  ///< --memory-limit: rehearse an out-of-memory

@@ -35,11 +35,11 @@ class RuntimePlayer {
 
   void Play() {
     mem_.SetPhase(Phase{StepPhase::kInitialisation});
-    for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) {
-      mem_.Alloc(Cat::kShardedParams, w_.units[u].shard_numel * 4);
+    for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) {  // stored in the master dtype (MasterBuffer)
+      mem_.Alloc(Cat::kShardedParams, w_.units[u].shard_numel * master_bytes_);
       int64_t stepped = 0;  // AdamW's states, for what rank 0 steps
       for (const ElementRun& run : SteppedShardRuns(w_, u, 0)) stepped += run.numel;
-      mem_.Alloc(Cat::kOptimizerStates, 2 * stepped * 4);
+      mem_.Alloc(Cat::kOptimizerStates, 2 * stepped * master_bytes_);
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));
@@ -89,7 +89,7 @@ class RuntimePlayer {
   void Reduce(int u) {
     if (w_.units[u].grad_shard_numel == 0) return;
     BlockId shard = mem_.Alloc(Cat::kCommBuffers, w_.units[u].grad_shard_numel * 4);
-    if (shard_grad_[u] == kNoBlock) shard_grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].grad_shard_numel * 4);
+    if (shard_grad_[u] == kNoBlock) shard_grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].grad_shard_numel * master_bytes_);
     mem_.Free(shard);
     mem_.Free(grad_[u]);
   }
@@ -145,6 +145,7 @@ class RuntimePlayer {
   std::vector<BlockId> full_, grad_, shard_grad_, saved_;
   BlockId x_ = kNoBlock, head_ = kNoBlock;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
+  int64_t master_bytes_ = BytesPerElement(w_.config.master_dtype);  // the shards', gradient shards' and states' element
   int embedding_node_ = 0;
   std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)
 };

@@ -3,7 +3,8 @@
 // gradients, the tensors its kernels save per block (BlockCache), the logits and their gradient.
 // fsdp-run prints it next to what it measures. Under LoRA the engine gathers the frozen base with
 // the adapters and reduces, stores and steps the adapters' group only (runtime/fsdp_engine.h,
-// EngineLayout).
+// EngineLayout). Its sharded parameters, gradient shards and AdamW states are in the master dtype
+// (bf16 under --master-dtype bf16: MasterBuffer), its gathered buffers in fp32.
 #pragma once
 
 #include <array>

@@ -109,9 +109,64 @@ Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& l
   return flat;
 }
 
+MasterBuffer::MasterBuffer(DType dtype, size_t count, float value) : dtype_(dtype) {
+  if (dtype_ == DType::kBf16) bf16_.assign(count, 0);
+  else fp32_.assign(count, value);
+  for (size_t i = 0; dtype_ == DType::kBf16 && value != 0.0f && i < count; ++i) Set(i, value);
+}
+
+float MasterBuffer::Get(size_t i) const {
+  if (dtype_ != DType::kBf16) return fp32_[i];
+  const uint32_t bits = static_cast<uint32_t>(bf16_[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, 4);
+  return value;
+}
+
+void MasterBuffer::Set(size_t i, float value) {
+  if (dtype_ != DType::kBf16) {
+    fp32_[i] = RoundTo(value, dtype_);
+    return;
+  }
+  const float rounded = RoundTo(value, DType::kBf16);
+  uint32_t bits;
+  std::memcpy(&bits, &rounded, 4);
+  bf16_[i] = static_cast<uint16_t>(bits >> 16);
+}
+
+void MasterBuffer::Release() {
+  std::vector<float>().swap(fp32_);
+  std::vector<uint16_t>().swap(bf16_);
+}
+
+AdamWScalars AdamWStepScalars(const TrainOptions& o, int64_t steps_taken) {
+  const double t = static_cast<double>(steps_taken + 1);
+  return {.decay = static_cast<float>(1 - o.lr * o.weight_decay),
+          .lerp_weight = static_cast<float>(1 - o.beta1),
+          .beta2 = static_cast<float>(o.beta2),
+          .one_minus_beta2 = static_cast<float>(1 - o.beta2),
+          .bias2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(o.beta2, t))),
+          .eps = static_cast<float>(o.eps),
+          .step_size = static_cast<float>(-(o.lr / (1 - std::pow(o.beta1, t))))};
+}
+
+void AdamWUpdate(const AdamWScalars& s, DType dtype, float g, float& p, float& m, float& v) {
+  auto r = [dtype](float x) { return RoundTo(x, dtype); };
+  p = r(p * s.decay);                                                                        // param.mul_(1 - lr * wd)
+  // exp_avg.lerp_(grad, 1 - beta1): ATen's lerp_vec, one fused multiply-add from the nearer end
+  const bool small = std::fabs(s.lerp_weight) < 0.5f;
+  m = r(std::fma(small ? s.lerp_weight : s.lerp_weight - 1.0f, g - m, small ? m : g));
+  v = r(v * s.beta2);                                                                        // exp_avg_sq.mul_(beta2)
+  v = r(v + s.one_minus_beta2 * g * g);                                                      // .addcmul_(grad, grad, value=1 - beta2)
+  float d = r(std::sqrt(v));                                                                 // exp_avg_sq.sqrt()
+  d = r(d / s.bias2_sqrt);                                                                   // / bias_correction2_sqrt
+  d = r(d + s.eps);                                                                          // .add_(eps)
+  p = r(p + s.step_size * m / d);                                                            // param.addcdiv_(exp_avg, denom, value=-step_size)
+}
+
 AdamCorrections AdamBiasCorrections(const TrainOptions& o, int64_t steps_taken) {
   const float t = static_cast<float>(steps_taken + 1);
-  return {1.0f - std::pow(o.beta1, t), 1.0f - std::pow(o.beta2, t)};
+  return {static_cast<float>(1 - std::pow(o.beta1, t)), static_cast<float>(1 - std::pow(o.beta2, t))};
 }
 
 Status CheckEveryParameterTrains(const Workload& w) {
@@ -150,8 +205,8 @@ Status CheckLoraSupported(const Workload& w) {
                            "(peft's wrap, each adapter a unit of its own, is planned only), or --framework fsdp2");
   }
   if (l.dropout != 0) return Error::BadInput(fmt::format("fsdp-run's LoRA has no dropout (--lora-dropout 0), got {}", l.dropout));
-  if (FrozenStorageDtype(w.config) != DType::kFp32) {
-    return Error::BadInput("fsdp-run stores LoRA's frozen base in fp32: --base-dtype bf16 is planned only");
+  if (FrozenStorageDtype(w.config) != w.config.master_dtype) {
+    return Error::BadInput("fsdp-run stores LoRA's frozen base in the master dtype: a --base-dtype apart from it is planned only");
   }
   return {};
 }
@@ -214,17 +269,18 @@ Status FsdpEngine::Init() {
     const std::vector<float>& flat = start.value();
     // each group's shard: [frozen shard F/W | trained shard G/W]
     const int64_t f = layout_.frozen_padded[u] / shard_world_, g = unit.grad_shard_numel;
-    shard_[u].reserve(static_cast<size_t>(unit.shard_numel));  // exactly: the heap holds what the ledger counts
-    shard_[u].assign(flat.begin() + shard_rank * f, flat.begin() + (shard_rank + 1) * f);
-    const auto trained = flat.begin() + layout_.frozen_padded[u];
-    shard_[u].insert(shard_[u].end(), trained + shard_rank * g, trained + (shard_rank + 1) * g);
+    const DType master = w_.config.master_dtype;
+    shard_[u] = MasterBuffer(master, static_cast<size_t>(unit.shard_numel));
+    for (int64_t i = 0; i < f; ++i) shard_[u].Set(static_cast<size_t>(i), flat[static_cast<size_t>(shard_rank * f + i)]);
+    const int64_t trained = layout_.frozen_padded[u] + shard_rank * g;
+    for (int64_t i = 0; i < g; ++i) shard_[u].Set(static_cast<size_t>(f + i), flat[static_cast<size_t>(trained + i)]);
     stepped_[u] = SteppedShardRuns(w_, static_cast<int>(u), shard_rank);
     int64_t states = 0;  // AdamW's, for the elements it steps
     for (const ElementRun& run : stepped_[u]) states += run.numel;
-    exp_avg_[u].assign(static_cast<size_t>(states), 0.0f);
-    exp_avg_sq_[u].assign(static_cast<size_t>(states), 0.0f);
-    ledger_.Add(MemCategory::kShardedParams, unit.shard_numel * 4);
-    ledger_.Add(MemCategory::kOptimizerStates, 2 * states * 4);
+    exp_avg_[u] = MasterBuffer(master, static_cast<size_t>(states));
+    exp_avg_sq_[u] = MasterBuffer(master, static_cast<size_t>(states));
+    ledger_.Add(MemCategory::kShardedParams, shard_[u].Bytes());
+    ledger_.Add(MemCategory::kOptimizerStates, exp_avg_[u].Bytes() + exp_avg_sq_[u].Bytes());
   }
   return ledger_.Sample();
 }
@@ -243,7 +299,7 @@ Status FsdpEngine::Unshard(int u, bool prefetch) {
   if (!full_[u].empty()) return {};
   const WrapUnit& unit = w_.units[u];
   InFlight f{u, std::vector<float>(shard_[u].size()), {}};
-  for (size_t i = 0; i < f.low.size(); ++i) f.low[i] = RoundTo(shard_[u][i], w_.config.param_dtype);
+  for (size_t i = 0; i < f.low.size(); ++i) f.low[i] = RoundTo(shard_[u].Get(i), w_.config.param_dtype);
   ledger_.Add(MemCategory::kCommBuffers, unit.shard_numel * 4);
   full_[u].resize(static_cast<size_t>(unit.padded_numel));
   ledger_.Add(MemCategory::kUnshardedParams, unit.padded_numel * 4);
@@ -289,8 +345,8 @@ Status FsdpEngine::Reduce(int u) {
   std::vector<float> shard(static_cast<size_t>(numel));
   ledger_.Add(MemCategory::kCommBuffers, numel * 4);
   if (grad_shard_[u].empty()) {  // allocated before the sample, so that the heap holds what the ledger counts
-    grad_shard_[u].assign(shard.size(), 0.0f);
-    ledger_.Add(MemCategory::kGradients, numel * 4);
+    grad_shard_[u] = MasterBuffer(w_.config.master_dtype, shard.size());
+    ledger_.Add(MemCategory::kGradients, grad_shard_[u].Bytes());
   }
   if (Status st = ledger_.Sample(); !st.ok()) return st;
   if (Status s = shard_comm_->ReduceScatter(g.data(), shard.data(), numel); !s.ok()) return s;
@@ -299,7 +355,7 @@ Status FsdpEngine::Reduce(int u) {
   }
   // the mean over the world's micro-batches, unscaled (S a power of two: exact)
   const float scale = 1.0f / (static_cast<float>(world_.size() * w_.config.grad_accum) * scaler_.scale());
-  for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u][i] += shard[i] * scale;
+  for (size_t i = 0; i < shard.size(); ++i) grad_shard_[u].Set(i, grad_shard_[u].Get(i) + shard[i] * scale);
   ledger_.Sub(MemCategory::kCommBuffers, numel * 4);
   ledger_.Sub(MemCategory::kGradients, static_cast<int64_t>(g.size()) * 4);
   std::vector<float>().swap(g);
@@ -505,8 +561,11 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
 }
 
 Result<bool> FsdpEngine::FoundNonFinite() {
-  const bool here = std::any_of(grad_shard_.begin(), grad_shard_.end(), [](const std::vector<float>& g) {
-    return std::any_of(g.begin(), g.end(), [](float v) { return !std::isfinite(v); });
+  const bool here = std::any_of(grad_shard_.begin(), grad_shard_.end(), [](const MasterBuffer& g) {
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (!std::isfinite(g.Get(i))) return true;
+    }
+    return false;
   });
   float found = here ? 1.0f : 0.0f;
   if (Status s = world_.AllReduce(&found, 1); !s.ok()) return s.error();
@@ -519,25 +578,24 @@ Status FsdpEngine::Optimizer() {
   auto allowed = scaler_.CheckAndUpdate([this] { return FoundNonFinite(); });
   if (!allowed.ok()) return allowed.error();
   const bool apply = allowed.value();
-  const auto [c1, c2] = AdamBiasCorrections(o_, optimizer_steps_);
+  const AdamWScalars scalars = AdamWStepScalars(o_, optimizer_steps_);
+  const DType master = w_.config.master_dtype;
   for (size_t u = 0; u < shard_.size(); ++u) {
     // the trained group's shard, after the frozen group's F_u / W elements
-    float* trained = shard_[u].data() + layout_.frozen_padded[u] / shard_world_;
+    const size_t trained = static_cast<size_t>(layout_.frozen_padded[u] / shard_world_);
     size_t state = 0;  // the states are packed over the stepped runs
     for (const ElementRun& run : stepped_[u]) {
-      for (int64_t i = run.first; apply && i < run.first + run.numel; ++i, ++state) {
-        const float g = grad_shard_[u].empty() ? 0.0f : grad_shard_[u][static_cast<size_t>(i)];
-        float& p = trained[i];
-        float& m = exp_avg_[u][state];
-        float& v = exp_avg_sq_[u][state];
-        m = o_.beta1 * m + (1 - o_.beta1) * g;
-        v = o_.beta2 * v + (1 - o_.beta2) * g * g;
-        p -= o_.lr * o_.weight_decay * p;
-        p -= o_.lr * (m / c1) / (std::sqrt(v / c2) + o_.eps);
+      for (int64_t i = run.first; apply && !grad_shard_[u].empty() && i < run.first + run.numel; ++i, ++state) {
+        const size_t at = trained + static_cast<size_t>(i);
+        float p = shard_[u].Get(at), m = exp_avg_[u].Get(state), v = exp_avg_sq_[u].Get(state);
+        AdamWUpdate(scalars, master, grad_shard_[u].Get(static_cast<size_t>(i)), p, m, v);
+        shard_[u].Set(at, p);
+        exp_avg_[u].Set(state, m);
+        exp_avg_sq_[u].Set(state, v);
       }
     }
-    ledger_.Sub(MemCategory::kGradients, static_cast<int64_t>(grad_shard_[u].size()) * 4);
-    std::vector<float>().swap(grad_shard_[u]);  // zero_grad(set_to_none=True)
+    ledger_.Sub(MemCategory::kGradients, grad_shard_[u].Bytes());
+    grad_shard_[u].Release();  // zero_grad(set_to_none=True)
   }
   if (apply) ++optimizer_steps_;
   times_.optimizer_s += Seconds(start);

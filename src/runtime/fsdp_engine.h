@@ -28,11 +28,39 @@ namespace fsdp::runtime {
 
 struct TrainOptions {
   uint64_t seed = 1;        ///< initialisation and synthetic tokens
-  float lr = 1e-3f;
-  float beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.01f;
+  /// AdamW's hyperparameters, doubles as Python passes them to torch.optim.AdamW (1 - 0.9f is not 1 - 0.9)
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.01;
   std::vector<int32_t> tokens;   ///< a token stream to train on (cycled); empty: seeded synthetic tokens
   std::shared_ptr<const Checkpoint> checkpoint;  ///< weights to start from (--init-from); null: seeded values
   LossScalerOptions loss_scaling;  ///< dynamic loss scaling (fp16): a step with inf/NaN gradients is skipped
+};
+
+/// Rounds to the nearest value representable in `dtype`, ties to even, with the dtype's range:
+/// beyond it to inf (bf16 above 3.39e38, fp16 above 65504), fp16 subnormals in steps of 2^-24;
+/// inf and NaN pass through.
+float RoundTo(float value, DType dtype);
+
+/// What a rank stores of a flat buffer in the master dtype (sharded parameters, sharded gradients,
+/// AdamW's states): fp32, or for pure bf16 training (--master-dtype bf16) bf16, held as the upper
+/// 16 bits of the fp32 value, 2 bytes an element. Set rounds to the dtype.
+class MasterBuffer {
+ public:
+  MasterBuffer() = default;
+  /// `count` elements of `value`.
+  MasterBuffer(DType dtype, size_t count, float value = 0.0f);
+  float Get(size_t i) const;
+  void Set(size_t i, float value);
+  size_t size() const { return dtype_ == DType::kBf16 ? bf16_.size() : fp32_.size(); }
+  bool empty() const { return size() == 0; }
+  int64_t Bytes() const { return static_cast<int64_t>(size()) * (dtype_ == DType::kBf16 ? 2 : 4); }
+  /// Frees the storage (zero_grad(set_to_none=True)).
+  void Release();
+
+ private:
+  DType dtype_ = DType::kFp32;
+  std::vector<float> fp32_;
+  std::vector<uint16_t> bf16_;
 };
 
 /// How fsdp-run's engines lay out each unit. Its flat buffer (padded_numel) holds two groups, each
@@ -113,10 +141,10 @@ class FsdpEngine {
   std::unique_ptr<Comm> shard_comm_, replica_comm_;
   int64_t shard_world_ = 1;
   EngineLayout layout_;
-  std::vector<std::vector<float>> shard_;                          // per unit, S_u floats: the frozen group's shard, then the trained group's
-  std::vector<std::vector<float>> grad_shard_;  // per unit, the trained group's shard (grad_shard_numel)
+  std::vector<MasterBuffer> shard_;       // per unit, S_u elements: the frozen group's shard, then the trained group's
+  std::vector<MasterBuffer> grad_shard_;  // per unit, the trained group's shard (grad_shard_numel)
   std::vector<std::vector<ElementRun>> stepped_;  // per unit, what of that shard AdamW steps (SteppedShardRuns)
-  std::vector<std::vector<float>> exp_avg_, exp_avg_sq_;  // per unit, packed over stepped_
+  std::vector<MasterBuffer> exp_avg_, exp_avg_sq_;  // per unit, packed over stepped_
   std::vector<std::vector<float>> full_, full_grad_;                // per unit while live: P_u floats, the trained group's G_u
   int embedding_node_ = 0;  // the module node of the token embedding (a tied lm_head's weight)
   std::vector<int> first_adapter_;  // per module node: a block's first adapter tensor, -1 for none
@@ -162,6 +190,18 @@ struct AdamCorrections {
 };
 AdamCorrections AdamBiasCorrections(const TrainOptions& options, int64_t steps_taken);
 
+/// One element of torch.optim.AdamW's step as _single_tensor_adamw (torch/optim/adamw.py, the CPU
+/// default) runs it, each tensor op computed in fp32 and its result rounded to `dtype` (the
+/// parameters' and states' dtype, as ATen's bf16 kernels do): p *= 1 - lr wd; m = lerp(m, g,
+/// 1 - beta1); v = v beta2; v += (1 - beta2) g g; d = sqrt(v); d /= sqrt(1 - beta2^t); d += eps;
+/// p += -(lr / (1 - beta1^t)) m / d. The scalars are computed in double, as Python does, then used
+/// as fp32. `steps_taken` is the number of steps applied before this one.
+struct AdamWScalars {
+  float decay, lerp_weight, beta2, one_minus_beta2, bias2_sqrt, eps, step_size;
+};
+AdamWScalars AdamWStepScalars(const TrainOptions& options, int64_t steps_taken);
+void AdamWUpdate(const AdamWScalars& s, DType dtype, float grad, float& param, float& exp_avg, float& exp_avg_sq);
+
 /// fsdp-run's GPU engine trains every parameter: BadInput naming the first frozen one otherwise
 /// (LoRA trains on the CPU engine; fsdp-plan and fsdp-sim plan it for GPUs).
 Status CheckEveryParameterTrains(const Workload& workload);
@@ -169,9 +209,5 @@ Status CheckEveryParameterTrains(const Workload& workload);
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).
 uint64_t ConfigFingerprint(const Workload& workload, const TrainOptions& options);
 
-/// Rounds to the nearest value representable in `dtype`, ties to even, with the dtype's range:
-/// beyond it to inf (bf16 above 3.39e38, fp16 above 65504), fp16 subnormals in steps of 2^-24;
-/// inf and NaN pass through.
-float RoundTo(float value, DType dtype);
 
 }  // namespace fsdp::runtime

@@ -10,6 +10,56 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// Expected: torch 2.11's torch.optim.AdamW on the CPU (_single_tensor_adamw), for dtype bf16 and fp32:
+//   p = torch.tensor([0.1234, -0.5, 2.0, 1e-3, -7.25], dtype=dtype, requires_grad=True)
+//   opt = torch.optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+//   for g in grads: p.grad = torch.tensor(g, dtype=dtype); opt.step()
+// then p, state["exp_avg"] and state["exp_avg_sq"] printed as floats. In bf16, 2.0 and -7.25 do
+// not move: their updates are below half their spacing.
+TEST_CASE("AdamWUpdate is torch.optim.AdamW's step, op by op, in bf16 and in fp32") {
+  TrainOptions o;
+  o.lr = 1e-2;
+  const float start[5] = {0.1234f, -0.5f, 2.0f, 1e-3f, -7.25f};
+  const float grads[3][5] = {{0.5f, -0.25f, 1e-4f, 3.0f, -0.0625f}, {0.3f, 0.3f, -2.0f, 1e-3f, 0.5f}, {-1.0f, 0.125f, 0.7f, -0.2f, 4.0f}};
+  struct Expected {
+    DType dtype;
+    double p[5], m[5], v[5];
+  };
+  const Expected expected[] = {
+      {DType::kBf16,
+       {0.10546875, -0.49609375, 2.0, -0.020751953125, -7.25},
+       {-0.0322265625, 0.019287109375, -0.1103515625, 0.224609375, 0.439453125},
+       {0.0654296875, 0.0079345703125, 0.21484375, 0.40625, 0.8125}},
+      {DType::kFp32,
+       {0.10550278425216675, -0.4943007528781891, 2.00006103515625, -0.02065305784344673, -7.251104354858398},
+       {-0.0325000025331974, 0.01925000175833702, -0.1099919006228447, 0.22308999300003052, 0.4399375021457672},
+       {0.06555625051259995, 0.007876562885940075, 0.21449999511241913, 0.4081250727176666, 0.8120512962341309}}};
+  for (const Expected& e : expected) {
+    CAPTURE(DTypeName(e.dtype));
+    for (int i = 0; i < 5; ++i) {
+      float p = RoundTo(start[i], e.dtype), m = 0, v = 0;
+      for (int step = 0; step < 3; ++step) AdamWUpdate(AdamWStepScalars(o, step), e.dtype, RoundTo(grads[step][i], e.dtype), p, m, v);
+      CAPTURE(i);
+      CHECK(p == static_cast<float>(e.p[i]));
+      CHECK(m == static_cast<float>(e.m[i]));
+      CHECK(v == static_cast<float>(e.v[i]));
+    }
+  }
+}
+
+TEST_CASE("MasterBuffer: bf16 elements in 2 bytes each, rounded when set") {
+  MasterBuffer b(DType::kBf16, 3, 1.0f);
+  CHECK(b.Bytes() == 6);
+  CHECK(b.Get(2) == 1.0f);
+  b.Set(0, 1.00390625f);  // 1 + 2^-8: a tie between 1 and 1 + 2^-7, to even
+  CHECK(b.Get(0) == 1.0f);
+  b.Set(1, 0.1234f);
+  CHECK(b.Get(1) == RoundTo(0.1234f, DType::kBf16));
+  CHECK(MasterBuffer(DType::kFp32, 3).Bytes() == 12);
+  b.Release();
+  CHECK(b.empty());
+}
+
 TEST_CASE("RoundTo fp16: 11 significant bits, ties to even, 65504 the largest, subnormals in steps of 2^-24") {
   CHECK(RoundTo(1.0f + std::ldexp(1.0f, -11), DType::kFp16) == 1.0f);                           // tie: to even
   CHECK(RoundTo(1.0f + 3 * std::ldexp(1.0f, -11), DType::kFp16) == 1.0f + std::ldexp(1.0f, -9));  // tie: to even, up
