@@ -267,10 +267,16 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   if (!f.init_from.empty()) {
     auto checkpoint = runtime::Checkpoint::Open(f.init_from);
     if (!checkpoint.ok()) return checkpoint.error();
+    std::string found, missing;  // LoRA adapters: all from the checkpoint, or none (peft's initial values)
     for (const TensorSpec& t : run.workload.model.tensors) {  // every tensor before any rank starts
       const std::string name = runtime::CheckpointTensorName(checkpoint.value(), t);
-      if (name.empty()) continue;  // a LoRA adapter the checkpoint does not have: peft's initial values
+      const bool adapter = t.name.find(".lora_A.") != std::string::npos || t.name.find(".lora_B.") != std::string::npos;
+      if (adapter) (name.empty() ? missing : found) = t.name;
+      if (name.empty()) continue;
       if (Status s = checkpoint.value().Check(name, t.shape); !s.ok()) return s.error();
+    }
+    if (!found.empty() && !missing.empty()) {
+      return Error::BadInput(fmt::format("checkpoint '{}' has LoRA adapters ({}) but not {}: give it every adapter or none", f.init_from, found, missing));
     }
     run.options.checkpoint = std::make_shared<const runtime::Checkpoint>(std::move(checkpoint).value());
   }

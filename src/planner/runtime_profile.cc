@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -35,11 +36,10 @@ class RuntimePlayer {
 
   void Play() {
     mem_.SetPhase(Phase{StepPhase::kInitialisation});
+    const int64_t rank = FullestStateRank();
     for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) {  // stored in the master dtype (MasterBuffer)
       mem_.Alloc(Cat::kShardedParams, w_.units[u].shard_numel * master_bytes_);
-      int64_t stepped = 0;  // AdamW's states, for what rank 0 steps
-      for (const ElementRun& run : SteppedShardRuns(w_, u, 0)) stepped += run.numel;
-      mem_.Alloc(Cat::kOptimizerStates, 2 * stepped * master_bytes_);
+      mem_.Alloc(Cat::kOptimizerStates, 2 * SteppedNumel(u, rank) * master_bytes_);  // AdamW's states
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));
@@ -48,6 +48,24 @@ class RuntimePlayer {
   }
 
  private:
+  int64_t SteppedNumel(int u, int64_t rank) const {
+    int64_t numel = 0;
+    for (const ElementRun& run : SteppedShardRuns(w_, u, rank)) numel += run.numel;
+    return numel;
+  }
+
+  // The shard rank whose AdamW holds the most states: they differ by rank only under FSDP1 with
+  // frozen parameters (SteppedShardRuns), where the fullest rank's are the ones that count.
+  int64_t FullestStateRank() const {
+    int64_t fullest = 0, most = -1;
+    for (int64_t r = 0; r < w_.shard_world; ++r) {
+      int64_t total = 0;
+      for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) total += SteppedNumel(u, r);
+      if (total > most) std::tie(fullest, most) = std::pair{r, total};
+    }
+    return fullest;
+  }
+
   // In the phases FsdpEngine gives its ledger: the same tracker on the same actions.
   void Play(const Action& a) {
     if (phases_.Enter(a)) mem_.SetPhase(phases_.phase());
@@ -189,7 +207,7 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
   // The engine's own passes over its flat buffers, memory-bound: per unshard the rounded input
   // copy (read + write the shard) and the zero-filled output (write the padded unit); per
   // reduction the rounding of the gradient (read + write), its zero fill, and the accumulation
-  // into the fp32 shard (read + write).
+  // into the gradient shard (read + write; counted at fp32 sizes).
   const Schedule schedule = BuildSchedule(w);
   const CommVolume v = EstimateComm(w, schedule).volume;
   double pass_bytes = 0;

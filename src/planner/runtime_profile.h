@@ -26,7 +26,8 @@ int64_t RuntimeBlockSavedBytes(const Workload& workload);
 int64_t RuntimeAttentionCoreBytes(const Workload& workload);
 
 /// Peak and categories at the same sample points the engine's ledger uses (tensor memory only:
-/// no framework terms; the hidden-state matrices are counted as activations).
+/// no framework terms; the hidden-state matrices are counted as activations), with the AdamW
+/// states of the rank that holds the most (they differ only under FSDP1 with frozen parameters).
 MemoryEstimate EstimateRuntimeMemory(const Workload& workload);
 
 /// Step time of fsdp-run's engine, which runs its collectives blocking (no overlap): compute of

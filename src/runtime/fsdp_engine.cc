@@ -62,9 +62,20 @@ EngineLayout LayoutOf(const Workload& w) {
 namespace {
 constexpr std::string_view kBaseLayer = ".base_layer.", kLoraA = ".lora_A.default.weight", kLoraB = ".lora_B.default.weight";
 
+bool IsAdapter(const TensorSpec& t) { return t.name.ends_with(kLoraA) || t.name.ends_with(kLoraB); }
+
+// Each tensor's random stream: its index among the model's own tensors (as without LoRA, so that a
+// seeded LoRA run starts from the same base as a full one), adapters in streams of their own.
+std::vector<uint64_t> SeedStreams(const Workload& w) {
+  std::vector<uint64_t> streams(w.model.tensors.size());
+  uint64_t own = 0, adapters = uint64_t{1} << 40;
+  for (size_t t = 0; t < streams.size(); ++t) streams[t] = IsAdapter(w.model.tensors[t]) ? adapters++ : own++;
+  return streams;
+}
+
 // Tensor t's seeded initial values (InitialUnit) into out (its numel floats).
-void InitialTensor(const Workload& w, int t, uint64_t seed, float* out) {
-  std::mt19937_64 rng(seed * 7919 + static_cast<uint64_t>(t));  // seeded per tensor: the same model whatever the wrapping
+void InitialTensor(const Workload& w, int t, uint64_t stream, uint64_t seed, float* out) {
+  std::mt19937_64 rng(seed * 7919 + stream);  // seeded per tensor: the same model whatever the wrapping
   const TensorSpec& ts = w.model.tensors[t];
   if (ts.name.ends_with(kLoraB)) {  // peft: nn.init.zeros_(lora_B)
     std::fill(out, out + ts.numel(), 0.0f);
@@ -82,13 +93,18 @@ void InitialTensor(const Workload& w, int t, uint64_t seed, float* out) {
 
 std::vector<float> InitialUnit(const Workload& w, const EngineLayout& layout, int u, uint64_t seed) {
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
-  for (int t : w.units[u].tensors) InitialTensor(w, t, seed, flat.data() + layout.offset[t]);
+  const std::vector<uint64_t> streams = SeedStreams(w);
+  for (int t : w.units[u].tensors) InitialTensor(w, t, streams[static_cast<size_t>(t)], seed, flat.data() + layout.offset[t]);
   return flat;
 }
 
 std::string CheckpointTensorName(const Checkpoint& checkpoint, const TensorSpec& tensor) {
   if (checkpoint.Has(tensor.name)) return tensor.name;
-  if (tensor.name.ends_with(kLoraA) || tensor.name.ends_with(kLoraB)) return "";
+  if (IsAdapter(tensor)) {  // peft's save_pretrained: "base_model.model.<name>" without the adapter name
+    std::string saved = "base_model.model." + tensor.name;
+    saved.erase(saved.rfind(".default."), 8);
+    return checkpoint.Has(saved) ? saved : "";
+  }
   std::string name = tensor.name;
   if (const size_t base = name.find(kBaseLayer); base != std::string::npos) name.erase(base, kBaseLayer.size() - 1);
   return name;
@@ -101,7 +117,7 @@ Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& l
     const TensorSpec& ts = w.model.tensors[t];
     const std::string name = CheckpointTensorName(*o.checkpoint, ts);
     if (name.empty()) {  // an adapter the checkpoint does not have
-      InitialTensor(w, t, o.seed, flat.data() + layout.offset[t]);
+      InitialTensor(w, t, SeedStreams(w)[static_cast<size_t>(t)], o.seed, flat.data() + layout.offset[t]);
       continue;
     }
     if (Status s = o.checkpoint->Read(name, ts.shape, flat.data() + layout.offset[t]); !s.ok()) return s.error();
@@ -171,7 +187,9 @@ AdamCorrections AdamBiasCorrections(const TrainOptions& o, int64_t steps_taken) 
 
 Status CheckEveryParameterTrains(const Workload& w) {
   for (const TensorSpec& t : w.model.tensors) {
-    if (!t.trainable) return Error::BadInput(fmt::format("fsdp-run's GPU engine trains every parameter; {} is frozen (LoRA trains on --device cpu)", t.name));
+    if (!t.trainable) {
+      return Error::BadInput(fmt::format("fsdp-run's GPU engine trains every parameter; {} is frozen (LoRA, without QLoRA, trains on --device cpu)", t.name));
+    }
   }
   return {};
 }
@@ -182,10 +200,13 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ULL; };
   for (int64_t v : {w.model.ParamsTotal(), c.gpus, c.seq_len, c.micro_batch, c.grad_accum, static_cast<int64_t>(c.strategy),
                     static_cast<int64_t>(c.checkpointing), static_cast<int64_t>(c.param_dtype), static_cast<int64_t>(c.reduce_dtype),
-                    static_cast<int64_t>(c.framework), c.lora.rank, w.model.ParamsTrainable()}) {
+                    static_cast<int64_t>(c.framework), static_cast<int64_t>(c.master_dtype), static_cast<int64_t>(c.wrap),
+                    static_cast<int64_t>(c.use_orig_params), c.lora.rank, w.model.ParamsTrainable()}) {
     mix(static_cast<uint64_t>(v));
   }
   mix(std::hash<double>{}(c.lora.alpha));
+  mix(std::hash<std::string>{}(c.lora.targets));
+  mix(static_cast<uint64_t>(FrozenStorageDtype(c)));
   mix(o.seed);
   mix(o.checkpoint ? o.checkpoint->Fingerprint() : 0);
   mix(static_cast<uint64_t>(o.loss_scaling.mode));
@@ -195,7 +216,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
 }
 
 // What of LoRA the CPU engine implements: FSDP2's per-parameter gradients, FSDP1's flat parameters
-// with use_orig_params under block or whole-model wrapping, an fp32 base, no dropout.
+// with use_orig_params under block or whole-model wrapping, a base in the master dtype, no dropout.
 Status CheckLoraSupported(const Workload& w) {
   const LoraConfig& l = w.config.lora;
   if (l.rank == 0) return CheckEveryParameterTrains(w);
@@ -336,7 +357,7 @@ void FsdpEngine::Reshard(int u) {
 }
 
 // Reduce-scatter the unit's gradient (rounded to reduce_dtype) within the shard group, all-reduce
-// the shard across replicas, average over the world, accumulate into the fp32 gradient shard.
+// the shard across replicas, average over the world, accumulate into the gradient shard (master dtype).
 Status FsdpEngine::Reduce(int u) {
   std::vector<float>& g = full_grad_[u];
   for (float& v : g) v = RoundTo(v, w_.config.reduce_dtype);

@@ -1,7 +1,8 @@
 // fsdp-run's FSDP engine on the CPU: flat parameter per wrap unit (the Workload's units), padded
 // to the shard group and sharded across ranks; unshard = all-gather into a buffer rounded to
 // param_dtype; reshard = free, following the strategy (the root stays unsharded until its
-// backward); gradients reduce-scattered (rounded to reduce_dtype) into fp32 shards, all-reduced
+// backward); gradients reduce-scattered (rounded to reduce_dtype) into shards in the master dtype
+// (fp32, or bf16 for pure bf16: MasterBuffer), all-reduced
 // across HYBRID_SHARD replicas (NO_SHARD: all-reduced); sharded AdamW, with dynamic loss scaling
 // when asked (ShardedGradScaler's: loss scaled, shards unscaled, inf/NaN steps skipped); activation checkpointing
 // (full: a block's forward rerun in its backward; selective: its attention probabilities
@@ -81,7 +82,7 @@ EngineLayout LayoutOf(const Workload& workload);
 class FsdpEngine {
  public:
   /// `world` is every rank; the engine splits shard and replica groups from it. Supports the
-  /// models DimsOf accepts with block or whole-model wrapping, and LoRA (fp32 base, lora_dropout 0)
+  /// models DimsOf accepts with block or whole-model wrapping, and LoRA (the base in the master dtype, lora_dropout 0)
   /// under FSDP2, or FSDP1 with use_orig_params.
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
@@ -125,7 +126,8 @@ class FsdpEngine {
   Status ForwardNode(int node, Pass& pass);
   Status BackwardNode(int node, Pass& pass);
   /// Module node `node`'s parameters in its unit's unsharded buffer (its own tensors, then its
-  /// adapters), and its gradients (null for frozen ones).
+  /// adapters), and its gradients: null where the unit reduces none for them (FSDP2's frozen
+  /// group); under FSDP1 the flat gradient covers a frozen base, which BlockBackward leaves unwritten.
   BlockWeights Params(int node) const;
   BlockGrads Grads(int node);
   /// Whether the node's own tensors (not its adapters) get gradients.
@@ -175,8 +177,9 @@ std::vector<float> InitialUnit(const Workload& workload, const EngineLayout& lay
 
 /// The checkpoint tensor `tensor` starts from: its own name; for LoRA's wrapped weight
 /// ("<module>.base_layer.weight") the base model's ("<module>.weight") when the checkpoint does not
-/// have the wrapped name; "" for an adapter the checkpoint does not have (it starts as peft
-/// initialises it).
+/// have the wrapped name; for an adapter ("<module>.lora_A.default.weight") its own name or the
+/// one peft's save_pretrained writes ("base_model.model.<module>.lora_A.weight"), "" when the
+/// checkpoint has neither (it starts as peft initialises it).
 std::string CheckpointTensorName(const Checkpoint& checkpoint, const TensorSpec& tensor);
 
 /// Unit u's starting flat buffer (padded_numel, in `layout`): each tensor read from
@@ -202,8 +205,9 @@ struct AdamWScalars {
 AdamWScalars AdamWStepScalars(const TrainOptions& options, int64_t steps_taken);
 void AdamWUpdate(const AdamWScalars& s, DType dtype, float grad, float& param, float& exp_avg, float& exp_avg_sq);
 
-/// fsdp-run's GPU engine trains every parameter: BadInput naming the first frozen one otherwise
-/// (LoRA trains on the CPU engine; fsdp-plan and fsdp-sim plan it for GPUs).
+/// BadInput naming the first frozen parameter, if any: the GPU engine trains every parameter (LoRA
+/// trains on the CPU engine; fsdp-plan and fsdp-sim plan it for GPUs), and without LoRA neither
+/// engine freezes any.
 Status CheckEveryParameterTrains(const Workload& workload);
 
 /// A hash of the configuration every rank must agree on (Comm::CheckSame).

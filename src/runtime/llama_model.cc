@@ -99,6 +99,13 @@ Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   for (size_t t = 1; t < m.tensors.size(); ++t) packed[t] = packed[t - 1] + m.tensors[t - 1].numel();
   SetBlockLayout(m, [&packed](int t) { return packed[static_cast<size_t>(t)]; }, d);
   d.qk_norm = d.offsets.q_norm >= 0;
+  int64_t adapters = 0, placed = 0;  // every adapter of the block on one of the seven projections
+  for (const TensorSpec& t : m.tensors) adapters += t.block == 0 && IsAdapter(t.name);
+  for (const LlamaDims::LoraOffsets& lo : d.lora) placed += (lo.a >= 0) + (lo.b >= 0);
+  if (adapters != placed) {
+    return Error::BadInput(fmt::format("fsdp-run's LoRA adapts q/k/v/o_proj and gate/up/down_proj only; {} has {} adapter tensors elsewhere", m.id,
+                                       adapters - placed));
+  }
   return d;
 }
 

@@ -300,5 +300,25 @@ TEST_CASE("StartingUnit under LoRA: base weights by their HF names, the frozen g
   }
 }
 
+TEST_CASE("CheckpointTensorName finds an adapter under peft's saved name, and none where the checkpoint lacks it") {
+  TempDir dir("model");
+  ModelSpec model = LoadModel("tiny-llama").value();
+  LoraConfig lora;
+  lora.rank = 2;
+  REQUIRE(ApplyLora(model, lora).ok());
+  ModelSpec saved = model;  // peft's save_pretrained keys: base_model.model.<module>.lora_A.weight
+  for (TensorSpec& t : saved.tensors) {
+    if (const size_t at = t.name.find(".default."); at != std::string::npos) t.name = "base_model.model." + t.name.erase(at, 8);
+  }
+  WriteModel(dir / "model.safetensors", saved);
+  const Checkpoint checkpoint = Checkpoint::Open(dir.path.string()).value();
+  const TensorSpec& a = *std::find_if(model.tensors.begin(), model.tensors.end(), [](const TensorSpec& t) { return t.name.ends_with("lora_A.default.weight"); });
+  CHECK(CheckpointTensorName(checkpoint, a) == "base_model.model." + a.name.substr(0, a.name.size() - 14) + "weight");
+  const TensorSpec& base = *std::find_if(model.tensors.begin(), model.tensors.end(), [](const TensorSpec& t) { return t.name.ends_with("base_layer.weight"); });
+  CHECK(CheckpointTensorName(checkpoint, base) == base.name);  // written under its own (wrapped) name
+  WriteModel(dir / "model.safetensors", LoadModel("tiny-llama").value());  // the base model alone
+  CHECK(CheckpointTensorName(Checkpoint::Open(dir.path.string()).value(), a).empty());
+}
+
 }  // namespace
 }  // namespace fsdp::runtime
