@@ -21,6 +21,7 @@
 #include "cli/token_file.h"
 #include "core/hash.h"
 #include "core/json_io.h"
+#include "core/lora.h"
 #include "planner/plan_report.h"
 #include "planner/comm_model.h"
 #include "planner/plan_report.h"
@@ -270,8 +271,7 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     std::string found, missing;  // LoRA adapters: all from the checkpoint, or none (peft's initial values)
     for (const TensorSpec& t : run.workload.model.tensors) {  // every tensor before any rank starts
       const std::string name = runtime::CheckpointTensorName(checkpoint.value(), t);
-      const bool adapter = t.name.find(".lora_A.") != std::string::npos || t.name.find(".lora_B.") != std::string::npos;
-      if (adapter) (name.empty() ? missing : found) = t.name;
+      if (IsLoraAdapter(t.name)) (name.empty() ? missing : found) = t.name;
       if (name.empty()) continue;
       if (Status s = checkpoint.value().Check(name, t.shape); !s.ok()) return s.error();
     }

@@ -51,6 +51,14 @@ struct Nf4Bytes {
 };
 Nf4Bytes Nf4ModelBytes(const ModelSpec& model, const LoraConfig& lora, DType quant_storage);
 
+/// The names peft gives a wrapped linear's tensors (lora.Linear, adapter "default"):
+/// "<module>.base_layer.weight" (and .bias), "<module>.lora_A.default.weight",
+/// "<module>.lora_B.default.weight". BuildInventory names them so.
+inline constexpr std::string_view kLoraBaseLayer = ".base_layer", kLoraASuffix = ".lora_A.default.weight",
+                                  kLoraBSuffix = ".lora_B.default.weight";
+/// Whether a tensor name is a LoRA adapter's (lora_A or lora_B).
+inline bool IsLoraAdapter(std::string_view tensor_name) { return tensor_name.ends_with(kLoraASuffix) || tensor_name.ends_with(kLoraBSuffix); }
+
 /// peft's check_target_module_exists: `path` is `name`, or ends with "." + `name`.
 bool ModulePathMatches(std::string_view path, std::string_view name);
 

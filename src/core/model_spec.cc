@@ -10,6 +10,7 @@
 #include "core/catalog.h"
 #include "core/families/family.h"
 #include "core/limits.h"
+#include "core/lora.h"
 
 namespace fsdp {
 namespace {
@@ -35,7 +36,7 @@ void AddOp(std::vector<TensorSpec>& out, NormKind norm, const ParamOp& op, const
   }
   const double share = op.experts > 0 ? static_cast<double>(op.experts_per_token) / static_cast<double>(op.experts) : 1.0;
   // peft's lora.Linear holds the wrapped module as base_layer, registered before its adapters
-  const std::string base = op.lora_rank > 0 ? module + ".base_layer" : module;
+  const std::string base = op.lora_rank > 0 ? module + std::string(kLoraBaseLayer) : module;
   if (op.nf4_storage_bytes > 0) {
     // Params4bit of bitsandbytes' quantize_4bit: ((n + 1) // (2 x itemsize), 1) elements of the quant storage
     const int64_t n = op.in * op.out;
@@ -47,8 +48,8 @@ void AddOp(std::vector<TensorSpec>& out, NormKind norm, const ParamOp& op, const
   }
   if (op.bias) AddTensor(out, base + ".bias", {op.out}, block, true, share, op.trainable);
   if (op.lora_rank > 0) {
-    AddTensor(out, module + ".lora_A.default.weight", {op.lora_rank, op.in}, block, true, share);
-    AddTensor(out, module + ".lora_B.default.weight", {op.out, op.lora_rank}, block, true, share);
+    AddTensor(out, module + std::string(kLoraASuffix), {op.lora_rank, op.in}, block, true, share);
+    AddTensor(out, module + std::string(kLoraBSuffix), {op.out, op.lora_rank}, block, true, share);
   }
 }
 

@@ -10,6 +10,8 @@
 
 #include <fmt/format.h>
 
+#include "core/lora.h"
+
 namespace fsdp::runtime {
 
 float RoundTo(float value, DType dtype) {
@@ -60,16 +62,13 @@ EngineLayout LayoutOf(const Workload& w) {
 }
 
 namespace {
-constexpr std::string_view kBaseLayer = ".base_layer.", kLoraA = ".lora_A.default.weight", kLoraB = ".lora_B.default.weight";
-
-bool IsAdapter(const TensorSpec& t) { return t.name.ends_with(kLoraA) || t.name.ends_with(kLoraB); }
 
 // Each tensor's random stream: its index among the model's own tensors (as without LoRA, so that a
 // seeded LoRA run starts from the same base as a full one), adapters in streams of their own.
 std::vector<uint64_t> SeedStreams(const Workload& w) {
   std::vector<uint64_t> streams(w.model.tensors.size());
   uint64_t own = 0, adapters = uint64_t{1} << 40;
-  for (size_t t = 0; t < streams.size(); ++t) streams[t] = IsAdapter(w.model.tensors[t]) ? adapters++ : own++;
+  for (size_t t = 0; t < streams.size(); ++t) streams[t] = IsLoraAdapter(w.model.tensors[t].name) ? adapters++ : own++;
   return streams;
 }
 
@@ -77,9 +76,9 @@ std::vector<uint64_t> SeedStreams(const Workload& w) {
 void InitialTensor(const Workload& w, int t, uint64_t stream, uint64_t seed, float* out) {
   std::mt19937_64 rng(seed * 7919 + stream);  // seeded per tensor: the same model whatever the wrapping
   const TensorSpec& ts = w.model.tensors[t];
-  if (ts.name.ends_with(kLoraB)) {  // peft: nn.init.zeros_(lora_B)
+  if (ts.name.ends_with(kLoraBSuffix)) {  // peft: nn.init.zeros_(lora_B)
     std::fill(out, out + ts.numel(), 0.0f);
-  } else if (ts.name.ends_with(kLoraA)) {  // peft: nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5)), a bound of 1 / sqrt(fan_in)
+  } else if (ts.name.ends_with(kLoraASuffix)) {  // peft: nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5)), a bound of 1 / sqrt(fan_in)
     const float bound = 1.0f / std::sqrt(static_cast<float>(ts.shape[1]));
     std::uniform_real_distribution<float> uniform(-bound, bound);
     for (int64_t i = 0; i < ts.numel(); ++i) out[i] = uniform(rng);
@@ -100,24 +99,25 @@ std::vector<float> InitialUnit(const Workload& w, const EngineLayout& layout, in
 
 std::string CheckpointTensorName(const Checkpoint& checkpoint, const TensorSpec& tensor) {
   if (checkpoint.Has(tensor.name)) return tensor.name;
-  if (IsAdapter(tensor)) {  // peft's save_pretrained: "base_model.model.<name>" without the adapter name
+  if (IsLoraAdapter(tensor.name)) {  // peft's save_pretrained: "base_model.model.<name>" without the adapter name
     std::string saved = "base_model.model." + tensor.name;
     saved.erase(saved.rfind(".default."), 8);
     return checkpoint.Has(saved) ? saved : "";
   }
   std::string name = tensor.name;
-  if (const size_t base = name.find(kBaseLayer); base != std::string::npos) name.erase(base, kBaseLayer.size() - 1);
+  if (const size_t base = name.find(std::string(kLoraBaseLayer) + "."); base != std::string::npos) name.erase(base, kLoraBaseLayer.size());
   return name;
 }
 
 Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& layout, int u, const TrainOptions& o) {
   if (!o.checkpoint) return InitialUnit(w, layout, u, o.seed);
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
+  const std::vector<uint64_t> streams = SeedStreams(w);
   for (int t : w.units[u].tensors) {
     const TensorSpec& ts = w.model.tensors[t];
     const std::string name = CheckpointTensorName(*o.checkpoint, ts);
     if (name.empty()) {  // an adapter the checkpoint does not have
-      InitialTensor(w, t, SeedStreams(w)[static_cast<size_t>(t)], o.seed, flat.data() + layout.offset[t]);
+      InitialTensor(w, t, streams[static_cast<size_t>(t)], o.seed, flat.data() + layout.offset[t]);
       continue;
     }
     if (Status s = o.checkpoint->Read(name, ts.shape, flat.data() + layout.offset[t]); !s.ok()) return s.error();
@@ -278,7 +278,7 @@ Status FsdpEngine::Init() {
   }
   for (size_t t = 0; t < w_.model.tensors.size(); ++t) {  // a block's first lora_A: where its adapters start
     const TensorSpec& ts = w_.model.tensors[t];
-    for (size_t i = 0; ts.block >= 0 && ts.name.ends_with(kLoraA) && i < w_.nodes.size(); ++i) {
+    for (size_t i = 0; ts.block >= 0 && ts.name.ends_with(kLoraASuffix) && i < w_.nodes.size(); ++i) {
       if (w_.nodes[i].role == ModuleNode::Role::kBlock && w_.nodes[i].block == ts.block && first_adapter_[i] < 0) first_adapter_[i] = static_cast<int>(t);
     }
   }

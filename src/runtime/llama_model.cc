@@ -6,6 +6,8 @@
 
 #include <fmt/format.h>
 
+#include "core/lora.h"
+
 namespace fsdp::runtime {
 
 Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& m, int64_t seq_len) {
@@ -67,12 +69,6 @@ bool RunsLlamaBlock(const Architecture& a) {
   return matches(kLlama) || matches(kQwen3);
 }
 
-// peft's lora.Linear keeps the wrapped weight as "<module>.base_layer.weight" and its adapters as
-// "<module>.lora_A.default.weight", "<module>.lora_B.default.weight".
-constexpr std::string_view kBaseLayer = ".base_layer", kLoraA = ".lora_A.default.weight", kLoraB = ".lora_B.default.weight";
-
-bool IsAdapter(std::string_view name) { return name.ends_with(kLoraA) || name.ends_with(kLoraB); }
-
 }  // namespace
 
 Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
@@ -100,7 +96,7 @@ Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   SetBlockLayout(m, [&packed](int t) { return packed[static_cast<size_t>(t)]; }, d);
   d.qk_norm = d.offsets.q_norm >= 0;
   int64_t adapters = 0, placed = 0;  // every adapter of the block on one of the seven projections
-  for (const TensorSpec& t : m.tensors) adapters += t.block == 0 && IsAdapter(t.name);
+  for (const TensorSpec& t : m.tensors) adapters += t.block == 0 && IsLoraAdapter(t.name);
   for (const LlamaDims::LoraOffsets& lo : d.lora) placed += (lo.a >= 0) + (lo.b >= 0);
   if (adapters != placed) {
     return Error::BadInput(fmt::format("fsdp-run's LoRA adapts q/k/v/o_proj and gate/up/down_proj only; {} has {} adapter tensors elsewhere", m.id,
@@ -126,7 +122,7 @@ void SetBlockLayout(const ModelSpec& m, const std::function<int64_t(int)>& offse
   for (size_t t = 0; t < m.tensors.size(); ++t) {
     if (m.tensors[t].block != 0) continue;
     const int64_t at = offset_of(static_cast<int>(t));
-    int64_t& start = IsAdapter(m.tensors[t].name) ? adapter_start : base_start;
+    int64_t& start = IsLoraAdapter(m.tensors[t].name) ? adapter_start : base_start;
     start = start < 0 ? at : std::min(start, at);
     numel += m.tensors[t].numel();
   }
@@ -136,16 +132,16 @@ void SetBlockLayout(const ModelSpec& m, const std::function<int64_t(int)>& offse
     if (m.tensors[t].block != 0) continue;
     std::string name = m.tensors[t].name.substr(prefix.size());
     const int64_t at = offset_of(static_cast<int>(t));
-    if (IsAdapter(name)) {
-      const bool a = name.ends_with(kLoraA);
-      const std::string_view module = std::string_view(name).substr(0, name.size() - (a ? kLoraA : kLoraB).size());
+    if (IsLoraAdapter(name)) {
+      const bool a = name.ends_with(kLoraASuffix);
+      const std::string_view module = std::string_view(name).substr(0, name.size() - (a ? kLoraASuffix : kLoraBSuffix).size());
       for (int p = 0; p < LlamaDims::kProjections; ++p) {
         if (module == kProjection[p]) (a ? d.lora[p].a : d.lora[p].b) = at - adapter_start;
       }
       continue;
     }
     if (!m.tensors[t].trainable) d.base_frozen = true;
-    if (const size_t base = name.find(kBaseLayer); base != std::string::npos) name.erase(base, kBaseLayer.size());
+    if (const size_t base = name.find(kLoraBaseLayer); base != std::string::npos) name.erase(base, kLoraBaseLayer.size());
     for (const auto& [field_name, field] : fields) {
       if (name == field_name) *field = at - base_start;
     }
