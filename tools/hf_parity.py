@@ -44,6 +44,12 @@ LATER_STEP_REL = 2e-5
 PURE_BF16_REL = 3e-3
 GPU_FACTOR = 5  # --device cuda: cuBLAS fp32 (CUBLAS_COMPUTE_32F, no TF32) and CUDA reductions in another order
 
+# A small untied Llama with GQA and plain RoPE: the pure-bf16 and LoRA cases' model
+SMALL_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "initializer_range": 0.1,
+               "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+               "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
 CASES = [
     {   # Llama 3.1's RoPE bands (original context 16 < seq 32: every band is used), GQA, tied head
         "name": "llama3-rope-gqa-tied",
@@ -100,10 +106,7 @@ CASES = [
         # gathered and compute buffers are fp32), so the losses agree only to bf16's precision;
         # lr 1e-2 so that the steps move the loss (3% a step) by far more than that (measured: 6e-4)
         "name": "llama-pure-bf16",
-        "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "initializer_range": 0.1,
-                   "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+        "config": SMALL_LLAMA,
         "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--framework", "fsdp2"], "mpi_ranks": 2,
         "pure_bf16": True, "lr": 1e-2, "limits": (PURE_BF16_REL, PURE_BF16_REL),
         "cpu_only": "the GPU engine keeps fp32 masters",
@@ -111,10 +114,7 @@ CASES = [
     {   # LoRA (peft) on q_proj and v_proj under FSDP2: the base frozen, adapters trained; lora_B drawn
         # non-zero (init_lora_weights=False) so that step 1 checks the adapters' forward too; 2 ranks
         "name": "llama-lora-qv",
-        "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "initializer_range": 0.1,
-                   "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+        "config": SMALL_LLAMA,
         "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--framework", "fsdp2"], "mpi_ranks": 2,
         "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "v_proj"]},
         "cpu_only": "the GPU engine does not implement LoRA",
@@ -122,10 +122,7 @@ CASES = [
     {   # the same under FSDP1 with use_orig_params: the flat gradient covers the frozen base, AdamW
         # steps the adapters' parts of each rank's shard; 2 ranks
         "name": "llama-lora-qv-fsdp1",
-        "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "initializer_range": 0.1,
-                   "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
-                   "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+        "config": SMALL_LLAMA,
         "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--wrap", "block", "--use-orig-params"],
         "mpi_ranks": 2, "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "v_proj"]},
         "cpu_only": "the GPU engine does not implement LoRA",
