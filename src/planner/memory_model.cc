@@ -2,6 +2,7 @@
 
 #include <array>
 #include <algorithm>
+#include <deque>
 #include <memory>
 #include <numeric>
 #include <utility>
@@ -41,8 +42,8 @@ constexpr int64_t kBlasThreads = 2;
 // action makes in PyTorch FSDP (docs/memory-model.md gives each and its source).
 class StepPlayer {
  public:
-  StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem)
-      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), profiles_(BlockProfilesOf(w.model, w.config)),
+  StepPlayer(const Workload& w, const Schedule& schedule, MemoryTracker& mem, bool skip_repeats)
+      : w_(w), c_(w.config), schedule_(schedule), mem_(mem), skip_repeats_(skip_repeats), profiles_(BlockProfilesOf(w.model, w.config)),
         head_(HeadActivationProfile(w.model, w.config)), phases_(w) {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
@@ -79,6 +80,9 @@ class StepPlayer {
     }
     PlayMicroBatches();
   }
+
+  /// The caching allocator's retries (num_alloc_retries) in the micro-batches Play skipped.
+  int64_t skipped_retries() const { return skipped_retries_; }
 
  private:
   // Sharded parameters (FSDP1: one flat shard per unit; FSDP2: one shard per parameter) and, at
@@ -201,29 +205,50 @@ class StepPlayer {
     states_allocated_ = true;
   }
 
-  // Micro-batches that run the previous one's program from the state it ended in repeat it byte
-  // for byte: once two in a row end in the same state, the rest before the last are skipped
-  // (their peaks equal the first's, which the tracker has), so 10^6 micro-batches cost three.
+  // Micro-batches that run the same program from the same state repeat what they did byte for
+  // byte. Once a micro-batch ends in the state one of the last kMaxCyclePeriod ended in (period 1:
+  // the previous one's, as in most replays; longer when the caching allocator frees its cache and
+  // retries in every micro-batch and its segments cycle), the whole cycles before the last
+  // micro-batch are skipped: their peaks equal those already played, which the tracker has, and
+  // their allocator retries are counted (skipped_retries_). So 10^6 micro-batches cost a few.
   // With the caching allocator the state includes its segment layout.
+  struct MicroBatchEnd {
+    int64_t micro = 0, retries = 0;
+    CategoryBytes bytes{};
+    std::vector<size_t> pending;
+    std::vector<SegmentView> layout;
+    bool SameState(const MicroBatchEnd& o) const { return bytes == o.bytes && pending == o.pending && layout == o.layout; }
+  };
+  static constexpr int64_t kMaxCyclePeriod = 16;
+  bool SameProgram(int64_t from, int64_t to) const {
+    for (int64_t m = from; m < to; ++m) {
+      if (schedule_.ProgramOf(m) != schedule_.ProgramOf(to)) return false;
+    }
+    return true;
+  }
+
   void PlayMicroBatches() {
     const int64_t last = c_.grad_accum - 1;
-    CategoryBytes previous_end{};
-    std::vector<size_t> previous_pending;
-    std::vector<SegmentView> previous_layout;
+    std::deque<MicroBatchEnd> recent;  // the last kMaxCyclePeriod micro-batches' ends, oldest first
     for (int64_t micro = 0; micro <= last; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));
       for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
-      const CategoryBytes end = mem_.DeviceNow();
-      std::vector<size_t> pending = mem_.PendingCounts();
       // (only an accumulation of four or more can skip: from micro-batch 1 to the one before the last)
-      std::vector<SegmentView> layout = mem_.allocator() && last >= 3 ? mem_.allocator()->Snapshot() : std::vector<SegmentView>{};
-      if (micro >= 1 && micro + 1 < last && end == previous_end && pending == previous_pending && layout == previous_layout &&
-          schedule_.ProgramOf(micro + 1) == schedule_.ProgramOf(micro) && schedule_.ProgramOf(micro) == schedule_.ProgramOf(micro - 1)) {
-        micro = last - 1;
+      MicroBatchEnd end{micro, mem_.allocator() ? mem_.allocator()->stats().num_alloc_retries : 0, mem_.DeviceNow(), mem_.PendingCounts(),
+                        mem_.allocator() && last >= 3 ? mem_.allocator()->Snapshot() : std::vector<SegmentView>{}};
+      if (skip_repeats_ && micro >= 1 && micro + 1 < last && schedule_.ProgramOf(micro + 1) == schedule_.ProgramOf(micro)) {
+        for (const MicroBatchEnd& before : recent) {
+          if (before.micro < 1 || !before.SameState(end) || !SameProgram(before.micro, micro)) continue;
+          const int64_t period = micro - before.micro, cycles = (last - 1 - micro) / period;
+          skipped_retries_ += cycles * (end.retries - before.retries);
+          micro += cycles * period;
+          end.micro = micro;
+          recent.clear();  // (retries are counted from played micro-batches only)
+          break;
+        }
       }
-      previous_end = end;
-      previous_pending = std::move(pending);
-      previous_layout = std::move(layout);
+      recent.push_back(std::move(end));
+      if (static_cast<int64_t>(recent.size()) > kMaxCyclePeriod) recent.pop_front();
     }
   }
 
@@ -570,9 +595,11 @@ class StepPlayer {
   const FsdpConfig& c_;
   const Schedule& schedule_;
   MemoryTracker& mem_;
+  bool skip_repeats_;
   BlockProfiles profiles_;
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
+  int64_t skipped_retries_ = 0;     // the allocator retries of the micro-batches PlayMicroBatches skipped
   int64_t nf4_dequant_bytes_ = 0;  // QLoRA: the largest quantized weight, dequantized in the compute dtype
   bool states_allocated_ = true;  ///< the optimizer states exist (false until the first step's optimizer.step())
   PhaseTracker phases_;
@@ -691,7 +718,8 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
                                                                   options.reserve_limit_bytes, options.device_bytes)
                                 : std::make_unique<MemoryTracker>(options.rounding_bytes, options.record_timeline);
   MemoryTracker& mem = *tracker;
-  StepPlayer(w, schedule, mem).Play(e.host, options.cublas_workspace_blocks);
+  StepPlayer player(w, schedule, mem, options.skip_repeated_micro_batches);
+  player.Play(e.host, options.cublas_workspace_blocks);
   e.allocated_peak_bytes = mem.allocated_peak();
   e.allocated_peak_phase = PhaseName(w, mem.allocated_peak_phase());
   e.pending_free_bytes_at_peak = mem.pending_at_peak();
@@ -704,7 +732,7 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
     e.reserved_peak_bytes = a.reserved_peak_bytes;
     e.reserved_peak_phase = PhaseName(w, mem.reserved_peak_phase());
     e.fragmentation_bytes = a.reserved_peak_bytes - a.allocated_at_reserved_peak_bytes;
-    e.alloc_retries = a.num_alloc_retries;
+    e.alloc_retries = a.num_alloc_retries + player.skipped_retries();
     e.allocator_out_of_memory = mem.out_of_memory();
     if (mem.reserved_peak_in_first_step()) e.reserved_peak_phase = "first step, " + e.reserved_peak_phase;
     // At the peak: the tensors at their steady-state peak and, as framework overhead, the rest of

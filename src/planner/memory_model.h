@@ -106,6 +106,9 @@ struct ReplayOptions {
   /// reuses it across GPU types of one BLAS workspace size).
   int64_t reserve_limit_bytes = std::numeric_limits<int64_t>::max() / 4;
   int64_t device_bytes = int64_t{80} << 30;      ///< sizes expandable segments' address ranges only
+  /// Skip the micro-batches that repeat a cycle of states (StepPlayer::PlayMicroBatches); false
+  /// plays every one (what tests compare the skipping with)
+  bool skip_repeated_micro_batches = true;
 };
 
 /// The tensors and the allocator (no outside-allocator terms; capacity and fits not set).
