@@ -26,7 +26,8 @@ class RuntimePlayer {
     const ModelSpec& m = w.model;
     tokens_ = w.TokensPerMicroBatch();
     hidden_bytes_ = tokens_ * m.hidden_size * 4;
-    head_bytes_ = (2 * tokens_ * m.vocab_size + 2 * tokens_ * m.hidden_size) * 4;  // logits, d_logits, normed, x
+    head_bytes_ = (tokens_ * m.vocab_size + 2 * tokens_ * m.hidden_size) * 4;  // d_logits, normed, x: to the embedding's backward
+    logits_bytes_ = tokens_ * m.vocab_size * 4;                                // the logits: at the loss only
     block_bytes_ = RuntimeBlockSavedBytes(w);
     core_bytes_ = RuntimeAttentionCoreBytes(w);
     for (size_t i = 0; i < w.nodes.size(); ++i) {
@@ -130,7 +131,12 @@ class RuntimePlayer {
         saved_[w_.nodes[node].block] = mem_.Alloc(Cat::kActivations, ac ? hidden_bytes_ : selective ? block_bytes_ - core_bytes_ : block_bytes_);
         break;
       case ModuleNode::Role::kFinalNorm: mem_.Free(x_); break;
-      case ModuleNode::Role::kLmHead: head_ = mem_.Alloc(Cat::kActivations, head_bytes_); break;
+      case ModuleNode::Role::kLmHead: {
+        head_ = mem_.Alloc(Cat::kActivations, head_bytes_);
+        BlockId logits = mem_.Alloc(Cat::kActivations, logits_bytes_);
+        mem_.Free(logits);
+        break;
+      }
       case ModuleNode::Role::kOther: break;
     }
   }
@@ -162,7 +168,7 @@ class RuntimePlayer {
   PhaseTracker phases_;
   std::vector<BlockId> full_, grad_, shard_grad_, saved_;
   BlockId x_ = kNoBlock, head_ = kNoBlock;
-  int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
+  int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, logits_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
   int64_t master_bytes_ = BytesPerElement(w_.config.master_dtype);  // the shards', gradient shards' and states' element
   int embedding_node_ = 0;
   std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)

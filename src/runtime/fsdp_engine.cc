@@ -472,9 +472,14 @@ Status FsdpEngine::ForwardNode(int node, Pass& p) {
       const Mat logits = LinearForward(p.normed, ConstMatMap(Params(node).base, vocab, h));
       p.loss = CrossEntropy(logits, p.targets, p.d_logits);
       if (scaler_.enabled()) p.d_logits *= scaler_.scale();  // GradScaler.scale(loss).backward()
-      p.head_bytes = (logits.size() + p.d_logits.size() + p.normed.size() + p.final_x.size()) * 4;
-      ledger_.Add(MemCategory::kActivations, p.head_bytes);
-      return ledger_.Sample();
+      // d_logits, the normed input and the final norm's input stay to the embedding's backward; the
+      // logits themselves die with this scope, after the sample
+      const int64_t logits_bytes = logits.size() * 4;
+      p.head_bytes = (p.d_logits.size() + p.normed.size() + p.final_x.size()) * 4;
+      ledger_.Add(MemCategory::kActivations, p.head_bytes + logits_bytes);
+      const Status sampled = ledger_.Sample();
+      ledger_.Sub(MemCategory::kActivations, logits_bytes);
+      return sampled;
     }
     case ModuleNode::Role::kOther: return {};
   }
@@ -528,6 +533,9 @@ Status FsdpEngine::BackwardNode(int node, Pass& p) {
         EmbeddingBackward(p.x, p.inputs, g_embed);
       }
       ledger_.Sub(MemCategory::kActivations, p.head_bytes);
+      p.d_logits = Mat();
+      p.normed = Mat();
+      p.final_x = Mat();
       return {};
     }
     case ModuleNode::Role::kOther: return {};
