@@ -102,6 +102,10 @@ struct ModelShape {
   /// top-k logits scattered into -inf and a fp32 sigmoid over every expert (Llama4Router)
   enum class Router { kSoftmaxThenTopK, kTopKThenSoftmax, kGroupedSigmoid, kTopKThenSigmoid };
   Router router = Router::kSoftmaxThenTopK;
+  /// The top-k weights divided by their sum before they weigh the experts' outputs: Qwen3-MoE's and
+  /// DeepSeek-V3's norm_topk_prob (Qwen3MoeTopKRouter, DeepseekV3MoE.route_tokens_to_experts),
+  /// Mixtral's always (MixtralTopKRouter)
+  bool router_norm_topk = false;
   /// kGroupedSigmoid: the experts in this many groups (n_group), of which expert_groups_kept
   /// (topk_group) are searched for the top-k
   int64_t expert_groups = 0, expert_groups_kept = 0;

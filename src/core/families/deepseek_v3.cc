@@ -61,6 +61,7 @@ void AddLatentAttention(const ModelSpec& m, std::vector<ParamOp>& block) {
 Status ReadRouting(const JsonReader& r, ModelSpec& m) {
   FSDP_ASSIGN(m.num_experts, ReadDim(r, {"n_routed_experts", "num_local_experts"}, 256, kMaxExperts));
   FSDP_ASSIGN(m.experts_per_token, ReadDim(r, {"num_experts_per_tok"}, 8, kMaxExperts));
+  FSDP_ASSIGN(m.router_norm_topk, ReadFlag(r, "norm_topk_prob", true));
   FSDP_ASSIGN_OR_RETURN(const int64_t groups, ReadDim(r, {"n_group"}, 8, kMaxExperts));
   FSDP_ASSIGN_OR_RETURN(const int64_t topk_groups, ReadDim(r, {"topk_group"}, 4, kMaxExperts));
   m.router = ModelShape::Router::kGroupedSigmoid;

@@ -9,8 +9,9 @@ namespace fsdp::families {
 
 Status ReadMixtral(const JsonReader& r, ModelSpec& m) {
   FSDP_TRY(ReadDecoderKeys(r, {32000, 4096, 14336, 32, 32, 8, 4096 * 32, false, 1e-5, 1e6}, m));
-  FSDP_ASSIGN(m.num_experts, ReadDim(r, {"num_local_experts"}, 8, kMaxExperts));
+  FSDP_ASSIGN(m.num_experts, ReadDim(r, {"num_local_experts", "num_experts"}, 8, kMaxExperts));
   FSDP_ASSIGN(m.experts_per_token, ReadDim(r, {"num_experts_per_tok"}, 2, kMaxExperts));
+  m.router_norm_topk = true;  // MixtralTopKRouter divides the top-k by their sum, whatever the config
   if (m.experts_per_token > m.num_experts) {
     return Error::BadInput(fmt::format("{}: num_experts_per_tok {} exceeds num_local_experts {}", r.origin(), m.experts_per_token, m.num_experts));
   }

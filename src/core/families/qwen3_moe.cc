@@ -44,11 +44,12 @@ Status ReadQwen3Moe(const JsonReader& r, ModelSpec& m) {
   m.o_bias = bias;
   FSDP_ASSIGN_OR_RETURN(const bool use_window, ReadFlag(r, "use_sliding_window", false));
   if (use_window) FSDP_ASSIGN(m.sliding_window, ReadSlidingWindow(r));
-  FSDP_ASSIGN(m.num_experts, ReadDim(r, {"num_experts"}, 128, kMaxExperts));
+  FSDP_ASSIGN(m.num_experts, ReadDim(r, {"num_experts", "num_local_experts"}, 128, kMaxExperts));
   FSDP_ASSIGN(m.experts_per_token, ReadDim(r, {"num_experts_per_tok"}, 8, kMaxExperts));
   if (m.experts_per_token > m.num_experts) {
     return r.KeyError("num_experts_per_tok", fmt::format("{} exceeds num_experts {}", m.experts_per_token, m.num_experts));
   }
+  FSDP_ASSIGN(m.router_norm_topk, ReadFlag(r, "norm_topk_prob", false));
   FSDP_TRY(ReadDenseLayers(r, m));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Qwen3MoeDecoderLayer";
