@@ -2,7 +2,7 @@
 """fsdp-run's numerics against HuggingFace transformers on the same weights and tokens.
 
 For each case a small model is built with transformers (LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM; seeded), saved with save_pretrained (config.json and safetensors: fp32, one case
+Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM; seeded), saved with save_pretrained (config.json and safetensors: fp32, one case
 sharded over several files, one in bf16), and trained for a few
 AdamW steps in plain PyTorch fp32 on a token file. fsdp-run then starts from that checkpoint
 (--init-from) with the same tokens (--tokens), fp32 parameters and reductions, and the losses of
@@ -101,6 +101,18 @@ CASES = [
         "seq": 16, "micro_batch": 2, "grad_accum": 2, "steps": 3, "flags": [], "mpi_ranks": 2,
         "cpu_only": "the GPU engine does not implement Qwen3's q/k norms yet",
     },
+    {   # Qwen3-MoE: Qwen3's attention, then a router (fp32 softmax, top 2 of 8, divided by their sum:
+        # norm_topk_prob) over SwiGLU experts held fused (Qwen3MoeExperts), saved by save_pretrained in
+        # the Hub's per-expert format; 2 ranks FULL_SHARD, gradient accumulation 2
+        "name": "qwen3-moe-router-experts",
+        "config": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 200, "initializer_range": 0.1,
+                   "hidden_size": 48, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 8,
+                   "num_experts_per_tok": 2, "norm_topk_prob": True, "num_hidden_layers": 2, "head_dim": 16,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                   "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False},
+        "seq": 16, "micro_batch": 2, "grad_accum": 2, "steps": 3, "flags": [], "mpi_ranks": 2,
+        "cpu_only": "the GPU engine does not implement routed experts yet",
+    },
     {   # pure bf16 (--master-dtype bf16; torchtune's dtype: bf16): the model and AdamW in bf16, no fp32
         # copy. transformers computes every op in bf16, fsdp-run in fp32 from bf16 weights (its
         # gathered and compute buffers are fp32), so the losses agree only to bf16's precision;
@@ -148,7 +160,8 @@ def build_model(case, seed):
     import torch
     import transformers
     config_class = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[case["config"]["model_type"]]
+                    "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                    "qwen3_moe": transformers.Qwen3MoeConfig}[case["config"]["model_type"]]
     model_class = getattr(transformers, case["config"]["architectures"][0])
     config = config_class.from_dict(dict(case["config"]), attn_implementation="eager")
     config.use_cache = False
@@ -298,10 +311,11 @@ def case_from_config(args):
     with open(args.config) as f:
         config = json.load(f)
     kind = config.get("model_type")
-    config.setdefault("architectures", [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                         "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(kind, "")])
-    if kind not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise SystemExit(f"hf_parity: --config {args.config}: model_type {kind!r} is not llama, mistral, qwen2 or qwen3")
+    classes = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
+    config.setdefault("architectures", [classes.get(kind, "")])
+    if kind not in classes:
+        raise SystemExit(f"hf_parity: --config {args.config}: model_type {kind!r} is not one of {', '.join(classes)}")
     name = os.path.basename(os.path.dirname(os.path.abspath(args.config))) if os.path.basename(args.config) == "config.json" \
         else os.path.splitext(os.path.basename(args.config))[0]
     return {"name": name, "config": config, "seq": args.seq_len, "micro_batch": 2, "grad_accum": 1, "steps": args.steps,

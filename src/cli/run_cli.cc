@@ -270,10 +270,11 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     if (!checkpoint.ok()) return checkpoint.error();
     std::string found, missing;  // LoRA adapters: all from the checkpoint, or none (peft's initial values)
     for (const TensorSpec& t : run.workload.model.tensors) {  // every tensor before any rank starts
-      const std::string name = runtime::CheckpointTensorName(checkpoint.value(), t);
-      if (IsLoraAdapter(t.name)) (name.empty() ? missing : found) = t.name;
-      if (name.empty()) continue;
-      if (Status s = checkpoint.value().Check(name, t.shape); !s.ok()) return s.error();
+      const std::vector<runtime::CheckpointPiece> pieces = runtime::CheckpointPieces(checkpoint.value(), t);
+      if (IsLoraAdapter(t.name)) (pieces.empty() ? missing : found) = t.name;
+      for (const runtime::CheckpointPiece& piece : pieces) {
+        if (Status s = checkpoint.value().Check(piece.name, piece.shape); !s.ok()) return s.error();
+      }
     }
     if (!found.empty() && !missing.empty()) {
       return Error::BadInput(fmt::format("checkpoint '{}' has LoRA adapters ({}) but not {}: give it every adapter or none", f.init_from, found, missing));

@@ -179,15 +179,22 @@ class RuntimePlayer {
 int64_t RuntimeBlockSavedBytes(const Workload& w) {
   const ModelSpec& m = w.model;
   const int64_t t = w.TokensPerMicroBatch();
-  const int64_t floats = 4 * t * m.hidden_size + 2 * t * m.num_heads * m.head_dim + 2 * t * m.num_kv_heads * m.head_dim +
-                         3 * t * m.intermediate_size + 2 * t + w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
+  const int64_t outside_mlp = 4 * t * m.hidden_size + 2 * t * m.num_heads * m.head_dim + 2 * t * m.num_kv_heads * m.head_dim + 2 * t +
+                            w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
+  // the MLP: gate, up and mid (T, I); routed experts: per (token, expert) pair instead, with each
+  // pair's expert output (T k, h), the router's softmax (T, E) and weights (T, k), each pair's token
+  // and slot (int32) and where each expert's pairs begin (E + 1 int64)
+  const int64_t pairs = t * m.experts_per_token;
+  const int64_t mlp_bytes = m.arch.mlp == MlpKind::kMoe ? (3 * pairs * m.intermediate_size + pairs * m.hidden_size + t * m.num_experts + pairs) * 4 +
+                                                              2 * pairs * 4 + (m.num_experts + 1) * 8
+                                                        : 3 * t * m.intermediate_size * 4;
   // Qwen3's q/k norms: q and k before them, one head per row, and each row's inverse RMS (BlockCache)
   const bool head_norms = std::any_of(m.arch.block.begin(), m.arch.block.end(), [](const ParamOp& op) { return op.qk_norm && op.head_norm; });
   const int64_t head_rows = t * (m.num_heads + m.num_kv_heads);
   // LoRA: each adapted projection's x A^T (T, r), for lora_B's gradient
   int64_t lora = 0;
   for (const ParamOp& op : m.arch.block) lora += t * op.lora_rank;
-  return (floats + (head_norms ? head_rows * m.head_dim + head_rows : 0) + lora) * 4;
+  return (outside_mlp + (head_norms ? head_rows * m.head_dim + head_rows : 0) + lora) * 4 + mlp_bytes;
 }
 
 int64_t RuntimeAttentionCoreBytes(const Workload& w) {

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include "core/hardware_spec.h"
+#include "core/json_io.h"
 #include "core/model_spec.h"
 
 namespace fsdp {
@@ -21,6 +22,28 @@ Workload Tiny(int gpus, Strategy strategy, Checkpointing ac, DType param_dtype, 
 }
 
 int64_t Round512(int64_t bytes) { return (bytes + 511) / 512 * 512; }
+
+// tests/data/hf_configs/qwen3-moe-mini.json's shapes at seq 64, micro-batch 2: T = 128 tokens,
+// h 64, 4 heads and 2 kv heads of 16, 8 experts of 32, top 2 (256 pairs).
+TEST_CASE("CPU engine profile: what a Qwen3-MoE block saves, counted by hand") {
+  auto json = ParseJson(R"({"model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 32, "num_experts": 8,
+                            "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 2})",
+                        "moe.json");
+  REQUIRE(json.ok());
+  FsdpConfig c;
+  c.gpus = c.gpus_per_node = 2;
+  c.micro_batch = 2;
+  c.seq_len = 64;
+  const Workload w = BuildWorkload(ModelFromHfConfig(json.value(), "moe", "moe.json").value(), LoadHardware("h200-sxm").value(), c).value();
+  // x, n1, x2, n2 4 x 128 x 64; q and attn 2 x 128 x 64; k, v 2 x 128 x 32; two inverse RMS 2 x 128;
+  // probabilities 2 x 4 x 64 x 64; q and k before their norms 128 x 6 rows of 16, and their inverse RMS
+  const int64_t attention = (4 * 128 * 64 + 2 * 128 * 64 + 2 * 128 * 32 + 2 * 128 + 2 * 4 * 64 * 64 + 128 * 6 * 16 + 128 * 6) * 4;
+  // per pair gate, up, mid (32 each) and the expert's output (64); the router's softmax 128 x 8 and
+  // weights 128 x 2; each pair's token and slot (int32); 9 pair_begin entries (int64)
+  const int64_t experts = (3 * 256 * 32 + 256 * 64 + 128 * 8 + 256) * 4 + 2 * 256 * 4 + 9 * 8;
+  CHECK(RuntimeBlockSavedBytes(w) == attention + experts);
+  CHECK(RuntimeBlockSavedBytes(w) == 584776);
+}
 
 TEST_CASE("GPU engine replay: fp32 shards and AdamW states, param_dtype unsharded units, 512 B blocks") {
   const Workload w = Tiny(8, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kFp32);

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <random>
 
 #include <fmt/format.h>
@@ -109,18 +110,45 @@ std::string CheckpointTensorName(const Checkpoint& checkpoint, const TensorSpec&
   return name;
 }
 
+std::vector<CheckpointPiece> CheckpointPieces(const Checkpoint& checkpoint, const TensorSpec& tensor) {
+  const std::string name = CheckpointTensorName(checkpoint, tensor);
+  if (name.empty()) return {};
+  const size_t dot = name.rfind('.');
+  const std::string module = name.substr(0, dot + 1), leaf = name.substr(dot + 1);
+  const bool fused = tensor.shape.size() == 3 && (leaf == "gate_up_proj" || leaf == "down_proj");
+  if (!fused || checkpoint.Has(name) || !checkpoint.Has(module + "0." + (leaf == "down_proj" ? "down_proj" : "gate_proj") + ".weight")) {
+    return {{name, tensor.shape}};
+  }
+  std::vector<CheckpointPiece> pieces;
+  const int64_t rows = leaf == "gate_up_proj" ? tensor.shape[1] / 2 : tensor.shape[1], cols = tensor.shape[2];
+  for (int64_t e = 0; e < tensor.shape[0]; ++e) {
+    const std::string expert = fmt::format("{}{}.", module, e);
+    if (leaf == "down_proj") {
+      pieces.push_back({expert + "down_proj.weight", {rows, cols}});
+    } else {
+      pieces.push_back({expert + "gate_proj.weight", {rows, cols}});
+      pieces.push_back({expert + "up_proj.weight", {rows, cols}});
+    }
+  }
+  return pieces;
+}
+
 Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& layout, int u, const TrainOptions& o) {
   if (!o.checkpoint) return InitialUnit(w, layout, u, o.seed);
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
   const std::vector<uint64_t> streams = SeedStreams(w);
   for (int t : w.units[u].tensors) {
     const TensorSpec& ts = w.model.tensors[t];
-    const std::string name = CheckpointTensorName(*o.checkpoint, ts);
-    if (name.empty()) {  // an adapter the checkpoint does not have
+    const std::vector<CheckpointPiece> pieces = CheckpointPieces(*o.checkpoint, ts);
+    if (pieces.empty()) {  // an adapter the checkpoint does not have
       InitialTensor(w, t, streams[static_cast<size_t>(t)], o.seed, flat.data() + layout.offset[t]);
       continue;
     }
-    if (Status s = o.checkpoint->Read(name, ts.shape, flat.data() + layout.offset[t]); !s.ok()) return s.error();
+    float* out = flat.data() + layout.offset[t];
+    for (const CheckpointPiece& piece : pieces) {
+      if (Status s = o.checkpoint->Read(piece.name, piece.shape, out); !s.ok()) return s.error();
+      out += std::accumulate(piece.shape.begin(), piece.shape.end(), int64_t{1}, std::multiplies<>());
+    }
   }
   return flat;
 }

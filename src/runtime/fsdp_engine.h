@@ -182,8 +182,22 @@ std::vector<float> InitialUnit(const Workload& workload, const EngineLayout& lay
 /// checkpoint has neither (it starts as peft initialises it).
 std::string CheckpointTensorName(const Checkpoint& checkpoint, const TensorSpec& tensor);
 
+/// A checkpoint tensor read into the next elements of a model tensor.
+struct CheckpointPiece {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+/// Where `tensor`'s values are in `checkpoint`, in its row-major order: the one tensor
+/// CheckpointTensorName names or, for transformers 5's fused experts (mlp.experts.gate_up_proj
+/// [E, 2 I, h], mlp.experts.down_proj [E, h, I]) the checkpoint does not hold fused, the Hub's
+/// per-expert tensors save_pretrained writes (mlp.experts.<e>.gate_proj.weight [I, h], up_proj,
+/// down_proj [h, I]): per expert gate's rows then up's, as transformers' conversion_mapping.py
+/// merges them for qwen2_moe and qwen3_moe (MergeModulelist(dim=0), Concatenate(dim=1)). Empty
+/// when the checkpoint lacks an adapter.
+std::vector<CheckpointPiece> CheckpointPieces(const Checkpoint& checkpoint, const TensorSpec& tensor);
+
 /// Unit u's starting flat buffer (padded_numel, in `layout`): each tensor read from
-/// options.checkpoint when there is one (CheckpointTensorName; BadInput when it lacks one or its
+/// options.checkpoint when there is one (CheckpointPieces; BadInput when it lacks one or its
 /// shape differs), else InitialUnit's seeded values.
 Result<std::vector<float>> StartingUnit(const Workload& workload, const EngineLayout& layout, int u, const TrainOptions& options);
 

@@ -48,7 +48,8 @@ namespace {
 
 // The block the kernels below implement: RMSNorm, separate q/k/v/o projections, RMSNorm, SwiGLU,
 // RoPE positions, with the module names its weight offsets (LlamaDims::Offsets) follow.
-// Qwen3's block adds per-head q_norm and k_norm after o_proj, where Qwen3Attention registers them.
+// Qwen3's block adds per-head q_norm and k_norm after o_proj, where Qwen3Attention registers them;
+// Qwen3-MoE's replaces the MLP by a router and fused experts ([experts, out, in], no biases).
 bool RunsLlamaBlock(const Architecture& a) {
   static const std::vector<std::string_view> kLlama = {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                        "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
@@ -56,24 +57,35 @@ bool RunsLlamaBlock(const Architecture& a) {
   static const std::vector<std::string_view> kQwen3 = {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                        "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
                                                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"};
-  if (a.norm != NormKind::kRms || a.mlp != MlpKind::kGated || a.fused_qkv || !a.names.positions.empty() || a.norm_weight_fp32) return false;
+  static const std::vector<std::string_view> kQwen3Moe = {"input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                          "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
+                                                          "mlp.gate", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+  if (a.norm != NormKind::kRms || a.fused_qkv || !a.names.positions.empty() || a.norm_weight_fp32) return false;
   if (a.norm_placement != NormPlacement::kPre || !a.dense_layers.empty() || a.vision.present()) return false;
+  const bool moe = a.mlp == MlpKind::kMoe;
+  if (!moe && a.mlp != MlpKind::kGated) return false;
+  if (moe && (a.experts_clamped_swiglu || a.experts_dense_dispatch)) return false;
   auto matches = [&](const std::vector<std::string_view>& modules) {
     if (a.block.size() != modules.size()) return false;
     for (size_t i = 0; i < a.block.size(); ++i) {
       const ParamOp& op = a.block[i];
-      if (op.module != modules[i] || op.experts != 0 || (op.qk_norm && !op.head_norm)) return false;
+      if (op.module != modules[i] || (op.qk_norm && !op.head_norm)) return false;
+      if (op.experts != 0 && (!op.fused_experts || op.bias || op.conv1d || op.dense_dispatch)) return false;
     }
     return true;
   };
-  return matches(kLlama) || matches(kQwen3);
+  return moe ? matches(kQwen3Moe) : matches(kLlama) || matches(kQwen3);
 }
 
 }  // namespace
 
 Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   if (!RunsLlamaBlock(m.arch)) {
-    return Error::BadInput(fmt::format("fsdp-run trains llama, mistral, qwen2 and qwen3 models; {} is {}", m.id, m.model_type));
+    return Error::BadInput(fmt::format("fsdp-run trains llama, mistral, qwen2, qwen3 and qwen3_moe models (every layer routed); {} is {}{}", m.id,
+                                       m.model_type, m.arch.dense_layers.empty() ? "" : " with dense layers"));
+  }
+  if (m.arch.mlp == MlpKind::kMoe && m.router != ModelShape::Router::kSoftmaxThenTopK) {
+    return Error::BadInput(fmt::format("fsdp-run's router is a softmax then top-k (Qwen3-MoE's); {}'s is another", m.id));
   }
   if (m.o_bias || m.mlp_bias) {
     return Error::BadInput(fmt::format("fsdp-run implements biases on q/k/v only (Qwen2's); {} has {} biases", m.id, m.o_bias ? "o_proj" : "MLP"));
@@ -88,6 +100,11 @@ Result<LlamaDims> DimsOf(const ModelSpec& m, int64_t seq_len) {
   LlamaDims d{.vocab = m.vocab_size, .hidden = m.hidden_size, .inner = m.intermediate_size, .heads = m.num_heads,
               .kv_heads = m.num_kv_heads, .head_dim = m.head_dim, .layers = m.num_layers, .qkv_bias = m.qkv_bias,
               .rms_eps = static_cast<float>(m.norm_eps), .rope_inv_freq = std::move(inv_freq).value(), .tied = m.tie_word_embeddings, .offsets = {}, .block_numel = 0};
+  if (m.arch.mlp == MlpKind::kMoe) {
+    d.experts = m.num_experts;
+    d.experts_per_token = m.experts_per_token;
+    d.norm_topk = m.router_norm_topk;
+  }
   d.lora_rank = m.arch.block.empty() ? 0 : std::max_element(m.arch.block.begin(), m.arch.block.end(), [](const ParamOp& x, const ParamOp& y) {
                                                 return x.lora_rank < y.lora_rank;
                                               })->lora_rank;
@@ -114,7 +131,8 @@ void SetBlockLayout(const ModelSpec& m, const std::function<int64_t(int)>& offse
       {"self_attn.k_proj.weight", &o.wk},     {"self_attn.k_proj.bias", &o.bk},   {"self_attn.v_proj.weight", &o.wv},
       {"self_attn.v_proj.bias", &o.bv},       {"self_attn.o_proj.weight", &o.wo}, {"self_attn.q_norm.weight", &o.q_norm},
       {"self_attn.k_norm.weight", &o.k_norm}, {"post_attention_layernorm.weight", &o.post_norm},
-      {"mlp.gate_proj.weight", &o.wg},        {"mlp.up_proj.weight", &o.wu},      {"mlp.down_proj.weight", &o.wd}};
+      {"mlp.gate_proj.weight", &o.wg},        {"mlp.up_proj.weight", &o.wu},      {"mlp.down_proj.weight", &o.wd},
+      {"mlp.gate.weight", &o.router},         {"mlp.experts.gate_up_proj", &o.experts_gate_up}, {"mlp.experts.down_proj", &o.experts_down}};
   constexpr std::string_view kProjection[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                               "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
   const std::string prefix = m.arch.names.blocks + ".0.";
@@ -153,7 +171,9 @@ int64_t BlockCache::SavedBytes() const {
                    mid.size() + inv1.size() + inv2.size() + q_heads.size() + k_heads.size() + inv_q.size() + inv_k.size();
   for (const auto& p : probs) floats += p.size();
   for (const auto& m : lora_mid) floats += m.size();
-  return floats * 4;
+  floats += router_probs.size() + route_weight.size() + expert_out.size();
+  const auto ints = static_cast<int64_t>(pair_token.size() + pair_slot.size());  // int32
+  return floats * 4 + ints * 4 + static_cast<int64_t>(pair_begin.size()) * 8;
 }
 
 void DropAttentionCore(BlockCache& cache) { std::vector<Mat>().swap(cache.probs); }
@@ -219,6 +239,151 @@ Mat ProjectBackward(const LlamaDims& d, const BlockWeights& p, const BlockGrads&
 }
 }  // namespace
 
+namespace {
+// Qwen3-MoE's router (Qwen3MoeTopKRouter.forward): probs = softmax(x Wr^T) (T, experts); each
+// token's experts_per_token largest, the lower index first among equal ones, their probabilities
+// divided by their sum under norm_topk_prob. Fills the cache's router_probs, route_weight and the
+// pairs grouped by expert (pair_begin, pair_token, pair_slot), within an expert by token.
+void Route(const LlamaDims& d, const float* p, const Mat& x, BlockCache& c) {
+  const int64_t tokens = x.rows(), k = d.experts_per_token;
+  Mat logits = LinearForward(x, W(p + d.offsets.router, d.experts, d.hidden));
+  c.router_probs.resize(tokens, d.experts);
+  c.route_weight.resize(tokens, k);
+  std::vector<int32_t> chosen(static_cast<size_t>(tokens * k));
+  std::vector<int32_t> order(static_cast<size_t>(d.experts));
+  c.pair_begin.assign(static_cast<size_t>(d.experts + 1), 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    auto probs = c.router_probs.row(t);
+    probs = (logits.row(t).array() - logits.row(t).maxCoeff()).exp();
+    probs /= probs.sum();
+    for (int32_t e = 0; e < d.experts; ++e) order[static_cast<size_t>(e)] = e;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int32_t a, int32_t b) { return probs(a) > probs(b) || (probs(a) == probs(b) && a < b); });
+    float sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = order[static_cast<size_t>(j)];
+      chosen[static_cast<size_t>(t * k + j)] = e;
+      c.route_weight(t, j) = probs(e);
+      sum += probs(e);
+      ++c.pair_begin[static_cast<size_t>(e) + 1];
+    }
+    if (d.norm_topk) c.route_weight.row(t) /= sum;
+  }
+  for (int64_t e = 0; e < d.experts; ++e) c.pair_begin[static_cast<size_t>(e) + 1] += c.pair_begin[static_cast<size_t>(e)];
+  c.pair_token.resize(static_cast<size_t>(tokens * k));
+  c.pair_slot.resize(static_cast<size_t>(tokens * k));
+  std::vector<int64_t> next(c.pair_begin.begin(), c.pair_begin.end() - 1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const auto pair = static_cast<size_t>(next[static_cast<size_t>(chosen[static_cast<size_t>(t * k + j)])]++);
+      c.pair_token[pair] = static_cast<int32_t>(t);
+      c.pair_slot[pair] = static_cast<int32_t>(j);
+    }
+  }
+}
+
+// Expert e's weights: gate_up (2 inner, hidden), gate's rows first, and down (hidden, inner).
+struct ExpertWeights {
+  ConstMatMap gate_up, down;
+};
+ExpertWeights ExpertOf(const LlamaDims& d, const float* p, int64_t e) {
+  return {W(p + d.offsets.experts_gate_up + e * 2 * d.inner * d.hidden, 2 * d.inner, d.hidden),
+          W(p + d.offsets.experts_down + e * d.hidden * d.inner, d.hidden, d.inner)};
+}
+
+// The rows of x at the pairs' tokens [begin, begin + n).
+Mat GatherPairs(const Mat& x, const BlockCache& c, int64_t begin, int64_t n) {
+  Mat rows(n, x.cols());
+  for (int64_t i = 0; i < n; ++i) rows.row(i) = x.row(c.pair_token[static_cast<size_t>(begin + i)]);
+  return rows;
+}
+
+// Routed experts' forward (Qwen3MoeExperts.forward): y (T, h) = sum over a token's pairs of
+// weight * down_e(silu(gate_e x) * up_e x).
+Mat MoeForward(const LlamaDims& d, const float* p, const Mat& x, BlockCache& c) {
+  Route(d, p, x, c);
+  const int64_t pairs = x.rows() * d.experts_per_token;
+  c.gate.resize(pairs, d.inner);
+  c.up.resize(pairs, d.inner);
+  c.mid.resize(pairs, d.inner);
+  c.expert_out.resize(pairs, d.hidden);
+  Mat y = Mat::Zero(x.rows(), d.hidden);
+  for (int64_t e = 0; e < d.experts; ++e) {
+    const int64_t begin = c.pair_begin[static_cast<size_t>(e)], n = c.pair_begin[static_cast<size_t>(e) + 1] - begin;
+    if (n == 0) continue;
+    const ExpertWeights ew = ExpertOf(d, p, e);
+    const Mat gate_up = LinearForward(GatherPairs(x, c, begin, n), ew.gate_up);
+    c.gate.middleRows(begin, n) = gate_up.leftCols(d.inner);
+    c.up.middleRows(begin, n) = gate_up.rightCols(d.inner);
+    c.mid.middleRows(begin, n) = SwiGluForward(c.gate.middleRows(begin, n), c.up.middleRows(begin, n));
+    c.expert_out.middleRows(begin, n) = LinearForward(c.mid.middleRows(begin, n), ew.down);
+    for (int64_t i = 0; i < n; ++i) {
+      const auto pair = static_cast<size_t>(begin + i);
+      y.row(c.pair_token[pair]) += c.route_weight(c.pair_token[pair], c.pair_slot[pair]) * c.expert_out.row(begin + i);
+    }
+  }
+  return y;
+}
+
+// dx = dy W, and dW += dy^T x unless the base is frozen (`g` null).
+Mat LinearGrad(const Mat& dy, const Mat& x, const ConstMatMap& w, float* g) {
+  if (!g) return dy * w;
+  MatMap gw(g, w.rows(), w.cols());
+  return LinearBackward(dy, x, w, gw);
+}
+
+// Expert e's first pair (pair_begin[e]); e = experts: the end of the last expert's.
+size_t PairsBegin(const BlockCache& c, int64_t e) { return static_cast<size_t>(c.pair_begin[static_cast<size_t>(e)]); }
+
+// The router's backward: d_weight (T, k) of each token's chosen weights -> the gradient of the
+// softmax's input, through the division by their sum s under norm_topk_prob
+// (w_j = p_j / s: dp_j = (dw_j - sum_i dw_i w_i) / s).
+Mat RouterLogitsGrad(const LlamaDims& d, const BlockCache& c, const Mat& d_weight) {
+  const int64_t tokens = c.router_probs.rows();
+  Vec chosen_sum = Vec::Zero(tokens), weighted = Vec::Zero(tokens);
+  for (int64_t e = 0; e < d.experts; ++e) {
+    for (size_t pair = PairsBegin(c, e); pair < PairsBegin(c, e + 1); ++pair) {
+      chosen_sum(c.pair_token[pair]) += c.router_probs(c.pair_token[pair], e);
+    }
+  }
+  if (d.norm_topk) weighted = d_weight.cwiseProduct(c.route_weight).rowwise().sum();
+  Mat d_probs = Mat::Zero(tokens, d.experts);
+  for (int64_t e = 0; e < d.experts; ++e) {
+    for (size_t pair = PairsBegin(c, e); pair < PairsBegin(c, e + 1); ++pair) {
+      const int32_t t = c.pair_token[pair], j = c.pair_slot[pair];
+      d_probs(t, e) = d.norm_topk ? (d_weight(t, j) - weighted(t)) / chosen_sum(t) : d_weight(t, j);
+    }
+  }
+  const Vec inner = d_probs.cwiseProduct(c.router_probs).rowwise().sum();  // the softmax's backward
+  return c.router_probs.cwiseProduct(d_probs - inner.replicate(1, d.experts));
+}
+
+// Its backward: returns d x (T, h); the experts' and the router's gradients into g (null: frozen).
+Mat MoeBackward(const LlamaDims& d, const float* p, float* g, const Mat& dy, const Mat& x, const BlockCache& c) {
+  Mat dx = Mat::Zero(x.rows(), d.hidden);
+  Mat d_weight = Mat::Zero(x.rows(), d.experts_per_token);
+  for (int64_t e = 0; e < d.experts; ++e) {
+    const int64_t begin = c.pair_begin[static_cast<size_t>(e)], n = c.pair_begin[static_cast<size_t>(e) + 1] - begin;
+    if (n == 0) continue;
+    const ExpertWeights ew = ExpertOf(d, p, e);
+    Mat d_out = GatherPairs(dy, c, begin, n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t t = c.pair_token[static_cast<size_t>(begin + i)], j = c.pair_slot[static_cast<size_t>(begin + i)];
+      d_weight(t, j) = d_out.row(i).dot(c.expert_out.row(begin + i));
+      d_out.row(i) *= c.route_weight(t, j);
+    }
+    const Mat d_mid = LinearGrad(d_out, c.mid.middleRows(begin, n), ew.down, g ? g + d.offsets.experts_down + e * d.hidden * d.inner : nullptr);
+    Mat d_gate, d_up, d_gate_up(n, 2 * d.inner);
+    SwiGluBackward(d_mid, c.gate.middleRows(begin, n), c.up.middleRows(begin, n), d_gate, d_up);
+    d_gate_up << d_gate, d_up;
+    const Mat d_in = LinearGrad(d_gate_up, GatherPairs(x, c, begin, n), ew.gate_up,
+                                g ? g + d.offsets.experts_gate_up + e * 2 * d.inner * d.hidden : nullptr);
+    for (int64_t i = 0; i < n; ++i) dx.row(c.pair_token[static_cast<size_t>(begin + i)]) += d_in.row(i);
+  }
+  return dx + LinearGrad(RouterLogitsGrad(d, c, d_weight), x, W(p + d.offsets.router, d.experts, d.hidden), g ? g + d.offsets.router : nullptr);
+}
+}  // namespace
+
 Mat BlockForward(const LlamaDims& d, const BlockWeights& w, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache) {
   const auto o = d.Offsets();
   const float* p = w.base;
@@ -245,6 +410,7 @@ Mat BlockForward(const LlamaDims& d, const BlockWeights& w, const Mat& x, int64_
   c.attn = AttentionForward(c.q, c.k, c.v, batch, seq, d.heads, d.kv_heads, d.head_dim, c.probs);
   c.x2 = x + Project(d, w, o.wo, LlamaDims::kO, d.hidden, qd, c.attn, mid[LlamaDims::kO]);
   c.n2 = RmsNormForward(c.x2, V(p + o.post_norm, d.hidden), d.rms_eps, c.inv2);
+  if (d.experts > 0) return c.x2 + MoeForward(d, p, c.n2, c);
   c.gate = Project(d, w, o.wg, LlamaDims::kGate, d.inner, d.hidden, c.n2, mid[LlamaDims::kGate]);
   c.up = Project(d, w, o.wu, LlamaDims::kUp, d.inner, d.hidden, c.n2, mid[LlamaDims::kUp]);
   c.mid = SwiGluForward(c.gate, c.up);
@@ -262,11 +428,16 @@ Mat BlockBackward(const LlamaDims& d, const BlockWeights& w, const BlockGrads& g
   auto norm_grad = [&](int64_t off, int64_t n) { return Eigen::Map<Vec>(d.base_frozen ? scratch.data() : grads.base + off, n); };
   Eigen::Map<Vec> g_post = norm_grad(o.post_norm, d.hidden);
   // MLP branch
-  Mat d_mid = ProjectBackward(d, w, grads, o.wd, LlamaDims::kDown, d.hidden, d.inner, dy, c.mid, mid[LlamaDims::kDown]);
-  Mat d_gate, d_up;
-  SwiGluBackward(d_mid, c.gate, c.up, d_gate, d_up);
-  Mat d_n2 = ProjectBackward(d, w, grads, o.wg, LlamaDims::kGate, d.inner, d.hidden, d_gate, c.n2, mid[LlamaDims::kGate]) +
-             ProjectBackward(d, w, grads, o.wu, LlamaDims::kUp, d.inner, d.hidden, d_up, c.n2, mid[LlamaDims::kUp]);
+  Mat d_n2;
+  if (d.experts > 0) {
+    d_n2 = MoeBackward(d, p, d.base_frozen ? nullptr : grads.base, dy, c.n2, c);
+  } else {
+    Mat d_mid = ProjectBackward(d, w, grads, o.wd, LlamaDims::kDown, d.hidden, d.inner, dy, c.mid, mid[LlamaDims::kDown]);
+    Mat d_gate, d_up;
+    SwiGluBackward(d_mid, c.gate, c.up, d_gate, d_up);
+    d_n2 = ProjectBackward(d, w, grads, o.wg, LlamaDims::kGate, d.inner, d.hidden, d_gate, c.n2, mid[LlamaDims::kGate]) +
+           ProjectBackward(d, w, grads, o.wu, LlamaDims::kUp, d.inner, d.hidden, d_up, c.n2, mid[LlamaDims::kUp]);
+  }
   Mat d_x2 = dy + RmsNormBackward(d_n2, c.x2, V(p + o.post_norm, d.hidden), c.inv2, g_post);
   // attention branch
   Mat d_attn = ProjectBackward(d, w, grads, o.wo, LlamaDims::kO, d.hidden, qd, d_x2, c.attn, mid[LlamaDims::kO]);

@@ -17,6 +17,10 @@ struct LlamaDims {
   int64_t vocab, hidden, inner, heads, kv_heads, head_dim, layers;
   bool qkv_bias = false;  ///< q/k/v projections with biases (Qwen2)
   bool qk_norm = false;   ///< an RMSNorm over head_dim on every head of q and of k before RoPE (Qwen3's q_norm, k_norm)
+  /// > 0: the MLP is Qwen3-MoE's routed experts (Qwen3MoeSparseMoeBlock), this many SwiGLU experts of
+  /// `inner` features each, every token through experts_per_token of them; 0: one SwiGLU MLP
+  int64_t experts = 0, experts_per_token = 0;
+  bool norm_topk = false;  ///< the chosen experts' weights divided by their sum (norm_topk_prob)
   float rms_eps = 1e-5f;
   std::vector<double> rope_inv_freq = {};  ///< RopeInverseFrequencies: head_dim / 2 values
   bool tied = false;
@@ -25,6 +29,9 @@ struct LlamaDims {
   struct BlockOffsets {
     int64_t in_norm = -1, wq = -1, bq = -1, wk = -1, bk = -1, wv = -1, bv = -1, wo = -1, q_norm = -1, k_norm = -1, post_norm = -1, wg = -1, wu = -1,
             wd = -1;
+    /// routed experts: the router mlp.gate.weight (experts, hidden), mlp.experts.gate_up_proj
+    /// (experts, 2 x inner, hidden: gate's rows, then up's) and mlp.experts.down_proj (experts, hidden, inner)
+    int64_t router = -1, experts_gate_up = -1, experts_down = -1;
   };
   BlockOffsets offsets;
   /// LoRA (peft's lora.Linear): where a projection's lora_A (rank, in) and lora_B (out, rank) sit,
@@ -50,8 +57,9 @@ struct LlamaDims {
 /// Source: transformers' modeling_rope_utils.py (_compute_*_parameters).
 Result<std::vector<double>> RopeInverseFrequencies(const ModelSpec& model, int64_t seq_len);
 
-/// Dimensions of a llama, mistral, qwen2 or qwen3 model trained at seq_len (biases on q/k/v only,
-/// as Qwen2's; Qwen3's per-head q/k norms); BadInput for other models or biases, for RoPE scaling
+/// Dimensions of a llama, mistral, qwen2, qwen3 or qwen3_moe model trained at seq_len (biases on q/k/v
+/// only, as Qwen2's; Qwen3's per-head q/k norms; Qwen3-MoE's routed experts in every layer, stored
+/// fused as transformers 5 holds them); BadInput for other models or biases, for RoPE scaling
 /// it does not implement, and for a sliding window shorter than seq_len (fsdp-run's attention is
 /// fully causal). A LoRA model's adapters (lora_A, lora_B of the q/k/v/o and MLP projections) are
 /// found, LlamaDims::lora_scale is left for the caller.
@@ -88,6 +96,13 @@ struct BlockCache {
   std::vector<Mat> probs;
   /// LoRA: each adapted projection's x A^T (T, rank), what lora_B's gradient needs (LlamaDims::Projection order)
   std::array<Mat, LlamaDims::kProjections> lora_mid{};
+  /// Routed experts: the router's softmax (T, experts) and each token's expert weights (T, k), then
+  /// per routed (token, expert) pair, the pairs grouped by expert (expert e's from pair_begin[e] to
+  /// pair_begin[e + 1]): the pair's token and top-k slot, and the expert's output before its weight
+  /// (T k, hidden); gate, up and mid above hold the pairs' rows then, (T k, inner) each.
+  Mat router_probs, route_weight, expert_out;
+  std::vector<int32_t> pair_token, pair_slot;
+  std::vector<int64_t> pair_begin;
   int64_t SavedBytes() const;
 };
 
@@ -97,7 +112,10 @@ void DropAttentionCore(BlockCache& cache);
 int64_t RecomputeAttentionCore(const LlamaDims& d, BlockCache& cache, int64_t batch, int64_t seq);
 
 /// x (T, h) -> block output; fills `cache` when non-null. An adapted projection computes
-/// x W^T + scale (x A^T) B^T, as peft's lora.Linear.forward (lora_dropout the identity).
+/// x W^T + scale (x A^T) B^T, as peft's lora.Linear.forward (lora_dropout the identity). Routed
+/// experts as Qwen3MoeTopKRouter and Qwen3MoeExperts: softmax(x Wr^T) in fp32, its top-k (the
+/// lower expert index first among equal weights), then sum over the chosen e of weight_e * down_e(
+/// silu(gate_e x) * up_e x).
 Mat BlockForward(const LlamaDims& d, const BlockWeights& params, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache);
 /// Returns dx; accumulates the block's parameter gradients into `grads` (the layouts of params):
 /// the adapters' always, the block's own unless LlamaDims::base_frozen.

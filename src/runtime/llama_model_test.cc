@@ -15,13 +15,15 @@ namespace {
 
 // One block of a llama, qwen2 (q/k/v biases) or qwen3 (per-head q/k norms) against finite
 // differences of sum(y * r).
-void CheckBlockGradients(const std::string& type) {
+// `keys`: more config keys (qwen3_moe's experts).
+void CheckBlockGradients(const std::string& type, const std::string& keys = "") {
   CAPTURE(type);
+  CAPTURE(keys);
   const bool qkv_bias = type == "qwen2";
   // vocab 11, hidden 8, inner 12, 4 heads of 2, 2 kv heads, 1 layer
   auto config = ParseJson(fmt::format(R"({{"model_type": "{}", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 12, "head_dim": 2,
-                                           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1}})",
-                                      type),
+                                           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1{}}})",
+                                      type, keys),
                           "block.json");
   REQUIRE(config.ok());
   auto model = ModelFromHfConfig(config.value(), "block", "block.json");
@@ -36,7 +38,7 @@ void CheckBlockGradients(const std::string& type) {
   std::vector<float> params(static_cast<size_t>(d.BlockNumel()));
   for (auto& v : params) v = n(rng);
   const auto o = d.Offsets();
-  REQUIRE(d.qk_norm == (type == "qwen3"));
+  REQUIRE(d.qk_norm == (type == "qwen3" || type == "qwen3_moe"));
   for (int64_t i = 0; i < d.hidden; ++i) params[o.in_norm + i] = params[o.post_norm + i] = 1.0f + 0.1f * n(rng);
   for (int64_t i = 0; d.qk_norm && i < d.head_dim; ++i) params[o.q_norm + i] = params[o.k_norm + i] = 1.0f + 0.1f * n(rng);
   const int64_t batch = 2, seq = 3;
@@ -55,7 +57,15 @@ void CheckBlockGradients(const std::string& type) {
     CheckGradient(params.data() + o.bk, kvd, grads.data() + o.bk, loss, rng, 2 * static_cast<int>(kvd), "k bias");
     CheckGradient(params.data() + o.bv, kvd, grads.data() + o.bv, loss, rng, 2 * static_cast<int>(kvd), "v bias");
   }
-  if (d.qk_norm) {  // every norm weight
+  if (d.experts > 0) {  // every router weight; the experts' in the sample above
+    const int64_t router = d.experts * d.hidden;
+    CheckGradient(params.data() + o.router, router, grads.data() + o.router, loss, rng, 2 * static_cast<int>(router), "router");
+    const int64_t pairs = batch * seq * d.experts_per_token;  // probs, weights, (gate, up, mid), expert outputs; token, slot; pair_begin
+    CHECK(cache.SavedBytes() == BlockCache{cache.x, cache.n1, cache.q, cache.k, cache.v, cache.attn, cache.x2, cache.n2, {}, {}, {},
+                                           cache.inv1, cache.inv2, cache.q_heads, cache.k_heads, cache.inv_q, cache.inv_k, cache.probs}.SavedBytes() +
+                                    4 * (batch * seq * d.experts + batch * seq * d.experts_per_token + 3 * pairs * d.inner + pairs * d.hidden) +
+                                    4 * 2 * pairs + 8 * (d.experts + 1));
+  } else if (d.qk_norm) {  // every norm weight
     CheckGradient(params.data() + o.q_norm, d.head_dim, grads.data() + o.q_norm, loss, rng, 2 * static_cast<int>(d.head_dim), "q_norm");
     CheckGradient(params.data() + o.k_norm, d.head_dim, grads.data() + o.k_norm, loss, rng, 2 * static_cast<int>(d.head_dim), "k_norm");
     CHECK(cache.SavedBytes() == BlockCache{cache.x, cache.n1, cache.q, cache.k, cache.v, cache.attn, cache.x2, cache.n2, cache.gate,
@@ -67,6 +77,12 @@ void CheckBlockGradients(const std::string& type) {
 TEST_CASE("a whole decoder block: backward against finite differences") { CheckBlockGradients("llama"); }
 TEST_CASE("a block with q/k/v biases (Qwen2): backward against finite differences") { CheckBlockGradients("qwen2"); }
 TEST_CASE("a block with per-head q/k norms (Qwen3): backward against finite differences") { CheckBlockGradients("qwen3"); }
+// 4 experts of 6, top 2, with and without dividing the chosen weights by their sum
+TEST_CASE("a block with routed experts (Qwen3-MoE): backward against finite differences") {
+  for (const char* norm : {"true", "false"}) {
+    CheckBlockGradients("qwen3_moe", fmt::format(R"(, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 6, "norm_topk_prob": {})", norm));
+  }
+}
 
 // LoRA r=2 on every projection of a Qwen2 block (biases too), alpha 3: the adapters' gradients and
 // the input's against finite differences, the frozen base's gradients never written, the adapters
@@ -146,8 +162,26 @@ TEST_CASE("the flat block layout matches the checkpoint inventory") {
   CHECK(o.wk == o.bq + 3584);
   CHECK(o.bv == o.wv + 512 * 3584);       // 4 kv heads x 128
   CHECK(o.wo == o.bv + 512);
+  auto moe = LoadModel("qwen3-30b-a3b");  // 128 experts of 768, top 8; q/k norms of 128 before the MLP
+  REQUIRE(moe.ok());
+  const LlamaDims e = DimsOf(moe.value(), 64).value();
+  CHECK(e.BlockNumel() == moe.value().BlockParams(0));
+  CHECK(e.experts == 128);
+  CHECK(e.experts_per_token == 8);
+  CHECK(e.norm_topk);
+  CHECK(e.inner == 768);
+  const auto eo = e.Offsets();
+  CHECK(eo.router == eo.post_norm + 2048);
+  CHECK(eo.experts_gate_up == eo.router + 128 * 2048);
+  CHECK(eo.experts_down == eo.experts_gate_up + 128 * 2 * 768 * 2048);
+  CHECK(eo.experts_down + 128 * 2048 * 768 == e.BlockNumel());
   auto gpt2 = LoadModel("gpt2");
   CHECK_FALSE(DimsOf(gpt2.value(), 64).ok());
+  for (const char* routed : {"mixtral-8x7b", "deepseek-v3", "gpt-oss-20b"}) {  // another router, dense layers, biased experts
+    auto other = LoadModel(routed);
+    REQUIRE(other.ok());
+    CHECK_FALSE(DimsOf(other.value(), 64).ok());
+  }
 }
 
 // Expected values: transformers 5.24's ROPE_INIT_FUNCTIONS (float32) on the same configurations.

@@ -320,5 +320,66 @@ TEST_CASE("CheckpointTensorName finds an adapter under peft's saved name, and no
   CHECK(CheckpointTensorName(Checkpoint::Open(dir.path.string()).value(), a).empty());
 }
 
+// Qwen3-MoE as save_pretrained writes it: the Hub's per-expert tensors in place of transformers 5's
+// fused mlp.experts.gate_up_proj [E, 2I, h] and mlp.experts.down_proj [E, h, I].
+TEST_CASE("fused experts start from the Hub's per-expert tensors: per expert, gate's rows then up's") {
+  TempDir dir("model");
+  auto json = ParseJson(R"({"model_type": "qwen3_moe", "vocab_size": 16, "hidden_size": 8, "moe_intermediate_size": 4, "num_experts": 3,
+                            "num_experts_per_tok": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "num_hidden_layers": 1})",
+                        "moe.json");
+  REQUIRE(json.ok());
+  const ModelSpec model = ModelFromHfConfig(json.value(), "moe", "moe.json").value();
+  const int64_t experts = 3, inner = 4, hidden = 8;
+  ModelSpec hub = model;
+  hub.tensors.clear();
+  for (const TensorSpec& t : model.tensors) {
+    const bool gate_up = t.name.ends_with(".gate_up_proj"), down = t.name.ends_with(".down_proj") && t.shape.size() == 3;
+    if (!gate_up && !down) {
+      hub.tensors.push_back(t);
+      continue;
+    }
+    const std::string prefix = t.name.substr(0, t.name.rfind('.') + 1);
+    for (int64_t e = 0; e < experts; ++e) {
+      TensorSpec piece = t;
+      piece.shape = gate_up ? std::vector<int64_t>{inner, hidden} : std::vector<int64_t>{hidden, inner};
+      for (const char* part : gate_up ? std::vector<const char*>{"gate_proj", "up_proj"} : std::vector<const char*>{"down_proj"}) {
+        piece.name = fmt::format("{}{}.{}.weight", prefix, e, part);
+        hub.tensors.push_back(piece);
+      }
+    }
+  }
+  WriteModel(dir / "model.safetensors", hub);
+  TrainOptions options;
+  options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
+  auto index_in_hub = [&](const std::string& name) {
+    return static_cast<int>(std::find_if(hub.tensors.begin(), hub.tensors.end(), [&](const TensorSpec& t) { return t.name == name; }) - hub.tensors.begin());
+  };
+  const int fused = static_cast<int>(std::find_if(model.tensors.begin(), model.tensors.end(), [](const TensorSpec& t) { return t.name.ends_with(".gate_up_proj"); }) -
+                                     model.tensors.begin());
+  const std::vector<CheckpointPiece> pieces = CheckpointPieces(*options.checkpoint, model.tensors[static_cast<size_t>(fused)]);
+  REQUIRE(pieces.size() == 6);
+  CHECK(pieces[0].name == "model.layers.0.mlp.experts.0.gate_proj.weight");
+  CHECK(pieces[1].name == "model.layers.0.mlp.experts.0.up_proj.weight");
+  CHECK(pieces[5].name == "model.layers.0.mlp.experts.2.up_proj.weight");
+  CHECK(pieces[5].shape == std::vector<int64_t>{inner, hidden});
+  FsdpConfig config;
+  config.gpus = 1;
+  config.wrap = WrapPolicy::kNone;
+  config.seq_len = 4;
+  const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
+  const EngineLayout layout = LayoutOf(w);
+  auto flat = StartingUnit(w, layout, 0, options);
+  REQUIRE(flat.ok());
+  for (int64_t e = 0; e < experts; ++e) {  // element (e, r, c) of gate_up_proj: gate_e's (r, c), then up_e's (r - I, c)
+    for (int64_t r = 0; r < 2 * inner; ++r) {
+      const int source = index_in_hub(fmt::format("model.layers.0.mlp.experts.{}.{}.weight", e, r < inner ? "gate_proj" : "up_proj"));
+      for (int64_t c = 0; c < hidden; ++c) {
+        const float got = flat.value()[static_cast<size_t>(layout.offset[fused] + (e * 2 * inner + r) * hidden + c)];
+        if (got != Marker(source, (r % inner) * hidden + c)) FAIL("expert ", e, " row ", r, " column ", c);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fsdp::runtime

@@ -693,6 +693,7 @@ GpuMemoryReport CudaEngine::memory() const {
 Result<std::unique_ptr<GpuEngine>> CreateGpuEngine(const Workload& w, Comm& host, const TrainOptions& o, int virtual_world) {
   auto dims = DimsOf(w.model, w.config.seq_len);
   if (!dims.ok()) return dims.error();
+  if (dims.value().experts > 0) return Error::BadInput(fmt::format("--device cuda does not implement routed experts yet ({}); the CPU engine does", w.model.id));
   if (dims.value().qk_norm) return Error::BadInput(fmt::format("--device cuda does not implement Qwen3's q/k norms yet ({}); the CPU engine does", w.model.id));
   if (dims.value().qkv_bias && dims.value().heads * dims.value().head_dim > dims.value().hidden) {  // the bias gradient uses the norm's scratch
     return Error::BadInput(fmt::format("--device cuda implements q/k/v biases only with heads x head_dim <= hidden ({})", w.model.id));
