@@ -9,10 +9,12 @@
 #      TinyLlama 1.1B at sequence length 2048 (FULL_SHARD, AC off and on, SHARD_GRAD_OP, NO_SHARD,
 #      selective AC), each writing predicted vs measured JSON; the FULL_SHARD pair starts both from
 #      one seeded bf16 checkpoint on one token file (--init-from, --tokens), so their losses are
-#      compared too;
-#   4. runs fsdp-run alone with virtual world 8 (FULL_SHARD with and without AC, SHARD_GRAD_OP);
-#   5. runs tools/hf_parity.py --device cuda: fsdp-run's fp32 losses against transformers' training
+#      compared too; after the first two pairs, the reserved-memory sweep: PyTorch FSDP2 alone on
+#      five models with and without expandable segments, LoRA and pure bf16 (SWEEP below), for
+#      tools/gpu_memory_check.py to compare with fsdp-plan's caching-allocator replay;
+#   4. runs tools/hf_parity.py --device cuda: fsdp-run's fp32 losses against transformers' training
 #      of the same safetensors checkpoint on the same tokens;
+#   5. runs fsdp-run alone with virtual world 8 (FULL_SHARD with and without AC, SHARD_GRAD_OP);
 #   6. runs fsdp-run calibrate --device cuda and one more FULL_SHARD run with the calibrated
 #      hardware file ($OUT/calibrated-gpu.json);
 #   7. runs the kernel checks again under compute-sanitizer's memcheck where it works;
@@ -160,11 +162,27 @@ else
     [ -n "$nccl_root" ] && export LD_LIBRARY_PATH="$nccl_root/lib:$LD_LIBRARY_PATH"
   fi
   arch=$(timeout 30 nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '.')
-  generator=$(command -v ninja > /dev/null && echo Ninja || echo "Unix Makefiles")
-  run timeout 120 cmake -S . -B build-device -G "$generator" -DCMAKE_BUILD_TYPE=Release -DFSDP_WITH_CUDA=ON -DCMAKE_PREFIX_PATH="$deps" \
-    -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" ${nccl_root:+-DNCCL_ROOT=$nccl_root} || exit 1
-  run timeout 300 cmake --build build-device -j"$(nproc)" --target fsdp-run cuda_test || exit 1
-  say "build done after $(elapsed) s"
+  # Binaries built off the device (PREBUILT, default prebuilt-device: fsdp-run and cuda_test built
+  # with this script's configure line for sm_90 against .device-deps, without MPI) save the build
+  # when the GPU is sm_90 and their libraries load here (exit 127 is the loader's failure).
+  PREBUILT=${PREBUILT:-prebuilt-device}
+  prebuilt_ok() {
+    [ "${arch:-}" = 90 ] && [ -x "$PREBUILT/fsdp-run" ] && [ -x "$PREBUILT/cuda_test" ] || return 1
+    local cuda_libs=/usr/local/cuda/lib64:/usr/local/cuda/lib
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cuda_libs:$(python3 -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in os.listdir(p)))' 2>/dev/null)"
+    "$PREBUILT/fsdp-run" --help > /dev/null 2>&1 || return 1
+    "$PREBUILT/cuda_test" --help > /dev/null 2>&1; [ $? -ne 127 ]
+  }
+  if prebuilt_ok; then
+    FSDP_RUN=$PREBUILT/fsdp-run; CUDA_TEST=$PREBUILT/cuda_test
+    say "using $PREBUILT's binaries (sm_90, built off the device): no build"
+  else
+    generator=$(command -v ninja > /dev/null && echo Ninja || echo "Unix Makefiles")
+    run timeout 120 cmake -S . -B build-device -G "$generator" -DCMAKE_BUILD_TYPE=Release -DFSDP_WITH_CUDA=ON -DCMAKE_PREFIX_PATH="$deps" \
+      -DCMAKE_CUDA_ARCHITECTURES="${arch:-90}" ${nccl_root:+-DNCCL_ROOT=$nccl_root} || exit 1
+    run timeout 300 cmake --build build-device -j"$(nproc)" --target fsdp-run cuda_test || exit 1
+    say "build done after $(elapsed) s"
+  fi
 fi
 
 say "kernel and engine checks ($CUDA_TEST)"
@@ -207,12 +225,66 @@ torch_run() {  # name, strategy, ac, extra flags
     --micro-batch 1 --seq-len "$SEQ" --steps "$STEPS" --warmup 2 --param-dtype bf16 --reduce-dtype fp32 --attention eager --out "$RUNS/torch_$name.json" "$@"
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
+# PyTorch FSDP2 alone on more models, micro-batches and allocator settings, for the caching
+# allocator's replay (issue 17): max_memory_allocated, max_memory_reserved and the allocator's own
+# counters per run; fsdp-plan's figures for them are computed off the device by
+# tools/gpu_memory_check.py. Each line: name, PYTORCH_CUDA_ALLOC_CONF (- for none), the wave it
+# runs in, torch_reference flags. The runs of one wave share the GPU at once: their memory
+# figures are per process and exact, their times are not used. A wave's predicted reserved peaks
+# add up to at most ~110 GiB of the H200's 140 (fsdp-plan --gpu h200-sxm --gpus 1).
+SWEEP=$(cat <<'TABLE'
+tinyllama_eager_exp expandable_segments:True 1 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 1 --attention eager
+tinyllama_ac_mb8 - 1 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 8 --attention sdpa --ac full
+tinyllama_ac_mb8_exp expandable_segments:True 1 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 8 --attention sdpa --ac full
+llama32_1b_mb2 - 2 --model tests/data/hf_configs/llama-3.2-1b.json --seq-len 2048 --micro-batch 2 --attention sdpa
+llama32_1b_mb2_exp expandable_segments:True 2 --model tests/data/hf_configs/llama-3.2-1b.json --seq-len 2048 --micro-batch 2 --attention sdpa
+qwen2_1.5b_ac - 2 --model tests/data/hf_configs/qwen2-1.5b.json --seq-len 4096 --micro-batch 2 --attention sdpa --ac full
+qwen2_1.5b_ac_exp expandable_segments:True 3 --model tests/data/hf_configs/qwen2-1.5b.json --seq-len 4096 --micro-batch 2 --attention sdpa --ac full
+gemma3_1b_mb2 - 3 --model models/gemma-3-1b.json --seq-len 2048 --micro-batch 2 --attention sdpa
+qwen3_100m_mb8 - 3 --model tests/data/hf_configs/qwen3-100m.json --seq-len 2048 --micro-batch 8 --attention sdpa
+qwen25_05b_ac_mb4 - 4 --model tests/data/hf_configs/qwen2.5-0.5b.json --seq-len 4096 --micro-batch 4 --attention sdpa --ac full
+tinyllama_lora_mb4 - 4 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 4 --attention sdpa --lora-rank 16 --lora-targets all-linear
+qwen25_05b_ac_mb4_exp expandable_segments:True 5 --model tests/data/hf_configs/qwen2.5-0.5b.json --seq-len 4096 --micro-batch 4 --attention sdpa --ac full
+tinyllama_bf16_mb4 - 5 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 4 --attention sdpa --master-dtype bf16
+tinyllama_max_split max_split_size_mb:512 6 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 1 --attention eager
+TABLE
+)
+reserved_sweep() {
+  in_budget "reserved sweep" 150 || return 0
+  say "reserved-memory sweep: PyTorch FSDP2 alone, one wave of runs at a time sharing the GPU"
+  local wave name conf w flags pids=()
+  for wave in 1 2 3 4 5 6; do
+    while read -r name conf w flags; do
+      [ "$w" = "$wave" ] || continue
+      [ -n "$REHEARSE" ] && { flags="--model models/$MODEL.json --seq-len $SEQ --micro-batch 1 --attention eager"; [ "$wave" = 1 ] || continue; }
+      read -r -a flag_words <<< "$flags"
+      echo "\$ PYTORCH_CUDA_ALLOC_CONF=$conf torch_reference.py ${flags} (wave $wave)" | tee -a "$LOG"
+      [ -n "${DRY_RUN:-}" ] && continue
+      ( [ "$conf" = - ] || export PYTORCH_CUDA_ALLOC_CONF=$conf
+        timeout 120 "$PYTHON" tools/torch_reference.py --device "$TORCH_DEVICE" --framework fsdp2 --strategy FULL_SHARD \
+          "${flag_words[@]}" --steps 2 --warmup 2 --no-tracker --param-dtype bf16 --reduce-dtype fp32 \
+          --out "$RUNS/sweep_$name.json" > "$RUNS/sweep_$name.log" 2>&1
+        echo "sweep $name exit $?" >> "$RUNS/sweep_$name.log" ) &
+      pids+=($!)
+    done <<< "$SWEEP"
+    [ ${#pids[@]} -eq 0 ] || wait "${pids[@]}"
+    pids=()
+    for log in "$RUNS"/sweep_*.log; do  # a run's figures, or the end of what it printed when it failed
+      [ -e "$log" ] || continue
+      if grep -q "exit 0$" "$log"; then grep -E "exit|peak allocated" "$log"; else tail -8 "$log"; fi
+    done | tee -a "$LOG"
+    rm -f "$RUNS"/sweep_*.log
+    [ $(( $(elapsed) + 40 )) -le "$BUDGET_S" ] || { say "reserved sweep stopped after wave $wave: budget"; break; }
+  done
+  [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
+}
 # The pairs with PyTorch first (fsdp2 profiles against fully_shard; FSDP2 has no NO_SHARD, so that
 # pair is FSDP1's on both sides), then the runs without a PyTorch counterpart.
 fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
 torch_run full_shard FULL_SHARD none ${same[@]+"${same[@]}"}
 fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
 torch_run full_shard_ac FULL_SHARD full
+reserved_sweep
 fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
 torch_run shard_grad_op SHARD_GRAD_OP none
 fsdp no_shard --framework fsdp1 --strategy NO_SHARD
@@ -220,15 +292,15 @@ torch_run no_shard NO_SHARD none --framework fsdp1
 fsdp full_shard_sac --framework fsdp2 --strategy FULL_SHARD --ac selective
 torch_run full_shard_sac FULL_SHARD selective
 say "pairs with PyTorch done after $(elapsed) s"
-fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
-fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
-fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
 
 if in_budget "hf_parity" 120; then
   say "fsdp-run --device cuda against transformers on the same checkpoint and tokens (tools/hf_parity.py, fp32)"
   run timeout 120 "$PYTHON" tools/hf_parity.py --fsdp-run "$FSDP_RUN" --device cuda
   echo "hf_parity exit $?" | tee -a "$LOG"
 fi
+fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
+fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
+fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
 if in_budget "calibrate" 120; then
   say "fsdp-run calibrate --device cuda"
   run timeout 120 "$FSDP_RUN" calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"

@@ -716,6 +716,25 @@ def device_memory(device):
             "context_overhead_bytes": total - free - reserved}
 
 
+ALLOCATOR_STAT_KEYS = (  # torch.cuda.memory_stats() (c10/cuda/CUDACachingAllocator.cpp DeviceStats)
+    "num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free",
+    "segment.all.peak", "segment.small_pool.peak", "segment.large_pool.peak",
+    "reserved_bytes.small_pool.peak", "reserved_bytes.large_pool.peak",
+    "allocated_bytes.small_pool.peak", "allocated_bytes.large_pool.peak",
+    "active_bytes.all.peak", "inactive_split_bytes.all.peak", "allocation.all.peak",
+    "requested_bytes.all.peak")
+
+
+def allocator_stats(device):
+    """The caching allocator's own counters since the last reset (the timed window for the
+    .peak values; the whole run for the num_* counts), or None off CUDA."""
+    import torch
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats[k]) for k in ALLOCATOR_STAT_KEYS if k in stats}
+
+
 def category_name(key):
     return str(getattr(key, "value", key))
 
@@ -772,6 +791,7 @@ def build_report(args, env, params, notes, run):
         "after_init_allocated_bytes": run["after_init_allocated"],
         **run["device_memory"],
         "categories_at_peak": run["categories"],
+        "allocator_stats": run["allocator_stats"],
     }
     if run["categories_error"]:
         memory["categories_error"] = run["categories_error"]
@@ -782,7 +802,7 @@ def build_report(args, env, params, notes, run):
         "device_name": env["device_name"],
         "world_size": env["world"],
         "config": {
-            "model": os.path.splitext(os.path.basename(args.model))[0],
+            "model": os.path.splitext(os.path.basename(args.model))[0], "model_path": args.model,
             "params": params, "strategy": args.strategy, "ac": args.ac,
             "micro_batch": args.micro_batch, "seq_len": args.seq_len,
             "param_dtype": args.param_dtype, "reduce_dtype": args.reduce_dtype,
@@ -792,6 +812,10 @@ def build_report(args, env, params, notes, run):
             "lr": args.lr, "seed": args.seed, "device": args.device,
             "init_from": args.init_from or None, "tokens": args.tokens or None,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
+            "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
+            "lora_targets": args.lora_targets or None, "base_dtype": args.base_dtype,
+            "master_dtype": args.master_dtype, "qlora": args.qlora,
         },
         "notes": notes,
         "measured": {
@@ -865,6 +889,7 @@ def run_training(args, model, device, rank, world):
     if run["warm_peaks"] is None:
         run["warm_peaks"] = run["timed_peaks"]
     run["device_memory"] = device_memory(device)
+    run["allocator_stats"] = allocator_stats(device)
     run["categories"], run["tracker_loss"], run["categories_error"] = (
         (None, None, "skipped (--no-tracker)") if args.no_tracker else
         tracked_categories(model, optimizer, batches[-1], device, held))
