@@ -67,8 +67,11 @@ def compare(name, run, fsdp_plan, gpu):
     config, memory = run["config"], run["measured"]["memory"]
     plan = run_plan(fsdp_plan, plan_flags(config, run.get("world_size", 1), gpu))
     per_gpu, terms = plan["memory"]["per_gpu"], plan["memory"]["framework_terms"]
-    outside = memory.get("context_overhead_bytes")
+    # mem_get_info counts every process on the GPU: the sweep's runs shared it, so only the runs
+    # that had it alone say what lives outside the allocator
+    outside = None if name.startswith("sweep_") else memory.get("context_overhead_bytes")
     stats = memory.get("allocator_stats") or {}
+    replay = per_gpu.get("allocator", {})
     return {
         "run": name, "alloc_conf": config.get("alloc_conf"),
         "torch_allocated_bytes": memory["max_allocated_bytes"],
@@ -79,6 +82,12 @@ def compare(name, run, fsdp_plan, gpu):
         "reserved_error_pct": error_pct(memory["max_reserved_bytes"], per_gpu["reserved_peak_bytes"]),
         "torch_alloc_retries": stats.get("num_alloc_retries"),
         "plan_alloc_retries": per_gpu.get("alloc_retries"),
+        "torch_large_pool_reserved_bytes": stats.get("reserved_bytes.large_pool.peak"),
+        "plan_large_pool_reserved_bytes": replay.get("large_pool_reserved_peak_bytes"),
+        "torch_small_pool_reserved_bytes": stats.get("reserved_bytes.small_pool.peak"),
+        "plan_small_pool_reserved_bytes": replay.get("small_pool_reserved_peak_bytes"),
+        "torch_device_allocs": stats.get("num_device_alloc"),
+        "plan_device_allocs": replay.get("device_allocs"),
         "torch_outside_allocator_bytes": outside,
         "plan_context_nccl_bytes": terms["cuda_context_bytes"] + terms["nccl_bytes_per_communicator"],
     }
@@ -116,13 +125,17 @@ def main():
         if run.get("tool") != "torch_reference" or run.get("config", {}).get("device") != "cuda":
             continue
         rows.append(compare(name, run, args.fsdp_plan, args.gpu))
-    print(f"{'run':28s} {'alloc_conf':26s} {'alloc GiB':>9s} {'plan':>7s} {'err%':>6s}"
-          f" {'reserved':>8s} {'plan':>7s} {'err%':>6s} {'retries':>7s} {'outside':>7s} {'plan':>7s}")
+    print(f"{'run':28s} {'alloc_conf':24s} {'alloc GiB':>9s} {'plan':>7s} {'err%':>6s}"
+          f" {'reserved':>8s} {'plan':>7s} {'err%':>6s}  {'small pool MiB':>14s} {'mallocs':>9s}"
+          f" {'retries':>7s} {'outside':>7s} {'plan':>7s}")
+    mib = lambda b: "-" if b is None else f"{b / 2**20:.0f}"
     for r in rows:
-        print(f"{r['run']:28s} {str(r['alloc_conf'] or '-'):26s} {gib(r['torch_allocated_bytes'])}   "
+        print(f"{r['run']:28s} {str(r['alloc_conf'] or '-'):24s} {gib(r['torch_allocated_bytes'])}   "
               f"{gib(r['plan_allocated_bytes'])} {pct(r['allocated_error_pct'])}  {gib(r['torch_reserved_bytes'])} "
-              f"{gib(r['plan_reserved_bytes'])} {pct(r['reserved_error_pct'])} "
-              f"{str(r['torch_alloc_retries']):>3s}/{str(r['plan_alloc_retries']):<3s} "
+              f"{gib(r['plan_reserved_bytes'])} {pct(r['reserved_error_pct'])}  "
+              f"{mib(r['torch_small_pool_reserved_bytes']) + '/' + mib(r['plan_small_pool_reserved_bytes']):>14s} "
+              f"{str(r['torch_device_allocs']) + '/' + str(r['plan_device_allocs']):>9s} "
+              f"{str(r['torch_alloc_retries']) + '/' + str(r['plan_alloc_retries']):>7s} "
               f"{gib(r['torch_outside_allocator_bytes'])} {gib(r['plan_context_nccl_bytes'])}")
     print(f"allocated: {summary(rows, 'allocated_error_pct')}")
     print(f"reserved:  {summary(rows, 'reserved_error_pct')}")

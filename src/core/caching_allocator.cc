@@ -352,12 +352,19 @@ void CachingAllocator::InsertFree(int id) {
   b.pool->blocks.insert(id);
 }
 
-void CachingAllocator::AddReserved(int64_t bytes) {
+// The stats' update_stat on the aggregate and on the pool's StatType (get_stat_types_for_pool).
+void CachingAllocator::AddReserved(const Pool& pool, int64_t bytes, int segments) {
   stats_.reserved_bytes += bytes;
+  stats_.segments += segments;
   if (stats_.reserved_bytes > stats_.reserved_peak_bytes) {
     stats_.reserved_peak_bytes = stats_.reserved_bytes;
     stats_.allocated_at_reserved_peak_bytes = stats_.allocated_bytes;
   }
+  PoolStats& p = pool.small ? stats_.small_pool : stats_.large_pool;
+  p.reserved_bytes += bytes;
+  p.segments += segments;
+  p.reserved_peak_bytes = std::max(p.reserved_peak_bytes, p.reserved_bytes);
+  p.segments_peak = std::max(p.segments_peak, p.segments);
 }
 
 void CachingAllocator::AddAllocated(int64_t bytes) {
@@ -490,9 +497,8 @@ bool CachingAllocator::AllocBlock(Pool& pool, int stream, int64_t size, int64_t 
   auto address = memory_.Malloc(alloc_size);
   if (!address) return false;
   found = NewBlock(stream, alloc_size, &pool, *address);
-  ++stats_.segments;
   ++stats_.num_device_alloc;
-  AddReserved(alloc_size);
+  AddReserved(pool, alloc_size, 1);
   return true;
 }
 
@@ -546,8 +552,7 @@ void CachingAllocator::ReleaseBlock(int id) {
   Block& b = blocks_[id];
   memory_.Free(b.address, b.size);
   ++stats_.num_device_free;
-  --stats_.segments;
-  stats_.reserved_bytes -= b.size;
+  AddReserved(*b.pool, -b.size, -1);
   b.pool->blocks.erase(id);
   DeleteBlock(id);
 }
@@ -582,7 +587,7 @@ void CachingAllocator::UnmapBlock(int id) {
   TryMerge(id, blocks_[id].prev, pool);
   TryMerge(id, blocks_[id].next, pool);
   pool.unmapped.insert(id);
-  stats_.reserved_bytes -= unmapped;
+  AddReserved(pool, -unmapped, 0);
   ++stats_.num_device_free;
 }
 
@@ -720,7 +725,7 @@ bool CachingAllocator::MapBlock(int id, int64_t size) {
   TryMerge(id, blocks_[id].next, pool);
   InsertFree(id);
   ++stats_.num_device_alloc;
-  AddReserved(mapped);
+  AddReserved(pool, mapped, 0);
   return true;
 }
 
@@ -747,6 +752,10 @@ void CachingAllocator::ResetPeaks() {
   stats_.allocated_peak_bytes = stats_.allocated_bytes;
   stats_.reserved_peak_bytes = stats_.reserved_bytes;
   stats_.allocated_at_reserved_peak_bytes = stats_.allocated_bytes;
+  for (PoolStats* p : {&stats_.small_pool, &stats_.large_pool}) {
+    p->reserved_peak_bytes = p->reserved_bytes;
+    p->segments_peak = p->segments;
+  }
 }
 
 int64_t CachingAllocator::BlockBytes(Handle id) const { return blocks_[id].size; }

@@ -91,6 +91,12 @@ class CountingDeviceMemory final : public DeviceMemory {
   uint64_t next_address_ = uint64_t{1} << 40;
 };
 
+/// One pool's share of the statistics (torch.cuda.memory_stats' small_pool / large_pool entries).
+struct PoolStats {
+  int64_t reserved_bytes = 0, reserved_peak_bytes = 0;  ///< reserved_bytes.<pool>.current / .peak
+  int64_t segments = 0, segments_peak = 0;              ///< segment.<pool>.current / .peak (expandable: not counted)
+};
+
 /// The allocator's statistics (torch.cuda.memory_stats names).
 struct AllocatorStats {
   int64_t allocated_bytes = 0, allocated_peak_bytes = 0;  ///< allocated_bytes.all.current / .peak
@@ -102,6 +108,7 @@ struct AllocatorStats {
   /// The most allocated while reserved stood at its peak (fragmentation = reserved_peak - this:
   /// the reserve the allocations never used, at the tightest moment).
   int64_t allocated_at_reserved_peak_bytes = 0;
+  PoolStats small_pool, large_pool;  ///< requests up to 1 MiB, and the rest
 };
 
 /// One block of a segment as torch.cuda.memory_snapshot() shows it.
@@ -184,7 +191,8 @@ class CachingAllocator {
   void DeleteBlock(int block);
   void Splice(int block, int before, int after);
   void InsertFree(int block);
-  void AddReserved(int64_t bytes);
+  /// Reserved bytes (and, for a cudaMalloc'd segment, the segment count) of `pool` up or down.
+  void AddReserved(const Pool& pool, int64_t bytes, int segments);
   void AddAllocated(int64_t bytes);
 
   AllocatorConfig config_;

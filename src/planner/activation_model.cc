@@ -770,8 +770,8 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   // its output in c
   if (m.final_logit_softcapping > 0) head.loss_saved_bytes += d.c * vT;
   head.loss_forward_transient_bytes = d.c == 4 ? 0 : 4 * vT;
-  // nll_loss_backward's dense fp32 gradient + log_softmax_backward's fp32 result.
-  head.loss_backward_transient_bytes = 8 * vT;
+  // nll_loss_backward's dense fp32 gradient, then log_softmax_backward's fp32 result.
+  head.loss_grad_bytes = 4 * vT;
   return head;
 }
 

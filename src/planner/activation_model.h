@@ -39,7 +39,10 @@ struct HeadActivations {
   int64_t logits_bytes = 0;               ///< lm_head output, alive from forward to the end of the loss backward
   int64_t loss_saved_bytes = 0;           ///< log_softmax output saved by cross_entropy
   int64_t loss_forward_transient_bytes = 0;   ///< fp32 upcast of the logits while the loss is computed
-  int64_t loss_backward_transient_bytes = 0;  ///< gradients alive in the loss/log_softmax backward
+  /// Each of the loss backward's two fp32 gradients of the logits' shape (nll_loss_backward's
+  /// zero-filled one, then _log_softmax_backward_data's result): separate allocations, as the
+  /// caching allocator sees them.
+  int64_t loss_grad_bytes = 0;
   int64_t SavedBytes() const;
 };
 

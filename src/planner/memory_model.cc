@@ -466,11 +466,23 @@ class StepPlayer {
         if (nf4_dequant_bytes_ > 0) transient.push_back(mem_.Alloc(Cat::kUnshardedParams, nf4_dequant_bytes_));
         break;
       case ModuleNode::Role::kLmHead: {
-        BlockId grads = mem_.Alloc(Cat::kActivations, head_.loss_backward_transient_bytes);
+        // autograd's order (torch/csrc/autograd/engine.cpp: a node's input buffer and saved
+        // tensors are released once it has run): NllLossBackward0 makes a zero-filled fp32
+        // gradient, LogSoftmaxBackward0 its fp32 result, after which the first and the saved
+        // log_softmax output go; ToCopyBackward0 (the .float() upcast) casts the result to the
+        // logits' dtype, which lm_head's backward then reads. Two blocks, not one twice the size:
+        // the caching allocator reuses the forward's freed upcast for the first.
+        BlockId nll_grad = mem_.Alloc(Cat::kActivations, head_.loss_grad_bytes);
+        BlockId logits_grad_fp32 = mem_.Alloc(Cat::kActivations, head_.loss_grad_bytes);
+        mem_.Free(nll_grad);
         for (BlockId& b : node_saved_[node_id]) mem_.Free(b);
         node_saved_[node_id].clear();
-        mem_.Free(grads);
-        transient.push_back(mem_.Alloc(Cat::kActivations, head_.logits_bytes));  // grad of the logits
+        if (head_.loss_forward_transient_bytes > 0) {  // logits in a 16-bit dtype: the downcast gradient
+          transient.push_back(mem_.Alloc(Cat::kActivations, head_.logits_bytes));
+          mem_.Free(logits_grad_fp32);
+        } else {  // fp32 logits: .float() made no copy and no autograd node, the result is the grad
+          transient.push_back(logits_grad_fp32);
+        }
         break;
       }
       default: break;
@@ -733,6 +745,9 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
     e.reserved_peak_phase = PhaseName(w, mem.reserved_peak_phase());
     e.fragmentation_bytes = a.reserved_peak_bytes - a.allocated_at_reserved_peak_bytes;
     e.alloc_retries = a.num_alloc_retries + player.skipped_retries();
+    e.small_pool = a.small_pool;
+    e.large_pool = a.large_pool;
+    e.device_allocs = a.num_device_alloc;
     e.allocator_out_of_memory = mem.out_of_memory();
     if (mem.reserved_peak_in_first_step()) e.reserved_peak_phase = "first step, " + e.reserved_peak_phase;
     // At the peak: the tensors at their steady-state peak and, as framework overhead, the rest of

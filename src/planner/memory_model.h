@@ -74,6 +74,11 @@ struct MemoryEstimate {
   std::string reserved_peak_phase;
   int64_t fragmentation_bytes = 0;
   int64_t alloc_retries = 0;
+  /// The replay's per-pool reserved bytes and segments at their steady-state peaks
+  /// (reserved_bytes.small_pool.peak, segment.large_pool.peak, ...), and its cudaMalloc (or page
+  /// map) calls over both steps (num_device_alloc): what torch.cuda.memory_stats() reports.
+  PoolStats small_pool, large_pool;
+  int64_t device_allocs = 0;
   bool allocator_out_of_memory = false;  ///< a malloc failed even after freeing the cache
   int64_t pending_free_bytes_at_peak = 0;  ///< freed unsharded buffers still in use by the GPU at the peak
   int64_t capacity_bytes = 0;

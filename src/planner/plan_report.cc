@@ -151,6 +151,12 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
                   {"reserved_peak_phase", m.reserved_peak_phase},
                   {"fragmentation_bytes", m.fragmentation_bytes},
                   {"alloc_retries", m.alloc_retries},
+                  {"allocator",
+                   {{"small_pool_reserved_peak_bytes", m.small_pool.reserved_peak_bytes},
+                    {"large_pool_reserved_peak_bytes", m.large_pool.reserved_peak_bytes},
+                    {"small_pool_segments_peak", m.small_pool.segments_peak},
+                    {"large_pool_segments_peak", m.large_pool.segments_peak},
+                    {"device_allocs", m.device_allocs}}},
                   {"categories", CategoriesToJson(m.peak)}};
   Json host = {{"total_bytes", m.host_bytes}, {"categories", CategoriesToJson(m.host)}};
   const Nf4Bytes nf4 = Nf4ModelBytes(w.model, w.config.lora, w.config.param_dtype);
