@@ -736,6 +736,7 @@ int CachingAllocator::TryAllocateExpandable(Pool& pool, int stream, int64_t size
   if (!blocks_[candidate].mapped && !MapBlock(candidate, std::min(blocks_[candidate].size, size))) return -1;
   while (blocks_[candidate].size < size) {
     const int next = blocks_[candidate].next;
+    if (next < 0) return -1;  // the segment's address range ends here (PyTorch: new_candidate == nullptr)
     if (!MapBlock(next, std::min(size - blocks_[candidate].size, blocks_[next].size))) return -1;
     candidate = next;
   }
