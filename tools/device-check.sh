@@ -25,7 +25,10 @@
 # starts only if it ends within BUDGET_S (default 480 s) even when it runs to its timeout.
 # Environment: OUT (default ./device-out), RUNS,
 # MODEL, SEQ, STEPS to shrink or grow the runs; DRY_RUN=1 prints the commands instead; MERGE_ONLY=1
-# only merges the JSON files already in $RUNS.
+# only merges the JSON files already in $RUNS. PARTS picks the steps after the build (default
+# "kernels pairs sweep hf_parity virtual calibrate memcheck"; also "sdpa": the FULL_SHARD pairs
+# again with PyTorch on SDPA, and "large": fsdp-run on LARGE_MODEL, default llama-3.1-8b, rank 0 of
+# a virtual world of 8 at seq 4096 with full AC); SWEEP_FILE replaces the sweep's table (same format).
 #
 # REHEARSE=1 runs the whole script on a machine without a GPU, to find what would break before a GPU
 # session: fsdp-run-emu and cuda_emu_test from $BUILD (default build; the GPU engine on cuda-emu,
@@ -59,6 +62,8 @@ else
   STEPS=${STEPS:-6}
 fi
 BUDGET_S=${BUDGET_S:-480}
+PARTS=" ${PARTS:-kernels pairs sweep hf_parity virtual calibrate memcheck} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 read -r -a cuda_test_args <<< "$CUDA_TEST_ARGS"  # words, not globbed
 RUNS=${RUNS:-${TMPDIR:-/tmp}/fsdpkit-device-runs}  # one JSON per run; only the merge goes to $OUT (8 files come back)
 [ -n "${MERGE_ONLY:-}" ] || rm -rf "$RUNS"
@@ -185,15 +190,17 @@ else
   fi
 fi
 
-say "kernel and engine checks ($CUDA_TEST)"
-run timeout 180 "$CUDA_TEST" ${cuda_test_args[@]+"${cuda_test_args[@]}"}
-echo "cuda_test exit $?" | tee -a "$LOG"
+if part kernels; then
+  say "kernel and engine checks ($CUDA_TEST)"
+  run timeout 180 "$CUDA_TEST" ${cuda_test_args[@]+"${cuda_test_args[@]}"}
+  echo "cuda_test exit $?" | tee -a "$LOG"
+fi
 
 # One checkpoint and token file for the FULL_SHARD pair, so that fsdp-run and PyTorch FSDP2 train the
 # same weights on the same tokens and their bf16 losses can be compared step by step.
 CKPT=${TMPDIR:-/tmp}/fsdpkit-device-ckpt
-say "checkpoint of $MODEL for the FULL_SHARD pair (seeded, bf16 safetensors)"
-in_budget "checkpoint" 90 || CKPT=""
+part pairs && say "checkpoint of $MODEL for the FULL_SHARD pair (seeded, bf16 safetensors)"
+part pairs && in_budget "checkpoint" 90 || CKPT=""
 [ -n "$CKPT" ] && run timeout 90 "$PYTHON" - "$CKPT" "models/$MODEL.json" "$TORCH_DEVICE" <<'PY' || CKPT=""
 import json, random, sys
 import torch, transformers
@@ -249,11 +256,13 @@ tinyllama_bf16_mb4 - 5 --model models/tinyllama-1.1b.json --seq-len 2048 --micro
 tinyllama_max_split max_split_size_mb:512 6 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 1 --attention eager
 TABLE
 )
+[ -n "${SWEEP_FILE:-}" ] && SWEEP=$(grep -v '^#' "$SWEEP_FILE")
 reserved_sweep() {
+  part sweep || return 0
   in_budget "reserved sweep" 150 || return 0
   say "reserved-memory sweep: PyTorch FSDP2 alone, one wave of runs at a time sharing the GPU"
   local wave name conf w flags pids=()
-  for wave in 1 2 3 4 5 6; do
+  for wave in $(awk '{print $3}' <<< "$SWEEP" | sort -un); do
     while read -r name conf w flags; do
       [ "$w" = "$wave" ] || continue
       [ -n "$REHEARSE" ] && { flags="--model models/$MODEL.json --seq-len $SEQ --micro-batch 1 --attention eager"; [ "$wave" = 1 ] || continue; }
@@ -280,35 +289,52 @@ reserved_sweep() {
 }
 # The pairs with PyTorch first (fsdp2 profiles against fully_shard; FSDP2 has no NO_SHARD, so that
 # pair is FSDP1's on both sides), then the runs without a PyTorch counterpart.
-fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
-torch_run full_shard FULL_SHARD none ${same[@]+"${same[@]}"}
-fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
-torch_run full_shard_ac FULL_SHARD full
+if part pairs; then
+  fsdp full_shard --framework fsdp2 --strategy FULL_SHARD ${same[@]+"${same[@]}"}
+  torch_run full_shard FULL_SHARD none ${same[@]+"${same[@]}"}
+  fsdp full_shard_ac --framework fsdp2 --strategy FULL_SHARD --ac full
+  torch_run full_shard_ac FULL_SHARD full
+fi
+if part sdpa; then  # PyTorch with SDPA (its flash kernel) against fsdp-run's own fused attention
+  fsdp full_shard_sdpa --framework fsdp2 --strategy FULL_SHARD
+  torch_run full_shard_sdpa FULL_SHARD none --attention sdpa
+  fsdp full_shard_ac_sdpa --framework fsdp2 --strategy FULL_SHARD --ac full
+  torch_run full_shard_ac_sdpa FULL_SHARD full --attention sdpa
+fi
 reserved_sweep
-fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
-torch_run shard_grad_op SHARD_GRAD_OP none
-fsdp no_shard --framework fsdp1 --strategy NO_SHARD
-torch_run no_shard NO_SHARD none --framework fsdp1
-fsdp full_shard_sac --framework fsdp2 --strategy FULL_SHARD --ac selective
-torch_run full_shard_sac FULL_SHARD selective
-say "pairs with PyTorch done after $(elapsed) s"
+if part pairs; then
+  fsdp shard_grad_op --framework fsdp2 --strategy SHARD_GRAD_OP
+  torch_run shard_grad_op SHARD_GRAD_OP none
+  fsdp no_shard --framework fsdp1 --strategy NO_SHARD
+  torch_run no_shard NO_SHARD none --framework fsdp1
+  fsdp full_shard_sac --framework fsdp2 --strategy FULL_SHARD --ac selective
+  torch_run full_shard_sac FULL_SHARD selective
+  say "pairs with PyTorch done after $(elapsed) s"
+fi
+if part large && in_budget "fsdp-run ${LARGE_MODEL:=llama-3.1-8b}" 120; then  # memory and speed at a larger model's shapes
+  run timeout 120 "$FSDP_RUN" --device cuda --model "$LARGE_MODEL" --seq-len 4096 --micro-batch 1 --steps 4 --quiet --param-dtype bf16 \
+    --reduce-dtype fp32 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8 --out "$RUNS/fsdp_large_v8.json"
+  [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
+fi
 
-if in_budget "hf_parity" 120; then
+if part hf_parity && in_budget "hf_parity" 120; then
   say "fsdp-run --device cuda against transformers on the same checkpoint and tokens (tools/hf_parity.py, fp32)"
   run timeout 120 "$PYTHON" tools/hf_parity.py --fsdp-run "$FSDP_RUN" --device cuda
   echo "hf_parity exit $?" | tee -a "$LOG"
 fi
-fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
-fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
-fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
-if in_budget "calibrate" 120; then
+if part virtual; then
+  fsdp full_shard_v8 --framework fsdp2 --strategy FULL_SHARD --virtual-world 8
+  fsdp full_shard_ac_v8 --framework fsdp2 --strategy FULL_SHARD --ac full --virtual-world 8
+  fsdp shard_grad_op_v8 --framework fsdp2 --strategy SHARD_GRAD_OP --virtual-world 8
+fi
+if part calibrate && in_budget "calibrate" 120; then
   say "fsdp-run calibrate --device cuda"
   run timeout 120 "$FSDP_RUN" calibrate --device cuda --model "$MODEL" --seq-len "$SEQ" --micro-batch 1 --out "$OUT/calibrated-gpu.json"
   [ -e "$OUT/calibrated-gpu.json" ] && fsdp full_shard_calibrated --framework fsdp2 --strategy FULL_SHARD --gpu "$OUT/calibrated-gpu.json"
 fi
 # out-of-bounds and misaligned accesses in the kernels (not on gVisor machines); cuda-emu checks
 # bounds only per allocation, so this still has something to find
-if [ -z "$REHEARSE" ] && command -v compute-sanitizer > /dev/null && in_budget "compute-sanitizer" 120; then
+if part memcheck && [ -z "$REHEARSE" ] && command -v compute-sanitizer > /dev/null && in_budget "compute-sanitizer" 120; then
   say "compute-sanitizer memcheck on the kernel checks"
   run timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 "$CUDA_TEST" \
     --test-case-exclude="Training steps*,Gradient accumulation*,calibrate*,Dynamic loss scaling*"
