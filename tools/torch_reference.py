@@ -218,6 +218,16 @@ def build_parser():
     p.add_argument("--loop-holds-outputs", action="store_true",
                    help="keep each step's logits until the next step's loss exists "
                         "(a loop holding outputs = model(...)), as fsdp-plan --loop-holds-outputs")
+    p.add_argument("--init", default="", choices=("", "meta", "device"),
+                   help="where the model is built: 'meta' (the default for FSDP2 from seeded weights: built "
+                        "on the meta device, sharded, then to_empty and initialize_weights, as torchtitan and "
+                        "accelerate's FSDP2 do, so no full-size parameter ever lives on the device) or "
+                        "'device' (built whole on the device, then sharded: the freed originals stay in "
+                        "the caching allocator's cache; the default with --init-from, LoRA, QLoRA or FSDP1)")
+    p.add_argument("--memory-history", default="",
+                   help="CUDA: record the caching allocator's events from the first step on "
+                        "(torch.cuda.memory._record_memory_history, no stacks) and write them, with the "
+                        "segments at the start and at the end, to this JSON file")
     p.add_argument("--no-tracker", action="store_true",
                    help="skip the extra FSDPMemTracker step")
     p.add_argument("--out", required=True, help="output JSON path")
@@ -356,6 +366,26 @@ def model_classes(args):
     return config_class, AutoModelForCausalLM._model_mapping[config_class]
 
 
+def meta_init(args):
+    """Whether the model is built on the meta device (--init, and its default)."""
+    if args.init:
+        return args.init == "meta"
+    return args.framework == "fsdp2" and not (args.init_from or args.lora_rank or args.qlora)
+
+
+def materialize(model, args, device):
+    """After fully_shard on a meta-device model: storage for the shards on `device`, then
+    transformers' own initialisation (PreTrainedModel.initialize_weights, which also recomputes the
+    RoPE inverse frequencies to_empty left uninitialised), seeded."""
+    import torch
+    if not meta_init(args):
+        return
+    model.to_empty(device=device)
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        model.initialize_weights()
+
+
 def build_model(args, device):
     import torch
     from transformers import LlamaForCausalLM
@@ -375,7 +405,7 @@ def build_model(args, device):
                              f"{info['missing_keys']}, mismatched {info['mismatched_keys']}")
         model.to(device)
     else:
-        with torch.device(device):
+        with torch.device("meta" if meta_init(args) else device):
             model = model_class(config)
     args.layer_class = type(decoder_layers(model)[0])
     model.to(dtype=torch.float32)
@@ -716,6 +746,40 @@ def device_memory(device):
             "context_overhead_bytes": total - free - reserved}
 
 
+def segments_of(snapshot):
+    """A snapshot's segments as [address, bytes, stream, pool, [[block bytes, state], ...]]."""
+    return [[seg["address"], seg["total_size"], seg["stream"], seg["segment_type"],
+             [[b["size"], b["state"]] for b in seg["blocks"]]] for seg in snapshot["segments"]]
+
+
+def start_memory_history(args, device):
+    """Starts recording the caching allocator's events (torch/cuda/memory.py _record_memory_history:
+    every alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map and
+    segment_unmap with its address, size and stream); returns the segments held at the start."""
+    import torch
+    if not args.memory_history or device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    start = segments_of(torch.cuda.memory._snapshot())
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    return start
+
+
+def write_memory_history(path, start_segments):
+    """The recorded events as [action, address, size, stream] (the trace of device 0) and the
+    segments at the start and now."""
+    import torch
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snapshot["device_traces"][0] if snapshot["device_traces"] else []
+    doc = {"source": "torch.cuda.memory._snapshot() with _record_memory_history(enabled='all', context=None)",
+           "events": [[e["action"], e["addr"], e["size"], e["stream"]] for e in traces],
+           "segments_at_start": start_segments, "segments_at_end": segments_of(snapshot)}
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+
+
 ALLOCATOR_STAT_KEYS = (  # torch.cuda.memory_stats() (c10/cuda/CUDACachingAllocator.cpp DeviceStats)
     "num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free",
     "segment.all.peak", "segment.small_pool.peak", "segment.large_pool.peak",
@@ -813,6 +877,7 @@ def build_report(args, env, params, notes, run):
             "init_from": args.init_from or None, "tokens": args.tokens or None,
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None,
+            "init": "meta" if meta_init(args) else "device",
             "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
             "lora_targets": args.lora_targets or None, "base_dtype": args.base_dtype,
             "master_dtype": args.master_dtype, "qlora": args.qlora,
@@ -875,6 +940,7 @@ def run_training(args, model, device, rank, world):
            if device.type == "cuda" else None, "loss": []}
     held = [] if args.loop_holds_outputs else None
     reset_peaks(device)
+    history = start_memory_history(args, device)
     for i in range(args.warmup):
         run["loss"].append(timed_step(model, optimizer, batches[i], device, held)[0])
     run["warm_peaks"] = peak_stats(device) if args.warmup else None
@@ -886,6 +952,8 @@ def run_training(args, model, device, rank, world):
         run["steps_s"].append(event if event is not None else wall)
         run["wall_steps_s"].append(wall)
     run["timed_peaks"] = peak_stats(device)
+    if history is not None:
+        write_memory_history(args.memory_history, history)
     if run["warm_peaks"] is None:
         run["warm_peaks"] = run["timed_peaks"]
     run["device_memory"] = device_memory(device)
@@ -972,6 +1040,9 @@ def main(argv=None):
                              "on each decoder layer after FullyShardedDataParallel")
         else:
             shard_model(model, args, make_mesh(args.strategy, device, world))
+            materialize(model, args, device)
+        notes.append("init: built on the meta device, fully_shard, to_empty, initialize_weights" if meta_init(args)
+                     else "init: built whole on the device (or loaded), then sharded")
         run = run_training(args, model, device, rank, world)
         env = {"world": world, "device_name": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu"}
