@@ -103,6 +103,10 @@ for name, r in doc["runs"].items():
     row = {
         "fsdp_run_peak_bytes": m["memory"]["rank0_peak_bytes"],
         "fsdp_run_predicted_peak_bytes": p["memory"]["peak_bytes"],
+        "fsdp_run_reserved_bytes": m["memory"].get("rank0_peak_reserved_bytes"),
+        # the engine's replay: reserved if the GPU keeps up with the host, and if the host runs a step ahead
+        "fsdp_run_predicted_reserved_bytes": p["memory"].get("reserved_peak_bytes"),
+        "fsdp_run_predicted_reserved_lagging_bytes": p["memory"].get("reserved_peak_lagging_bytes"),
         "plan_pytorch_peak_bytes": p["pytorch_profile"]["allocated_peak_bytes"],
         "torch_max_allocated_bytes": t.get("memory", {}).get("max_allocated_bytes"),
         "plan_pytorch_reserved_bytes": p["pytorch_profile"].get("reserved_peak_bytes"),

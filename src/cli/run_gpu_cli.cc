@@ -112,6 +112,8 @@ RunReport GpuRunReport(const RunFlags& f, const Workload& w, const runtime::GpuE
 
   RunPrediction& p = r.predicted;
   p.memory = {replay.peak_bytes, replay.peak_phase, replay.at_peak};
+  p.reserved_bytes = replay.reserved_peak_bytes;
+  p.reserved_lagging_bytes = replay.reserved_peak_lagging_bytes;
   p.categories_compared.assign(kRuntimeCategories.begin(), kRuntimeCategories.end());
   const TimeEstimate time = EstimateTime(w, kFusedEngineTrafficPerSavedByte);
   p.step_s = time.step.step_s;

@@ -37,7 +37,11 @@ ComparisonTable MemoryTable(const RunReport& r) {
   t.rows.push_back({"peak", MiB(m.rank0.peak_bytes), MiB(p.memory.peak_bytes),
                     fmt::format("(measured at {}, predicted at {})", m.rank0.phase, p.memory.phase)});
   if (m.rank0_reserved_bytes) {
-    t.rows.push_back({"peak reserved", MiBOf(m.rank0_reserved_bytes), std::nullopt, fmt::format("({} cudaMalloc calls)", m.device_mallocs.value_or(0))});
+    const std::string range = p.reserved_lagging_bytes ? fmt::format("; predicted if the GPU keeps up with the host, {:.1f} if the host runs a step ahead",
+                                                                      static_cast<double>(*p.reserved_lagging_bytes) / kMiB)
+                                                       : "";
+    t.rows.push_back({"peak reserved", MiBOf(m.rank0_reserved_bytes), MiBOf(p.reserved_bytes),
+                      fmt::format("({} cudaMalloc calls{})", m.device_mallocs.value_or(0), range)});
   }
   t.rows.insert(t.rows.end(), r.extra_memory_rows.begin(), r.extra_memory_rows.end());
   return t;
@@ -103,6 +107,8 @@ Json PredictedJson(const RunReport& r) {
   if (!p.step_s) time["note"] = p.no_time_note;
   Json j = {{"memory", {{"peak_bytes", p.memory.peak_bytes}, {"peak_phase", p.memory.phase}, {"categories", CategoriesJson(p.memory.categories, p.categories_compared)}}},
             {"time", time}};
+  if (p.reserved_bytes) j["memory"]["reserved_peak_bytes"] = *p.reserved_bytes;
+  if (p.reserved_lagging_bytes) j["memory"]["reserved_peak_lagging_bytes"] = *p.reserved_lagging_bytes;
   j.update(r.predicted_extra);
   return j;
 }

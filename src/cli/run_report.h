@@ -66,6 +66,9 @@ struct RunMeasurement {
 /// What the models predicted for the same run.
 struct RunPrediction {
   MemoryAtPeak memory;            ///< fsdp-plan's replay of this engine (planner/runtime_profile.h)
+  /// GPU: the same replay's caching-allocator reserve if the GPU keeps up with the host, and if the
+  /// host runs a whole step ahead (RuntimeProfile's two ends)
+  std::optional<int64_t> reserved_bytes, reserved_lagging_bytes;
   std::vector<MemCategory> categories_compared;  ///< the categories that replay predicts
   std::optional<double> step_s;   ///< fsdp-plan's step model of this engine on the run's hardware file
   std::optional<double> sim_step_s;  ///< fsdp-sim on the same

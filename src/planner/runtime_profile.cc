@@ -1,4 +1,7 @@
 #include "planner/runtime_profile.h"
+#include "core/caching_allocator.h"
+
+#include <limits>
 
 #include <algorithm>
 #include <cstdint>
@@ -250,9 +253,14 @@ class GpuRuntimePlayer {
                        kOptim = Cat::kOptimizerStates, kActs = Cat::kActivations, kComm = Cat::kCommBuffers, kTemp = Cat::kTemporaries;
   using Id = int;
 
-  explicit GpuRuntimePlayer(const Workload& w)
-      : w_(w), schedule_(BuildSchedule(w)), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1),
-        phases_(w) {
+  /// When the blocks freed after another stream used them become reusable: at the engine's next
+  /// allocation (the GPU keeps up with the host), or only at the end of the step (the host runs a
+  /// whole step ahead, waiting only for the loss).
+  enum class EventsPass { kNextAllocation, kEndOfStep };
+
+  GpuRuntimePlayer(const Workload& w, EventsPass events_pass)
+      : events_pass_(events_pass), w_(w), schedule_(BuildSchedule(w)), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1),
+        phases_(w), device_(std::numeric_limits<int64_t>::max() / 4, w.hardware.memory_bytes), policy_(AllocatorConfig{}, device_) {
     const ModelSpec& m = w.model;
     e_ = BytesPerElement(w.config.param_dtype);
     T_ = w.TokensPerMicroBatch();
@@ -283,17 +291,29 @@ class GpuRuntimePlayer {
     Alloc(kTemp, (3 * T_ + 1) * 4);  // the embedding backward's token groups
     inputs_.assign(static_cast<size_t>(w_.model.num_layers), -1);
     caches_.assign(static_cast<size_t>(w_.model.num_layers), Cache{});
-    for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
-      phases_.StartMicroBatch(static_cast<int>(micro));
-      for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
+    for (int step = 0; step < 2; ++step) {  // the allocated series repeats; the second step is where the reserve settles
+      for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
+        phases_.StartMicroBatch(static_cast<int>(micro));
+        for (const Action& a : schedule_.MicroBatch(micro)) Play(a);
+      }
+      for (Id& g : shard_grad_) FreeUsedOn(std::exchange(g, -1), kComputeStream);  // zero_grad, on the reduce stream's blocks
+      PassEvents();  // the host waits for the step's loss
     }
-    for (Id& g : shard_grad_) Free(std::exchange(g, -1));
     result_.peak_phase = PhaseName(w_, peak_phase_);
+    result_.reserved_peak_bytes = policy_.stats().reserved_peak_bytes;
     return result_;
   }
 
  private:
-  Id Alloc(Cat c, int64_t bytes) {
+  // The engine's streams, numbered as its DeviceAllocator first meets them.
+  static constexpr int kComputeStream = 0, kGatherStream = 1, kReduceStream = 2;
+
+  // DeviceAllocator::Allocate: the blocks freed on other streams are reusable first (its
+  // ProcessPending: here the GPU has kept up, every recorded event has passed), then the policy's
+  // malloc on the stream.
+  Id Alloc(Cat c, int64_t bytes, int stream = kComputeStream) {
+    if (events_pass_ == EventsPass::kNextAllocation) PassEvents();
+    handles_.push_back(policy_.Malloc(std::max<int64_t>(bytes, 1), stream));
     const int64_t size = (std::max<int64_t>(bytes, 1) + 511) / 512 * 512;
     sizes_.push_back({c, size});
     At(live_, c) += size;
@@ -310,6 +330,18 @@ class GpuRuntimePlayer {
     At(live_, sizes_[id].first) -= sizes_[id].second;
     allocated_ -= sizes_[id].second;
     sizes_[id].second = 0;
+    policy_.Free(handles_[id]);
+  }
+  void PassEvents() {
+    for (CachingAllocator::Handle h : pending_) policy_.EventsPassed(h);
+    pending_.clear();
+  }
+  // DeviceBuffer::Release({stream}): the block waits for an event recorded on `stream`.
+  void FreeUsedOn(Id id, int stream) {
+    if (id < 0 || sizes_[id].second == 0) return;
+    policy_.RecordStream(handles_[id], stream);
+    pending_.push_back(handles_[id]);
+    Free(id);
   }
   void FreeAll(std::initializer_list<Id> ids) {
     for (Id id : ids) Free(id);
@@ -336,18 +368,18 @@ class GpuRuntimePlayer {
 
   void Unshard(int u) {
     if (full_[u] >= 0) return;
-    const Id low = Alloc(kComm, w_.units[u].shard_numel * e_);
-    full_[u] = Alloc(kUnsharded, w_.units[u].padded_numel * e_);
+    const Id low = Alloc(kComm, w_.units[u].shard_numel * e_, kGatherStream);
+    full_[u] = Alloc(kUnsharded, w_.units[u].padded_numel * e_, kGatherStream);
     Free(low);
   }
-  void Reshard(int u) { Free(std::exchange(full_[u], -1)); }
+  void Reshard(int u) { FreeUsedOn(std::exchange(full_[u], -1), kComputeStream); }
   void Reduce(int u) {
     const int64_t re = BytesPerElement(w_.config.reduce_dtype);
-    const Id cast = w_.config.reduce_dtype != w_.config.param_dtype ? Alloc(kComm, w_.units[u].padded_numel * re) : -1;
-    const Id out = Alloc(kComm, w_.units[u].shard_numel * re);
-    if (shard_grad_[u] < 0) shard_grad_[u] = Alloc(kGrads, w_.units[u].shard_numel * 4);
+    const Id cast = w_.config.reduce_dtype != w_.config.param_dtype ? Alloc(kComm, w_.units[u].padded_numel * re, kReduceStream) : -1;
+    const Id out = Alloc(kComm, w_.units[u].shard_numel * re, kReduceStream);
+    if (shard_grad_[u] < 0) shard_grad_[u] = Alloc(kGrads, w_.units[u].shard_numel * 4, kReduceStream);
     FreeAll({out, cast});
-    Free(std::exchange(grad_[u], -1));
+    FreeUsedOn(std::exchange(grad_[u], -1), kReduceStream);
   }
   // CudaEngine::Grads: the unit's unsharded gradient, from its first backward on.
   void EnsureGrad(int node) {
@@ -461,6 +493,7 @@ class GpuRuntimePlayer {
     }
   }
 
+  EventsPass events_pass_;
   const Workload& w_;
   Schedule schedule_;
   int64_t e_ = 2, T_ = 0, h_ = 0, qd_ = 0, kvd_ = 0, I_ = 0, scores_ = 0;
@@ -474,10 +507,18 @@ class GpuRuntimePlayer {
   PhaseTracker phases_;
   Phase peak_phase_{StepPhase::kInitialisation};
   GpuRuntimeMemory result_;
+  CountingDeviceMemory device_;  // no limit: what the engine reserves on a card that never runs out
+  CachingAllocator policy_;      // the engine's own policy (default PYTORCH_CUDA_ALLOC_CONF)
+  std::vector<CachingAllocator::Handle> handles_;  // per Id
+  std::vector<CachingAllocator::Handle> pending_;  // freed blocks awaiting another stream's event
 };
 
 }  // namespace
 
-GpuRuntimeMemory EstimateGpuRuntimeMemory(const Workload& workload) { return GpuRuntimePlayer(workload).Play(); }
+GpuRuntimeMemory EstimateGpuRuntimeMemory(const Workload& workload) {
+  GpuRuntimeMemory m = GpuRuntimePlayer(workload, GpuRuntimePlayer::EventsPass::kNextAllocation).Play();
+  m.reserved_peak_lagging_bytes = GpuRuntimePlayer(workload, GpuRuntimePlayer::EventsPass::kEndOfStep).Play().reserved_peak_bytes;
+  return m;
+}
 
 }  // namespace fsdp

@@ -50,6 +50,13 @@ struct GpuRuntimeMemory {
   CategoryBytes at_peak{};
   int64_t peak_bytes = 0;
   std::string peak_phase;
+  /// The engine's caching allocator replayed on the same calls, over two steps (no limit, default
+  /// configuration). When a block one stream frees after another used it becomes reusable
+  /// depends on how far the host runs ahead of the GPU, which the replay does not know, so it
+  /// gives both ends: reusable at the engine's next allocation (the GPU keeps up: the least the
+  /// engine reserves), and only at the end of the step (the host a whole step ahead: the most).
+  int64_t reserved_peak_bytes = 0;
+  int64_t reserved_peak_lagging_bytes = 0;
 };
 GpuRuntimeMemory EstimateGpuRuntimeMemory(const Workload& workload);
 

@@ -94,5 +94,53 @@ TEST_CASE("GPU engine replay: checkpointing trades saved tensors for recomputati
   CHECK(bf16_reduce.peak_bytes <= none.peak_bytes);
 }
 
+
+// fsdp-run --device cuda on one H200 (docs/data/gpu_h200_2026-12-04.json, runs.fsdp_*:
+// measured.memory.rank0_peak_reserved_bytes): TinyLlama 1.1B, seq 2048, micro-batch 1, bf16/fp32,
+// FSDP2 (NO_SHARD: FSDP1), world 1 or a virtual world of 8, and Llama 3.1 8B at seq 4096 with
+// full AC in a virtual world of 8 (..._fresh.json, runs.fsdp_large_v8). Each measured reserve lies
+// between the replay's two ends; where no block waits on another stream mid-step
+// (SHARD_GRAD_OP) the two ends meet and equal the measurement.
+TEST_CASE("GPU engine replay: the H200's measured reserves lie between its two ends") {
+  struct Run {
+    const char* model;
+    int gpus;
+    int64_t seq;
+    Strategy strategy;
+    Framework framework;
+    Checkpointing ac;
+    int64_t measured_reserved_bytes;
+  };
+  const Run runs[] = {
+      {"tinyllama-1.1b", 1, 2048, Strategy::kFullShard, Framework::kFsdp2, Checkpointing::kNone, 31373393920},
+      {"tinyllama-1.1b", 1, 2048, Strategy::kFullShard, Framework::kFsdp2, Checkpointing::kFull, 23506976768},
+      {"tinyllama-1.1b", 1, 2048, Strategy::kShardGradOp, Framework::kFsdp2, Checkpointing::kNone, 31193038848},
+      {"tinyllama-1.1b", 1, 2048, Strategy::kNoShard, Framework::kFsdp1, Checkpointing::kNone, 31534874624},
+      {"tinyllama-1.1b", 1, 2048, Strategy::kFullShard, Framework::kFsdp2, Checkpointing::kSelective, 25557991424},
+      {"tinyllama-1.1b", 8, 2048, Strategy::kFullShard, Framework::kFsdp2, Checkpointing::kNone, 14269022208},
+      {"tinyllama-1.1b", 8, 2048, Strategy::kFullShard, Framework::kFsdp2, Checkpointing::kFull, 7124025344},
+      {"tinyllama-1.1b", 8, 2048, Strategy::kShardGradOp, Framework::kFsdp2, Checkpointing::kNone, 14810087424},
+      {"llama-3.1-8b", 8, 4096, Strategy::kFullShard, Framework::kFsdp2, Checkpointing::kFull, 51772391424},
+  };
+  for (const Run& r : runs) {
+    FsdpConfig c;
+    c.gpus = r.gpus;
+    c.seq_len = r.seq;
+    c.strategy = r.strategy;
+    c.framework = r.framework;
+    c.checkpointing = r.ac;
+    c.param_dtype = DType::kBf16;
+    c.reduce_dtype = DType::kFp32;
+    CAPTURE(r.model);
+    CAPTURE(r.gpus);
+    CAPTURE(static_cast<int>(r.strategy));
+    CAPTURE(static_cast<int>(r.ac));
+    const GpuRuntimeMemory m = EstimateGpuRuntimeMemory(BuildWorkload(LoadModel(r.model).value(), LoadHardware("h200-sxm").value(), c).value());
+    CHECK(m.reserved_peak_bytes <= r.measured_reserved_bytes);
+    CHECK(r.measured_reserved_bytes <= m.reserved_peak_lagging_bytes);
+    if (r.strategy == Strategy::kShardGradOp) CHECK(m.reserved_peak_bytes == r.measured_reserved_bytes);
+  }
+}
+
 }  // namespace
 }  // namespace fsdp

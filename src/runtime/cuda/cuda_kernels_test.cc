@@ -506,6 +506,10 @@ TEST_CASE("Training steps: fp32 losses equal the CPU engine's; allocated peak eq
       const GpuMemoryReport measured = gpu.value()->memory();
       CHECK(measured.peak_allocated_bytes == predicted.peak_bytes);
       for (MemCategory c : kRuntimeCategories) CHECK(At(measured.at_peak, c) == At(predicted.at_peak, c));
+      // the reserve lies between the replay's two ends: events passed at the next allocation, and
+      // only at the end of the step (on the H200 all nine measured runs did)
+      CHECK(measured.peak_reserved_bytes >= predicted.reserved_peak_bytes);
+      CHECK(measured.peak_reserved_bytes <= predicted.reserved_peak_lagging_bytes);
       CHECK(gpu.value()->shard_stats().all_gather_count > 0);
     }
   }
