@@ -358,6 +358,20 @@ class StepPlayer {
     ForwardActivations(node_id);
   }
 
+  // A checkpointed block's forward still makes what it does not keep: the tensors its backward
+  // recomputes exist while the block runs and are gone at its end. PyTorch frees them one by one
+  // as the forward goes; they are held together here, no more than the recomputation holds in
+  // the backward. What matters to the caching allocator is that their segments exist before the
+  // head's logits are allocated: on the H200, PyTorch's allocator history showed a checkpointed
+  // Llama's forward leaving 512 MiB segments that the recomputation, and later AdamW's states,
+  // reuse, where a replay without them carved both out of the logits' segments.
+  void ForwardIntermediates(const std::vector<SavedTensor>& tensors) {
+    std::vector<BlockId> made;
+    made.reserve(tensors.size());
+    for (const auto& t : tensors) made.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+    for (BlockId& b : made) mem_.Free(b);
+  }
+
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
     for (const auto& t : tensors) node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, t.bytes));
   }
@@ -383,6 +397,7 @@ class StepPlayer {
         break;
       case ModuleNode::Role::kBlock:
         AllocSaved(node_id, BlockProfile(node_id).kept);
+        if (BlockCheckpointed(c_, w_.nodes[node_id].block)) ForwardIntermediates(BlockProfile(node_id).recomputed);
         // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
         // with all the block's saved tensors alive (an upper bound by the ones saved after it)
         if (nf4_dequant_bytes_ > 0) {
