@@ -2,7 +2,7 @@
 """fsdp-plan against PyTorch's own memory counters on a GPU, run by run.
 
     python3 tools/gpu_memory_check.py docs/data/gpu_h200_2026-12-04.json [--fsdp-plan build/fsdp-plan]
-        [--gpu h200-sxm] [--json OUT]
+        [--gpu h200-sxm] [--json OUT] [--max-mean-error ALLOCATED_PCT RESERVED_PCT]
 
 Reads the merged device check (tools/device-check.sh's device-check.json). For every
 tools/torch_reference.py run on CUDA in it (the pairs' PyTorch side, "torch_*", and the
@@ -114,6 +114,8 @@ def main():
     p.add_argument("--fsdp-plan", default=os.path.join(ROOT, "build", "fsdp-plan"))
     p.add_argument("--gpu", default="h200-sxm", help="fsdp-plan's hardware file for the GPU that ran")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--max-mean-error", type=float, nargs=2, metavar=("ALLOCATED_PCT", "RESERVED_PCT"),
+                   help="exit 1 when the mean |error| of the allocated or of the reserved figures passes these")
     args = p.parse_args()
     try:
         with open(args.device_check) as f:
@@ -142,6 +144,11 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.max_mean_error:
+        for key, limit in zip(("allocated_error_pct", "reserved_error_pct"), args.max_mean_error):
+            errors = [abs(r[key]) for r in rows if r[key] is not None]
+            if errors and sum(errors) / len(errors) > limit:
+                sys.exit(f"gpu_memory_check: mean |{key}| {sum(errors) / len(errors):.2f}% passes {limit}%")
 
 
 if __name__ == "__main__":
