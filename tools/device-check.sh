@@ -39,6 +39,10 @@
 # the steps write.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# What fsdp-run and cuda_test are built from, as one hash. Binaries built off the device go into
+# prebuilt-device/ with it: `PRINT_SOURCE_HASH=1 tools/device-check.sh > prebuilt-device/source.sha256`.
+source_hash() { find src CMakeLists.txt -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -d' ' -f1; }
+[ -n "${PRINT_SOURCE_HASH:-}" ] && { source_hash; exit 0; }
 REHEARSE=${REHEARSE:-}
 OUT=${OUT:-$PWD/device-out${REHEARSE:+-rehearsal}}
 if [ -n "$REHEARSE" ]; then
@@ -177,6 +181,8 @@ else
   PREBUILT=${PREBUILT:-prebuilt-device}
   prebuilt_ok() {
     [ "${arch:-}" = 90 ] && [ -x "$PREBUILT/fsdp-run" ] && [ -x "$PREBUILT/cuda_test" ] || return 1
+    # built from these sources: the stamp source_hash() wrote when they were copied in
+    [ "$(cat "$PREBUILT/source.sha256" 2>/dev/null)" = "$(source_hash)" ] || { say "$PREBUILT is stale or unstamped: building"; return 1; }
     local cuda_libs=/usr/local/cuda/lib64:/usr/local/cuda/lib
     export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cuda_libs:$(python3 -c 'import nvidia, os; print(":".join(os.path.join(p, d, "lib") for p in nvidia.__path__ for d in os.listdir(p)))' 2>/dev/null)"
     "$PREBUILT/fsdp-run" --help > /dev/null 2>&1 || return 1
@@ -263,10 +269,11 @@ TABLE
 [ -n "${SWEEP_FILE:-}" ] && SWEEP=$(grep -v '^#' "$SWEEP_FILE")
 reserved_sweep() {
   part sweep || return 0
-  in_budget "reserved sweep" 150 || return 0
+  in_budget "reserved sweep" 120 || return 0
   say "reserved-memory sweep: PyTorch FSDP2 alone, one wave of runs at a time sharing the GPU"
   local wave name conf w flags pids=()
   for wave in $(awk '{print $3}' <<< "$SWEEP" | sort -un); do
+    in_budget "sweep wave $wave" 120 || break  # a wave's runs end within their 120 s timeout
     while read -r name conf w flags; do
       [ "$w" = "$wave" ] || continue
       [ -n "$REHEARSE" ] && { flags="--model models/$MODEL.json --seq-len $SEQ --micro-batch 1 --attention eager"; [ "$wave" = 1 ] || continue; }
@@ -287,7 +294,6 @@ reserved_sweep() {
       if grep -q "exit 0$" "$log"; then grep -E "exit|peak allocated" "$log"; else tail -8 "$log"; fi
     done | tee -a "$LOG"
     rm -f "$RUNS"/sweep_*.log
-    [ $(( $(elapsed) + 40 )) -le "$BUDGET_S" ] || { say "reserved sweep stopped after wave $wave: budget"; break; }
   done
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }

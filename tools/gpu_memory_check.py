@@ -14,7 +14,8 @@ PYTORCH_CUDA_ALLOC_CONF) and prints, per run:
   * the device memory outside the allocator (mem_get_info's used minus reserved, at the end:
     CUDA context, cuBLAS handles, NCCL) against fsdp-plan's CUDA context + NCCL terms;
 then the mean and worst absolute error of each. Nothing is fitted here: fsdp-plan is run as a
-user would run it. Exit 2 on a missing file or a run fsdp-plan refuses.
+user would run it. Exit 1 on a missing file, a run fsdp-plan refuses, or (--max-mean-error) a mean
+error past its limit.
 """
 
 import argparse

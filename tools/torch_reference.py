@@ -288,6 +288,8 @@ def parse_args(argv=None):
         parser.error("--ac-every needs --ac full and --framework fsdp2")
     if args.init_from and not os.path.isdir(args.init_from):
         parser.error(f"--init-from: not a directory: {args.init_from}")
+    if args.init == "meta" and not meta_init_possible(args):
+        parser.error("--init meta needs --framework fsdp2 without --init-from, --lora-rank or --qlora")
     args.token_ids = load_tokens(parser, args.tokens, text_config_dict(args.model_dict)["vocab_size"]) if args.tokens else None
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
@@ -370,6 +372,14 @@ def meta_init(args):
     """Whether the model is built on the meta device (--init, and its default)."""
     if args.init:
         return args.init == "meta"
+    return meta_init_possible(args)
+
+
+def meta_init_possible(args):
+    """Meta-device init materialises after fully_shard with transformers' own initialisation: FSDP2
+    from seeded weights only (a checkpoint's weights, peft's adapters and bitsandbytes' packing
+    need real tensors, and FSDP1 materialises through reset_parameters, which leaves RMSNorm
+    weights and RoPE's inverse frequencies unset)."""
     return args.framework == "fsdp2" and not (args.init_from or args.lora_rank or args.qlora)
 
 
@@ -765,14 +775,15 @@ def start_memory_history(args, device):
     return start
 
 
-def write_memory_history(path, start_segments):
-    """The recorded events as [action, address, size, stream] (the trace of device 0) and the
-    segments at the start and now."""
+def write_memory_history(path, start_segments, device):
+    """The recorded events as [action, address, size, stream] (the trace of this rank's device) and
+    the segments at the start and now."""
     import torch
-    torch.cuda.synchronize()
-    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.synchronize(device)
+    snapshot = torch.cuda.memory._snapshot(device)
     torch.cuda.memory._record_memory_history(enabled=None)
-    traces = snapshot["device_traces"][0] if snapshot["device_traces"] else []
+    index = device.index or 0
+    traces = snapshot["device_traces"][index] if len(snapshot["device_traces"]) > index else []
     doc = {"source": "torch.cuda.memory._snapshot() with _record_memory_history(enabled='all', context=None)",
            "events": [[e["action"], e["addr"], e["size"], e["stream"]] for e in traces],
            "segments_at_start": start_segments, "segments_at_end": segments_of(snapshot)}
@@ -952,8 +963,8 @@ def run_training(args, model, device, rank, world):
         run["steps_s"].append(event if event is not None else wall)
         run["wall_steps_s"].append(wall)
     run["timed_peaks"] = peak_stats(device)
-    if history is not None:
-        write_memory_history(args.memory_history, history)
+    if history is not None and rank == 0:  # every rank records its own device; rank 0's is written
+        write_memory_history(args.memory_history, history, device)
     if run["warm_peaks"] is None:
         run["warm_peaks"] = run["timed_peaks"]
     run["device_memory"] = device_memory(device)

@@ -247,6 +247,23 @@ TEST_CASE("random traffic keeps the allocator's accounting consistent under ever
   }
 }
 
+// An expandable segment reserves 1 1/8 of the device's memory in address space: a request larger
+// than that maps the whole new range and still falls short. PyTorch's try_allocate_expandable_block
+// then returns nullptr at the range's end (new_candidate == nullptr), and the malloc fails after
+// freeing the cache and retrying, as any other.
+TEST_CASE("expandable segments: a request past a whole range fails as an out-of-memory, not past the segment's end") {
+  CountingDeviceMemory device(64 * GiB, GiB);  // room to map, a 1 GiB device's ranges
+  CachingAllocator a(Conf("expandable_segments:True"), device);
+  CHECK(a.Malloc(2 * GiB, 0) == CachingAllocator::kNoHandle);
+  CHECK(a.stats().num_ooms == 1);
+  CHECK(a.stats().num_alloc_retries == 1);
+  CHECK(a.stats().allocated_bytes == 0);
+  CHECK(a.stats().reserved_bytes == device.used_bytes());
+  const auto h = a.Malloc(GiB, 0);  // one range holds it
+  REQUIRE(h != CachingAllocator::kNoHandle);
+  CHECK(a.stats().allocated_bytes == GiB);
+}
+
 TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
   AllocatorConfig c = Conf("expandable_segments:True, max_split_size_mb:128,garbage_collection_threshold:0.6");
   CHECK(c.expandable_segments);

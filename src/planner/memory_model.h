@@ -110,7 +110,10 @@ struct ReplayOptions {
   /// What the allocator may reserve; unlimited, the replay does not depend on the card (a search
   /// reuses it across GPU types of one BLAS workspace size).
   int64_t reserve_limit_bytes = std::numeric_limits<int64_t>::max() / 4;
-  int64_t device_bytes = int64_t{80} << 30;      ///< sizes expandable segments' address ranges only
+  /// Sizes expandable segments' address ranges only (1 1/8 of it each). The unlimited replay's is
+  /// 1 PiB, so that its ranges never end, as its reserve never does; a card's replay
+  /// (ReplayOnCard) sets the card's.
+  int64_t device_bytes = int64_t{1} << 50;
   /// Skip the micro-batches that repeat a cycle of states (StepPlayer::PlayMicroBatches); false
   /// plays every one (what tests compare the skipping with)
   bool skip_repeated_micro_batches = true;

@@ -50,6 +50,28 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
   return static_cast<BlockId>(blocks_.size() - 1);
 }
 
+void MemoryTracker::AllocatorOnly(const std::vector<int64_t>& bytes, Stream stream) {
+  if (!allocator_ || oom_) return;
+  const int64_t reserved_peak_before = allocator_->stats().reserved_peak_bytes;
+  std::vector<CachingAllocator::Handle> handles;
+  handles.reserve(bytes.size());
+  for (int64_t b : bytes) {
+    if (b <= 0) continue;
+    const CachingAllocator::Handle h = allocator_->Malloc(b, static_cast<int>(stream));
+    if (h == CachingAllocator::kNoHandle) {  // PyTorch would raise here as at any malloc
+      oom_ = true;
+      oom_phase_ = phase_;
+      break;
+    }
+    handles.push_back(h);
+  }
+  for (CachingAllocator::Handle h : handles) allocator_->Free(h);
+  if (allocator_->stats().reserved_peak_bytes > reserved_peak_before) {
+    reserved_peak_phase_ = phase_;
+    reserved_peak_before_reset_ = false;
+  }
+}
+
 void MemoryTracker::Recategorize(BlockId block, MemCategory category) {
   if (block == kNoBlock) return;
   Block& b = blocks_[block];

@@ -48,6 +48,10 @@ class MemoryTracker {
   const Phase& phase() const { return phase_; }
 
   BlockId Alloc(MemCategory category, int64_t bytes, Stream stream = Stream::kCompute);
+  /// Blocks the caching allocator hands out together and takes back at once, outside the tensors'
+  /// accounting (no category, no allocated peak): their only effect is on the allocator's
+  /// segments and reserved bytes. Without an allocator, nothing.
+  void AllocatorOnly(const std::vector<int64_t>& bytes, Stream stream = Stream::kCompute);
   /// Moves a live block to another category (a reduce-scatter output that becomes the sharded gradient).
   void Recategorize(BlockId block, MemCategory category);
   /// Frees a block (kNoBlock is ignored) and sets the handle to kNoBlock.

@@ -244,6 +244,13 @@ double EstimateRuntimeStepSeconds(const Workload& workload) {
 namespace fsdp {
 namespace {
 
+// The engine's allocator settings: --alloc-conf as the engine parses it (a run with a setting it
+// refuses never starts, so the default stands in for one).
+AllocatorConfig EngineAllocatorConfig(const Workload& w) {
+  auto parsed = ParseAllocatorConfig(w.config.alloc_conf);
+  return parsed.ok() ? parsed.value() : AllocatorConfig{};
+}
+
 // Mirrors the GPU engine's calls to its DeviceAllocator on the same schedule, in the same order
 // (cuda_engine.cc's Unshard, ForwardNode, BackwardNode, Reshard and Reduce; cuda_block.cc).
 class GpuRuntimePlayer {
@@ -260,7 +267,8 @@ class GpuRuntimePlayer {
 
   GpuRuntimePlayer(const Workload& w, EventsPass events_pass)
       : events_pass_(events_pass), w_(w), schedule_(BuildSchedule(w)), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1),
-        phases_(w), device_(std::numeric_limits<int64_t>::max() / 4, w.hardware.memory_bytes), policy_(AllocatorConfig{}, device_) {
+        phases_(w), device_(std::numeric_limits<int64_t>::max() / 4, w.hardware.memory_bytes),
+        policy_(EngineAllocatorConfig(w), device_) {
     const ModelSpec& m = w.model;
     e_ = BytesPerElement(w.config.param_dtype);
     T_ = w.TokensPerMicroBatch();
@@ -508,7 +516,7 @@ class GpuRuntimePlayer {
   Phase peak_phase_{StepPhase::kInitialisation};
   GpuRuntimeMemory result_;
   CountingDeviceMemory device_;  // no limit: what the engine reserves on a card that never runs out
-  CachingAllocator policy_;      // the engine's own policy (default PYTORCH_CUDA_ALLOC_CONF)
+  CachingAllocator policy_;      // the engine's own policy, configured by --alloc-conf as the engine is
   std::vector<CachingAllocator::Handle> handles_;  // per Id
   std::vector<CachingAllocator::Handle> pending_;  // freed blocks awaiting another stream's event
 };

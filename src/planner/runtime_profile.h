@@ -50,8 +50,8 @@ struct GpuRuntimeMemory {
   CategoryBytes at_peak{};
   int64_t peak_bytes = 0;
   std::string peak_phase;
-  /// The engine's caching allocator replayed on the same calls, over two steps (no limit, default
-  /// configuration). When a block one stream frees after another used it becomes reusable
+  /// The engine's caching allocator replayed on the same calls, over two steps (no limit, the
+  /// run's --alloc-conf). When a block one stream frees after another used it becomes reusable
   /// depends on how far the host runs ahead of the GPU, which the replay does not know, so it
   /// gives both ends: reusable at the engine's next allocation (the GPU keeps up: the least the
   /// engine reserves), and only at the end of the step (the host a whole step ahead: the most).
