@@ -200,6 +200,7 @@ if [ -n "${QUICK:-}" ]; then
   gpt2_block_row
   op_sac_row
   family_quick_rows
+  check "2 ranks Llama 4 AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$L4"  # a softmax's-backward peak
   lora_quick_row
   qlora_quick_row
   exit 0

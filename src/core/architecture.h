@@ -104,6 +104,9 @@ struct Architecture {
   /// eager attention's softmax runs in fp32 and is cast back (HF Llama-style eager_attention_forward),
   /// rather than in the compute dtype (GPT-2's)
   bool softmax_fp32 = true;
+  /// The attention's output projection (module path inside the block): its backward runs just
+  /// before the attention core's, the moment a block's backward holds the scores' gradients
+  std::string attention_output = "self_attn.o_proj";
   std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
   /// A model whose `block` routes its MLP through experts may run a dense one in some layers
   /// (DeepSeek-V3's first first_k_dense_replace, Qwen3-MoE's mlp_only_layers): those layers'

@@ -143,8 +143,7 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelShape& m, const 
     return;
   }
   // Gemma 2's soft-capping, cap * tanh(scores / cap), before the softmax: tanh saves its output
-  // (for its own backward, which runs after the softmax's: not an "attn_core." tensor that
-  // FreedBeforeSoftmaxBackward counts as freed)
+  // (for its own backward, which runs after the softmax's: still saved at MarkSoftmaxBackward's moment)
   if (m.attn_logit_softcapping > 0 && f.scores) out.push_back({"self_attn.softcap_tanh", d.c * scores, true});
   if (m.attention_sinks) {
     // gpt-oss: the scores joined by the head's sink logit (torch.cat), less their row maximum
@@ -617,10 +616,9 @@ bool KeptByOpCheckpointing(const SavedTensor& t, const FsdpConfig& cfg, const Di
   return t.name == "self_attn.v_repeated" && d.kv_heads >= d.heads;
 }
 
-// What a block's backward has freed of its saved tensors when its softmax's backward runs:
+// What GPT-2's block backward has freed of its saved tensors when its softmax's backward runs:
 // everything the forward saved after the attention core (the output projection, the second norm,
-// the MLP) and the core's tensors other than the softmax's own output (dropout's mask and output;
-// Llama's probabilities copy in c, the softmax having run in fp32).
+// the MLP) and the core's tensors other than the softmax's own output (dropout's mask and output).
 int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::string_view softmax_output) {
   int64_t core = 0, after = 0;
   bool past_core = false;
@@ -636,26 +634,55 @@ int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::s
   return core + after;
 }
 
+// Eager attention over separate q, k and v projections: the gradients alive while the softmax's
+// backward runs, beyond the saved tensors still referenced, and the marking of those already
+// freed (SavedTensor::freed_by_softmax_backward). By then autograd has run the backward of
+// everything after the attention core (the output projection, the second norm, the MLP: their
+// saved tensors are released, their weight gradients exist) and of probs @ v, which released its
+// copy of v and its copy of the probabilities (Llama's c cast of the fp32 softmax). Alive: the
+// residual stream's gradient (c h per token), v's gradient (v's saved shape), and two gradients
+// of the softmax output's shape (its output's and its input's; fp32 for Llama's fp32 softmax,
+// the probabilities' gradient cast up first). FSDPMemTracker at the peak of a two-rank --ac full
+// step (tools/peak_trace.py: Llama 3 2k-vocab, Gemma 2, gpt-oss, Llama 4) holds exactly these.
+// gpt-oss's peak comes one op later, in the row maximum's backward (zeros and a scatter of the
+// scores' shape while the probabilities are freed): the same bytes. Returns 0 where the scores
+// need no gradient.
+int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, std::vector<SavedTensor>& block) {
+  if (cfg.attention != Attention::kEager || m.arch.fused_qkv) return 0;  // GPT-2: q, k, v views of one saved output
+  const std::string_view softmax_output = m.arch.softmax_fp32 && !m.attention_sinks ? "attn_core.softmax_fp32" : "attn_core.probs";
+  size_t softmax = block.size(), last_core = 0;
+  for (size_t i = 0; i < block.size(); ++i) {
+    if (block[i].name == softmax_output) softmax = i;
+    if (block[i].attention_core) last_core = i;
+  }
+  if (softmax == block.size()) return 0;
+  int64_t value_grad = 0;
+  for (size_t i = 0; i < block.size(); ++i) {
+    SavedTensor& t = block[i];
+    const bool value = t.name == "self_attn.v_repeated" || t.name == "self_attn.v_contiguous";
+    if (value) value_grad = t.bytes;
+    t.freed_by_softmax_backward = value || i > last_core || (i > softmax && t.attention_core);
+  }
+  return d.c * d.h * d.tokens + value_grad + 2 * block[softmax].bytes;
+}
+
 // Largest set of gradients alive at once inside a block's backward, beyond its saved tensors:
 // the incoming and outgoing hidden-state gradients plus the largest op-level transient. `block`
-// is what the block's forward saves (LlamaBlock / Gpt2Block).
-int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block) {
+// is what the block's forward saves; `softmax_moment`: the attention core's backward is
+// MarkSoftmaxBackward's moment, not a term here.
+int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block,
+                             bool softmax_moment) {
   const int64_t hT = d.h * d.tokens, scores = d.heads * d.seq * d.tokens;
   int64_t attention = 0;
-  if (cfg.attention == Attention::kEager && !m.arch.softmax_fp32) {
+  if (softmax_moment) {
+    attention = 0;
+  } else if (cfg.attention == Attention::kEager && m.arch.fused_qkv) {
     // GPT-2's softmax runs in c: the probabilities' gradient and the softmax input's (2 c a s per
     // token) and 3 c h of q/k/v gradients, while the probabilities are still saved. MemTracker on
     // one GPT2Block (transformers 5.24, bf16, 2048 tokens, no dropout): 138.4 MB beyond the saved
     // tensors, the incoming gradient and the weight gradients, as this term gives (docs/memory-model.md).
     attention = 2 * d.c * scores + 3 * d.c * hT - FreedBeforeSoftmaxBackward(block, "attn_core.probs");
-  } else if (cfg.attention == Attention::kEager) {
-    // Llama's softmax runs in fp32: two fp32 scores-sized gradients (the probabilities' gradient
-    // cast up, the softmax input's) while the fp32 softmax output is still saved. MemTracker on a
-    // one-layer LlamaModel (transformers 5.24, bf16): 95.4 MB beyond the saved tensors and weight
-    // gradients at 2 x 1024 tokens and 246.4 MB at 1 x 2048, as this term (with 2 c h) gives; the
-    // earlier constant 4 a s matched the first shape only (docs/memory-model.md).
-    attention = 8 * scores - FreedBeforeSoftmaxBackward(block, "attn_core.softmax_fp32");
-  } else {
+  } else if (cfg.attention != Attention::kEager) {
     attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }
   // rows per token through the experts: top-k, or every expert (Llama 4's dense dispatch)
@@ -693,6 +720,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   const Dims d = DimsOf(m, cfg, window);
   BlockActivations a;
   a.full = BlockSaved(m, cfg, d, input_requires_grad);
+  a.softmax_backward_bytes = MarkSoftmaxBackward(m, cfg, d, a.full);
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
@@ -711,7 +739,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       a.recomputed = a.full;
       break;
   }
-  a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d, a.full);
+  a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d, a.full, a.softmax_backward_bytes > 0);
   return a;
 }
 

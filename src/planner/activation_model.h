@@ -20,6 +20,9 @@ struct SavedTensor {
   /// a kept tensor only the recomputation reads (selective-op's q and down outputs): freed as soon as
   /// the block's backward has recomputed the block, not at its end
   bool freed_after_recompute = false;
+  /// freed by the time the softmax's backward runs (BlockActivations::softmax_backward_bytes):
+  /// saved after the attention core, or by a core op whose backward has run (probs @ v's copy of v)
+  bool freed_by_softmax_backward = false;
 };
 
 /// Activation memory of one decoder block for one micro-batch.
@@ -27,7 +30,15 @@ struct BlockActivations {
   std::vector<SavedTensor> full;       ///< saved by an un-checkpointed forward (eager or flash attention)
   std::vector<SavedTensor> kept;       ///< kept until backward under the configured checkpointing
   std::vector<SavedTensor> recomputed; ///< of `full`, what checkpointing re-creates for the block's backward (alive through it)
-  int64_t backward_working_bytes = 0;  ///< transient gradients alive inside the block's backward
+  /// Transient gradients alive inside the block's backward beyond its saved tensors: with
+  /// softmax_backward_bytes, those of the MLP's and norms' backward only
+  int64_t backward_working_bytes = 0;
+  /// Eager attention over separate q, k and v projections: the gradients alive while the
+  /// softmax's backward runs (after the output projection's backward, so with the weight
+  /// gradients of everything from it on, and after the tensors marked freed_by_softmax_backward
+  /// are gone): the residual stream's, v's and two of the scores' shape. 0: no such moment
+  /// modelled (SDPA, GPT-2's fused c_attn, or scores that need no gradient)
+  int64_t softmax_backward_bytes = 0;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
 };

@@ -85,16 +85,23 @@ TEST_CASE("selective checkpointing with GQA keeps k and v at kv-head width") {
             Profile("llama-2-7b", seq, Attention::kEager, Checkpointing::kSelective).KeptBytes() == 6LL * 32 * seq * seq);
 }
 
-TEST_CASE("Llama eager backward working memory: two fp32 scores-sized gradients, after the block has freed the rest") {
-  // llama-2-7b at seq 4096, bf16: incoming and outgoing hidden-state gradients 2 * 2h plus the
-  // largest transient, the fp32 softmax's backward (> the MLP's 3 * 2I = 66,048).
-  // 8as: two fp32 scores-sized gradients; less the bf16 probabilities 2as and what the forward saved
-  // after the core, freed by then: o_proj's input 2h, post_attention_layernorm 4h + 4 + 2 x 2h,
-  // SwiGLU 4 x 2I
-  const int64_t after_core = 2 * 4096 + (4 * 4096 + 4 + 4 * 4096) + 8 * 11008;
-  CHECK(Profile("llama-2-7b", 4096, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 6LL * 32 * 4096 - after_core) * 4096);
-  // at seq 128 the MLP's transient is the larger: 3 * 2I = 66,048 > 6as - after_core = 24,576 - 129,028 < 0
-  CHECK(Profile("llama-2-7b", 128, Attention::kEager).backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 128);
+TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's moment with the rest freed") {
+  // llama-2-7b at seq 4096, bf16 (h 4096, 32 heads of 128, I 11008), per token. The MLP's term:
+  // incoming and outgoing hidden-state gradients 2 x 2h plus SwiGLU's 3 x 2I.
+  const BlockActivations a = Profile("llama-2-7b", 4096, Attention::kEager);
+  CHECK(a.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 4096);
+  // The softmax's moment: the residual gradient 2h, v's gradient 2h (32 x 128 = h), and two fp32
+  // gradients of the fp32 softmax's output, 2 x 4as.
+  CHECK(a.softmax_backward_bytes == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
+  // Freed by then: v's saved copy, the bf16 probabilities (after the softmax in the core), and
+  // everything after the core; the softmax's output, q, k and the first norm's still saved.
+  int64_t freed = 0, kept = 0;
+  for (const SavedTensor& t : a.full) (t.freed_by_softmax_backward ? freed : kept) += t.bytes;
+  const int64_t after_core = 2 * 4096 + (4 * 4096 + 4 + 2 * 4096 + 2 * 4096) + 4 * 2 * 11008;
+  CHECK(freed == (2 * 4096 + 2LL * 32 * 4096 + after_core) * 4096);
+  CHECK(kept == ((4 * 4096 + 4 + 2 * 4096 + 2 * 4096) + 2 * 4096 + 2 * 4096 + 4LL * 32 * 4096) * 4096);
+  // flash: no such moment (SDPA's backward is a term of backward_working_bytes)
+  CHECK(Profile("llama-2-7b", 4096, Attention::kFlash).softmax_backward_bytes == 0);
 }
 
 TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized gradients, after the block has freed the rest") {

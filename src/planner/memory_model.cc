@@ -52,6 +52,22 @@ class StepPlayer {
     kept_grad_.assign(n, kNoBlock);
     reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
+    output_projection_.assign(w.nodes.size(), -1);
+    const std::string suffix = "." + w.model.arch.attention_output;
+    for (size_t node = 0; node < w.nodes.size(); ++node) {  // each block's attention output projection
+      if (!w.nodes[node].path.ends_with(suffix)) continue;
+      int block = w.nodes[node].parent;
+      while (block >= 0 && w.nodes[block].role != ModuleNode::Role::kBlock) block = w.nodes[block].parent;
+      if (block >= 0) output_projection_[block] = static_cast<int>(node);
+    }
+    for (int b = 0; b < w.model.num_layers; ++b) {
+      int& holder = mask_holder_[w.model.WindowOf(b) > 0 ? 1 : 0];
+      if (holder < 0 && BlockCheckpointed(c_, b)) holder = b;
+      if (holder == kNoMask) holder = kUnheldMask;
+    }
+    for (size_t node = 0; node < w.nodes.size(); ++node) {
+      if (w.model.tie_word_embeddings && w.nodes[node].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(node);
+    }
     pb_ = BytesPerElement(c_.param_dtype);
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
@@ -388,11 +404,13 @@ class StepPlayer {
           // checkpointed block or attention function, held for the recomputation) until the
           // embedding's backward, as a saved tensor: under --ac full, PyTorch's tensors at the peak
           // held exactly this 4,194,304 bytes (2 x 1024 x 1024 x bf16) more than fsdp-plan counted.
-          const BlockId mask = mem_.Alloc(Cat::kActivations, pb_ * c_.micro_batch * c_.seq_len * c_.seq_len);
-          if (c_.checkpointing != Checkpointing::kNone) {
-            node_saved_[node_id].push_back(mask);
-          } else {
-            causal_mask_ = mask;
+          // A model with sliding-window and full-attention layers builds one of each
+          // (causal_mask_mapping in Gemma 2/3, gpt-oss, Qwen3, Llama 4's chunks): a checkpointed
+          // block holds its kind's until its backward has run (tools/peak_trace.py: gemma2-100m and
+          // gpt-oss-tiny hold both inside block 1's backward, llama4-text-tiny only the chunked one,
+          // its full layer 3 done).
+          for (int kind = 0; kind < 2; ++kind) {
+            if (mask_holder_[kind] != kNoMask) masks_[kind] = mem_.Alloc(Cat::kActivations, pb_ * c_.micro_batch * c_.seq_len * c_.seq_len);
           }
         }
         break;
@@ -408,7 +426,9 @@ class StepPlayer {
         break;
       case ModuleNode::Role::kFinalNorm:
         AllocSaved(node_id, head_.final_norm);
-        mem_.Free(causal_mask_);
+        for (int kind = 0; kind < 2; ++kind) {
+          if (mask_holder_[kind] == kUnheldMask) mem_.Free(masks_[kind]);  // no checkpointed block reads it again
+        }
         break;
       case ModuleNode::Role::kLmHead: {
         BlockId logits = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
@@ -440,9 +460,26 @@ class StepPlayer {
       BackwardActivations(v.node);
       return;
     }
-    for (int t : node.tensors) {  // autograd's gradients of the parameters that require them
-      if (!w_.model.tensors[t].trainable) continue;
-      unit_grad_pieces_[OwningUnit(v.node)].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
+    if (node.role == ModuleNode::Role::kLmHead && node.tensors.empty() && embedding_node_ >= 0) {
+      AllocGradients(embedding_node_);  // tied: AccumulateGrad sets the embedding weight's .grad here
+    } else if (v.node == embedding_node_ && w_.model.tie_word_embeddings) {
+      for (int t : node.tensors) {  // embedding_dense_backward's result, added into that .grad in place
+        if (!w_.model.tensors[t].trainable) continue;
+        BlockId added = mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_);
+        mem_.Free(added);
+      }
+    } else {
+      AllocGradients(v.node);
+    }
+    // the attention core's backward follows its output projection's (or ends a block without one)
+    if (!softmax_blocks_.empty() && (v.node == softmax_blocks_.back().output_projection || v.node == softmax_blocks_.back().node)) {
+      SoftmaxBackward(softmax_blocks_.back());
+      softmax_blocks_.pop_back();
+    }
+    if (node.role == ModuleNode::Role::kBlock) {
+      for (int kind = 0; kind < 2; ++kind) {
+        if (mask_holder_[kind] == node.block) mem_.Free(masks_[kind]);
+      }
     }
     for (size_t i = transient_starts_.back(); i < transients_.size(); ++i) mem_.Free(transients_[i]);
     transients_.resize(transient_starts_.back());
@@ -477,6 +514,9 @@ class StepPlayer {
             if (kept[i].freed_after_recompute) mem_.Free(node_saved_[node_id][i]);
           }
         }
+        if (BlockProfile(node_id).softmax_backward_bytes > 0) {
+          softmax_blocks_.push_back({node_id, output_projection_[node_id], transient_starts_.back(), transient.size()});
+        }
         transient.push_back(mem_.Alloc(Cat::kActivations, BlockProfile(node_id).backward_working_bytes));
         // QLoRA: the weight dequantized again for the input gradient (MatMul4Bit.backward)
         if (nf4_dequant_bytes_ > 0) transient.push_back(mem_.Alloc(Cat::kUnshardedParams, nf4_dequant_bytes_));
@@ -503,6 +543,36 @@ class StepPlayer {
       }
       default: break;
     }
+  }
+
+  // Autograd's gradients of the parameters `node_id` owns that require them.
+  void AllocGradients(int node_id) {
+    for (int t : w_.nodes[node_id].tensors) {
+      if (!w_.model.tensors[t].trainable) continue;
+      unit_grad_pieces_[OwningUnit(node_id)].push_back(mem_.Alloc(Cat::kGradients, w_.model.tensors[t].numel() * pb_));
+    }
+  }
+
+  // A block's backward at its softmax's (BlockActivations::softmax_backward_bytes): the MLP's
+  // working gradients and the saved tensors whose backward has run are gone, the scores'
+  // gradients come and go.
+  struct SoftmaxBlock {
+    int node = -1, output_projection = -1;  ///< the block, and its attention's output projection (-1: none)
+    size_t saved_start = 0;                 ///< where its recomputed tensors begin in transients_
+    size_t working = 0;                     ///< its working transient's index in transients_
+  };
+  void SoftmaxBackward(const SoftmaxBlock& b) {
+    const BlockActivations& profile = BlockProfile(b.node);
+    mem_.Free(transients_[b.working]);
+    for (size_t i = 0; i < profile.recomputed.size(); ++i) {
+      if (profile.recomputed[i].freed_by_softmax_backward) mem_.Free(transients_[b.saved_start + i]);
+    }
+    std::vector<BlockId>& saved = node_saved_[b.node];
+    for (size_t i = 0; i < profile.kept.size() && i < saved.size(); ++i) {
+      if (profile.kept[i].freed_by_softmax_backward) mem_.Free(saved[i]);
+    }
+    BlockId grads = mem_.Alloc(Cat::kActivations, profile.softmax_backward_bytes);
+    mem_.Free(grads);
   }
 
   // The post-backward hook: the unit's gradient as one tensor, kept unsharded under no_sync.
@@ -637,7 +707,15 @@ class StepPlayer {
   std::vector<std::vector<BlockId>> node_saved_;
   std::vector<BlockId> transients_;       ///< backward transients of the nodes entered and not yet left
   std::vector<size_t> transient_starts_;  ///< per entered node: where its transients begin
-  BlockId causal_mask_ = kNoBlock;
+  std::vector<SoftmaxBlock> softmax_blocks_;  ///< blocks in backward whose softmax's has not run yet
+  std::vector<int> output_projection_;        ///< per block node: its Architecture::attention_output node (-1: none)
+  static constexpr int kNoMask = -2, kUnheldMask = -1;
+  /// Eager attention's [B, 1, s, s] masks, full-attention and sliding-window: each kind's, and the
+  /// first checkpointed block that reads it (its backward releases it; kUnheldMask: none, freed
+  /// after the forward; kNoMask: no layer of that kind)
+  std::array<BlockId, 2> masks_{kNoBlock, kNoBlock};
+  std::array<int, 2> mask_holder_{kNoMask, kNoMask};
+  int embedding_node_ = -1;           ///< a tied lm_head's weight: its gradient exists from lm_head's backward
   BlockId fsdp2_deferred_ = kNoBlock;
   BlockId held_logits_ = kNoBlock;  ///< logits the loop still references (loop_holds_outputs)
   BlockId fsdp2_rs_deferred_ = kNoBlock;

@@ -156,6 +156,35 @@ TEST_CASE("a frozen parameter has no gradient and, under FSDP2, no optimizer sta
   CHECK(embedding_backward(m) == -1);
 }
 
+TEST_CASE("a tied lm_head's gradient exists from lm_head's backward; the embedding's adds into it") {
+  auto json = ParseJson(R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+                        R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64,"tie_word_embeddings":true})",
+                        "tied.json");
+  auto m = ModelFromHfConfig(json.value(), "tied", "tied.json");
+  REQUIRE(m.ok());
+  const Workload untied = Build(HandConfig());
+  const Workload tied = BuildWorkload(m.value(), untied.hardware, HandConfig()).value();
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const auto grads_added = [&](const Workload& w, const std::string& phase) {
+    const MemoryEstimate e = EstimateMemory(w, exact);
+    const auto grads = [](const MemoryPoint& p) { return p.device[static_cast<int>(MemCategory::kGradients)]; };
+    size_t first = 0, last = 0;  // the phase's points (one per change); its net effect
+    for (size_t i = 1; i < e.timeline.size(); ++i) {
+      if (e.timeline[i].phase != phase) continue;
+      if (first == 0) first = i;
+      last = i;
+    }
+    return first == 0 ? int64_t{-1} : grads(e.timeline[last]) - grads(e.timeline[first - 1]);
+  };
+  // the 16 x 8 fp32 weight's 512 bytes: at lm_head's backward in both; the embedding's backward
+  // adds another 512 only when untied (tied: its result goes into the same .grad and is freed)
+  CHECK(grads_added(untied, "backward: lm_head + loss") == 512);
+  CHECK(grads_added(tied, "backward: lm_head + loss") == 512);
+  CHECK(grads_added(untied, "backward: model.embed_tokens") == 512);
+  CHECK(grads_added(tied, "backward: model.embed_tokens") == 0);
+}
+
 TEST_CASE("allocations are rounded to 512 bytes like PyTorch's caching allocator") {
   MemoryOptions o;  // rounding 512, no framework terms
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);
