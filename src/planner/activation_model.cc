@@ -591,13 +591,15 @@ std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelShape& m, const Fs
 // full's, with eager attention and with SDPA (docs/memory-model.md). The recomputation takes each
 // kept output out of the policy's cache; those the recomputed ops do not save again (q's, which
 // RoPE reads; down's, which the residual add reads; v's when repeat_kv copies it) are freed then.
+// By the softmax's backward v's and gate's are gone too (SiLU's backward and probs @ v's have run:
+// tools/peak_trace.py on the 2k-vocabulary op-SAC row, which still holds down's there).
 std::vector<SavedTensor> OpCheckpointKept(const FsdpConfig& cfg, const Dims& d) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
   const bool v_copied = cfg.attention == Attention::kEager && d.kv_heads < d.heads;
   std::vector<SavedTensor> kept = {{"checkpoint.block_input", d.c * d.h * d.tokens},
                                    {"op_sac.q_proj_out", d.c * q, false, true},
-                                   {"op_sac.v_proj_out", d.c * kv, false, v_copied},
-                                   {"op_sac.gate_proj_out", d.c * d.inner * d.tokens},
+                                   {"op_sac.v_proj_out", d.c * kv, false, v_copied, true},
+                                   {"op_sac.gate_proj_out", d.c * d.inner * d.tokens, false, false, true},
                                    {"op_sac.down_proj_out", d.c * d.h * d.tokens, false, true}};
   if (cfg.attention == Attention::kFlash) {
     kept.push_back({"op_sac.sdpa_out", d.c * q});
