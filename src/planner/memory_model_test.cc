@@ -1,6 +1,7 @@
 #include "planner/memory_model.h"
 
 #include <doctest/doctest.h>
+#include <fmt/format.h>
 
 #include "core/catalog.h"
 #include "core/hardware_spec.h"
@@ -183,6 +184,45 @@ TEST_CASE("a tied lm_head's gradient exists from lm_head's backward; the embeddi
   CHECK(grads_added(tied, "backward: lm_head + loss") == 512);
   CHECK(grads_added(untied, "backward: model.embed_tokens") == 512);
   CHECK(grads_added(tied, "backward: model.embed_tokens") == 0);
+}
+
+TEST_CASE("eager attention holds one mask per kind of layer, until its first checkpointed reader's backward") {
+  // Gemma 2 with a sliding window of 1 token at seq 2: alternating sliding and full layers (two
+  // masks) against no window (one); each mask is [B, 1, s, s] = 4 elements of 4 bytes
+  const auto gemma = [](const char* window) {
+    auto json = ParseJson(fmt::format(R"({{"model_type":"gemma2","vocab_size":16,"hidden_size":8,"intermediate_size":16,)"
+                                      R"("num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":4,)"
+                                      R"("max_position_embeddings":64,"sliding_window":{}}})", window),
+                          "gemma2.json");
+    auto m = ModelFromHfConfig(json.value(), "gemma2", "gemma2.json");
+    REQUIRE(m.ok());
+    return m.value();
+  };
+  const ModelSpec two_kinds = gemma("1"), one_kind = gemma("null");
+  REQUIRE(two_kinds.WindowOf(0) == 1);
+  REQUIRE(one_kind.WindowOf(0) == 0);
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const auto act = [](const MemoryPoint& p) { return p.device[static_cast<int>(MemCategory::kActivations)]; };
+  for (Checkpointing ac : {Checkpointing::kNone, Checkpointing::kFull}) {
+    CAPTURE(static_cast<int>(ac));
+    FsdpConfig c = HandConfig();
+    c.attention = Attention::kEager;
+    c.checkpointing = ac;
+    const HardwareSpec hw = Build(HandConfig()).hardware;
+    const MemoryEstimate two = EstimateMemory(BuildWorkload(two_kinds, hw, c).value(), exact);
+    const MemoryEstimate one = EstimateMemory(BuildWorkload(one_kind, hw, c).value(), exact);
+    const auto after_embedding = [&](const MemoryEstimate& e) {
+      int64_t last = -1;
+      for (const MemoryPoint& p : e.timeline) {
+        if (p.phase == "forward: model.embed_tokens") last = act(p);
+      }
+      return last;
+    };
+    CHECK(after_embedding(two) - after_embedding(one) == 16);
+    CHECK(act(two.timeline.back()) == 0);  // both freed by the step's end, neither twice
+    CHECK(act(one.timeline.back()) == 0);
+  }
 }
 
 TEST_CASE("allocations are rounded to 512 bytes like PyTorch's caching allocator") {
