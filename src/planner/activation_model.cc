@@ -648,9 +648,10 @@ int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::s
 // step (tools/peak_trace.py: Llama 3 2k-vocab, Gemma 2, gpt-oss, Llama 4) holds exactly these.
 // gpt-oss's peak comes one op later, in the row maximum's backward (zeros and a scatter of the
 // scores' shape while the probabilities are freed): the same bytes. Returns 0 where the scores
-// need no gradient.
-int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, std::vector<SavedTensor>& block) {
-  if (cfg.attention != Attention::kEager || m.arch.fused_qkv) return 0;  // GPT-2: q, k, v views of one saved output
+// need no gradient (LoRA on v alone: the probabilities are saved for v's gradient only); v's
+// gradient only where v needs one.
+int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f, std::vector<SavedTensor>& block) {
+  if (cfg.attention != Attention::kEager || m.arch.fused_qkv || !f.scores) return 0;  // GPT-2: q, k, v views of one saved output
   const std::string_view softmax_output = m.arch.softmax_fp32 && !m.attention_sinks ? "attn_core.softmax_fp32" : "attn_core.probs";
   size_t softmax = block.size(), last_core = 0;
   for (size_t i = 0; i < block.size(); ++i) {
@@ -662,7 +663,7 @@ int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Di
   for (size_t i = 0; i < block.size(); ++i) {
     SavedTensor& t = block[i];
     const bool value = t.name == "self_attn.v_repeated" || t.name == "self_attn.v_contiguous";
-    if (value) value_grad = t.bytes;
+    if (value && f.v) value_grad = t.bytes;
     t.freed_by_softmax_backward = value || i > last_core || (i > softmax && t.attention_core);
   }
   return d.c * d.h * d.tokens + value_grad + 2 * block[softmax].bytes;
@@ -722,11 +723,16 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   const Dims d = DimsOf(m, cfg, window);
   BlockActivations a;
   a.full = BlockSaved(m, cfg, d, input_requires_grad);
-  a.softmax_backward_bytes = MarkSoftmaxBackward(m, cfg, d, a.full);
+  a.softmax_backward_bytes = MarkSoftmaxBackward(m, cfg, d, FlowOf(m, input_requires_grad), a.full);
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
       for (const auto& t : a.full) (t.attention_core ? a.recomputed : a.kept).push_back(t);
+      // without GQA v itself is an input of the checkpointed attention function, which holds it
+      // until the function's whole backward has run (recomputed copies are the ones released)
+      for (auto& t : a.kept) {
+        if (t.name == "self_attn.v_repeated") t.freed_by_softmax_backward = false;
+      }
       for (const auto& t : SelectiveCheckpointInputs(m, cfg, d)) a.kept.push_back(t);
       break;
     case Checkpointing::kSelectiveOp:
