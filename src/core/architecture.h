@@ -107,6 +107,11 @@ struct Architecture {
   /// The attention's output projection (module path inside the block): its backward runs just
   /// before the attention core's, the moment a block's backward holds the scores' gradients
   std::string attention_output = "self_attn.o_proj";
+  /// q, k and v reach eager attention as transposed views of their projections ([B, s, heads, d]
+  /// underneath; RoPE's elementwise ops keep that layout), which torch.matmul copies into
+  /// [B * heads, s, d] for a micro-batch of more than one sequence (tools/peak_trace.py: OLMo 2);
+  /// false where RoPE ends in torch.cat (gpt-oss), which leaves q and k contiguous
+  bool qkv_transposed_views = true;
   std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
   /// A model whose `block` routes its MLP through experts may run a dense one in some layers
   /// (DeepSeek-V3's first first_k_dense_replace, Qwen3-MoE's mlp_only_layers): those layers'

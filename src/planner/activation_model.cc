@@ -582,6 +582,25 @@ std::vector<SavedTensor> SelectiveCheckpointInputs(const ModelShape& m, const Fs
   return {{"attn_core.k_input", d.c * kv}, {"attn_core.v_input", d.c * kv}};
 }
 
+// What the recomputed attention function copies under --ac selective, beside the inputs the
+// checkpoint holds: torch.matmul's contiguous copies of q (for q k^T) and, without GQA (repeat_kv
+// returns k and v themselves), of k and v, when they arrive as transposed views
+// (Architecture::qkv_transposed_views) and the micro-batch has more than one sequence (one merges
+// batch and heads in a view). Un-checkpointed, the copies are what the matmuls save and the views
+// die: the same bytes as q_rope, k_repeated and v_repeated. tools/peak_trace.py: OLMo 2 (GQA,
+// 2 x 1024) recomputes q's copy; Llama (MHA, 1 x 2048) none.
+std::vector<SavedTensor> MatmulCopies(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& full) {
+  std::vector<SavedTensor> copies;
+  if (cfg.attention != Attention::kEager || m.arch.fused_qkv || m.mla.enabled() || !m.arch.qkv_transposed_views || cfg.micro_batch < 2) return copies;
+  const bool mha = d.kv_heads >= d.heads;
+  for (const SavedTensor& t : full) {
+    if (t.name == "self_attn.q_rope") copies.push_back({"attn_core.q_copy", t.bytes, true});
+    if (mha && t.name == "self_attn.k_repeated") copies.push_back({"attn_core.k_copy", t.bytes, true});
+    if (mha && t.name == "self_attn.v_repeated") copies.push_back({"attn_core.v_copy", t.bytes, true, false, true});
+  }
+  return copies;
+}
+
 // torchtitan's op-level selective AC on a Llama block (selective_ac_option "op": a selective-checkpoint
 // policy with MUST_SAVE for aten.mm, except every second call in the block, and for the SDPA flash
 // and memory-efficient kernels). HF's block calls mm for q, k, v, o, gate, up and down in that order,
@@ -734,6 +753,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
         if (t.name == "self_attn.v_repeated") t.freed_by_softmax_backward = false;
       }
       for (const auto& t : SelectiveCheckpointInputs(m, cfg, d)) a.kept.push_back(t);
+      for (const auto& t : MatmulCopies(m, cfg, d, a.full)) a.recomputed.push_back(t);
       break;
     case Checkpointing::kSelectiveOp:
       a.kept = OpCheckpointKept(cfg, d);

@@ -32,6 +32,7 @@ Status ReadGptOss(const JsonReader& r, ModelSpec& m) {
   a.decoder_layer_class = "GptOssDecoderLayer";
   a.norm_weight_fp32 = true;
   a.softmax_fp32 = false;  // eager_attention_forward's softmax(..., dtype=combined_logits.dtype)
+  a.qkv_transposed_views = false;  // _apply_rotary_emb: torch.cat of the two halves
   a.experts_clamped_swiglu = true;
   m.router = ModelShape::Router::kTopKThenSoftmax;
   a.mlp = MlpKind::kMoe;
