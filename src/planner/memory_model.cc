@@ -796,7 +796,10 @@ FrameworkOverheads FrameworkOverheadsFor(const Workload& w) {
   if (arch == "hopper" || arch == "blackwell") per_thread = kCublasWorkspaceSm90;
   if (arch == "cdna3") per_thread = kHipblasWorkspaceGfx94x;
   if (arch != "cpu") {
-    for (int64_t t = 0; t < kBlasThreads; ++t) o.cublas_workspace_blocks.insert(o.cublas_workspace_blocks.end(), {per_thread, kCublasLtWorkspace});
+    for (int64_t t = 0; t < kBlasThreads; ++t) {  // (two push_backs: GCC 12's -Wstringop-overflow misfires on an initializer-list insert)
+      o.cublas_workspace_blocks.push_back(per_thread);
+      o.cublas_workspace_blocks.push_back(kCublasLtWorkspace);
+    }
   }
   o.cublas_workspace_bytes = std::accumulate(o.cublas_workspace_blocks.begin(), o.cublas_workspace_blocks.end(), int64_t{0});
   if (auto alloc = ParseAllocatorConfig(w.config.alloc_conf); alloc.ok()) o.allocator = alloc.value();  // validated with the flags
