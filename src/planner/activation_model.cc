@@ -637,53 +637,50 @@ bool KeptByOpCheckpointing(const SavedTensor& t, const FsdpConfig& cfg, const Di
   return t.name == "self_attn.v_repeated" && d.kv_heads >= d.heads;
 }
 
-// What GPT-2's block backward has freed of its saved tensors when its softmax's backward runs:
-// everything the forward saved after the attention core (the output projection, the second norm,
-// the MLP) and the core's tensors other than the softmax's own output (dropout's mask and output).
-int64_t FreedBeforeSoftmaxBackward(const std::vector<SavedTensor>& block, std::string_view softmax_output) {
-  int64_t core = 0, after = 0;
-  bool past_core = false;
-  for (const SavedTensor& t : block) {
-    if (t.attention_core) {
-      past_core = true;
-      after = 0;
-      if (t.name.starts_with("attn_core.") && t.name != softmax_output) core += t.bytes;
-    } else if (past_core) {
-      after += t.bytes;
-    }
-  }
-  return core + after;
-}
+// probs @ v's own copy of v: repeat_kv's expansion, or MLA's contiguous values.
+bool IsValueCopy(const SavedTensor& t) { return t.name == "self_attn.v_repeated" || t.name == "self_attn.v_contiguous"; }
 
-// Eager attention over separate q, k and v projections: the gradients alive while the softmax's
-// backward runs, beyond the saved tensors still referenced, and the marking of those already
-// freed (SavedTensor::freed_by_softmax_backward). By then autograd has run the backward of
-// everything after the attention core (the output projection, the second norm, the MLP: their
-// saved tensors are released, their weight gradients exist) and of probs @ v, which released its
-// copy of v and its copy of the probabilities (Llama's c cast of the fp32 softmax). Alive: the
-// residual stream's gradient (c h per token), v's gradient (v's saved shape), and two gradients
-// of the softmax output's shape (its output's and its input's; fp32 for Llama's fp32 softmax,
-// the probabilities' gradient cast up first). FSDPMemTracker at the peak of a two-rank --ac full
-// step (tools/peak_trace.py: Llama 3 2k-vocab, Gemma 2, gpt-oss, Llama 4) holds exactly these.
-// gpt-oss's peak comes one op later, in the row maximum's backward (zeros and a scatter of the
-// scores' shape while the probabilities are freed): the same bytes. Returns 0 where the scores
-// need no gradient (LoRA on v alone: the probabilities are saved for v's gradient only); v's
-// gradient only where v needs one.
-int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f, std::vector<SavedTensor>& block) {
-  if (cfg.attention != Attention::kEager || m.arch.fused_qkv || !f.scores) return 0;  // GPT-2: q, k, v views of one saved output
-  const std::string_view softmax_output = m.arch.softmax_fp32 && !m.attention_sinks ? "attn_core.softmax_fp32" : "attn_core.probs";
+// What a block's backward has released of its saved tensors when its softmax's backward runs:
+// everything the forward saved after the attention core (the output projection, the second norm,
+// the MLP), the core's tensors after the softmax's output (dropout's mask and output; Llama's c
+// copy of the fp32 probabilities) and, with separate projections, probs @ v's copy of v. Marks
+// them (SavedTensor::freed_by_softmax_backward) and returns the softmax output's index,
+// block.size() when the block saves none (then nothing is marked).
+size_t MarkFreedBySoftmaxBackward(std::vector<SavedTensor>& block, std::string_view softmax_output, bool value_copy) {
   size_t softmax = block.size(), last_core = 0;
   for (size_t i = 0; i < block.size(); ++i) {
     if (block[i].name == softmax_output) softmax = i;
     if (block[i].attention_core) last_core = i;
   }
-  if (softmax == block.size()) return 0;
-  int64_t value_grad = 0;
+  if (softmax == block.size()) return softmax;
   for (size_t i = 0; i < block.size(); ++i) {
     SavedTensor& t = block[i];
-    const bool value = t.name == "self_attn.v_repeated" || t.name == "self_attn.v_contiguous";
-    if (value && f.v) value_grad = t.bytes;
+    const bool value = value_copy && IsValueCopy(t);
     t.freed_by_softmax_backward = value || i > last_core || (i > softmax && t.attention_core);
+  }
+  return softmax;
+}
+
+// Eager attention: marks what is freed by the softmax's backward (above) and, over separate q, k
+// and v projections, returns the gradients alive while it runs, beyond the saved tensors still
+// referenced. By then autograd has run the backward of everything after the attention core
+// (their weight gradients exist) and of probs @ v. Alive: the residual stream's gradient (c h per
+// token), v's gradient (v's saved shape), and two gradients of the softmax output's shape (its
+// output's and its input's; fp32 for Llama's fp32 softmax, the probabilities' gradient cast up
+// first). FSDPMemTracker at the peak of a two-rank --ac full step (tools/peak_trace.py: Llama 3
+// 2k-vocab, Gemma 2, gpt-oss, Llama 4) holds exactly these. gpt-oss's peak comes one op later, in
+// the row maximum's backward (zeros and a scatter of the scores' shape while the probabilities
+// are freed): the same bytes. Returns 0 for GPT-2's fused c_attn (q, k, v views of one saved
+// output: BackwardWorkingBytes' term) and where the scores need no gradient (LoRA on v alone: the
+// probabilities are saved for v's gradient only); v's gradient only where v needs one.
+int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f, std::vector<SavedTensor>& block) {
+  if (cfg.attention != Attention::kEager) return 0;
+  const std::string_view softmax_output = m.arch.softmax_fp32 && !m.attention_sinks ? "attn_core.softmax_fp32" : "attn_core.probs";
+  const size_t softmax = MarkFreedBySoftmaxBackward(block, softmax_output, !m.arch.fused_qkv);
+  if (m.arch.fused_qkv || !f.scores || softmax == block.size()) return 0;
+  int64_t value_grad = 0;
+  for (const SavedTensor& t : block) {
+    if (f.v && IsValueCopy(t)) value_grad = t.bytes;
   }
   return d.c * d.h * d.tokens + value_grad + 2 * block[softmax].bytes;
 }
@@ -703,7 +700,9 @@ int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const D
     // token) and 3 c h of q/k/v gradients, while the probabilities are still saved. MemTracker on
     // one GPT2Block (transformers 5.24, bf16, 2048 tokens, no dropout): 138.4 MB beyond the saved
     // tensors, the incoming gradient and the weight gradients, as this term gives (docs/memory-model.md).
-    attention = 2 * d.c * scores + 3 * d.c * hT - FreedBeforeSoftmaxBackward(block, "attn_core.probs");
+    int64_t freed = 0;  // marked by MarkSoftmaxBackward
+    for (const SavedTensor& t : block) freed += t.freed_by_softmax_backward ? t.bytes : 0;
+    attention = 2 * d.c * scores + 3 * d.c * hT - freed;
   } else if (cfg.attention != Attention::kEager) {
     attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }

@@ -1,6 +1,7 @@
 #include "planner/memory_model.h"
 
 #include <array>
+#include <optional>
 #include <algorithm>
 #include <deque>
 #include <memory>
@@ -54,8 +55,9 @@ class StepPlayer {
     node_saved_.assign(w.nodes.size(), {});
     output_projection_.assign(w.nodes.size(), -1);
     const std::string suffix = "." + w.model.arch.attention_output;
-    for (size_t node = 0; node < w.nodes.size(); ++node) {  // each block's attention output projection
-      if (!w.nodes[node].path.ends_with(suffix)) continue;
+    for (size_t node = 0; node < w.nodes.size(); ++node) {
+      if (w.model.tie_word_embeddings && w.nodes[node].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(node);
+      if (!w.nodes[node].path.ends_with(suffix)) continue;  // each block's attention output projection
       int block = w.nodes[node].parent;
       while (block >= 0 && w.nodes[block].role != ModuleNode::Role::kBlock) block = w.nodes[block].parent;
       if (block >= 0) output_projection_[block] = static_cast<int>(node);
@@ -64,9 +66,6 @@ class StepPlayer {
       int& holder = mask_holder_[w.model.WindowOf(b) > 0 ? 1 : 0];
       if (holder < 0 && BlockCheckpointed(c_, b)) holder = b;
       if (holder == kNoMask) holder = kUnheldMask;
-    }
-    for (size_t node = 0; node < w.nodes.size(); ++node) {
-      if (w.model.tie_word_embeddings && w.nodes[node].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(node);
     }
     pb_ = BytesPerElement(c_.param_dtype);
     rb_ = BytesPerElement(c_.reduce_dtype);
@@ -472,9 +471,9 @@ class StepPlayer {
       AllocGradients(v.node);
     }
     // the attention core's backward follows its output projection's (or ends a block without one)
-    if (!softmax_blocks_.empty() && (v.node == softmax_blocks_.back().output_projection || v.node == softmax_blocks_.back().node)) {
-      SoftmaxBackward(softmax_blocks_.back());
-      softmax_blocks_.pop_back();
+    if (softmax_block_ && (v.node == softmax_block_->output_projection || v.node == softmax_block_->node)) {
+      SoftmaxBackward(*softmax_block_);
+      softmax_block_.reset();
     }
     if (node.role == ModuleNode::Role::kBlock) {
       for (int kind = 0; kind < 2; ++kind) {
@@ -515,7 +514,7 @@ class StepPlayer {
           }
         }
         if (BlockProfile(node_id).softmax_backward_bytes > 0) {
-          softmax_blocks_.push_back({node_id, output_projection_[node_id], transient_starts_.back(), transient.size()});
+          softmax_block_ = SoftmaxBlock{node_id, output_projection_[node_id], transient_starts_.back(), transient.size()};
         }
         transient.push_back(mem_.Alloc(Cat::kActivations, BlockProfile(node_id).backward_working_bytes));
         // QLoRA: the weight dequantized again for the input gradient (MatMul4Bit.backward)
@@ -707,7 +706,7 @@ class StepPlayer {
   std::vector<std::vector<BlockId>> node_saved_;
   std::vector<BlockId> transients_;       ///< backward transients of the nodes entered and not yet left
   std::vector<size_t> transient_starts_;  ///< per entered node: where its transients begin
-  std::vector<SoftmaxBlock> softmax_blocks_;  ///< blocks in backward whose softmax's has not run yet
+  std::optional<SoftmaxBlock> softmax_block_;  ///< the block in backward whose softmax's has not run yet (blocks do not nest)
   std::vector<int> output_projection_;        ///< per block node: its Architecture::attention_output node (-1: none)
   static constexpr int kNoMask = -2, kUnheldMask = -1;
   /// Eager attention's [B, 1, s, s] masks, full-attention and sliding-window: each kind's, and the
