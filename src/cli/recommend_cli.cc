@@ -99,6 +99,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
     if (auto w = BuildWorkload(model, o.gpu_types.front(), probe); !w.ok()) return w.error();
   }
   o.top = f.top;
+  o.exhaustive = f.exhaustive;
   return o;
 }
 
@@ -175,6 +176,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--export", f.export_format, "print the best configuration as pytorch | fsdp2 | accelerate | lightning");
   app.add_flag("--json", f.json, "print one JSON object");
   app.add_flag("--quiet", f.quiet, "no progress on stderr");
+  app.add_flag("--exhaustive", f.exhaustive, "replay every candidate's memory (an exact count of those that fit; same results, slower)");
 }
 
 Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
@@ -194,7 +196,7 @@ Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
   if (!result.ok()) return result.error();
   const SearchResult& r = result.value();
   if (f.json) {
-    Json j = {{"model", model.value().id}, {"evaluated", r.evaluated}, {"feasible", r.feasible}};
+    Json j = {{"model", model.value().id}, {"evaluated", r.evaluated}, {"memory_checked", r.memory_checked}, {"feasible", r.feasible}};
     for (const char* key : {"top", "pareto", "best_rejected"}) j[key] = Json::array();
     for (const auto& c : r.top) j["top"].push_back(CandidateJson(c));
     for (const auto& c : r.pareto) j["pareto"].push_back(CandidateJson(c));
@@ -202,8 +204,11 @@ Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
     out << DumpJson(j, 2) << "\n";
     return {};
   }
-  fmt::print(out, "{}: {} configurations evaluated, {} feasible; global batch {} sequences of {} tokens; objective {}\n\n", model.value().id,
-             r.evaluated, r.feasible, options.value().global_batch_seqs, options.value().base.seq_len, f.objective);
+  fmt::print(out, "{}: {} configurations evaluated, {}; global batch {} sequences of {} tokens; objective {}\n\n", model.value().id, r.evaluated,
+             f.exhaustive
+                 ? fmt::format("{} feasible", r.feasible)
+                 : fmt::format("memory replayed for the {} that could rank ({} fit; --exhaustive replays all)", r.memory_checked, r.feasible),
+             options.value().global_batch_seqs, options.value().base.seq_len, f.objective);
   fmt::print(out, "best configurations:\n");
   for (const auto& c : r.top) PrintRow(c, out);
   fmt::print(out, "\nPareto front (cheaper per token or faster than every other):\n");

@@ -33,6 +33,7 @@ struct RecommendFlags {
   std::string export_format;
   bool json = false;
   bool quiet = false;
+  bool exhaustive = false;              ///< SearchOptions::exhaustive
 };
 
 void AddRecommendFlags(CLI::App& app, RecommendFlags& flags);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <tuple>
 
 #include <fmt/format.h>
@@ -36,6 +37,18 @@ std::vector<Checkpointing> CheckpointModes(const FsdpConfig& base, const ModelSp
 // micro-batch looks the same: cache it by what it depends on.
 using MemoryKey = std::tuple<int, int64_t, int64_t, int, int, int64_t, bool, int64_t>;
 
+// One point of the search space: GPU type (an index into SearchOptions::gpu_types), count,
+// strategy, checkpointing, micro-batch, offload and wrap (an index into the searcher's workloads).
+struct SearchPoint {
+  size_t g;
+  int64_t gpus;
+  Strategy strategy;
+  Checkpointing checkpointing;
+  int64_t micro_batch;
+  bool cpu_offload;
+  size_t wi;
+};
+
 class Searcher {
  public:
   Searcher(const ModelSpec& model, const SearchOptions& o) : o_(o), checkpoint_modes_(CheckpointModes(o.base, model)) {
@@ -59,47 +72,54 @@ class Searcher {
           for (Checkpointing ac : checkpoint_modes_)
             for (int64_t mb : kMicroBatches)
               for (bool offload : {false, true})
-                for (size_t wi = 0; wi < workloads_.size(); ++wi) visit(g, gpus, s, ac, mb, offload, wi);
+                for (size_t wi = 0; wi < workloads_.size(); ++wi) visit(SearchPoint{g, gpus, s, ac, mb, offload, wi});
   }
 
-  Candidate Evaluate(size_t g, int64_t gpus, Strategy s, Checkpointing ac, int64_t mb, bool offload, size_t wi) {
-    const HardwareSpec& hw = o_.gpu_types[g];
+  // The command line of a point of the search (its accumulation still to be set).
+  FsdpConfig ConfigAt(const SearchPoint& p) const {
+    FsdpConfig c = o_.base;
+    c.gpus = p.gpus;
+    c.gpus_per_node = std::min(o_.gpu_types[p.g].gpus_per_node, p.gpus);
+    c.strategy = p.strategy;
+    c.checkpointing = p.checkpointing;
+    c.micro_batch = p.micro_batch;
+    c.cpu_offload = p.cpu_offload;
+    c.wrap = workloads_[p.wi].config.wrap;
+    return c;
+  }
+
+  // The candidate's configuration, price, step time and score; its memory is not replayed yet
+  // (CheckMemory). Candidates that cannot run at all (HYBRID_SHARD on one node, a global batch the
+  // GPUs and micro-batch do not divide) come back rejected.
+  Candidate EvaluateTime(const SearchPoint& p) {
+    const HardwareSpec& hw = o_.gpu_types[p.g];
     Candidate cand;
     cand.gpu_id = hw.id;
-    FsdpConfig c = o_.base;
-    c.gpus = gpus;
-    c.gpus_per_node = std::min(hw.gpus_per_node, gpus);
-    c.strategy = s;
-    c.checkpointing = ac;
-    c.micro_batch = mb;
-    c.cpu_offload = offload;
-    c.wrap = workloads_[wi].config.wrap;
+    FsdpConfig c = ConfigAt(p);
     cand.config = c;
     auto price = o_.price_per_gpu_hour.find(hw.id);
-    cand.usd_per_hour = (price != o_.price_per_gpu_hour.end() ? price->second : hw.price_per_gpu_hour_usd) * static_cast<double>(gpus);
-    if (s == Strategy::kHybridShard && gpus <= c.gpus_per_node) return Reject(cand, Candidate::Reason::kInvalid, "HYBRID_SHARD needs more than one node");
+    cand.usd_per_hour = (price != o_.price_per_gpu_hour.end() ? price->second : hw.price_per_gpu_hour_usd) * static_cast<double>(p.gpus);
+    if (p.strategy == Strategy::kHybridShard && p.gpus <= c.gpus_per_node) return Reject(cand, Candidate::Reason::kInvalid, "HYBRID_SHARD needs more than one node");
     if (Fsdp1SwitchesToNoShard(c)) {
       return Reject(cand, Candidate::Reason::kInvalid, "FSDP1 runs every strategy as NO_SHARD on one GPU (the NO_SHARD candidate covers it)");
     }
-    if (o_.global_batch_seqs % (gpus * mb) != 0) {
-      return Reject(cand, Candidate::Reason::kBatch, fmt::format("global batch of {} sequences is not divisible by {} GPUs x micro-batch {}", o_.global_batch_seqs, gpus, mb));
+    if (o_.global_batch_seqs % (p.gpus * p.micro_batch) != 0) {
+      return Reject(cand, Candidate::Reason::kBatch,
+                    fmt::format("global batch of {} sequences is not divisible by {} GPUs x micro-batch {}", o_.global_batch_seqs, p.gpus, p.micro_batch));
     }
-    c.grad_accum = o_.global_batch_seqs / (gpus * mb);
-    Workload& w = workloads_[wi];
+    c.grad_accum = o_.global_batch_seqs / (p.gpus * p.micro_batch);
+    Workload& w = workloads_[p.wi];
     if (Status st = Reconfigure(w, hw, c); !st.ok()) return Reject(cand, Candidate::Reason::kInvalid, st.error().message);
     cand.config = w.config;
-    const MemoryEstimate mem = Memory(w, wi);
-    cand.peak_bytes = mem.peak_bytes;
-    cand.capacity_bytes = mem.capacity_bytes;
-    ComputeModel& compute = UnitCompute(w, g, wi);
+    ComputeModel& compute = UnitCompute(w, p.g, p.wi);
     FinishCompute(w, compute);  // the per-step totals of this configuration, on the cached per-unit part
-    const Schedule schedule = CachedSchedule(w, wi);
+    const Schedule schedule = CachedSchedule(w, p.wi);
     TimeEstimate t;
     t.comm = EstimateComm(w, schedule);
     t.step = EstimateStep(w, compute, t.comm, schedule);
     cand.step_s = t.step.step_s;
     cand.tokens_per_s_per_gpu = t.step.tokens_per_s_per_gpu;
-    cand.tokens_per_s = t.step.tokens_per_s_per_gpu * static_cast<double>(gpus);
+    cand.tokens_per_s = t.step.tokens_per_s_per_gpu * static_cast<double>(p.gpus);
     cand.mfu = t.step.mfu;
     cand.usd_per_million_tokens = cand.usd_per_hour / 3600.0 / cand.tokens_per_s * 1e6;
     if (o_.train_tokens > 0) {
@@ -107,14 +127,30 @@ class Searcher {
       cand.usd_to_train = cand.time_to_train_s / 3600.0 * cand.usd_per_hour;
     }
     cand.score = Score(cand);
-    if (!mem.fits) return Reject(cand, Candidate::Reason::kMemory, fmt::format("out of memory by {:.2f} GiB ({:.2f} GiB needed, {:.2f} GiB card)", -mem.headroom_bytes / kGiB,
-                                                    mem.peak_bytes / kGiB, mem.capacity_bytes / kGiB));
-    if (o_.budget_per_hour && cand.usd_per_hour > *o_.budget_per_hour) {
-      return Reject(cand, Candidate::Reason::kBudget, fmt::format("over budget: ${:.2f}/h > ${:.2f}/h", cand.usd_per_hour, *o_.budget_per_hour));
-    }
-    cand.feasible = true;
     return cand;
   }
+
+  // Replays the memory of a candidate EvaluateTime accepted, then judges it: out of memory, over
+  // budget, or feasible.
+  void CheckMemory(Candidate& cand, const SearchPoint& p) {
+    Workload& w = workloads_[p.wi];
+    FsdpConfig c = ConfigAt(p);
+    c.grad_accum = o_.global_batch_seqs / (p.gpus * p.micro_batch);
+    (void)Reconfigure(w, o_.gpu_types[p.g], c);  // accepted by EvaluateTime
+    const MemoryEstimate mem = Memory(w, p.wi);
+    cand.peak_bytes = mem.peak_bytes;
+    cand.capacity_bytes = mem.capacity_bytes;
+    if (!mem.fits) {
+      cand = Reject(cand, Candidate::Reason::kMemory, fmt::format("out of memory by {:.2f} GiB ({:.2f} GiB needed, {:.2f} GiB card)", -mem.headroom_bytes / kGiB,
+                                                                  mem.peak_bytes / kGiB, mem.capacity_bytes / kGiB));
+    } else if (OverBudget(cand)) {
+      cand = Reject(cand, Candidate::Reason::kBudget, fmt::format("over budget: ${:.2f}/h > ${:.2f}/h", cand.usd_per_hour, *o_.budget_per_hour));
+    } else {
+      cand.feasible = true;
+    }
+  }
+
+  bool OverBudget(const Candidate& c) const { return o_.budget_per_hour && c.usd_per_hour > *o_.budget_per_hour; }
 
  private:
   Candidate Reject(Candidate c, Candidate::Reason reason, std::string why) {
@@ -237,32 +273,19 @@ double Quantized(double x) {
   return std::ldexp(std::nearbyint(std::ldexp(x, 30 - e)), e - 30);
 }
 
-// Higher `key` first; equal keys: less memory, then the search's order.
-template <typename Key>
-void SortBest(std::vector<Candidate>& candidates, Key key) {
-  std::vector<std::pair<double, size_t>> order;
-  order.reserve(candidates.size());
-  for (size_t i = 0; i < candidates.size(); ++i) order.emplace_back(Quantized(key(candidates[i])), i);
-  std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
-    return a.first != b.first ? a.first > b.first : candidates[a.second].peak_bytes < candidates[b.second].peak_bytes;
-  });
-  std::vector<Candidate> sorted;
-  sorted.reserve(candidates.size());
-  for (const auto& [k, i] : order) sorted.push_back(std::move(candidates[i]));
-  candidates = std::move(sorted);
-}
-
-std::vector<Candidate> ParetoFront(std::vector<Candidate> feasible) {
-  SortBest(feasible, [](const Candidate& c) { return c.tokens_per_s; });
-  std::vector<Candidate> front;
-  double best_cost = INFINITY;
-  for (auto& c : feasible) {
-    if (c.usd_per_million_tokens < best_cost * (1 - 1e-9)) {  // cheaper, not merely by rounding
-      best_cost = c.usd_per_million_tokens;
-      front.push_back(c);
-    }
+// The candidates of `subset` by `key`, higher first, in runs of equal (quantized) keys; equal keys
+// keep the search's order. `visit(run)` returns false to stop.
+template <typename Key, typename Visit>
+void ForEachRun(const std::vector<Candidate>& candidates, std::vector<size_t> subset, Key key, Visit&& visit) {
+  std::vector<double> keys(candidates.size());
+  for (size_t i : subset) keys[i] = Quantized(key(candidates[i]));
+  std::stable_sort(subset.begin(), subset.end(), [&](size_t x, size_t y) { return keys[x] > keys[y]; });
+  for (size_t begin = 0; begin < subset.size();) {
+    size_t end = begin + 1;
+    while (end < subset.size() && keys[subset[end]] == keys[subset[begin]]) ++end;
+    if (!visit(std::vector<size_t>(subset.begin() + static_cast<std::ptrdiff_t>(begin), subset.begin() + static_cast<std::ptrdiff_t>(end)))) return;
+    begin = end;
   }
-  return front;
 }
 
 // What to relax when nothing is feasible, from the rejections.
@@ -300,7 +323,7 @@ Result<Objective> ParseObjective(std::string_view t) {
 int64_t CountCandidates(const ModelSpec& model, const SearchOptions& o) {
   Searcher s(model, o);
   int64_t n = 0;
-  s.ForEach([&](auto&&...) { ++n; });
+  s.ForEach([&](const SearchPoint&) { ++n; });
   return n;
 }
 
@@ -312,26 +335,89 @@ Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& o, c
   Searcher s(model, o);
   const int64_t total = CountCandidates(model, o);
   SearchResult r;
-  std::vector<Candidate> feasible, rejected;
-  s.ForEach([&](size_t g, int64_t gpus, Strategy st, Checkpointing ac, int64_t mb, bool off, size_t wi) {
-    Candidate c = s.Evaluate(g, gpus, st, ac, mb, off, wi);
+  std::vector<Candidate> timed, unrunnable;  // timed: runnable, step time known, memory replayed on demand
+  std::vector<SearchPoint> points;           // of `timed`
+  s.ForEach([&](const SearchPoint& p) {
+    Candidate c = s.EvaluateTime(p);
     ++r.evaluated;
     if (progress && r.evaluated % 4096 == 0) progress(r.evaluated, total);
-    (c.feasible ? feasible : rejected).push_back(std::move(c));
+    if (c.reason != Candidate::Reason::kNone) {
+      unrunnable.push_back(std::move(c));
+      return;
+    }
+    timed.push_back(std::move(c));
+    points.push_back(p);
   });
   if (progress) progress(r.evaluated, total);
-  r.feasible = static_cast<int64_t>(feasible.size());
-  auto score = [](const Candidate& c) { return c.score; };
-  SortBest(rejected, score);
-  if (feasible.empty()) return NothingFeasible(rejected, o);
-  SortBest(feasible, score);
-  r.pareto = ParetoFront(feasible);
-  r.top.assign(feasible.begin(), feasible.begin() + static_cast<std::ptrdiff_t>(std::min(o.top, feasible.size())));
-  const double best = feasible.front().score;
-  for (const auto& c : rejected) {
-    const bool evaluated = c.reason == Candidate::Reason::kMemory || c.reason == Candidate::Reason::kBudget;
-    if (evaluated && c.score > best && r.best_rejected.size() < 5) r.best_rejected.push_back(c);
+  std::vector<bool> checked(timed.size(), false);
+  auto check = [&](size_t i) {
+    if (checked[i]) return;
+    s.CheckMemory(timed[i], points[i]);
+    checked[i] = true;
+    ++r.memory_checked;
+    r.feasible += timed[i].feasible;
+  };
+  std::vector<size_t> all(timed.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  if (o.exhaustive) for (size_t i : all) check(i);
+  auto by_memory = [&](std::vector<size_t>& run) {  // ties go to less memory, then the search's order
+    std::stable_sort(run.begin(), run.end(), [&](size_t x, size_t y) { return timed[x].peak_bytes < timed[y].peak_bytes; });
+  };
+
+  // The best by score: runs of equal scores, each replayed whole, until `top` fit. What is not
+  // replayed scores below every configuration reported.
+  std::vector<size_t> ranked;  // replayed, best first
+  size_t fitting = 0;
+  ForEachRun(timed, all, [](const Candidate& c) { return c.score; }, [&](std::vector<size_t> run) {
+    if (fitting >= std::max<size_t>(o.top, 1)) return false;
+    for (size_t i : run) check(i);
+    by_memory(run);
+    for (size_t i : run) fitting += timed[i].feasible;
+    ranked.insert(ranked.end(), run.begin(), run.end());
+    return true;
+  });
+  if (fitting == 0) {  // every candidate replayed
+    std::vector<Candidate> rejected = std::move(unrunnable);
+    for (auto& c : timed) rejected.push_back(std::move(c));
+    return NothingFeasible(rejected, o);
   }
+  std::optional<double> best;  // the best feasible score
+  for (size_t i : ranked) {
+    if (!timed[i].feasible) continue;
+    if (!best) best = timed[i].score;
+    if (r.top.size() < o.top) r.top.push_back(timed[i]);
+  }
+  for (size_t i : ranked) {
+    const Candidate& c = timed[i];
+    const bool evaluated = c.reason == Candidate::Reason::kMemory || c.reason == Candidate::Reason::kBudget;
+    if (evaluated && c.score > *best && r.best_rejected.size() < 5) r.best_rejected.push_back(c);
+  }
+
+  // The Pareto front, fastest first: in each run of equal throughput only a configuration cheaper
+  // than every faster one that fits can join, so only those are replayed. Equal throughput: less
+  // memory, then the better score, first.
+  std::vector<size_t> in_budget;
+  for (size_t i : all) if (!s.OverBudget(timed[i])) in_budget.push_back(i);
+  double best_cost = INFINITY;
+  ForEachRun(timed, in_budget, [](const Candidate& c) { return c.tokens_per_s; }, [&](std::vector<size_t> run) {
+    std::vector<size_t> joining;
+    for (size_t i : run) {
+      if (!(timed[i].usd_per_million_tokens < best_cost * (1 - 1e-9))) continue;
+      check(i);
+      if (timed[i].feasible) joining.push_back(i);
+    }
+    std::stable_sort(joining.begin(), joining.end(), [&](size_t x, size_t y) {
+      if (timed[x].peak_bytes != timed[y].peak_bytes) return timed[x].peak_bytes < timed[y].peak_bytes;
+      return Quantized(timed[x].score) > Quantized(timed[y].score);
+    });
+    for (size_t i : joining) {
+      if (timed[i].usd_per_million_tokens < best_cost * (1 - 1e-9)) {  // cheaper, not merely by rounding
+        best_cost = timed[i].usd_per_million_tokens;
+        r.pareto.push_back(timed[i]);
+      }
+    }
+    return true;
+  });
   return r;
 }
 

@@ -28,6 +28,9 @@ struct SearchOptions {
   double train_tokens = 0;                ///< for kTimeToTrain (and the cost to train)
   FsdpConfig base;                        ///< seq_len, dtypes, framework, attention, optimizer...
   size_t top = 10;
+  /// Replay every candidate's memory (exact `feasible` count) instead of only those whose fit could
+  /// change the result; the top, the Pareto front and the rejections listed are the same either way.
+  bool exhaustive = false;
 };
 
 /// One evaluated candidate.
@@ -49,7 +52,9 @@ struct SearchResult {
   std::vector<Candidate> top;             ///< best feasible, by score
   std::vector<Candidate> pareto;          ///< feasible and not beaten on both cost per token and throughput
   std::vector<Candidate> best_rejected;   ///< best-scoring candidates that were rejected, with why
-  int64_t evaluated = 0, feasible = 0;
+  int64_t evaluated = 0;       ///< candidates searched: each with its step time and cost
+  int64_t memory_checked = 0;  ///< of those, whose memory was replayed (all with SearchOptions::exhaustive)
+  int64_t feasible = 0;        ///< of those, that fit and are within budget
 };
 
 using ProgressFn = std::function<void(int64_t done, int64_t total)>;

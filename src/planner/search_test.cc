@@ -49,6 +49,60 @@ TEST_CASE("recommend: every listed configuration fits, reaches the global batch,
   for (const auto& c : s.best_rejected) CHECK_FALSE(c.rejection.empty());
 }
 
+// The same candidate, figure for figure.
+void CheckSame(const std::vector<Candidate>& lazy, const std::vector<Candidate>& all) {
+  REQUIRE(lazy.size() == all.size());
+  for (size_t i = 0; i < lazy.size(); ++i) {
+    const Candidate &a = lazy[i], &b = all[i];
+    CHECK(a.gpu_id == b.gpu_id);
+    CHECK(a.config.gpus == b.config.gpus);
+    CHECK(a.config.strategy == b.config.strategy);
+    CHECK(a.config.checkpointing == b.config.checkpointing);
+    CHECK(a.config.micro_batch == b.config.micro_batch);
+    CHECK(a.config.cpu_offload == b.config.cpu_offload);
+    CHECK(a.config.wrap == b.config.wrap);
+    CHECK(a.feasible == b.feasible);
+    CHECK(a.rejection == b.rejection);
+    CHECK(a.peak_bytes == b.peak_bytes);
+    CHECK(a.step_s == b.step_s);
+    CHECK(a.usd_per_million_tokens == b.usd_per_million_tokens);
+  }
+}
+
+TEST_CASE("recommend replays only what could rank, and lists exactly what replaying every candidate lists") {
+  const ModelSpec model = Model("llama-2-7b");
+  SearchOptions base = Options({"a100-80gb-sxm", "h100-sxm", "rtx-4090", "b200"}, 64, 256);
+  base.base.attention = Attention::kEager;  // selective checkpointing searched too
+  std::vector<std::pair<std::string, SearchOptions>> cases;
+  cases.emplace_back("throughput", base);
+  cases.emplace_back("cost", base);
+  cases.back().second.objective = Objective::kCost;
+  cases.emplace_back("time to train", base);
+  cases.back().second.objective = Objective::kTimeToTrain;
+  cases.back().second.train_tokens = 1e11;
+  cases.emplace_back("budget", base);
+  cases.back().second.budget_per_hour = 60;
+  cases.emplace_back("top 1", base);
+  cases.back().second.top = 1;
+  cases.emplace_back("LoRA", base);
+  cases.back().second.base.lora.rank = 16;
+  cases.back().second.base.lora.targets = "all-linear";
+  for (auto& [name, o] : cases) {
+    CAPTURE(name);
+    auto lazy = Recommend(model, o, nullptr);
+    o.exhaustive = true;
+    auto all = Recommend(model, o, nullptr);
+    REQUIRE(lazy.ok());
+    REQUIRE(all.ok());
+    CHECK(lazy.value().evaluated == all.value().evaluated);
+    CHECK(lazy.value().memory_checked * 2 < all.value().memory_checked);  // the point of it
+    CHECK(all.value().feasible > lazy.value().feasible);
+    CheckSame(lazy.value().top, all.value().top);
+    CheckSame(lazy.value().pareto, all.value().pareto);
+    CheckSame(lazy.value().best_rejected, all.value().best_rejected);
+  }
+}
+
 TEST_CASE("on one GPU, FSDP1 candidates are NO_SHARD only (FSDP1 switches every strategy to it)") {
   SearchOptions o = Options({"h100-sxm"}, 1, 8);
   o.base.seq_len = 1024;
