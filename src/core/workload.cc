@@ -217,6 +217,18 @@ int64_t Workload::GradShardNumelTotal() const {
   return total;
 }
 
+int Workload::EmbeddingNode() const {
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (nodes[i].role == ModuleNode::Role::kEmbedding) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int Workload::WeightTensor(int node) const {
+  const int own = nodes[static_cast<size_t>(node)].first_tensor;
+  return own >= 0 ? own : nodes[static_cast<size_t>(EmbeddingNode())].first_tensor;
+}
+
 int64_t Workload::PaddedNumelTotal() const {
   int64_t total = 0;
   for (const auto& u : units) total += u.padded_numel;

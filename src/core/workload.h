@@ -117,6 +117,11 @@ struct Workload {
   int64_t GradShardNumelTotal() const;
   /// Sum of all units' padded_numel.
   int64_t PaddedNumelTotal() const;
+  /// Index in `nodes` of the token embedding (the node of role kEmbedding), -1 when it has none.
+  int EmbeddingNode() const;
+  /// The first parameter tensor of module node `node`; for a tied lm_head, which owns none, the
+  /// embedding's (the weight it uses).
+  int WeightTensor(int node) const;
 };
 
 /// Resolves the configuration against model and hardware (ResolveAndValidate), builds the module

@@ -54,9 +54,9 @@ class StepPlayer {
     reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
     output_projection_.assign(w.nodes.size(), -1);
+    if (w.model.tie_word_embeddings) embedding_node_ = w.EmbeddingNode();
     const std::string suffix = "." + w.model.arch.attention_output;
     for (size_t node = 0; node < w.nodes.size(); ++node) {
-      if (w.model.tie_word_embeddings && w.nodes[node].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(node);
       if (!w.nodes[node].path.ends_with(suffix)) continue;  // each block's attention output projection
       int block = w.nodes[node].parent;
       while (block >= 0 && w.nodes[block].role != ModuleNode::Role::kBlock) block = w.nodes[block].parent;

@@ -33,9 +33,6 @@ class RuntimePlayer {
     logits_bytes_ = tokens_ * m.vocab_size * 4;                                // the logits: at the loss only
     block_bytes_ = RuntimeBlockSavedBytes(w);
     core_bytes_ = RuntimeAttentionCoreBytes(w);
-    for (size_t i = 0; i < w.nodes.size(); ++i) {
-      if (w.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
-    }
   }
 
   void Play() {
@@ -119,11 +116,9 @@ class RuntimePlayer {
   // FsdpEngine::Grads: the unit's unsharded gradient (its trained group), from its first backward
   // on; none for a unit with nothing to train.
   void EnsureGrad(int node) {
-    const int u = w_.tensor_unit[OwnTensor(node)];
+    const int u = w_.tensor_unit[w_.WeightTensor(node)];
     if (grad_[u] == kNoBlock && w_.units[u].grad_padded_numel > 0) grad_[u] = mem_.Alloc(Cat::kGradients, w_.units[u].grad_padded_numel * 4);
   }
-
-  int OwnTensor(int node) const { return w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor; }
 
   void Forward(int node) {
     const bool ac = w_.config.checkpointing == Checkpointing::kFull;
@@ -149,7 +144,7 @@ class RuntimePlayer {
     const bool selective = w_.config.checkpointing == Checkpointing::kSelective;
     switch (w_.nodes[node].role) {
       case ModuleNode::Role::kLmHead:
-        if (w_.model.tensors[OwnTensor(node)].trainable) EnsureGrad(node);  // a frozen head passes only the input's gradient
+        if (w_.model.tensors[w_.WeightTensor(node)].trainable) EnsureGrad(node);  // a frozen head passes only the input's gradient
         break;
       case ModuleNode::Role::kBlock: {
         EnsureGrad(node);
@@ -173,7 +168,6 @@ class RuntimePlayer {
   BlockId x_ = kNoBlock, head_ = kNoBlock;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, logits_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
   int64_t master_bytes_ = BytesPerElement(w_.config.master_dtype);  // the shards', gradient shards' and states' element
-  int embedding_node_ = 0;
   std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)
 };
 
@@ -277,9 +271,6 @@ class GpuRuntimePlayer {
     kvd_ = m.num_kv_heads * m.head_dim;
     I_ = m.intermediate_size;
     scores_ = w.config.micro_batch * m.num_heads * w.config.seq_len * w.config.seq_len;
-    for (size_t i = 0; i < w.nodes.size(); ++i) {
-      if (w.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
-    }
   }
 
   GpuRuntimeMemory Play() {
@@ -391,7 +382,7 @@ class GpuRuntimePlayer {
   }
   // CudaEngine::Grads: the unit's unsharded gradient, from its first backward on.
   void EnsureGrad(int node) {
-    const int t = w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
+    const int t = w_.WeightTensor(node);
     const int u = w_.tensor_unit[t];
     if (grad_[u] < 0) grad_[u] = Alloc(kGrads, w_.units[u].padded_numel * e_);
   }
@@ -505,7 +496,6 @@ class GpuRuntimePlayer {
   const Workload& w_;
   Schedule schedule_;
   int64_t e_ = 2, T_ = 0, h_ = 0, qd_ = 0, kvd_ = 0, I_ = 0, scores_ = 0;
-  int embedding_node_ = 0;
   std::vector<Id> full_, grad_, shard_grad_, inputs_;
   std::vector<Cache> caches_;
   Id x_ = -1, inv_ = -1, normed_ = -1, logits_ = -1, d_normed_ = -1;

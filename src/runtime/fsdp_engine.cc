@@ -301,9 +301,6 @@ Status FsdpEngine::Init() {
   full_.resize(n);
   full_grad_.resize(n);
   first_adapter_.assign(w_.nodes.size(), -1);
-  for (size_t i = 0; i < w_.nodes.size(); ++i) {
-    if (w_.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
-  }
   for (size_t t = 0; t < w_.model.tensors.size(); ++t) {  // a block's first lora_A: where its adapters start
     const TensorSpec& ts = w_.model.tensors[t];
     for (size_t i = 0; ts.block >= 0 && ts.name.ends_with(kLoraASuffix) && i < w_.nodes.size(); ++i) {
@@ -448,24 +445,19 @@ struct FsdpEngine::Pass {
   int64_t head_bytes = 0;
 };
 
-// A tied lm_head owns no tensor: its weight is the embedding's. A block's own tensors start at its
-// first tensor, its adapters at the first of theirs (block 0's layout: LlamaDims).
-namespace {
-int OwnTensor(const Workload& w, int node, int embedding_node) {
-  return w.nodes[node].first_tensor >= 0 ? w.nodes[node].first_tensor : w.nodes[embedding_node].first_tensor;
-}
-}  // namespace
+// A block's own tensors start at its first tensor (Workload::WeightTensor: a tied lm_head's is the
+// embedding's), its adapters at the first of theirs (block 0's layout: LlamaDims).
 
-bool FsdpEngine::Trains(int node) const { return w_.model.tensors[OwnTensor(w_, node, embedding_node_)].trainable; }
+bool FsdpEngine::Trains(int node) const { return w_.model.tensors[w_.WeightTensor(node)].trainable; }
 
 BlockWeights FsdpEngine::Params(int node) const {
-  const int t = OwnTensor(w_, node, embedding_node_), a = first_adapter_[node];
+  const int t = w_.WeightTensor(node), a = first_adapter_[node];
   const float* full = full_[w_.tensor_unit[t]].data();
   return BlockWeights(full + layout_.offset[t], a >= 0 ? full + layout_.offset[a] : nullptr);
 }
 
 BlockGrads FsdpEngine::Grads(int node) {
-  const int t = OwnTensor(w_, node, embedding_node_), a = first_adapter_[node];
+  const int t = w_.WeightTensor(node), a = first_adapter_[node];
   const int u = w_.tensor_unit[t];
   if (w_.units[u].grad_padded_numel == 0) return BlockGrads(nullptr);
   if (full_grad_[u].empty()) {  // under no_sync it holds the earlier micro-batches' gradients

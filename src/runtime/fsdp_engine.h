@@ -148,7 +148,6 @@ class FsdpEngine {
   std::vector<std::vector<ElementRun>> stepped_;  // per unit, what of that shard AdamW steps (SteppedShardRuns)
   std::vector<MasterBuffer> exp_avg_, exp_avg_sq_;  // per unit, packed over stepped_
   std::vector<std::vector<float>> full_, full_grad_;                // per unit while live: P_u floats, the trained group's G_u
-  int embedding_node_ = 0;  // the module node of the token embedding (a tied lm_head's weight)
   std::vector<int> first_adapter_;  // per module node: a block's first adapter tensor, -1 for none
   struct InFlight {
     int unit;

@@ -127,7 +127,6 @@ class CudaEngine : public GpuEngine {
   Schedule schedule_;
   PhaseTracker phases_;  // the phase the allocator is told (core/phase.h)
   std::vector<cudaEvent_t> gathered_;
-  int embedding_node_ = 0;
   std::deque<cudaEvent_t> reshard_events_;  // limit_all_gathers: frees the CPU may run ahead of
   EventPool events_{cudaEventDisableTiming};
   cudaEvent_t params_ready_ = nullptr, reduced_ = nullptr;
@@ -294,9 +293,6 @@ Status CudaEngine::InitDevice(int virtual_world) {
     FSDP_CUDA_TRY(cudaEventCreateWithFlags(&gathered_[u], cudaEventDisableTiming));
     FSDP_TRY(InitUnit(static_cast<int>(u)));
   }
-  for (size_t i = 0; i < w_.nodes.size(); ++i) {
-    if (w_.nodes[i].role == ModuleNode::Role::kEmbedding) embedding_node_ = static_cast<int>(i);
-  }
   FSDP_CUDA_TRY(cudaEventRecord(params_ready_, compute_));
   FSDP_CUDA_TRY(cudaStreamSynchronize(compute_));
   return {};
@@ -428,7 +424,7 @@ Status CudaEngine::Reduce(int u) {
 }
 
 int CudaEngine::ParamTensor(int node) const {
-  return w_.nodes[node].first_tensor >= 0 ? w_.nodes[node].first_tensor : w_.nodes[embedding_node_].first_tensor;
+  return w_.WeightTensor(node);
 }
 
 void* CudaEngine::Params(int node) const {
