@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
     std::sort(rates.begin(), rates.end());
     std::printf("%s: model %s, %zu GPU types, up to %lld GPUs: %lld configurations per search, memory replayed for %lld (%lld fit)\n",
                 exhaustive ? "exhaustive" : "recommend", model_id.c_str(), o.gpu_types.size(), static_cast<long long>(gpus_max),
-                static_cast<long long>(result.evaluated), static_cast<long long>(result.memory_checked), static_cast<long long>(result.feasible));
+                static_cast<long long>(result.evaluated), static_cast<long long>(result.memory_checked), static_cast<long long>(result.memory_checked_feasible));
     std::printf("  median %.0f configurations/s over %d runs (min %.0f, max %.0f)\n", rates[rates.size() / 2], repeats, rates.front(), rates.back());
   }
   return 0;

@@ -196,7 +196,8 @@ Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
   if (!result.ok()) return result.error();
   const SearchResult& r = result.value();
   if (f.json) {
-    Json j = {{"model", model.value().id}, {"evaluated", r.evaluated}, {"memory_checked", r.memory_checked}, {"feasible", r.feasible}};
+    Json j = {{"model", model.value().id}, {"evaluated", r.evaluated}, {"memory_checked", r.memory_checked},
+              {"memory_checked_feasible", r.memory_checked_feasible}, {"feasible", r.feasible ? Json(*r.feasible) : Json(nullptr)}};
     for (const char* key : {"top", "pareto", "best_rejected"}) j[key] = Json::array();
     for (const auto& c : r.top) j["top"].push_back(CandidateJson(c));
     for (const auto& c : r.pareto) j["pareto"].push_back(CandidateJson(c));
@@ -205,9 +206,9 @@ Status RunRecommend(const RecommendFlags& f, std::ostream& out) {
     return {};
   }
   fmt::print(out, "{}: {} configurations evaluated, {}; global batch {} sequences of {} tokens; objective {}\n\n", model.value().id, r.evaluated,
-             f.exhaustive
-                 ? fmt::format("{} feasible", r.feasible)
-                 : fmt::format("memory replayed for the {} that could rank ({} fit; --exhaustive replays all)", r.memory_checked, r.feasible),
+             r.feasible ? fmt::format("{} feasible", *r.feasible)
+                        : fmt::format("memory replayed for the {} that could rank ({} fit within budget; --exhaustive replays all)", r.memory_checked,
+                                      r.memory_checked_feasible),
              options.value().global_batch_seqs, options.value().base.seq_len, f.objective);
   fmt::print(out, "best configurations:\n");
   for (const auto& c : r.top) PrintRow(c, out);

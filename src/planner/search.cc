@@ -273,12 +273,17 @@ double Quantized(double x) {
   return std::ldexp(std::nearbyint(std::ldexp(x, 30 - e)), e - 30);
 }
 
-// The candidates of `subset` by `key`, higher first, in runs of equal (quantized) keys; equal keys
-// keep the search's order. `visit(run)` returns false to stop.
+// The key candidates are ranked by: quantized, and NaN (never produced: the numeric boundary)
+// below everything, so that the order stays a strict weak one.
+double RankKey(double x) { return std::isnan(x) ? -INFINITY : Quantized(x); }
+
+// The candidates of `subset` by `key`, higher first, in runs of equal RankKey; equal keys keep
+// the search's order (indices are into `candidates`, in the search's order). `visit(run)`
+// returns false to stop.
 template <typename Key, typename Visit>
 void ForEachRun(const std::vector<Candidate>& candidates, std::vector<size_t> subset, Key key, Visit&& visit) {
   std::vector<double> keys(candidates.size());
-  for (size_t i : subset) keys[i] = Quantized(key(candidates[i]));
+  for (size_t i : subset) keys[i] = RankKey(key(candidates[i]));
   std::stable_sort(subset.begin(), subset.end(), [&](size_t x, size_t y) { return keys[x] > keys[y]; });
   for (size_t begin = 0; begin < subset.size();) {
     size_t end = begin + 1;
@@ -286,6 +291,25 @@ void ForEachRun(const std::vector<Candidate>& candidates, std::vector<size_t> su
     if (!visit(std::vector<size_t>(subset.begin() + static_cast<std::ptrdiff_t>(begin), subset.begin() + static_cast<std::ptrdiff_t>(end)))) return;
     begin = end;
   }
+}
+
+// Ties of a run: less memory first, then the search's order.
+void SortByMemory(const std::vector<Candidate>& candidates, std::vector<size_t>& run) {
+  std::stable_sort(run.begin(), run.end(), [&](size_t x, size_t y) { return candidates[x].peak_bytes < candidates[y].peak_bytes; });
+}
+
+// Every candidate, best score first (ties: less memory, then the search's order).
+std::vector<Candidate> SortedBest(std::vector<Candidate> candidates) {
+  std::vector<size_t> all(candidates.size());
+  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+  std::vector<Candidate> sorted;
+  sorted.reserve(candidates.size());
+  ForEachRun(candidates, all, [](const Candidate& c) { return c.score; }, [&](std::vector<size_t> run) {
+    SortByMemory(candidates, run);
+    for (size_t i : run) sorted.push_back(std::move(candidates[i]));
+    return true;
+  });
+  return sorted;
 }
 
 // What to relax when nothing is feasible, from the rejections.
@@ -333,62 +357,59 @@ Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& o, c
   if (o.global_batch_seqs < 1) return Error::BadInput("the global batch must be at least one sequence");
   if (o.objective == Objective::kTimeToTrain && o.train_tokens <= 0) return Error::BadInput("--objective time-to-train needs --tokens T (tokens to train on)");
   Searcher s(model, o);
-  const int64_t total = CountCandidates(model, o);
+  const int64_t count = CountCandidates(model, o);
+  const int64_t total = o.exhaustive ? 2 * count : count;  // progress: the step times, then (--exhaustive) every replay
   SearchResult r;
-  std::vector<Candidate> timed, unrunnable;  // timed: runnable, step time known, memory replayed on demand
-  std::vector<SearchPoint> points;           // of `timed`
+  std::vector<Candidate> candidates;  // in the search's order
+  std::vector<SearchPoint> points;    // of each candidate
+  std::vector<size_t> runnable;       // step time known, memory replayed on demand
   s.ForEach([&](const SearchPoint& p) {
-    Candidate c = s.EvaluateTime(p);
+    candidates.push_back(s.EvaluateTime(p));
+    points.push_back(p);
+    if (candidates.back().reason == Candidate::Reason::kNone) runnable.push_back(candidates.size() - 1);
     ++r.evaluated;
     if (progress && r.evaluated % 4096 == 0) progress(r.evaluated, total);
-    if (c.reason != Candidate::Reason::kNone) {
-      unrunnable.push_back(std::move(c));
-      return;
-    }
-    timed.push_back(std::move(c));
-    points.push_back(p);
   });
   if (progress) progress(r.evaluated, total);
-  std::vector<bool> checked(timed.size(), false);
+  std::vector<bool> checked(candidates.size(), false);
   auto check = [&](size_t i) {
     if (checked[i]) return;
-    s.CheckMemory(timed[i], points[i]);
+    s.CheckMemory(candidates[i], points[i]);
     checked[i] = true;
     ++r.memory_checked;
-    r.feasible += timed[i].feasible;
+    r.memory_checked_feasible += candidates[i].feasible;
   };
-  std::vector<size_t> all(timed.size());
-  for (size_t i = 0; i < all.size(); ++i) all[i] = i;
-  if (o.exhaustive) for (size_t i : all) check(i);
-  auto by_memory = [&](std::vector<size_t>& run) {  // ties go to less memory, then the search's order
-    std::stable_sort(run.begin(), run.end(), [&](size_t x, size_t y) { return timed[x].peak_bytes < timed[y].peak_bytes; });
-  };
+  if (o.exhaustive) {
+    for (size_t i : runnable) {
+      check(i);
+      if (progress && r.memory_checked % 4096 == 0) progress(count + r.memory_checked, total);
+    }
+    r.feasible = r.memory_checked_feasible;
+    if (progress) progress(total, total);
+  }
+  if (o.keep_candidates) r.candidates = candidates;
 
   // The best by score: runs of equal scores, each replayed whole, until `top` fit. What is not
   // replayed scores below every configuration reported.
   std::vector<size_t> ranked;  // replayed, best first
   size_t fitting = 0;
-  ForEachRun(timed, all, [](const Candidate& c) { return c.score; }, [&](std::vector<size_t> run) {
+  ForEachRun(candidates, runnable, [](const Candidate& c) { return c.score; }, [&](std::vector<size_t> run) {
     if (fitting >= std::max<size_t>(o.top, 1)) return false;
     for (size_t i : run) check(i);
-    by_memory(run);
-    for (size_t i : run) fitting += timed[i].feasible;
+    SortByMemory(candidates, run);
+    for (size_t i : run) fitting += candidates[i].feasible;
     ranked.insert(ranked.end(), run.begin(), run.end());
     return true;
   });
-  if (fitting == 0) {  // every candidate replayed
-    std::vector<Candidate> rejected = std::move(unrunnable);
-    for (auto& c : timed) rejected.push_back(std::move(c));
-    return NothingFeasible(rejected, o);
-  }
+  if (fitting == 0) return NothingFeasible(SortedBest(std::move(candidates)), o);  // every candidate replayed
   std::optional<double> best;  // the best feasible score
   for (size_t i : ranked) {
-    if (!timed[i].feasible) continue;
-    if (!best) best = timed[i].score;
-    if (r.top.size() < o.top) r.top.push_back(timed[i]);
+    if (!candidates[i].feasible) continue;
+    if (!best) best = candidates[i].score;
+    if (r.top.size() < o.top) r.top.push_back(candidates[i]);
   }
   for (size_t i : ranked) {
-    const Candidate& c = timed[i];
+    const Candidate& c = candidates[i];
     const bool evaluated = c.reason == Candidate::Reason::kMemory || c.reason == Candidate::Reason::kBudget;
     if (evaluated && c.score > *best && r.best_rejected.size() < 5) r.best_rejected.push_back(c);
   }
@@ -397,23 +418,23 @@ Result<SearchResult> Recommend(const ModelSpec& model, const SearchOptions& o, c
   // than every faster one that fits can join, so only those are replayed. Equal throughput: less
   // memory, then the better score, first.
   std::vector<size_t> in_budget;
-  for (size_t i : all) if (!s.OverBudget(timed[i])) in_budget.push_back(i);
+  for (size_t i : runnable) if (!s.OverBudget(candidates[i])) in_budget.push_back(i);
   double best_cost = INFINITY;
-  ForEachRun(timed, in_budget, [](const Candidate& c) { return c.tokens_per_s; }, [&](std::vector<size_t> run) {
+  ForEachRun(candidates, in_budget, [](const Candidate& c) { return c.tokens_per_s; }, [&](std::vector<size_t> run) {
     std::vector<size_t> joining;
     for (size_t i : run) {
-      if (!(timed[i].usd_per_million_tokens < best_cost * (1 - 1e-9))) continue;
+      if (!(candidates[i].usd_per_million_tokens < best_cost * (1 - 1e-9))) continue;
       check(i);
-      if (timed[i].feasible) joining.push_back(i);
+      if (candidates[i].feasible) joining.push_back(i);
     }
     std::stable_sort(joining.begin(), joining.end(), [&](size_t x, size_t y) {
-      if (timed[x].peak_bytes != timed[y].peak_bytes) return timed[x].peak_bytes < timed[y].peak_bytes;
-      return Quantized(timed[x].score) > Quantized(timed[y].score);
+      if (candidates[x].peak_bytes != candidates[y].peak_bytes) return candidates[x].peak_bytes < candidates[y].peak_bytes;
+      return RankKey(candidates[x].score) > RankKey(candidates[y].score);
     });
     for (size_t i : joining) {
-      if (timed[i].usd_per_million_tokens < best_cost * (1 - 1e-9)) {  // cheaper, not merely by rounding
-        best_cost = timed[i].usd_per_million_tokens;
-        r.pareto.push_back(timed[i]);
+      if (candidates[i].usd_per_million_tokens < best_cost * (1 - 1e-9)) {  // cheaper, not merely by rounding
+        best_cost = candidates[i].usd_per_million_tokens;
+        r.pareto.push_back(candidates[i]);
       }
     }
     return true;

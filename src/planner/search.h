@@ -31,6 +31,8 @@ struct SearchOptions {
   /// Replay every candidate's memory (exact `feasible` count) instead of only those whose fit could
   /// change the result; the top, the Pareto front and the rejections listed are the same either way.
   bool exhaustive = false;
+  /// Return every candidate in SearchResult::candidates (tests: the ranking recomputed from them).
+  bool keep_candidates = false;
 };
 
 /// One evaluated candidate.
@@ -52,9 +54,13 @@ struct SearchResult {
   std::vector<Candidate> top;             ///< best feasible, by score
   std::vector<Candidate> pareto;          ///< feasible and not beaten on both cost per token and throughput
   std::vector<Candidate> best_rejected;   ///< best-scoring candidates that were rejected, with why
-  int64_t evaluated = 0;       ///< candidates searched: each with its step time and cost
-  int64_t memory_checked = 0;  ///< of those, whose memory was replayed (all with SearchOptions::exhaustive)
-  int64_t feasible = 0;        ///< of those, that fit and are within budget
+  int64_t evaluated = 0;                 ///< candidates searched: each with its step time and cost
+  int64_t memory_checked = 0;            ///< of those, whose memory was replayed (every runnable one with SearchOptions::exhaustive)
+  int64_t memory_checked_feasible = 0;   ///< of those, that fit within the budget
+  std::optional<int64_t> feasible;       ///< with SearchOptions::exhaustive: every candidate that fits within the budget
+  /// With SearchOptions::keep_candidates: every candidate in the search's order, as evaluated
+  /// before the lazy replay (Reason::kNone: runnable, memory not judged) or, with exhaustive, judged.
+  std::vector<Candidate> candidates;
 };
 
 using ProgressFn = std::function<void(int64_t done, int64_t total)>;
