@@ -86,7 +86,8 @@ How fsdpkit's options map to PyTorch
   max over both windows, ``timed_max_allocated_bytes`` is the timed window.
   Each timed step is timed with CUDA events and with the wall clock (after
   ``torch.cuda.synchronize``). ``measured.loss`` holds every step, warmup
-  steps first. One extra step then runs under ``FSDPMemTracker`` for the
+  steps first. One extra step then runs under ``FSDPMemTracker`` (less a
+  reference of its own: fsdp2_tracker_class) for the
   per-category memory at peak (``categories_at_peak``, bytes, keyed by the
   tracker's category names, plus its "Total"; null plus ``categories_error``
   if it fails). The tracker counts every tensor made inside optimizer.step()
@@ -814,11 +815,50 @@ def category_name(key):
     return str(getattr(key, "value", key))
 
 
+def fsdp2_tracker_class():
+    """FSDPMemTracker without one reference of its own. Its wrapper of FSDPParamGroup.post_backward
+    (torch/distributed/_tools/fsdp2_mem_tracker.py, _fsdp_param_group_post_backward.inner, PyTorch
+    2.11) labels each unsharded gradient in a loop whose variable ``unsharded_grad`` still holds
+    the group's last parameter's gradient while the wrapped post_backward runs, so that gradient
+    outlives foreach_reduce's copy-in: one more unsharded gradient than PyTorch holds without the
+    tracker (49,152,000 bytes for llama-100m's lm_head at the root's reduce-scatter, the peak of
+    a one-rank bf16-parameter fp32-reduce step; tools/peak_trace.py found it). The same wrapper,
+    the loop variable deleted."""
+    from functools import wraps
+
+    import torch.distributed._tools.fsdp2_mem_tracker as tracker_module
+
+    class Tracker(tracker_module.FSDPMemTracker):
+        def _fsdp_param_group_post_backward(self, fsdp_mod, orig_post_backward):
+            @wraps(orig_post_backward)
+            def inner(*args, **kwargs):
+                fsdp_state = fsdp_mod._get_fsdp_state()
+                if fsdp_param_group := fsdp_state._fsdp_param_group:
+                    for fsdp_param in fsdp_param_group.fsdp_params:
+                        unsharded_grad = fsdp_param._unsharded_param.grad
+                        if unsharded_grad is not None:
+                            self._update_and_maybe_create_winfos(
+                                unsharded_grad, tracker_module._FSDPRefType.UNSHARDED_GRAD, update_existing=True)
+                        del unsharded_grad  # the one change
+                mod_stat = self.memory_tracking[fsdp_mod]
+                mod_stat.snapshots.setdefault(tracker_module._FSDPModState.BEF_POST_BW, []).append(self.get_tracker_snapshot())
+                self._fsdp_state = tracker_module._FSDPState.POST_BW
+                orig_post_backward(*args, **kwargs)
+                if fsdp_param_group := fsdp_state._fsdp_param_group:
+                    for fsdp_param in fsdp_param_group.fsdp_params:
+                        sharded_grad = fsdp_param.sharded_param.grad
+                        if sharded_grad is not None:
+                            self._update_and_maybe_create_winfos(sharded_grad, tracker_module._FSDPRefType.SHARDED_GRAD)
+                mod_stat.snapshots.setdefault(tracker_module._FSDPModState.AFT_POST_BW, []).append(self.get_tracker_snapshot())
+            return inner
+
+    return Tracker
+
+
 def tracked_categories(model, optimizer, batch, device, held=None):
     """One extra step under FSDPMemTracker (FSDP2) or MemTracker (FSDP1); returns (categories,
     loss, error)."""
     try:
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
         from torch.distributed._tools.mem_tracker import MemTracker
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -827,7 +867,7 @@ def tracked_categories(model, optimizer, batch, device, held=None):
             tracker = MemTracker()
             tracker.track_external(model, optimizer, inputs, targets)
         else:
-            tracker = FSDPMemTracker(model, optimizer)
+            tracker = fsdp2_tracker_class()(model, optimizer)
             tracker.track_inputs((inputs, targets))
         if held:
             tracker.track_external(*held)  # the previous step's logits, still referenced
