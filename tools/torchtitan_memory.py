@@ -1,0 +1,148 @@
+"""The tensors PyTorch FSDP2 holds at the peak of a torchtitan training step, on CPU ranks: the
+reference side of issue 17's implementation profile (`--impl torchtitan`, not built yet). Runs
+torchtitan's own Llama 3 model, its own FSDP2 wrapping and activation checkpointing, and its own
+loss, and records FSDPMemTracker's categories at the peak the way tools/torch_reference.py does
+for transformers' models (the same tracker, less its own reference: fsdp2_tracker_class).
+
+    PYTHONPATH=DIR python tools/torchtitan_memory.py --dim 768 --layers 8 --heads 12 --kv-heads 4 \
+        --vocab 32000 --seq-len 1024 --micro-batch 2 --ac none --out result.json
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tools/torchtitan_memory.py ...
+
+Needs torchtitan 0.2.2 (the last release that imports on the project's torch 2.11; 0.3.0 needs
+2.14, docs/torchtitan-0.3.0.md) and what its package imports:
+    pip install --no-deps torchtitan==0.2.2 torchdata && pip install tyro tensorboard
+(DIR: where they were installed, when not into the venv itself).
+
+What it follows of torchtitan 0.2.2 (paths in its wheel):
+* models/llama3/model/model.py, model/args.py   Transformer, TransformerModelArgs (attn_type
+  "sdpa", causal mask), init_weights under no_grad
+* models/llama3/infra/parallelize.py apply_fsdp  fully_shard(tok_embeddings), each block,
+  [norm, output] (not resharded after forward), then the root; MixedPrecisionPolicy(bf16, fp32);
+  on more than one rank FSDP's own gradient division instead of its factor 1.0 (gloo has no
+  PREMUL_SUM; the division is in place either way)
+* distributed/activation_checkpoint.py apply_ac  "full" and op-level "selective" with
+  llama3's _op_sac_save_list
+* components/loss.py cross_entropy_loss          cross_entropy(pred.flatten(0, 1).float(), sum)
+* train.py forward_backward_step                 `del pred` before loss.backward()
+* components/optimizer                           AdamW (foreach), zero_grad(set_to_none=True)
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--multiple-of", type=int, default=256)
+    p.add_argument("--ffn-dim-multiplier", type=float, default=None)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--ac", choices=["none", "full", "selective-op"], default="none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    return p.parse_args()
+
+
+def build(args):
+    import torch
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    model_args = TransformerModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                                      vocab_size=args.vocab, multiple_of=args.multiple_of,
+                                      ffn_dim_multiplier=args.ffn_dim_multiplier, max_seq_len=args.seq_len)
+    torch.manual_seed(args.seed)
+    model = Transformer(model_args)
+    with torch.no_grad():
+        model.init_weights()
+    return model, model_args
+
+
+def apply_ac(model, mode):
+    if mode == "none":
+        return
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
+    from torchtitan.models.llama3.infra import parallelize
+
+    config = ActivationCheckpoint(mode="full" if mode == "full" else "selective", selective_ac_option="op")
+    titan_apply_ac(model, config, op_sac_save_list=parallelize._op_sac_save_list)
+
+
+def shard(model, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
+    if world > 1:
+        # apply_fsdp's disable_fsdp_gradient_division (factor 1.0) reduces with ReduceOp.PREMUL_SUM,
+        # which gloo lacks: back to FSDP's own division, an in-place op on the same buffers
+        from torch.distributed.fsdp import FSDPModule
+        for module in model.modules():
+            if isinstance(module, FSDPModule) and (group := module._get_fsdp_state()._fsdp_param_group) is not None:
+                group.gradient_divide_factor = None
+
+
+def step(model, optimizer, inputs, labels):
+    import torch
+
+    optimizer.zero_grad(set_to_none=True)
+    pred = model(inputs)
+    loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+    del pred
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def main():
+    args = parse_args()
+    import torch
+    import torch.distributed as dist
+    from torch_reference import fsdp2_tracker_class
+
+    if "RANK" not in os.environ:  # one process: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, model_args = build(args)
+    apply_ac(model, args.ac)
+    shard(model, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
+    g = torch.Generator().manual_seed(args.seed + rank)
+    tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1), generator=g)
+    inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    first = step(model, optimizer, inputs, labels)  # creates AdamW's states
+    tracker = fsdp2_tracker_class()(model, optimizer)
+    tracker.track_inputs((inputs, labels))
+    with tracker:
+        second = step(model, optimizer, inputs, labels)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    per_device = next(v for k, v in snapshot.items() if str(k) == "cpu")
+    categories = {str(getattr(k, "value", k)): int(v) for k, v in per_device.items()}
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        report = {"torchtitan_model": "llama3", "model_args": {k: getattr(model_args, k) for k in
+                                                              ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+                                                               "ffn_dim_multiplier", "norm_eps", "rope_theta", "attn_type")},
+                  "params": params, "world": world, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "ac": args.ac,
+                  "loss": [float(first), float(second)], "categories_at_peak": categories}
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"torchtitan llama3 {params:,} params, world {world}, ac {args.ac}: peak {categories['Total']:,} bytes")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
