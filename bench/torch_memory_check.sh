@@ -11,7 +11,8 @@
 # Llama and one GPT-2 block-backward row and the first op-SAC row only
 # (the CTest check torch_memory_agreement does both). ROWS=lora runs the LoRA, QLoRA and pure-bf16
 # rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only, ROWS=families
-# the rows of the newer model families (Qwen3, OLMo 2, ...) only.
+# the rows of the newer model families (Qwen3, OLMo 2, ...) only, ROWS=torchtitan fsdp-plan
+# --impl torchtitan against torchtitan's own model (QUICK runs its AC full row).
 # Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
 # The FSDP1 rows (torch_reference.py --framework fsdp1: FullyShardedDataParallel, MemTracker) use
@@ -52,7 +53,10 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
     --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype "$param" --reduce-dtype "$reduce" --cublas-workspace-bytes 0 \
     ${both[@]+"${both[@]}"} --json > "$out/$name.plan.json"
-  python3 - "$name" "$out/$name.json" "$out/$name.plan.json" <<'PY'
+  compare "$name" "$out/$name.json" "$out/$name.plan.json"
+}
+compare() {  # name torch.json plan.json: prints the row; exits 1 past MAX_ERROR_PCT
+  python3 - "$1" "$2" "$3" <<'PY'
 import json, sys
 name, torch_path, plan_path = sys.argv[1:]
 tracked = json.load(open(torch_path))["measured"]["memory"]["categories_at_peak"]["Total"]
@@ -176,6 +180,55 @@ family_lora_rows() {
   check "1 rank  Llama 4 LoRA q,down r8 1024 x 2"    1 FULL_SHARD none 2 1024 "$L4" fsdp2 "--lora-rank 8 --lora-targets q_proj,down_proj"
   check "2 ranks Gemma 3 + vision LoRA q,v 1024 x 2" 2 FULL_SHARD none 2 1024 "$G3V" fsdp2 "--lora-rank 8 --lora-targets q_proj,v_proj" flash
 }
+# fsdp-plan --impl torchtitan against torchtitan 0.2.2's own Llama 3, apply_fsdp, apply_ac and loss
+# (tools/torchtitan_memory.py; RMSNorm saving what CUDA's fused kernel saves, its default) at
+# llama-100m's shape (dim 768, 8 layers, 12 heads, FFN 2048: the same 105,788,160 parameters) or
+# with the 2k vocabulary; skipped where torchtitan does not import. SDPA on both sides. The
+# --impl torchtitan-2025-01 rows run torchtitan's January 2025 tree from $TORCHTITAN_2025_01.
+titan_check() {  # name ranks ac micro seq vocab [version: 0.2.2 (default) | 2025-01, from $TORCHTITAN_2025_01]
+  local name=$1 ranks=$2 ac=$3 micro=$4 seq=$5 vocab=$6 version=${7:-0.2.2}
+  local model=$root/models/llama-100m.json; [ "$vocab" = 2048 ] && model=$root/tests/data/hf_configs/llama-100m-2k-vocab.json
+  local impl=torchtitan; [ "$version" = 2025-01 ] && impl=torchtitan-2025-01
+  if [ "$version" = 2025-01 ]; then
+    [ -n "${TORCHTITAN_2025_01:-}" ] || { echo "torch_memory_check: $name: skipped (TORCHTITAN_2025_01 unset)"; return 0; }
+    export PYTHONPATH=$TORCHTITAN_2025_01
+  elif ! "$python" -c "import torchtitan.models.llama3.infra.parallelize" 2> /dev/null; then
+    echo "torch_memory_check: $name: skipped (torchtitan does not import)"
+    return 0
+  fi
+  local args=(--version "$version" --dim 768 --layers 8 --heads 12 --kv-heads 12 --vocab "$vocab" --ac "$ac" --micro-batch "$micro" --seq-len "$seq")
+  if [ "$ranks" -gt 1 ]; then
+    "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torchtitan_memory.py" "${args[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+  else
+    "$python" "$root/tools/torchtitan_memory.py" "${args[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+  fi
+  [ "$version" = 2025-01 ] && unset PYTHONPATH
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); json.dump({"measured": {"memory": {"categories_at_peak": r["categories_at_peak"]}}}, open(sys.argv[1], "w"))' "$out/$name.json"
+  "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework fsdp2 --impl "$impl" --ac "$ac" \
+    --micro-batch "$micro" --seq-len "$seq" --attention flash --cublas-workspace-bytes 0 --json > "$out/$name.plan.json"
+  compare "$name" "$out/$name.json" "$out/$name.plan.json"
+}
+titan_rows() {
+  titan_check "1 rank  torchtitan        seq 1024 x 2" 1 none 2 1024 32000
+  titan_check "1 rank  torchtitan AC     seq 1024 x 2" 1 full 2 1024 32000
+  titan_check "1 rank  torchtitan op-SAC seq 1024 x 2" 1 selective-op 2 1024 32000
+  titan_check "1 rank  torchtitan 2k vocab seq 2048 x 1" 1 none 1 2048 2048
+  titan_check "1 rank  torchtitan 2k op-SAC seq 2048 x 1" 1 selective-op 1 2048 2048
+  titan_check "2 ranks torchtitan        seq 1024 x 2" 2 none 2 1024 32000
+  # torchtitan's main branch of January 2025 (its published Llama 3.1 8B runs): TORCHTITAN_2025_01=DIR
+  # holding its torchtitan/ tree (tools/torchtitan_memory.py says how to extract it)
+  titan_check "1 rank  tt-2025-01        seq 1024 x 2" 1 none 2 1024 32000 2025-01
+  titan_check "1 rank  tt-2025-01 AC     seq 1024 x 2" 1 full 2 1024 32000 2025-01
+  titan_check "1 rank  tt-2025-01 op-SAC seq 1024 x 2" 1 selective-op 2 1024 32000 2025-01
+  titan_check "1 rank  tt-2025-01 2k vocab seq 2048 x 1" 1 none 1 2048 2048 2025-01
+  titan_check "1 rank  tt-2025-01 2k op-SAC seq 2048 x 1" 1 selective-op 1 2048 2048 2025-01
+  titan_check "2 ranks tt-2025-01        seq 1024 x 2" 2 none 2 1024 32000 2025-01
+}
+if [ "${ROWS:-}" = torchtitan ]; then
+  "$python" -c "import torchtitan.models.llama3.infra.parallelize" 2> /dev/null || { echo "torch_memory_check: $python has no torchtitan"; exit 77; }
+  titan_rows
+  exit 0
+fi
 if [ "${ROWS:-}" = families ]; then
   family_rows
   exit 0
@@ -203,6 +256,7 @@ if [ -n "${QUICK:-}" ]; then
   check "2 ranks Llama 4 AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$L4"  # a softmax's-backward peak
   lora_quick_row
   qlora_quick_row
+  titan_check "1 rank  torchtitan AC     seq 1024 x 2" 1 full 2 1024 32000
   exit 0
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024

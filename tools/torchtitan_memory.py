@@ -12,6 +12,13 @@ Needs torchtitan 0.2.2 (the last release that imports on the project's torch 2.1
 2.14, docs/torchtitan-0.3.0.md) and what its package imports:
     pip install --no-deps torchtitan==0.2.2 torchdata && pip install tyro tensorboard
 (DIR: where they were installed, when not into the venv itself).
+--version 2025-01 runs the main branch as it stood for torchtitan's January 2025 performance
+tables (docs/performance.md of commit d4c86e3, the Llama 3.1 8B rows of docs/data): its
+models/llama/model.py (a Python RMSNorm upcasting to fp32) and parallelisms/parallelize_llama.py
+(blocks, the last one not resharded after forward, then the root; op-SAC's _save_list), which
+import on torch 2.11. Its Python files from a torchtitan clone, with an __init__.py it lacked:
+    git -C TORCHTITAN archive d4c86e375 -- $(git -C TORCHTITAN ls-tree -r --name-only d4c86e375 torchtitan | grep '\.py$') | tar -x -C DIR
+    touch DIR/torchtitan/__init__.py
 
 What it follows of torchtitan 0.2.2 (paths in its wheel):
 * models/llama3/model/model.py, model/args.py   Transformer, TransformerModelArgs (attn_type
@@ -46,6 +53,12 @@ def parse_args():
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--ac", choices=["none", "full", "selective-op"], default="none")
+    p.add_argument("--norm", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: RMSNorm saves what CUDA's _fused_rms_norm saves (the default: the GPU being planned); "
+                        "cpu: ATen's CPU composite, which saves fp32 copies")
+    p.add_argument("--version", choices=["0.2.2", "2025-01"], default="0.2.2",
+                   help="0.2.2: the PyPI release; 2025-01: the main branch of torchtitan's January 2025 Llama 3.1 "
+                        "performance tables (commit d4c86e3), its torchtitan/ tree on PYTHONPATH (see below)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     return p.parse_args()
@@ -53,8 +66,11 @@ def parse_args():
 
 def build(args):
     import torch
-    from torchtitan.models.llama3.model.args import TransformerModelArgs
-    from torchtitan.models.llama3.model.model import Transformer
+    if args.version == "2025-01":
+        from torchtitan.models.llama.model import ModelArgs as TransformerModelArgs, Transformer
+    else:
+        from torchtitan.models.llama3.model.args import TransformerModelArgs
+        from torchtitan.models.llama3.model.model import Transformer
 
     model_args = TransformerModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                                       vocab_size=args.vocab, multiple_of=args.multiple_of,
@@ -66,21 +82,90 @@ def build(args):
     return model, model_args
 
 
-def apply_ac(model, mode):
+def apply_ac(model, mode, version):
     if mode == "none":
+        return
+    import torch
+    aten = torch.ops.aten
+    if version == "2025-01":
+        import importlib
+        from types import SimpleNamespace
+        parallelize_llama = importlib.import_module("torchtitan.parallelisms.parallelize_llama")  # the package exports a function of that name
+
+        if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):  # as below
+            parallelize_llama._save_list.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
+        parallelize_llama.apply_ac(model, SimpleNamespace(mode="full" if mode == "full" else "selective", selective_ac_option="op"))
         return
     from torchtitan.config.job_config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
     from torchtitan.models.llama3.infra import parallelize
 
     config = ActivationCheckpoint(mode="full" if mode == "full" else "selective", selective_ac_option="op")
-    titan_apply_ac(model, config, op_sac_save_list=parallelize._op_sac_save_list)
+    # the list names CUDA's SDPA kernels; the CPU runs its own flash kernel, which CUDA's
+    # _scaled_dot_product_flash_attention stands for (as tools/torch_reference.py does)
+    save_list = set(parallelize._op_sac_save_list)
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        save_list.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    titan_apply_ac(model, config, op_sac_save_list=save_list)
 
 
-def shard(model, world):
+def use_fused_rms_norm():
+    """nn.RMSNorm as CUDA runs it. torch 2.11's rms_norm_symint sends a CUDA input whose dtype
+    matches the weight's to aten::_fused_rms_norm, whose autograd node (FusedRmsNormBackward0,
+    derivatives.yaml) saves the input and its fp32 rstd [..., 1] only (checked with FakeTensorMode on a
+    'cuda' bf16 tensor); the CPU has no such kernel and runs the composite, which saves the fp32 input
+    and the fp32 normalised input besides. This autograd.Function saves what the CUDA node saves and
+    works row-chunk by row-chunk, so that its fp32 temporaries stay as small as the CUDA kernel's."""
+    import torch
+
+    rows_per_chunk = 256
+
+    class FusedRmsNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, eps):
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.empty_like(flat)
+            rstd = torch.empty(flat.shape[0], 1, dtype=torch.float32)
+            for r in range(0, flat.shape[0], rows_per_chunk):
+                xf = flat[r:r + rows_per_chunk].float()
+                rstd[r:r + rows_per_chunk] = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+                out[r:r + rows_per_chunk] = (xf * rstd[r:r + rows_per_chunk] * weight.float()).to(x.dtype)
+            ctx.save_for_backward(x, rstd, weight)
+            return out.view(x.shape)
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, rstd, weight = ctx.saved_tensors
+            flat, gflat = x.reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+            grad_x = torch.empty_like(flat)
+            grad_w = torch.zeros(x.shape[-1], dtype=torch.float32)
+            w = weight.float()
+            for r in range(0, flat.shape[0], rows_per_chunk):
+                xhat = flat[r:r + rows_per_chunk].float() * rstd[r:r + rows_per_chunk]
+                g = gflat[r:r + rows_per_chunk].float()
+                grad_w += (g * xhat).sum(0)
+                wg = g * w
+                grad_x[r:r + rows_per_chunk] = (rstd[r:r + rows_per_chunk] * (wg - xhat * (wg * xhat).mean(-1, keepdim=True))).to(x.dtype)
+            return grad_x.view(x.shape), grad_w.to(weight.dtype), None
+
+    def forward(self, x):
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return FusedRmsNorm.apply(x, self.weight, eps)
+
+    torch.nn.RMSNorm.forward = forward
+
+
+def shard(model, world, version):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if version == "2025-01":  # blocks (the last not resharded after forward), then the root; FSDP's own division
+        from torchtitan.parallelisms.parallelize_llama import apply_fsdp
+        apply_fsdp(model, init_device_mesh("cpu", (world,)), param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
+        # its fully_shard(model, reshard_after_forward=True): the torch of January 2025 kept the root
+        # unsharded after forward whatever it was told; torch 2.11 does as told (pytorch#154704,
+        # June 2025). The runs it published had the root kept, so the reference restores that.
+        model.set_reshard_after_forward(False, recurse=False)
+        return
     from torchtitan.models.llama3.infra.parallelize import apply_fsdp
 
     mesh = init_device_mesh("cpu", (world,))
@@ -116,9 +201,11 @@ def main():
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.norm == "cuda":
+        use_fused_rms_norm()
     model, model_args = build(args)
-    apply_ac(model, args.ac)
-    shard(model, world)
+    apply_ac(model, args.ac, args.version)
+    shard(model, world, args.version)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
     g = torch.Generator().manual_seed(args.seed + rank)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1), generator=g)
@@ -133,14 +220,14 @@ def main():
     categories = {str(getattr(k, "value", k)): int(v) for k, v in per_device.items()}
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        report = {"torchtitan_model": "llama3", "model_args": {k: getattr(model_args, k) for k in
+        report = {"torchtitan_model": "llama3", "torchtitan_version": args.version, "model_args": {k: getattr(model_args, k, None) for k in
                                                               ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
                                                                "ffn_dim_multiplier", "norm_eps", "rope_theta", "attn_type")},
-                  "params": params, "world": world, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "ac": args.ac,
+                  "params": params, "world": world, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "ac": args.ac, "norm": args.norm,
                   "loss": [float(first), float(second)], "categories_at_peak": categories}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-        print(f"torchtitan llama3 {params:,} params, world {world}, ac {args.ac}: peak {categories['Total']:,} bytes")
+        print(f"torchtitan {args.version} llama3 {params:,} params, world {world}, ac {args.ac}: peak {categories['Total']:,} bytes")
     dist.destroy_process_group()
 
 

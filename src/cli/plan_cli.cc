@@ -64,6 +64,11 @@ void PrintHeader(const Workload& w, std::ostream& out) {
              c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),
              c.ac_every > 1 ? fmt::format("full on 1 block in {}", c.ac_every) : std::string(CheckpointingName(c.checkpointing)),
              AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
+  if (c.impl == Impl::kTorchtitan) {
+    fmt::print(out, "torchtitan 0.2.2's Llama 3 (--impl torchtitan): units tok_embeddings, each block, [norm, output] (kept unsharded after forward), root\n");
+  } else if (c.impl == Impl::kTorchtitan202501) {
+    fmt::print(out, "torchtitan's Llama 3 of January 2025 (--impl torchtitan-2025-01): units each block (the last kept unsharded after forward), root\n");
+  }
   if (const int64_t vision = w.model.VisionParams(); vision > 0) {
     fmt::print(out, "vision tower: {} parameters ({}), held in the root unit but idle in these text-only steps: no FLOPs, no activations, {}\n",
                WithCommas(vision), Percent(vision, w.model.ParamsTotal()),
@@ -282,6 +287,9 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_flag("--cpu-offload", f.config.cpu_offload, "CPUOffload(offload_params=True): params, grads and optimizer on the host");
   app.add_option("--wrap", f.wrap, "block | size:N | none | linear | peft (with LoRA: adapters in units of their own)")->capture_default_str();
   app.add_option("--framework", f.framework, "fsdp1 (FullyShardedDataParallel) | fsdp2 (fully_shard)")->capture_default_str();
+  app.add_option("--impl", f.impl,
+                 "whose model code runs: transformers (HF modules) | torchtitan (0.2.2's Llama 3: its wrap units, nn.RMSNorm, RoPE table) | torchtitan-2025-01 (the January 2025 main branch of torchtitan's published Llama 3.1 runs); torchtitan needs --framework fsdp2")
+      ->capture_default_str();
   app.add_flag("--forward-prefetch", f.config.forward_prefetch, "FSDP1 forward_prefetch=True");
   app.add_option("--backward-prefetch", f.backward_prefetch, "pre | post | none")->capture_default_str();
   app.add_flag("--no-limit-all-gathers", f.no_limit_all_gathers, "FSDP1 limit_all_gathers=False");
@@ -337,6 +345,7 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   }
   if (!(s = Assign(c.optimizer, ParseOptimizer(f.optimizer))).ok()) return s.error();
   if (!(s = Assign(c.framework, ParseFramework(f.framework))).ok()) return s.error();
+  if (!(s = Assign(c.impl, ParseImpl(f.impl))).ok()) return s.error();
   if (!(s = Assign(c.backward_prefetch, ParseBackwardPrefetch(f.backward_prefetch))).ok()) return s.error();
   if (auto alloc = ParseAllocatorConfig(c.alloc_conf); !alloc.ok()) return alloc.error();
   c.limit_all_gathers = !f.no_limit_all_gathers;
@@ -353,6 +362,9 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
   if (!flags.export_format.empty()) {
     auto format = ParseExportFormat(flags.export_format);
     if (!format.ok()) return format.error();
+    if (w.config.impl != Impl::kTransformers) {
+      return Error::BadInput(fmt::format("--export writes code around transformers' modules; --impl {} is planned, not exported (torchtitan takes a TOML job config)", ImplName(w.config.impl)));
+    }
     if (flags.json) {
       out << DumpJson(Json{{"export", {{"format", flags.export_format}, {"code", ExportConfig(w, format.value())}}}}, 2) << "\n";
     } else {

@@ -24,6 +24,7 @@ struct PlanFlags {
   std::string param_dtype = "bf16", reduce_dtype = "fp32", buffer_dtype = "bf16", master_dtype = "fp32";
   std::string base_dtype;  ///< --base-dtype; empty: LoraConfig::base_dtype unset
   std::string optimizer = "adamw", framework = "fsdp1", backward_prefetch = "pre";
+  std::string impl = "transformers";  ///< --impl: whose model code runs (core/fsdp_config.h Impl)
   bool no_limit_all_gathers = false;
   std::optional<int64_t> cuda_context_bytes, nccl_bytes, cublas_workspace_bytes;
   std::optional<double> fragmentation;

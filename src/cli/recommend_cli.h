@@ -26,6 +26,7 @@ struct RecommendFlags {
   std::optional<double> tokens;
   std::vector<std::string> prices;       ///< "id=usd" overrides
   std::string framework = "fsdp1";
+  std::string impl = "transformers";    ///< --impl (core/fsdp_config.h Impl)
   std::string attention;                 ///< empty: flash, or eager where SDPA cannot run the model (SdpaRuledOut)
   bool loop_holds_outputs = false;       ///< FsdpConfig::loop_holds_outputs for every candidate
   LoraConfig lora;                       ///< LoRA / QLoRA for every candidate (rank 0: full fine-tuning)

@@ -252,6 +252,9 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     return Error::BadInput("fsdp-run's GPU engine keeps fp32 master weights: --master-dtype bf16 trains on --device cpu; fsdp-plan and fsdp-sim model it");
   }
   if (c.ac_every != 1) return Error::BadInput("fsdp-run checkpoints every block under --ac full; --ac-every is a planning option");
+  if (c.impl != Impl::kTransformers) {
+    return Error::BadInput(fmt::format("fsdp-run runs transformers' Llama modules and wrap; --impl {} is a planning option (fsdp-plan, fsdp-sim)", ImplName(c.impl)));
+  }
   if (c.checkpointing == Checkpointing::kSelectiveOp) {
     return Error::BadInput("fsdp-run implements --ac none, selective and full; selective-op (torchtitan's op-level policy) is a planning option");
   }

@@ -78,6 +78,22 @@ std::string_view BackwardPrefetchName(BackwardPrefetch p) {
   return "?";
 }
 
+std::string_view ImplName(Impl i) {
+  switch (i) {
+    case Impl::kTransformers: return "transformers";
+    case Impl::kTorchtitan: return "torchtitan";
+    case Impl::kTorchtitan202501: return "torchtitan-2025-01";
+  }
+  return "?";
+}
+
+Result<Impl> ParseImpl(std::string_view t) {
+  if (t == "transformers") return Impl::kTransformers;
+  if (t == "torchtitan" || t == "torchtitan-0.2.2") return Impl::kTorchtitan;
+  if (t == "torchtitan-2025-01") return Impl::kTorchtitan202501;
+  return Unknown("--impl", t, "transformers, torchtitan (0.2.2) or torchtitan-2025-01");
+}
+
 Result<Strategy> ParseStrategy(std::string_view t) {
   if (t == "full_shard" || t == "FULL_SHARD") return Strategy::kFullShard;
   if (t == "shard_grad_op" || t == "SHARD_GRAD_OP") return Strategy::kShardGradOp;
@@ -165,6 +181,22 @@ static Status ValidateLora(const LoraConfig& l, WrapPolicy wrap) {
   return {};
 }
 
+// torchtitan trains with FSDP2 (apply_fsdp), SDPA, its own wrap units and no LoRA; its
+// activation checkpointing offers full, layer-level (every N-th block: --ac-every) and op-level.
+static Status ValidateTorchtitan(const FsdpConfig& c, const ModelSpec& model) {
+  if (const std::string why = TorchtitanRuledOut(model); !why.empty()) return Error::BadInput(why);
+  if (c.framework != Framework::kFsdp2) return Error::BadInput(fmt::format("--impl {} shards with FSDP2 (fully_shard); add --framework fsdp2", ImplName(c.impl)));
+  if (c.wrap != WrapPolicy::kBlock) {
+    return Error::BadInput(fmt::format("--impl {} wraps as its apply_fsdp does; --wrap {} does not apply", ImplName(c.impl), WrapPolicyName(c.wrap)));
+  }
+  if (c.attention != Attention::kFlash) return Error::BadInput(fmt::format("--impl {} runs SDPA; --attention eager does not apply", ImplName(c.impl)));
+  if (c.checkpointing == Checkpointing::kSelective) {
+    return Error::BadInput(fmt::format("--impl {} has no attention-core checkpointing; its modes are --ac none, full (--ac-every N: layer-level) and selective-op", ImplName(c.impl)));
+  }
+  if (c.lora.rank > 0) return Error::BadInput(fmt::format("--impl {} trains every parameter; LoRA is transformers' (peft's)", ImplName(c.impl)));
+  return {};
+}
+
 Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareSpec& hw) {
   if (Status s = CheckRange("--gpus", c.gpus, kMaxGpus); !s.ok()) return s;
   if (c.gpus_per_node == 0) c.gpus_per_node = std::min(hw.gpus_per_node, c.gpus);
@@ -217,7 +249,18 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
                                          "--base-dtype {} differs", DTypeName(c.param_dtype), DTypeName(*c.lora.base_dtype)));
     }
   }
+  if (IsTorchtitan(c.impl)) {
+    if (Status s = ValidateTorchtitan(c, model); !s.ok()) return s;
+  }
   return ValidateLora(c.lora, c.wrap);
+}
+
+std::string TorchtitanRuledOut(const ModelSpec& m) {
+  if (m.model_type != "llama" || !OpCheckpointingModelled(m) || m.qk_l2_norm) {
+    return fmt::format("{} is a {} model; --impl torchtitan models torchtitan's Llama 3 (dense, bias-free pre-norm Llama blocks)", m.id, m.model_type);
+  }
+  if (m.tie_word_embeddings) return fmt::format("{} ties lm_head to the embedding, which torchtitan's Llama 3 does not", m.id);
+  return "";
 }
 
 // torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are

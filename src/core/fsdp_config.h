@@ -26,6 +26,16 @@ enum class Attention { kEager, kFlash };
 enum class Optimizer { kAdamW, kAdam, kSgd, kSgdMomentum };
 enum class Framework { kFsdp1, kFsdp2 };
 enum class BackwardPrefetch { kPre, kPost, kNone };
+/// Whose model code and training loop run the step (`--impl`): transformers' modules under FSDP
+/// (accelerate, HF Trainer, the exports), or torchtitan's own Llama 3, as released in 0.2.2
+/// (`torchtitan.models.llama3`: apply_fsdp's units tok_embeddings, each block, [norm, output];
+/// nn.RMSNorm) or as its main branch stood for its January 2025 Llama 3.1 8B performance tables
+/// (commit d4c86e3: blocks, the last one kept unsharded after forward, and the root; a Python
+/// RMSNorm that upcasts to fp32, saving what transformers' does). docs/torchtitan-0.3.0.md. Same
+/// parameters and FLOPs, different saved tensors, wrap units and buffers.
+enum class Impl { kTransformers, kTorchtitan, kTorchtitan202501 };
+/// Either torchtitan profile: its Llama 3 model, FSDP2 and SDPA (TorchtitanRuledOut, ResolveAndValidate).
+inline bool IsTorchtitan(Impl i) { return i != Impl::kTransformers; }
 
 /// peft's LoraConfig (peft/tuners/lora/config.py), applied to the model by BuildWorkload
 /// (core/lora.h): every base parameter frozen, a pair of adapters beside each targeted linear.
@@ -93,6 +103,7 @@ struct FsdpConfig {
   /// PYTORCH_CUDA_ALLOC_CONF, verbatim (core/caching_allocator.h parses it; "" is PyTorch's default).
   std::string alloc_conf;
   LoraConfig lora;                 ///< rank 0: full fine-tuning
+  Impl impl = Impl::kTransformers;
 };
 
 std::string_view StrategyName(Strategy s);        ///< "FULL_SHARD", ...
@@ -102,6 +113,7 @@ std::string_view AttentionName(Attention a);
 std::string_view OptimizerName(Optimizer o);
 std::string_view FrameworkName(Framework f);
 std::string_view BackwardPrefetchName(BackwardPrefetch p);
+std::string_view ImplName(Impl i);  ///< "transformers", "torchtitan", "torchtitan-2025-01"
 
 Result<Strategy> ParseStrategy(std::string_view text);
 /// "block", "none", "linear", "peft" or "size:N" (N parameters, e.g. size:1e8 or size:100000000).
@@ -111,6 +123,7 @@ Result<Attention> ParseAttention(std::string_view text);
 Result<Optimizer> ParseOptimizer(std::string_view text);
 Result<Framework> ParseFramework(std::string_view text);
 Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view text);
+Result<Impl> ParseImpl(std::string_view text);
 
 /// Fills the defaults that depend on model and hardware (seq_len, gpus_per_node, shard group) and
 /// rejects impossible or inconsistent settings with a one-line BadInput.
@@ -124,6 +137,11 @@ bool Fsdp1SwitchesToNoShard(const FsdpConfig& config);
 /// Whether fsdpkit models --ac selective-op for this model: dense, bias-free Llama-style blocks
 /// (torchtitan's policy keeps every second aten.mm output; a biased Linear runs as addmm).
 bool OpCheckpointingModelled(const ModelSpec& model);
+
+/// Why torchtitan's Llama 3 (IsTorchtitan) cannot stand for the model, or "" when it can: a
+/// Llama with untied embeddings and dense, bias-free pre-norm blocks (torchtitan 0.2.2's
+/// models/llama3/model/model.py: wq/wk/wv/wo, w1/w2/w3, nn.RMSNorm, an untied `output`).
+std::string TorchtitanRuledOut(const ModelSpec& model);
 
 /// Why transformers cannot run the model's attention through SDPA, or "" when it can: Gemma 2's
 /// soft-capped scores (Gemma2PreTrainedModel._supports_sdpa = False; sdpa_attention_forward

@@ -183,7 +183,7 @@ bool FreesInBackward(const FsdpConfig& c, bool reduces_now) {
 
 bool ReshardsAfterForward(const Workload& w, int u) {
   if (w.config.strategy == Strategy::kNoShard) return true;
-  if (w.units[u].is_root) return false;
+  if (w.units[u].is_root || !w.units[u].reshard_after_forward) return false;
   return w.config.strategy == Strategy::kFullShard || w.config.strategy == Strategy::kHybridShard;
 }
 

@@ -151,7 +151,8 @@ bool FreesInBackward(const FsdpConfig& config, bool reduces_now);
 
 /// Whether unit u's post-forward frees its unsharded parameters: FULL_SHARD and HYBRID_SHARD
 /// (RESHARD_AFTER_FORWARD_HANDLE_STRATEGIES; FSDP2's reshard_after_forward=True), never the
-/// root (FSDP1 _post_forward_reshard; FSDP2's root keeps them for its backward); NO_SHARD's
+/// root (FSDP1 _post_forward_reshard; FSDP2's root keeps them for its backward) nor a unit
+/// created with reshard_after_forward=False (WrapUnit::reshard_after_forward); NO_SHARD's
 /// post_reshard frees every unit's low-precision copy, the root's too.
 bool ReshardsAfterForward(const Workload& workload, int u);
 

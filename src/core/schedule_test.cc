@@ -117,6 +117,23 @@ TEST_CASE("FSDP2: the all-gather streams wait on the previous copy-out in forwar
   CHECK(backward_waits == 2);  // the root stays unsharded from forward to backward
 }
 
+TEST_CASE("--impl torchtitan: tok_embeddings resharded after forward, [norm, output] kept unsharded until its backward") {
+  FsdpConfig c;
+  c.gpus = 3;
+  c.framework = Framework::kFsdp2;
+  c.impl = Impl::kTorchtitan;
+  const Workload w = Hand(c);
+  const Schedule s = BuildSchedule(w);
+  // units: 0 the root (no parameters: nothing to gather), 1 the embedding, 2 and 3 the blocks, 4 [norm, lm_head]
+  // forward: the embedding and each block gathered and freed in turn; the group gathered at the
+  // norm and left unsharded (no r4); the loss is the root's. Backward: the loss, then the group's
+  // hook (already unsharded: prefetches the last block), its post-backward after the norm's
+  // backward, the blocks, the embedding (prefetched at the first block's pre-backward).
+  CHECK(Render(s.MicroBatch(0)) ==
+        "pf0 pf1 u1 w1 F pof1 r1 pf2 u2 w2 F pof2 r2 pf3 u3 w3 F pof3 r3 F pf4 u4 w4 F pof4 F pof0 EF "
+        "pb0 B pb4 u3p B pp4 r4 R4 B pb3 w3 u2p B pp3 r3 R3 pb2 w2 u1p B pp2 r2 R2 B pb1 w1 B pp1 r1 R1 B pp0 EB O");
+}
+
 TEST_CASE("no_sync: SHARD_GRAD_OP keeps parameters and gradients unsharded; the middle micro-batches share one program") {
   FsdpConfig c;
   c.gpus = 3;

@@ -13,7 +13,7 @@ namespace fsdp {
 /// Where device (or heap) bytes go. Every estimate and measurement is a CategoryBytes; each report
 /// shows the categories it holds (kPlannerCategories, kRuntimeCategories).
 enum class MemCategory {
-  kShardedParams,    ///< the rank's fp32 shard of every unit (FlatParameter._local_shard)
+  kShardedParams,    ///< the rank's fp32 shard of every unit (FlatParameter._local_shard), and model state each rank holds whole (QLoRA's quantization state, torchtitan's RoPE table)
   kUnshardedParams,  ///< all-gathered parameters in param_dtype (plus freed buffers the allocator cannot reuse yet)
   kGradients,        ///< unsharded gradients while computed, sharded fp32 gradients after reduce-scatter
   kOptimizerStates,  ///< optimizer state (and the optimizer step's temporaries)

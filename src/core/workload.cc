@@ -49,7 +49,30 @@ void AssignRoles(std::vector<ModuleNode>& nodes, const ModelSpec& model) {
   }
 }
 
-std::vector<ModuleNode> BuildModuleTree(const ModelSpec& model) {
+// torchtitan's apply_fsdp shards [norm, output] as one group (fully_shard on a list of modules):
+// a node of its own, between the decoder and the loss, whose children are the final norm and
+// lm_head (their paths and roles unchanged), so that the walk hooks the group around both.
+void GroupFinalNormWithLmHead(std::vector<ModuleNode>& nodes) {
+  int norm = -1, head = -1;
+  for (int i = 0; i < static_cast<int>(nodes.size()); ++i) {
+    if (nodes[i].role == ModuleNode::Role::kFinalNorm) norm = i;
+    if (nodes[i].role == ModuleNode::Role::kLmHead) head = i;
+  }
+  if (norm < 0 || head < 0 || nodes[head].parent != 0) return;  // TorchtitanRuledOut keeps such models out
+  auto detach = [&](int id) {
+    std::vector<int>& siblings = nodes[nodes[id].parent].children;
+    siblings.erase(std::find(siblings.begin(), siblings.end(), id));
+  };
+  detach(norm);
+  detach(head);
+  const int group = static_cast<int>(nodes.size());
+  nodes.push_back(ModuleNode{std::string(kNormOutputGroup), 0, {norm, head}, {}, ModuleNode::Role::kOther, -1, -1, 0, -1});
+  nodes[norm].parent = group;
+  nodes[head].parent = group;
+  nodes[0].children.push_back(group);
+}
+
+std::vector<ModuleNode> BuildModuleTree(const ModelSpec& model, Impl impl) {
   std::vector<ModuleNode> nodes;
   nodes.push_back(ModuleNode{});
   std::map<std::string, int> index{{"", 0}};
@@ -60,6 +83,7 @@ std::vector<ModuleNode> BuildModuleTree(const ModelSpec& model) {
   // A tied lm_head owns no parameter but still runs (and holds the logits): give it a node.
   EnsureNode(nodes, index, model.arch.names.lm_head);
   AssignRoles(nodes, model);
+  if (impl == Impl::kTorchtitan) GroupFinalNormWithLmHead(nodes);
   std::function<int64_t(int)> count = [&](int id) {
     int64_t n = 0;
     ModuleNode& node = nodes[id];
@@ -102,7 +126,11 @@ int64_t MarkSizeBased(std::vector<ModuleNode>& nodes, const ModelSpec& model, in
 void MarkUnits(std::vector<ModuleNode>& nodes, const ModelSpec& model, const FsdpConfig& config) {
   for (auto& n : nodes) {
     switch (config.wrap) {
-      case WrapPolicy::kBlock: if (n.role == ModuleNode::Role::kBlock) n.unit = 1; break;
+      case WrapPolicy::kBlock:
+        if (n.role == ModuleNode::Role::kBlock) n.unit = 1;
+        // torchtitan's apply_fsdp: tok_embeddings, each block, [norm, output], then the model
+        if (config.impl == Impl::kTorchtitan && (n.role == ModuleNode::Role::kEmbedding || n.path == kNormOutputGroup)) n.unit = 1;
+        break;
       case WrapPolicy::kLinear:
         if (!n.tensors.empty() && model.tensors[n.tensors.front()].in_linear) n.unit = 1;
         break;
@@ -135,6 +163,10 @@ void CollectUnits(Workload& w, int id, int enclosing_unit) {
     u.node = id;
     u.parent_unit = enclosing_unit;
     u.is_root = id == 0;
+    // apply_fsdp: torchtitan 0.2.2's [norm, output] with reshard_after_forward=(policy == "always"),
+    // January 2025's last block with `int(layer_id) < len(model.layers) - 1`: their backward comes first
+    u.reshard_after_forward = n.path != kNormOutputGroup &&
+                              !(w.config.impl == Impl::kTorchtitan202501 && n.role == ModuleNode::Role::kBlock && n.block == w.model.num_layers - 1);
     w.units.push_back(std::move(u));
   }
   for (int t : n.tensors) w.units[unit].tensors.push_back(t);
@@ -387,6 +419,7 @@ void SetShardBytes(Workload& w, const FsdpConfig& config) {
 
 Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config) {
   if (config.lora != w.config.lora) return Error::BadInput("Reconfigure cannot change the LoRA configuration: build a new workload");
+  if (config.impl != w.config.impl) return Error::BadInput("Reconfigure cannot change --impl (the module tree differs): build a new workload");
   if (config.lora.qlora && config.param_dtype != w.config.param_dtype) {
     return Error::BadInput("Reconfigure cannot change the param dtype under QLoRA (the 4-bit weights are packed in it): build a new workload");
   }
@@ -436,7 +469,8 @@ Result<Workload> BuildWorkload(ModelSpec model, HardwareSpec hardware, FsdpConfi
   Workload w;
   w.config.lora = config.lora;
   w.config.param_dtype = config.param_dtype;
-  w.nodes = BuildModuleTree(model);
+  w.config.impl = config.impl;
+  w.nodes = BuildModuleTree(model, config.impl);
   w.model = std::move(model);
   if (Status s = Reconfigure(w, hardware, config); !s.ok()) return s.error();
   return w;

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/fsdp_config.h"
@@ -27,6 +28,10 @@ struct ModuleNode {
   int first_tensor = -1;       ///< the subtree's first parameter in inventory order (-1: none, e.g. a tied lm_head)
 };
 
+/// The path of the module node that groups the final norm with lm_head under --impl torchtitan
+/// (its apply_fsdp's fully_shard([model.norm, model.output])): the unit's name.
+inline constexpr std::string_view kNormOutputGroup = "[norm, lm_head]";
+
 /// One FSDP unit (FSDP1 FlatParameter / FSDP2 parameter group).
 /// FSDP2's shard of one parameter (Shard(0) on a group of `world`): dim 0 padded to a multiple of
 /// the world, divided by it (_fsdp_param.py FSDPParam._init_sharded_param).
@@ -37,6 +42,9 @@ struct WrapUnit {
   int node = 0;                ///< ModuleNode the unit wraps
   int parent_unit = -1;        ///< enclosing unit (-1 for the root)
   bool is_root = false;
+  /// FSDP2's reshard_after_forward for the unit (FULL_SHARD's True), before the strategy's rules
+  /// (ReshardsAfterForward): false for torchtitan's [norm, output] group
+  bool reshard_after_forward = true;
   std::vector<int> tensors;    ///< parameters managed by this unit
   int64_t numel = 0;           ///< sum of its parameters' elements
   int64_t padded_numel = 0;    ///< unsharded size after alignment and padding to the shard group

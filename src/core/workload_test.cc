@@ -62,6 +62,65 @@ TEST_CASE("block wrap: root unit plus one unit per block, padded to the shard gr
   CHECK(w.nodes[w.units[2].node].first_tensor == tensor("model.layers.1.input_layernorm.weight"));
 }
 
+TEST_CASE("--impl torchtitan: apply_fsdp's units, tok_embeddings, each block, [norm, output], an empty root") {
+  FsdpConfig c;
+  c.gpus = 3;
+  c.framework = Framework::kFsdp2;
+  c.impl = Impl::kTorchtitan;
+  Workload w = Build(c);
+  REQUIRE(w.units.size() == 5);
+  CHECK(w.units[0].name == "root");
+  CHECK(w.units[0].numel == 0);
+  CHECK(w.units[1].name == "model.embed_tokens");
+  CHECK(w.units[1].numel == 128);
+  CHECK(w.units[2].name == "model.layers.0");
+  CHECK(w.units[3].name == "model.layers.1");
+  CHECK(w.units[4].name == "[norm, lm_head]");
+  CHECK(w.units[4].numel == 8 + 128);
+  CHECK(w.units[4].padded_numel == 9 + 18 * 8);  // FSDP2 pads each parameter's dim 0 to a multiple of 3: [8] -> [9], [16, 8] -> [18, 8]
+  CHECK_FALSE(w.units[4].reshard_after_forward);
+  CHECK(w.units[1].reshard_after_forward);
+  CHECK(w.post_forward_order == std::vector<int>{1, 2, 3, 4, 0});
+  CHECK(w.ShardNumelTotal() * 3 == w.PaddedNumelTotal());
+  // the same parameters as transformers' layout, in other units
+  FsdpConfig hf = c;
+  hf.impl = Impl::kTransformers;
+  CHECK(Build(hf).model.ParamsTotal() == w.model.ParamsTotal());
+  // torchtitan trains with FSDP2, SDPA and its own wrap; it is a Llama 3
+  FsdpConfig bad = c;
+  bad.framework = Framework::kFsdp1;
+  CHECK(BuildWorkload(HandModel(), testing::GibGpu(), bad).error().message.find("--framework fsdp2") != std::string::npos);
+  bad = c;
+  bad.wrap = WrapPolicy::kNone;
+  CHECK(BuildWorkload(HandModel(), testing::GibGpu(), bad).error().message.find("--wrap none does not apply") != std::string::npos);
+  bad = c;
+  bad.attention = Attention::kEager;
+  CHECK_FALSE(BuildWorkload(HandModel(), testing::GibGpu(), bad).ok());
+  bad = c;
+  bad.checkpointing = Checkpointing::kSelective;
+  CHECK_FALSE(BuildWorkload(HandModel(), testing::GibGpu(), bad).ok());
+  bad = c;
+  bad.lora.rank = 2;
+  CHECK(BuildWorkload(HandModel(), testing::GibGpu(), bad).error().message.find("LoRA") != std::string::npos);
+  const char* tied = R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+                     R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64,"tie_word_embeddings":true})";
+  CHECK(BuildWorkload(HandModel(tied), testing::GibGpu(), c).error().message.find("ties lm_head") != std::string::npos);
+  const char* qwen = R"({"model_type":"qwen2","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+                     R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})";
+  CHECK(BuildWorkload(HandModel(qwen), testing::GibGpu(), c).error().message.find("is a qwen2 model") != std::string::npos);
+  // the module tree differs: Reconfigure refuses to switch it
+  CHECK_FALSE(Reconfigure(w, testing::GibGpu(), hf).ok());
+  // January 2025's apply_fsdp: the blocks, the last one with reshard_after_forward=False, then the
+  // model (its embedding, norm and output in the root)
+  FsdpConfig jan = c;
+  jan.impl = Impl::kTorchtitan202501;
+  Workload w25 = Build(jan);
+  REQUIRE(w25.units.size() == 3);
+  CHECK(w25.units[0].numel == 264);
+  CHECK(w25.units[1].reshard_after_forward);
+  CHECK_FALSE(w25.units[2].reshard_after_forward);
+}
+
 TEST_CASE("strategies set the shard group") {
   FsdpConfig c;
   c.gpus = 16;

@@ -24,12 +24,13 @@ struct Dims {
   int64_t c;           // compute dtype bytes (param_dtype under mixed precision)
   int64_t h, inner, heads, kv_heads, head_dim, experts, top_k;
   bool masked = false;  // SDPA runs with an explicit mask (WindowMasksSdpa)
+  bool fused_rms_norm = false;  // torch's nn.RMSNorm on CUDA (--impl torchtitan), not transformers' own
 };
 
 Dims DimsOf(const ModelShape& m, const FsdpConfig& cfg, int64_t window = 0) {
   return Dims{cfg.micro_batch * cfg.seq_len, cfg.seq_len, BytesPerElement(cfg.param_dtype), m.hidden_size,
               m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token,
-              WindowMasksSdpa(cfg, window)};
+              WindowMasksSdpa(cfg, window), cfg.impl == Impl::kTorchtitan};  // 2025-01's Python RMSNorm saves transformers' set
 }
 
 // Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
@@ -97,7 +98,17 @@ std::vector<std::string_view> BlockNorms(const ModelShape& m) {
 // LayerNorm's input and statistics when either does. Full training: all of them. An RMSNorm
 // that multiplies by its weight in fp32 (Architecture::norm_weight_fp32) saves the normalised
 // input in fp32.
+// torch's nn.RMSNorm (torchtitan's) on CUDA runs aten::_fused_rms_norm when input and weight
+// dtypes match (torch 2.11's rms_norm_symint; FakeTensorMode on a 'cuda' bf16 input shows the
+// dispatch), whose FusedRmsNormBackward0 saves the input itself and an fp32 rstd per row
+// (derivatives.yaml): no fp32 copy, no normalised input. Both for either gradient.
 void AddNorm(std::vector<SavedTensor>& out, const Architecture& a, std::string_view module, const Dims& d, const NormGrad& g = {}) {
+  if (d.fused_rms_norm && a.norm == NormKind::kRms) {
+    if (!g.input && !g.weight) return;
+    out.push_back({Name(module, "in"), d.c * d.h * d.tokens});
+    out.push_back({Name(module, "rstd"), 4 * d.tokens});
+    return;
+  }
   if (a.norm == NormKind::kLayer) {
     if (!g.input && !g.weight) return;
     out.push_back({Name(module, "in"), d.c * d.h * d.tokens});
@@ -550,6 +561,9 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
                                                                                   "shared_expert.gate_proj", "shared_expert.up_proj"});
   std::vector<SavedTensor> out;
   add_sublayer_input(out, roles.pre_attn, f.input, attention_input_saved, "block.input");
+  if (d.fused_rms_norm && roles.pre_attn >= 0 && !out.empty() && out.front().name == Name(norms.at(roles.pre_attn), "in")) {
+    out.front().is_block_input = true;
+  }
   if (m.arch.fused_qkv) {
     AddFusedAttention(out, m, cfg, d, f);
   } else if (m.mla.enabled()) {
@@ -709,7 +723,9 @@ int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const D
   // rows per token through the experts: top-k, or every expert (Llama 4's dense dispatch)
   const int64_t mlp_factor = d.experts == 0 ? 1 : m.arch.experts_dense_dispatch ? d.experts : d.top_k;
   const int64_t mlp = (m.arch.mlp == MlpKind::kPlain ? 4 : 3) * d.c * d.inner * d.tokens * mlp_factor;
-  const int64_t norm = 12 * hT;
+  // transformers' RMSNorm backward runs in fp32 over the whole [T, h]; the fused CUDA kernel
+  // writes only the input's gradient (one of the two hidden-state gradients counted below)
+  const int64_t norm = d.fused_rms_norm ? 0 : 12 * hT;
   return 2 * d.c * hT + std::max({attention, mlp, norm});
 }
 
@@ -719,6 +735,11 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
   int64_t total = 0;
   for (const auto& t : tensors) total += t.bytes;
   return total;
+}
+
+int64_t ModelBufferBytes(const ModelSpec& m, const FsdpConfig& cfg) {
+  if (!IsTorchtitan(cfg.impl)) return 0;
+  return 8 * cfg.seq_len * (m.head_dim / 2);
 }
 
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
@@ -757,13 +778,15 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
     case Checkpointing::kSelectiveOp:
       a.kept = OpCheckpointKept(cfg, d);
       for (const auto& t : a.full) {
-        if (!KeptByOpCheckpointing(t, cfg, d)) a.recomputed.push_back(t);
+        if (!KeptByOpCheckpointing(t, cfg, d) && !t.is_block_input) a.recomputed.push_back(t);
       }
       break;
     case Checkpointing::kFull:
       // checkpoint_wrapper (non-reentrant) saves only the block's input hidden states.
       a.kept = {{"checkpoint.block_input", d.c * d.h * d.tokens}};
-      a.recomputed = a.full;
+      for (const auto& t : a.full) {
+        if (!t.is_block_input) a.recomputed.push_back(t);
+      }
       break;
   }
   a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d, a.full, a.softmax_backward_bytes > 0);

@@ -23,6 +23,9 @@ struct SavedTensor {
   /// freed by the time the softmax's backward runs (BlockActivations::softmax_backward_bytes):
   /// saved after the attention core, or by a core op whose backward has run (probs @ v's copy of v)
   bool freed_by_softmax_backward = false;
+  /// the block's input hidden states themselves (torchtitan's fused RMSNorm saves its input): the
+  /// tensor a checkpointed block keeps anyway, so recomputation does not allocate it again
+  bool is_block_input = false;
 };
 
 /// Activation memory of one decoder block for one micro-batch.
@@ -90,5 +93,11 @@ bool BlockInputRequiresGrad(const ModelSpec& model, int block);
 HeadActivations HeadActivationProfile(const ModelSpec& model, const FsdpConfig& config);
 
 int64_t SumBytes(const std::vector<SavedTensor>& tensors);
+
+/// Bytes of the model's persistent buffers on each rank (FSDP2 moves buffers to the device whole;
+/// they are not sharded): torchtitan's RoPE table freqs_cis, complex64 [seq_len, head_dim / 2]
+/// (models/llama3/model/model.py precompute_freqs_cis; args.py update_from_config sets
+/// max_seq_len to the training seq_len). transformers' inv_freq (head_dim / 2 floats): 0 here.
+int64_t ModelBufferBytes(const ModelSpec& model, const FsdpConfig& config);
 
 }  // namespace fsdp

@@ -60,6 +60,33 @@ TEST_CASE("Llama-2-7B block at 4096 tokens: flash vs eager vs checkpointing") {
   CHECK(Profile("llama-2-7b", 4096, Attention::kFlash, Checkpointing::kFull).KeptBytes() == 2LL * 4096 * 4096);
 }
 
+TEST_CASE("--impl torchtitan: nn.RMSNorm's fused CUDA kernel saves its input and rstd, no fp32 copies") {
+  // Llama-2-7B at 4096 tokens, flash (h 4096, a 32, I 11008): each norm saves its bf16 input 2h and
+  // an fp32 rstd 4 where transformers' saves the fp32 input 4h, rsqrt 4 and the normalised input 2h;
+  // the linears' inputs (the norms' outputs, 2h each) are the same: 186,504 - 2 * 4h bytes a token.
+  FsdpConfig c;
+  c.seq_len = 4096;
+  c.impl = Impl::kTorchtitan;
+  const ModelSpec m = Loaded("llama-2-7b");
+  const BlockActivations titan = BlockActivationProfile(m, c);
+  CHECK(titan.FullBytes() == (186'504LL - 8 * 4096) * 4096);
+  CHECK(titan.full.front().name == "input_layernorm.in");
+  CHECK(titan.full.front().is_block_input);
+  // the first norm's input is the block's input, which a checkpointed block keeps: not recomputed
+  c.checkpointing = Checkpointing::kFull;
+  const BlockActivations full = BlockActivationProfile(m, c);
+  CHECK(full.KeptBytes() == 2LL * 4096 * 4096);
+  CHECK(SumBytes(full.recomputed) == titan.FullBytes() - 2LL * 4096 * 4096);
+  c.checkpointing = Checkpointing::kSelectiveOp;
+  const BlockActivations op = BlockActivationProfile(m, c);
+  for (const SavedTensor& t : op.recomputed) CHECK(t.name != "input_layernorm.in");
+  // the backward's norm term (transformers' fp32 [T, h] temporaries, 12h) is gone: the MLP's 3 x 2I rules
+  CHECK(titan.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 4096LL);
+  // torchtitan's RoPE table: complex64 [seq, head_dim / 2], 8 x 4096 x 64 bytes; transformers' none
+  CHECK(ModelBufferBytes(m, c) == 8LL * 4096 * 64);
+  CHECK(ModelBufferBytes(m, FsdpConfig{}) == 0);
+}
+
 TEST_CASE("GQA: flash keeps k/v at kv-head width, eager repeats them") {
   // llama-3.1-8b: h=4096, 8 kv heads of 128 -> k, v 1024 wide.
   BlockActivations flash = Profile("llama-3.1-8b", 1, Attention::kFlash);

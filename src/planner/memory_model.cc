@@ -105,6 +105,7 @@ class StepPlayer {
   void AllocShardedState(CategoryBytes& host, bool optimizer_states) {
     const int64_t trainable_elems = w_.GradShardNumelTotal();
     AllocQuantStates();
+    if (const int64_t buffers = ModelBufferBytes(w_.model, c_); buffers > 0) mem_.Alloc(Cat::kShardedParams, buffers);  // on the device whole, offload or not
     if (c_.cpu_offload) {
       host[static_cast<int>(Cat::kShardedParams)] = ShardBytesTotal();
       host[static_cast<int>(Cat::kGradients)] = trainable_elems * mb_;

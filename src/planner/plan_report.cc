@@ -133,6 +133,7 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"optimizer", OptimizerName(c.optimizer)},
           {"cpu_offload", c.cpu_offload},
           {"framework", FrameworkName(c.framework)},
+          {"impl", ImplName(c.impl)},
           {"forward_prefetch", c.forward_prefetch},
           {"backward_prefetch", BackwardPrefetchName(c.backward_prefetch)},
           {"limit_all_gathers", c.limit_all_gathers},
