@@ -194,6 +194,7 @@ static Status ValidateTorchtitan(const FsdpConfig& c, const ModelSpec& model) {
     return Error::BadInput(fmt::format("--impl {} has no attention-core checkpointing; its modes are --ac none, full (--ac-every N: layer-level) and selective-op", ImplName(c.impl)));
   }
   if (c.lora.rank > 0) return Error::BadInput(fmt::format("--impl {} trains every parameter; LoRA is transformers' (peft's)", ImplName(c.impl)));
+  if (c.no_sync) return Error::BadInput(fmt::format("--impl {} reduce-scatters every micro-batch (its training loop has no no_sync); --no-sync does not apply", ImplName(c.impl)));
   return {};
 }
 

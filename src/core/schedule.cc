@@ -42,11 +42,12 @@ class Builder {
     Emit(end);
     forward_ = false;
     hooked_.assign(w_.units.size(), 0);
+    pre_backwards_.assign(w_.units.size(), 0);
     for (const ModuleWalk::Entry& e : w_.walk->backward) {
       switch (e.step) {
         case ModuleWalk::Step::kPreHook: PreBackward(e.index); break;
         case ModuleWalk::Step::kSegment: Segment(ActionKind::kBackward, e.index); break;
-        case ModuleWalk::Step::kPostHook: PostBackward(e.index, reduces); break;
+        case ModuleWalk::Step::kPostHook: PostBackward(e.index, e.site, reduces); break;
       }
     }
     Action done{ActionKind::kEndBackward};
@@ -73,24 +74,32 @@ class Builder {
     if (ReshardsAfterForward(w_, u)) Reshard(u);
   }
 
+  // A group hooked at several modules ran its post-forward once per module, and FSDP2's
+  // _backward_prefetch pops one of those records per pre-backward: all but the last target the
+  // group itself (nothing to fetch).
   void PreBackward(int u) {
     Hook(ActionKind::kPreBackward, u);
     Unshard(u, false);
     Wait(u);
-    if (c_.backward_prefetch == BackwardPrefetch::kPre) Prefetch(backward_prefetch_target_[u]);
+    const bool last_record = ++pre_backwards_[u] >= w_.units[u].HookSites();
+    if (c_.backward_prefetch == BackwardPrefetch::kPre && last_record) Prefetch(backward_prefetch_target_[u]);
   }
 
   // FSDP1 _post_backward_hook / FSDP2 post_backward: reshard, then the BACKWARD_POST prefetch
   // (_post_backward_reshard), then the reduction unless no_sync keeps the gradient.
-  void PostBackward(int u, bool reduces) {
+  // A group hooked at several modules (WrapUnit::hook_nodes) reduces at each what its module's
+  // backward computed (FSDPParamGroup.post_backward: the parameters whose gradient is set).
+  void PostBackward(int u, int site, bool reduces) {
     Action a = HookAction(ActionKind::kPostBackward, u);
     a.reduces = reduces;
+    a.site = site;
     Emit(a);
     if (FreesInBackward(c_, reduces)) Reshard(u);
     if (c_.backward_prefetch == BackwardPrefetch::kPost) Prefetch(backward_prefetch_target_[u]);
-    if (!reduces || w_.units[u].grad_padded_numel == 0) return;  // nothing trainable: nothing to reduce
+    if (!reduces || w_.units[u].SiteGradPaddedNumel(site) == 0) return;  // nothing trainable: nothing to reduce
     Action r{ActionKind::kReduce};
     r.unit = u;
+    r.site = site;
     r.reduce_scatter = Sharded();
     r.all_reduce = !Sharded() || (c_.strategy == Strategy::kHybridShard && w_.replicas > 1);
     r.to_host = c_.cpu_offload;
@@ -173,6 +182,7 @@ class Builder {
   std::vector<Action> actions_;
   bool forward_ = true;        // building the forward pass
   std::vector<char> hooked_;   // per unit: its pre-forward (pre-backward) hook ran in this pass
+  std::vector<int> pre_backwards_;  // per unit: pre-backward hooks run in this backward
 };
 
 }  // namespace

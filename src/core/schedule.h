@@ -71,6 +71,9 @@ struct Action {
   // kEndBackward
   bool waits_for_reductions : 1 = false;  ///< the compute stream waits for this micro-batch's reductions
   int unit = -1;              ///< hooks, kUnshard, kWaitUnshard, kReshard, kPostBackward, kReduce
+  /// kPostBackward, kReduce: the unit's hook site whose gradient it takes and reduces
+  /// (WrapUnit::SiteGradPaddedNumel; 0 for a unit of one module, whose whole gradient it is)
+  int site = 0;
   int node = -1;              ///< hooks: the unit's module node; compute: -1
   int segment = -1;           ///< kForward / kBackward: index into Schedule::segments()
 };

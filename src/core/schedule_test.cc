@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <string>
+#include <vector>
 
 #include "core/testing/hand_llama.h"
 
@@ -126,12 +127,24 @@ TEST_CASE("--impl torchtitan: tok_embeddings resharded after forward, [norm, out
   const Schedule s = BuildSchedule(w);
   // units: 0 the root (no parameters: nothing to gather), 1 the embedding, 2 and 3 the blocks, 4 [norm, lm_head]
   // forward: the embedding and each block gathered and freed in turn; the group gathered at the
-  // norm and left unsharded (no r4); the loss is the root's. Backward: the loss, then the group's
-  // hook (already unsharded: prefetches the last block), its post-backward after the norm's
-  // backward, the blocks, the embedding (prefetched at the first block's pre-backward).
+  // norm and left unsharded (no r4), its hooks run once per module (norm, then lm_head); the loss
+  // is the root's. Backward, as torch 2.11 runs fully_shard([norm, output]) (FSDPParamGroup's
+  // pre_backward / post_backward / unshard traced on torchtitan 0.2.2, docs/accuracy.md): at
+  // lm_head's pre-backward nothing is prefetched (the first of the group's two post-forward
+  // records targets the group itself); after lm_head's backward its gradient is reduced and the
+  // group resharded; the norm's pre-backward gathers the group again and prefetches the last
+  // block; after the norm's backward its gradient is reduced.
   CHECK(Render(s.MicroBatch(0)) ==
-        "pf0 pf1 u1 w1 F pof1 r1 pf2 u2 w2 F pof2 r2 pf3 u3 w3 F pof3 r3 F pf4 u4 w4 F pof4 F pof0 EF "
-        "pb0 B pb4 u3p B pp4 r4 R4 B pb3 w3 u2p B pp3 r3 R3 pb2 w2 u1p B pp2 r2 R2 B pb1 w1 B pp1 r1 R1 B pp0 EB O");
+        "pf0 pf1 u1 w1 F pof1 r1 pf2 u2 w2 F pof2 r2 pf3 u3 w3 F pof3 r3 F pf4 u4 w4 F pof4 pf4 F pof4 F pof0 EF "
+        "pb0 B pb4 B pp4 r4 R4 pb4 u4 w4 u3p B pp4 r4 R4 B pb3 w3 u2p B pp3 r3 R3 pb2 w2 u1p B pp2 r2 R2 B pb1 w1 B pp1 r1 R1 B pp0 EB O");
+  // the two reductions of the group, lm_head's (site 1: [16, 8] padded to [18, 8] for 3 ranks),
+  // then the norm's (site 0: [8] to [9])
+  std::vector<int64_t> reduced;
+  for (const Action& a : s.MicroBatch(0)) {
+    if (a.kind == ActionKind::kReduce && a.unit == 4) reduced.push_back(w.units[4].SiteGradPaddedNumel(a.site));
+  }
+  CHECK(reduced == std::vector<int64_t>{18 * 8, 9});
+  CHECK(s.BackwardAllGathers(4) == 1);  // the norm's second gather
 }
 
 TEST_CASE("no_sync: SHARD_GRAD_OP keeps parameters and gradients unsharded; the middle micro-batches share one program") {

@@ -163,6 +163,7 @@ void CollectUnits(Workload& w, int id, int enclosing_unit) {
     u.node = id;
     u.parent_unit = enclosing_unit;
     u.is_root = id == 0;
+    if (n.path == kNormOutputGroup) u.hook_nodes = n.children;  // norm, then lm_head
     // apply_fsdp: torchtitan 0.2.2's [norm, output] with reshard_after_forward=(policy == "always"),
     // January 2025's last block with `int(layer_id) < len(model.layers) - 1`: their backward comes first
     u.reshard_after_forward = n.path != kNormOutputGroup &&
@@ -272,7 +273,17 @@ namespace {
 // Walks the module tree in execution order, cutting compute segments at every unit's hooks.
 class WalkBuilder {
  public:
-  explicit WalkBuilder(const Workload& w) : w_(w) {}
+  explicit WalkBuilder(const Workload& w) : w_(w), hook_of_(w.nodes.size(), {-1, 0}), group_(w.nodes.size(), 0) {
+    for (int u = 0; u < static_cast<int>(w.units.size()); ++u) {
+      const WrapUnit& unit = w.units[u];
+      if (unit.hook_nodes.empty()) {
+        hook_of_[unit.node] = {u, 0};
+        continue;
+      }
+      group_[unit.node] = 1;  // hooked at its modules, and running nothing of its own
+      for (int s = 0; s < static_cast<int>(unit.hook_nodes.size()); ++s) hook_of_[unit.hook_nodes[s]] = {u, s};
+    }
+  }
 
   ModuleWalk Build() {
     forward_ = true;
@@ -287,24 +298,26 @@ class WalkBuilder {
  private:
   void Forward(int id) {
     const ModuleNode& n = w_.nodes[id];
-    if (n.unit >= 0) Hook(ModuleWalk::Step::kPreHook, n.unit);
+    const auto [u, site] = hook_of_[id];
+    if (u >= 0) Hook(ModuleWalk::Step::kPreHook, u, site);
     for (int c : n.children) Forward(c);
-    pending_.push_back(NodeVisit{id, false});
-    if (n.unit >= 0) Hook(ModuleWalk::Step::kPostHook, n.unit);
+    if (!group_[id]) pending_.push_back(NodeVisit{id, false});
+    if (u >= 0) Hook(ModuleWalk::Step::kPostHook, u, site);
   }
 
   void Backward(int id) {
     const ModuleNode& n = w_.nodes[id];
-    if (n.unit >= 0) Hook(ModuleWalk::Step::kPreHook, n.unit);
-    pending_.push_back(NodeVisit{id, true});
+    const auto [u, site] = hook_of_[id];
+    if (u >= 0) Hook(ModuleWalk::Step::kPreHook, u, site);
+    if (!group_[id]) pending_.push_back(NodeVisit{id, true});
     for (auto it = n.children.rbegin(); it != n.children.rend(); ++it) Backward(*it);
-    pending_.push_back(NodeVisit{id, false});
-    if (n.unit >= 0) Hook(ModuleWalk::Step::kPostHook, n.unit);
+    if (!group_[id]) pending_.push_back(NodeVisit{id, false});
+    if (u >= 0) Hook(ModuleWalk::Step::kPostHook, u, site);
   }
 
-  void Hook(ModuleWalk::Step step, int unit) {
+  void Hook(ModuleWalk::Step step, int unit, int site) {
     Flush();
-    Steps().push_back({step, unit});
+    Steps().push_back({step, unit, site});
   }
 
   void Flush() {
@@ -321,6 +334,8 @@ class WalkBuilder {
   std::vector<ModuleWalk::Entry>& Steps() { return forward_ ? walk_.forward : walk_.backward; }
 
   const Workload& w_;
+  std::vector<std::pair<int, int>> hook_of_;  // per node: the unit whose hooks run around it (-1: none) and the site
+  std::vector<char> group_;                   // per node: a group of modules, hooked at each of them
   ModuleWalk walk_;
   std::vector<NodeVisit> pending_;
   bool forward_ = true;
@@ -455,6 +470,15 @@ Status Reconfigure(Workload& w, const HardwareSpec& hardware, FsdpConfig config)
         u.grad_padded_numel = PaddedNumel(w.model, trainable, config, w.shard_world);
       }
       u.grad_shard_numel = u.grad_padded_numel / w.shard_world;
+      u.hook_grad_padded_numel.clear();
+      u.hook_grad_shard_numel.clear();
+      for (int node : u.hook_nodes) {  // FSDP2 only (torchtitan): each parameter padded on its own
+        std::vector<int> trainable;
+        for (int t : w.nodes[node].tensors) if (w.model.tensors[t].trainable) trainable.push_back(t);
+        const int64_t padded = trainable.empty() ? 0 : PaddedNumel(w.model, trainable, config, w.shard_world);
+        u.hook_grad_padded_numel.push_back(padded);
+        u.hook_grad_shard_numel.push_back(padded / w.shard_world);
+      }
     }
   }
   if (repad || config.param_dtype != w.config.param_dtype) SetShardBytes(w, config);

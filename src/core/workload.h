@@ -45,6 +45,18 @@ struct WrapUnit {
   /// FSDP2's reshard_after_forward for the unit (FULL_SHARD's True), before the strategy's rules
   /// (ReshardsAfterForward): false for torchtitan's [norm, output] group
   bool reshard_after_forward = true;
+  /// A group of several modules (fully_shard([norm, output])): the module nodes whose own forward
+  /// and backward hooks run the group's, in forward order. torch 2.11's FSDP2 runs them per
+  /// module: each post-backward reduce-scatters the gradients computed since the last and
+  /// reshards, each pre-backward gathers the whole group again. Empty: the unit's `node`.
+  std::vector<int> hook_nodes;
+  /// Per hook node: the padded gradient its post-backward reduces, and its shard (FSDP2 pads
+  /// each parameter: they sum to grad_padded_numel and grad_shard_numel).
+  std::vector<int64_t> hook_grad_padded_numel, hook_grad_shard_numel;
+  /// The padded gradient the post-backward at hook site `site` reduces, and its per-rank shard.
+  int64_t SiteGradPaddedNumel(int site) const { return hook_nodes.empty() ? grad_padded_numel : hook_grad_padded_numel.at(static_cast<size_t>(site)); }
+  int64_t SiteGradShardNumel(int site) const { return hook_nodes.empty() ? grad_shard_numel : hook_grad_shard_numel.at(static_cast<size_t>(site)); }
+  int HookSites() const { return hook_nodes.empty() ? 1 : static_cast<int>(hook_nodes.size()); }
   std::vector<int> tensors;    ///< parameters managed by this unit
   int64_t numel = 0;           ///< sum of its parameters' elements
   int64_t padded_numel = 0;    ///< unsharded size after alignment and padding to the shard group
@@ -96,7 +108,8 @@ struct ModuleWalk {
   enum class Step : uint8_t { kPreHook, kSegment, kPostHook };
   struct Entry {
     Step step;
-    int index;  ///< the unit (hooks) or the segment
+    int index;     ///< the unit (hooks) or the segment
+    int site = 0;  ///< hooks: which of the unit's WrapUnit::hook_nodes (0 for a unit of one module)
   };
   std::vector<Entry> forward, backward;
   std::vector<ComputeSegment> segments;

@@ -82,17 +82,23 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
         v.forward_all_gather_count += gathers_fwd;
         v.backward_all_gather_bytes += gathers_bwd * unit.padded_numel * p;
         v.backward_all_gather_count += gathers_bwd;
-        v.reduce_scatter_bytes += reductions * unit.grad_padded_numel * r;
-        v.reduce_scatter_count += reductions;
+        v.reduce_scatter_bytes += reductions * unit.grad_padded_numel * r;  // the sites' sum, for a group of modules
+        v.reduce_scatter_count += reductions * static_cast<int64_t>(std::max<size_t>(1, unit.hook_nodes.size()));
         v.routed_expert_gather_bytes += gathers * experts * p;
         v.routed_expert_reduce_bytes += reductions * trainable_experts * r;
       }
       const double ag_factor = BusFactor(Collective::kAllGather, cm.shard_group.ranks);
       v.sent_bytes += static_cast<double>(gathers * unit.padded_numel * p + reductions * unit.grad_padded_numel * r) * ag_factor;
+      for (size_t s = 0; s < unit.hook_nodes.size(); ++s) {
+        uc.site_reduce_scatter.push_back(shard_cache.Get(Collective::kReduceScatter, unit.hook_grad_padded_numel[s] * r));
+        if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
+          uc.site_all_reduce.push_back(replica_cache.Get(Collective::kAllReduce, unit.hook_grad_shard_numel[s] * r));
+        }
+      }
       if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
         uc.all_reduce = replica_cache.Get(Collective::kAllReduce, unit.grad_shard_numel * r);
         v.all_reduce_bytes += reductions * unit.grad_shard_numel * r;
-        v.all_reduce_count += reductions;
+        v.all_reduce_count += reductions * static_cast<int64_t>(std::max<size_t>(1, unit.hook_nodes.size()));
         v.sent_bytes += static_cast<double>(reductions * unit.grad_shard_numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
       }
     }
@@ -102,9 +108,11 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
       uc.device_to_host_s = HostCopySeconds(unit.grad_shard_numel * m, w.hardware);
       v.host_to_device_bytes += copies_in * unit.shard_bytes;
       v.device_to_host_bytes += reductions * unit.grad_shard_numel * m;
+      for (int64_t shard : unit.hook_grad_shard_numel) uc.site_device_to_host_s.push_back(HostCopySeconds(shard * m, w.hardware));
     }
-    v.total_comm_s += static_cast<double>(gathers) * uc.all_gather.time_s +
-                      static_cast<double>(reductions) * (uc.reduce_scatter.time_s + uc.all_reduce.time_s + uc.device_to_host_s) +
+    double reduce_s = 0;  // one micro-batch's reductions of the unit: once, or once per hook site
+    for (int s = 0; s < unit.HookSites(); ++s) reduce_s += uc.ReduceScatterAt(s).time_s + uc.AllReduceAt(s).time_s + uc.DeviceToHostAt(s);
+    v.total_comm_s += static_cast<double>(gathers) * uc.all_gather.time_s + static_cast<double>(reductions) * reduce_s +
                       static_cast<double>(copies_in) * uc.host_to_device_s;
     cm.units.push_back(uc);
   }

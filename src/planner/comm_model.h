@@ -24,6 +24,14 @@ struct UnitComm {
   CollectiveTime all_reduce;      ///< NO_SHARD's all-reduce, or HYBRID_SHARD's replica all-reduce of the shard
   double host_to_device_s = 0;        ///< CPU offload: the shard copied to the GPU before each unshard
   double device_to_host_s = 0;        ///< CPU offload: the gradient shard copied to the host
+  /// A group hooked at several modules (WrapUnit::hook_nodes) reduces once per module: each
+  /// site's reduce-scatter and replica all-reduce (empty: the unit's, above)
+  /// site's reduce-scatter, replica all-reduce and host copy (empty: the unit's, above)
+  std::vector<CollectiveTime> site_reduce_scatter, site_all_reduce;
+  std::vector<double> site_device_to_host_s;
+  const CollectiveTime& ReduceScatterAt(int site) const { return site_reduce_scatter.empty() ? reduce_scatter : site_reduce_scatter.at(static_cast<size_t>(site)); }
+  const CollectiveTime& AllReduceAt(int site) const { return site_all_reduce.empty() ? all_reduce : site_all_reduce.at(static_cast<size_t>(site)); }
+  double DeviceToHostAt(int site) const { return site_device_to_host_s.empty() ? device_to_host_s : site_device_to_host_s.at(static_cast<size_t>(site)); }
 };
 
 /// Totals per optimizer step and per GPU. Sizes follow nccl-tests (all-gather output,

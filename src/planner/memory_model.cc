@@ -49,7 +49,10 @@ class StepPlayer {
     const size_t n = w.units.size();
     unsharded_.assign(n, kNoBlock);
     unit_grad_pieces_.assign(n, {});
-    sharded_grad_.assign(n, kNoBlock);
+    for (const WrapUnit& u : w.units) {  // a sharded gradient per unit, or per hook site of a group
+      site_slot_.push_back(static_cast<int>(sharded_grad_.size()));
+      sharded_grad_.resize(sharded_grad_.size() + static_cast<size_t>(u.HookSites()), kNoBlock);
+    }
     kept_grad_.assign(n, kNoBlock);
     reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
@@ -293,7 +296,7 @@ class StepPlayer {
         mem_.SetPhase(phases_.phase());
         break;
       case ActionKind::kPostBackward: PostBackward(a); break;
-      case ActionKind::kReduce: Reduce(a.unit); break;
+      case ActionKind::kReduce: Reduce(a.unit, a.site); break;
       case ActionKind::kEndBackward:
         mem_.Free(fsdp2_rs_deferred_);
         mem_.Free(fsdp2_deferred_);
@@ -579,7 +582,7 @@ class StepPlayer {
   void PostBackward(const Action& a) {
     const int u = a.unit;
     if (!Fsdp2()) mem_.ReleaseAllPending(Pool::kPostBackward);  // the previous unit's reduction has run
-    BlockId grad = GatherUnitGrad(u);
+    BlockId grad = GatherUnitGrad(u, a.site);
     if (!a.reduces) {
       KeepUnsyncedGrad(u, grad);
       return;
@@ -588,14 +591,14 @@ class StepPlayer {
     reduce_grad_[u] = grad;
   }
 
-  void Reduce(int u) {
+  void Reduce(int u, int site) {
     const WrapUnit& unit = w_.units[u];
     // FSDP1 keeps autograd's gradient (autograd_computed_grad) until the hook returns, then
     // record_stream()s it to the post-backward stream.
     const BlockId computed = std::exchange(reduce_grad_[u], kNoBlock);
-    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, computed) : ReduceFsdp1(unit, computed);
+    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, site, computed) : ReduceFsdp1(unit, computed);
     if (rb_ != mb_) {
-      BlockId upcast = mem_.Alloc(Cat::kGradients, unit.grad_shard_numel * mb_, Stream::kReduce);
+      BlockId upcast = mem_.Alloc(Cat::kGradients, unit.SiteGradShardNumel(site) * mb_, Stream::kReduce);
       if (shard != computed) mem_.Free(shard);
       shard = upcast;
     }
@@ -603,12 +606,12 @@ class StepPlayer {
       BlockId pending = computed;
       mem_.FreeToPending(pending, Pool::kPostBackward);
     }
-    AccumulateShard(u, shard);
+    AccumulateShard(site_slot_[u] + site, shard);
   }
 
   // The unit's gradient as one tensor: FSDP1 concatenates the views' gradients into the flat
   // parameter's gradient (split_with_sizes backward); FSDP2 keeps per-parameter gradients.
-  BlockId GatherUnitGrad(int u) {
+  BlockId GatherUnitGrad(int u, int site) {
     auto& pieces = unit_grad_pieces_[u];
     const WrapUnit& unit = w_.units[u];
     BlockId grad = kNoBlock;
@@ -618,13 +621,24 @@ class StepPlayer {
       // FSDP1 concatenates the views' gradients into the flat parameter's, whole-size even when
       // part of it is frozen (use_orig_params); FSDP2's per-parameter gradients are accounted as
       // one block (they are freed together)
-      const int64_t numel = Fsdp2() ? unit.trainable_numel : unit.numel;
+      const int64_t numel = Fsdp2() ? SiteTrainableNumel(unit, site) : unit.numel;
       if (Fsdp2()) for (BlockId& b : pieces) mem_.Free(b);
       grad = mem_.Alloc(Cat::kGradients, numel * pb_);
       if (!Fsdp2()) for (BlockId& b : pieces) mem_.Free(b);
     }
     pieces.clear();
     return grad;
+  }
+
+  // The trainable elements whose gradients the post-backward at a hook site takes: the unit's,
+  // or those of the site's module in a group hooked at several (WrapUnit::hook_nodes).
+  int64_t SiteTrainableNumel(const WrapUnit& unit, int site) const {
+    if (unit.hook_nodes.empty()) return unit.trainable_numel;
+    int64_t numel = 0;
+    for (int t : w_.nodes[unit.hook_nodes.at(static_cast<size_t>(site))].tensors) {
+      if (w_.model.tensors[t].trainable) numel += w_.model.tensors[t].numel();
+    }
+    return numel;
   }
 
   void KeepUnsyncedGrad(int u, BlockId grad) {
@@ -652,22 +666,23 @@ class StepPlayer {
   // FSDP2 post_backward: the previous reduce-scatter input (reduce_scatter_state) is released, then
   // foreach_reduce copies the gradients into a reduce_dtype buffer of the padded size and
   // reduce-scatters it into a shard; the input is kept until the next post_backward.
-  BlockId ReduceFsdp2(const WrapUnit& unit, BlockId grad) {
+  BlockId ReduceFsdp2(const WrapUnit& unit, int site, BlockId grad) {
     mem_.Free(fsdp2_rs_deferred_);
-    BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.grad_padded_numel * rb_);
+    BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.SiteGradPaddedNumel(site) * rb_);
     mem_.Free(grad);
-    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.grad_shard_numel * rb_, Stream::kReduce);
+    BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.SiteGradShardNumel(site) * rb_, Stream::kReduce);
     fsdp2_rs_deferred_ = input;
     return shard;
   }
 
-  void AccumulateShard(int u, BlockId shard) {
+  // `slot`: the unit's sharded gradient, or its hook site's (site_slot_)
+  void AccumulateShard(int slot, BlockId shard) {
     if (c_.cpu_offload) {  // copied into the pinned host gradient (host memory counted separately)
       mem_.Free(shard);
       return;
     }
-    if (sharded_grad_[u] == kNoBlock) {
-      sharded_grad_[u] = shard;
+    if (sharded_grad_[slot] == kNoBlock) {
+      sharded_grad_[slot] = shard;
       mem_.Recategorize(shard, Cat::kGradients);
     } else {
       mem_.Free(shard);  // added into _saved_grad_shard
@@ -702,6 +717,7 @@ class StepPlayer {
   bool states_allocated_ = true;  ///< the optimizer states exist (false until the first step's optimizer.step())
   PhaseTracker phases_;
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
+  std::vector<int> site_slot_;  // per unit: its first slot in sharded_grad_ (one per hook site)
   std::vector<BlockId> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
   std::vector<std::vector<BlockId>> unit_grad_pieces_;
   std::vector<std::vector<BlockId>> node_saved_;

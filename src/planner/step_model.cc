@@ -181,9 +181,9 @@ class StepTimer {
   void Reduce(const Action& a) {
     const UnitComm& c = comm_.units[a.unit];
     if (a.waits_previous_reduce_scatter && last_reduce_scatter_ >= 0) compute_end_ = std::max(compute_end_, last_reduce_scatter_);
-    comm_free_ = std::max(comm_free_, compute_end_) + (a.reduce_scatter ? c.reduce_scatter.time_s : 0.0);
+    comm_free_ = std::max(comm_free_, compute_end_) + (a.reduce_scatter ? c.ReduceScatterAt(a.site).time_s : 0.0);
     if (a.reduce_scatter) last_reduce_scatter_ = comm_free_;
-    comm_free_ += (a.all_reduce ? c.all_reduce.time_s : 0.0) + (a.to_host ? c.device_to_host_s : 0.0);
+    comm_free_ += (a.all_reduce ? c.AllReduceAt(a.site).time_s : 0.0) + (a.to_host ? c.DeviceToHostAt(a.site) : 0.0);
   }
 
   void WaitGathered(int u) {

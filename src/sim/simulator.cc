@@ -248,9 +248,9 @@ class RankBuilder {
     // FSDP2: the compute stream waits for the previous reduce-scatter before this one is issued
     if (a.waits_previous_reduce_scatter && last_reduce_scatter_ != kNoEvent) compute_waits_.push_back(last_reduce_scatter_);
     EventId reduced = last_compute_event_;
-    if (a.reduce_scatter) reduced = last_reduce_scatter_ = LaunchCollective(rs_stream_, "RS", u, coll_[u].reduce_scatter, {reduced}, 'R');
-    if (a.all_reduce && coll_[u].all_reduce.time_s > 0) reduced = LaunchCollective(rs_stream_, "AR", u, coll_[u].all_reduce, {reduced}, 'D');
-    if (a.to_host) reduced = Launch(Make(d2h_, "D2H " + w_.units[u].name, coll_[u].device_to_host_s, 0, {reduced}), 'h');
+    if (a.reduce_scatter) reduced = last_reduce_scatter_ = LaunchCollective(rs_stream_, "RS", u, coll_[u].ReduceScatterAt(a.site), {reduced}, 'R');
+    if (a.all_reduce && coll_[u].AllReduceAt(a.site).time_s > 0) reduced = LaunchCollective(rs_stream_, "AR", u, coll_[u].AllReduceAt(a.site), {reduced}, 'D');
+    if (a.to_host) reduced = Launch(Make(d2h_, "D2H " + w_.units[u].name, coll_[u].DeviceToHostAt(a.site), 0, {reduced}), 'h');
     last_reduce_ = reduced;
   }
 
@@ -321,8 +321,11 @@ double SerialSeconds(const Workload& w, const SimOptions& o, const Schedule& sch
     const double gathers = static_cast<double>(schedule.ForwardAllGathers(u) + schedule.BackwardAllGathers(u));
     comm_s += gathers * (c.all_gather.time_s + c.all_gather.latency_s * o.latency_scale) +
               static_cast<double>(schedule.Unshards(u)) * c.host_to_device_s +
-              reductions * (c.reduce_scatter.time_s + c.all_reduce.time_s + (c.reduce_scatter.latency_s + c.all_reduce.latency_s) * o.latency_scale +
-                            c.device_to_host_s);
+              0.0;
+    for (int site = 0; site < w.units[u].HookSites(); ++site) {  // once, or once per module of a group
+      const CollectiveTime &rs = c.ReduceScatterAt(site), &ar = c.AllReduceAt(site);
+      comm_s += reductions * (rs.time_s + ar.time_s + (rs.latency_s + ar.latency_s) * o.latency_scale + c.DeviceToHostAt(site));
+    }
   }
   return compute_s + comm_s;
 }
