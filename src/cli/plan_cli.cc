@@ -60,7 +60,7 @@ void PrintHeader(const Workload& w, std::ostream& out) {
   fmt::print(out, "{} ({} parameters) on {} x {} ({} GiB each), {} GPUs per node\n", w.model.id, WithCommas(w.model.ParamsTotal()), c.gpus,
              w.hardware.id, Gib(w.hardware.memory_bytes), c.gpus_per_node);
   fmt::print(out, "{} {}, {} wrap ({} units), seq {} x micro-batch {}, grad-accum {}{}, params {}, reduce {}, {}, AC {}, {} attention{}\n",
-             FrameworkName(c.framework), StrategyName(c.strategy), WrapPolicyName(c.wrap), w.units.size(), c.seq_len, c.micro_batch,
+             FrameworkName(c.framework), StrategyName(c.strategy), IsTorchtitan(c.impl) ? "torchtitan's" : WrapPolicyName(c.wrap), w.units.size(), c.seq_len, c.micro_batch,
              c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),
              c.ac_every > 1 ? fmt::format("full on 1 block in {}", c.ac_every) : std::string(CheckpointingName(c.checkpointing)),
              AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
@@ -165,6 +165,10 @@ Result<Workload> BuildFromFlags(const PlanFlags& flags, const std::string& model
   const Strategy asked = config.value().strategy;
   const bool switched = flags.fsdp1_world_of_one && ApplyFsdp1WorldOfOne(config.value());
   auto w = BuildWorkload(std::move(model).value(), std::move(hw).value(), config.value());
+  if (w.ok() && IsTorchtitan(w.value().config.impl) && w.value().shard_world == 1) {
+    fmt::print(stderr, "note: torchtitan applies fully_shard only when data_parallel_shard_degree > 1 (on one GPU of a shard group it trains without FSDP, under "
+                       "autocast); planned as fully_shard on a one-rank mesh, as tools/torchtitan_memory.py runs it\n");
+  }
   if (w.ok() && switched) {
     fmt::print(stderr, "note: FSDP1 on one GPU runs {} as NO_SHARD (FullyShardedDataParallel switches when the world size is 1); planned as NO_SHARD\n",
                StrategyName(asked));

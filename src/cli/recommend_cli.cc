@@ -90,11 +90,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   if (!impl.ok()) return impl.error();
   o.base.impl = impl.value();
   if (IsTorchtitan(o.base.impl)) {
-    // the torchtitan settings' errors once (model, framework, LoRA), from the configuration every candidate shares
-    FsdpConfig probe = o.base;
-    probe.gpus = probe.gpus_per_node = 1;
-    probe.attention = Attention::kFlash;
-    if (auto w = BuildWorkload(model, o.gpu_types.front(), probe); !w.ok()) return w.error();
+    if (const std::string why = TorchtitanRuledOut(model); !why.empty()) return Error::BadInput(why);
   }
   auto att = ParseAttention(f.attention.empty() ? (SdpaRuledOut(model).empty() ? "flash" : "eager") : f.attention);
   if (!att.ok()) return att.error();
@@ -107,6 +103,15 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
     probe.gpus = probe.gpus_per_node = 1;
     if (probe.framework == Framework::kFsdp1) probe.wrap = WrapPolicy::kPeft;
     if (auto w = BuildWorkload(model, o.gpu_types.front(), probe); !w.ok()) return w.error();
+  }
+  if (IsTorchtitan(o.base.impl)) {
+    // the torchtitan settings' errors once (framework, attention, LoRA, ...), from the configuration every candidate shares
+    FsdpConfig probe = o.base;
+    probe.gpus = probe.gpus_per_node = 2;  // a shard group torchtitan applies fully_shard to
+    if (auto w = BuildWorkload(model, o.gpu_types.front(), probe); !w.ok()) return w.error();
+    if (!f.export_format.empty()) {
+      return Error::BadInput(fmt::format("--export writes code around transformers' modules; --impl {} is planned, not exported", ImplName(o.base.impl)));
+    }
   }
   o.top = f.top;
   o.exhaustive = f.exhaustive;

@@ -244,6 +244,10 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
   }
   if (plan.config.gpus_per_node == 0) plan.config.gpus_per_node = plan.config.gpus;  // one "node" unless told
   plan.fsdp1_world_of_one = false;  // the engine runs the strategy it is given, on one rank too
+  if (auto impl = ParseImpl(plan.impl); !impl.ok() || impl.value() != Impl::kTransformers) {
+    if (!impl.ok()) return impl.error();
+    return Error::BadInput(fmt::format("fsdp-run runs transformers' Llama modules and wrap; --impl {} is a planning option (fsdp-plan, fsdp-sim)", ImplName(impl.value())));
+  }
   auto w = WorkloadFromFlags(plan);
   if (!w.ok()) return w.error();
   const FsdpConfig& c = w.value().config;
@@ -252,9 +256,6 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     return Error::BadInput("fsdp-run's GPU engine keeps fp32 master weights: --master-dtype bf16 trains on --device cpu; fsdp-plan and fsdp-sim model it");
   }
   if (c.ac_every != 1) return Error::BadInput("fsdp-run checkpoints every block under --ac full; --ac-every is a planning option");
-  if (c.impl != Impl::kTransformers) {
-    return Error::BadInput(fmt::format("fsdp-run runs transformers' Llama modules and wrap; --impl {} is a planning option (fsdp-plan, fsdp-sim)", ImplName(c.impl)));
-  }
   if (c.checkpointing == Checkpointing::kSelectiveOp) {
     return Error::BadInput("fsdp-run implements --ac none, selective and full; selective-op (torchtitan's op-level policy) is a planning option");
   }

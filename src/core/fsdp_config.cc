@@ -195,6 +195,14 @@ static Status ValidateTorchtitan(const FsdpConfig& c, const ModelSpec& model) {
   }
   if (c.lora.rank > 0) return Error::BadInput(fmt::format("--impl {} trains every parameter; LoRA is transformers' (peft's)", ImplName(c.impl)));
   if (c.no_sync) return Error::BadInput(fmt::format("--impl {} reduce-scatters every micro-batch (its training loop has no no_sync); --no-sync does not apply", ImplName(c.impl)));
+  // torchtitan 0.2.2's config/job_config.py: mixed_precision_param bfloat16 | float32,
+  // mixed_precision_reduce float32; components/optimizer.py: Adam or AdamW; train.py: `del pred`
+  if (c.param_dtype == DType::kFp16) return Error::BadInput(fmt::format("--impl {}: torchtitan's mixed_precision_param is bfloat16 or float32, not fp16", ImplName(c.impl)));
+  if (c.reduce_dtype != DType::kFp32) return Error::BadInput(fmt::format("--impl {}: torchtitan's mixed_precision_reduce is float32 only", ImplName(c.impl)));
+  if (c.optimizer != Optimizer::kAdamW && c.optimizer != Optimizer::kAdam) {
+    return Error::BadInput(fmt::format("--impl {}: torchtitan's optimizers are Adam and AdamW, not {}", ImplName(c.impl), OptimizerName(c.optimizer)));
+  }
+  if (c.loop_holds_outputs) return Error::BadInput(fmt::format("--impl {}: torchtitan's training loop deletes the logits before backward; --loop-holds-outputs does not apply", ImplName(c.impl)));
   return {};
 }
 

@@ -25,7 +25,6 @@ struct UnitComm {
   double host_to_device_s = 0;        ///< CPU offload: the shard copied to the GPU before each unshard
   double device_to_host_s = 0;        ///< CPU offload: the gradient shard copied to the host
   /// A group hooked at several modules (WrapUnit::hook_nodes) reduces once per module: each
-  /// site's reduce-scatter and replica all-reduce (empty: the unit's, above)
   /// site's reduce-scatter, replica all-reduce and host copy (empty: the unit's, above)
   std::vector<CollectiveTime> site_reduce_scatter, site_all_reduce;
   std::vector<double> site_device_to_host_s;

@@ -567,6 +567,7 @@ std::vector<Advice> AllocatorAdvice(const Workload& workload) {
 }
 
 std::vector<Advice> FineTuningAdvice(const Workload& workload) {
+  if (IsTorchtitan(workload.config.impl)) return {};  // torchtitan trains every parameter: no peft
   const Baseline base = BaselineOf(workload);
   const FsdpConfig& c = workload.config;
   const bool moe = workload.model.num_experts > 0;

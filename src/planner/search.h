@@ -95,7 +95,7 @@ std::vector<Advice> AdviseFit(const Workload& workload);
 /// linear of the blocks (attention's four on MoE models), unless already LoRA, and QLoRA on the
 /// same (dense models), unless already QLoRA; each also with full checkpointing; under FSDP1 with
 /// peft's wrap. Fitting or not, in that order: they change what is trained, so they are not
-/// ranked with AdviseFit's.
+/// ranked with AdviseFit's. None under --impl torchtitan, which trains every parameter.
 std::vector<Advice> FineTuningAdvice(const Workload& workload);
 
 /// The caching allocator's settings alone (expandable segments, max_split_size_mb, FSDP1's rate

@@ -320,8 +320,7 @@ double SerialSeconds(const Workload& w, const SimOptions& o, const Schedule& sch
     const UnitComm& c = coll[u];
     const double gathers = static_cast<double>(schedule.ForwardAllGathers(u) + schedule.BackwardAllGathers(u));
     comm_s += gathers * (c.all_gather.time_s + c.all_gather.latency_s * o.latency_scale) +
-              static_cast<double>(schedule.Unshards(u)) * c.host_to_device_s +
-              0.0;
+              static_cast<double>(schedule.Unshards(u)) * c.host_to_device_s;
     for (int site = 0; site < w.units[u].HookSites(); ++site) {  // once, or once per module of a group
       const CollectiveTime &rs = c.ReduceScatterAt(site), &ar = c.AllReduceAt(site);
       comm_s += reductions * (rs.time_s + ar.time_s + (rs.latency_s + ar.latency_s) * o.latency_scale + c.DeviceToHostAt(site));
