@@ -97,18 +97,14 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   o.base.attention = att.value();
   o.base.loop_holds_outputs = f.loop_holds_outputs;
   o.base.lora = f.lora;
-  if (f.lora != LoraConfig{}) {
-    // the LoRA settings' errors once, from the configuration every candidate shares
+  if (f.lora != LoraConfig{} || IsTorchtitan(o.base.impl)) {
+    // the LoRA and torchtitan settings' errors once, from the configuration every candidate shares
     FsdpConfig probe = o.base;
     probe.gpus = probe.gpus_per_node = 1;
-    if (probe.framework == Framework::kFsdp1) probe.wrap = WrapPolicy::kPeft;
+    if (probe.framework == Framework::kFsdp1 && probe.lora.rank > 0) probe.wrap = WrapPolicy::kPeft;
     if (auto w = BuildWorkload(model, o.gpu_types.front(), probe); !w.ok()) return w.error();
   }
   if (IsTorchtitan(o.base.impl)) {
-    // the torchtitan settings' errors once (framework, attention, LoRA, ...), from the configuration every candidate shares
-    FsdpConfig probe = o.base;
-    probe.gpus = probe.gpus_per_node = 2;  // a shard group torchtitan applies fully_shard to
-    if (auto w = BuildWorkload(model, o.gpu_types.front(), probe); !w.ok()) return w.error();
     if (!f.export_format.empty()) {
       return Error::BadInput(fmt::format("--export writes code around transformers' modules; --impl {} is planned, not exported", ImplName(o.base.impl)));
     }

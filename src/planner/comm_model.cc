@@ -83,7 +83,7 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
         v.backward_all_gather_bytes += gathers_bwd * unit.padded_numel * p;
         v.backward_all_gather_count += gathers_bwd;
         v.reduce_scatter_bytes += reductions * unit.grad_padded_numel * r;  // the sites' sum, for a group of modules
-        v.reduce_scatter_count += reductions * static_cast<int64_t>(std::max<size_t>(1, unit.hook_nodes.size()));
+        v.reduce_scatter_count += reductions * unit.HookSites();
         v.routed_expert_gather_bytes += gathers * experts * p;
         v.routed_expert_reduce_bytes += reductions * trainable_experts * r;
       }
@@ -98,7 +98,7 @@ CommModel EstimateComm(const Workload& w, const Schedule& schedule) {
       if (c.strategy == Strategy::kHybridShard && w.replicas > 1) {
         uc.all_reduce = replica_cache.Get(Collective::kAllReduce, unit.grad_shard_numel * r);
         v.all_reduce_bytes += reductions * unit.grad_shard_numel * r;
-        v.all_reduce_count += reductions * static_cast<int64_t>(std::max<size_t>(1, unit.hook_nodes.size()));
+        v.all_reduce_count += reductions * unit.HookSites();
         v.sent_bytes += static_cast<double>(reductions * unit.grad_shard_numel * r) * BusFactor(Collective::kAllReduce, cm.replica_group.ranks);
       }
     }
