@@ -186,8 +186,22 @@ family_lora_rows() {
 # with the 2k vocabulary; skipped where torchtitan does not import. SDPA on both sides. The
 # --impl torchtitan-2025-01 rows run torchtitan's January 2025 tree from $TORCHTITAN_2025_01.
 titan_check() {  # name ranks ac micro seq vocab [version: 0.2.2 (default) | 2025-01, from $TORCHTITAN_2025_01]
-  local name=$1 ranks=$2 ac=$3 micro=$4 seq=$5 vocab=$6 version=${7:-0.2.2}
-  local model=$root/models/llama-100m.json; [ "$vocab" = 2048 ] && model=$root/tests/data/hf_configs/llama-100m-2k-vocab.json
+  local model=$root/models/llama-100m.json; [ "$6" = 2048 ] && model=$root/tests/data/hf_configs/llama-100m-2k-vocab.json
+  titan_run "$@" -- "$model" --family llama3 --dim 768 --layers 8 --heads 12 --kv-heads 12 --vocab "$6"
+}
+# torchtitan 0.2.2's Qwen3 on qwen3-100m's shape (tests/data/hf_configs/qwen3-100m.json: dim 768,
+# 4 layers, 8 heads and 4 kv heads of 128, MLP 2048, 40,902,400 parameters) or its 2k vocabulary
+titan_qwen3_check() {  # name ranks ac micro seq vocab
+  local model=$root/tests/data/hf_configs/qwen3-100m.json; [ "$6" = 2048 ] && model=$root/tests/data/hf_configs/qwen3-100m-2k-vocab.json
+  titan_run "$@" 0.2.2 -- "$model" --family qwen3 --dim 768 --layers 4 --heads 8 --kv-heads 4 --head-dim 128 --hidden-dim 2048 --vocab "$6"
+}
+titan_run() {  # name ranks ac micro seq vocab [version] -- model.json torchtitan_memory.py's model arguments...
+  local name=$1 ranks=$2 ac=$3 micro=$4 seq=$5 version=0.2.2
+  shift 6
+  if [ "$1" != -- ]; then version=$1; shift; fi
+  shift
+  local model=$1
+  shift
   local impl=torchtitan; [ "$version" = 2025-01 ] && impl=torchtitan-2025-01
   if [ "$version" = 2025-01 ]; then
     [ -n "${TORCHTITAN_2025_01:-}" ] || { echo "torch_memory_check: $name: skipped (TORCHTITAN_2025_01 unset)"; return 0; }
@@ -196,7 +210,7 @@ titan_check() {  # name ranks ac micro seq vocab [version: 0.2.2 (default) | 202
     echo "torch_memory_check: $name: skipped (torchtitan does not import)"
     return 0
   fi
-  local args=(--version "$version" --dim 768 --layers 8 --heads 12 --kv-heads 12 --vocab "$vocab" --ac "$ac" --micro-batch "$micro" --seq-len "$seq")
+  local args=(--version "$version" "$@" --ac "$ac" --micro-batch "$micro" --seq-len "$seq")
   if [ "$ranks" -gt 1 ]; then
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torchtitan_memory.py" "${args[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
   else
@@ -223,6 +237,18 @@ titan_rows() {
   titan_check "1 rank  tt-2025-01 2k vocab seq 2048 x 1" 1 none 1 2048 2048 2025-01
   titan_check "1 rank  tt-2025-01 2k op-SAC seq 2048 x 1" 1 selective-op 1 2048 2048 2025-01
   titan_check "2 ranks tt-2025-01        seq 1024 x 2" 2 none 2 1024 32000 2025-01
+  # with GQA (4 kv heads of 12): January 2025's repeat_kv copies k and v to every head
+  titan_run "1 rank  tt-2025-01 GQA     seq 1024 x 2" 1 none 2 1024 32000 2025-01 -- "$root/tests/data/hf_configs/llama-100m-gqa.json" \
+    --family llama3 --dim 768 --layers 8 --heads 12 --kv-heads 4 --vocab 32000
+  titan_run "1 rank  tt-2025-01 GQA op-SAC 1024 x 2" 1 selective-op 2 1024 32000 2025-01 -- "$root/tests/data/hf_configs/llama-100m-gqa.json" \
+    --family llama3 --dim 768 --layers 8 --heads 12 --kv-heads 4 --vocab 32000
+  titan_qwen3_check "1 rank  tt Qwen3        seq 1024 x 2" 1 none 2 1024 8192
+  titan_qwen3_check "2 ranks tt Qwen3        seq 1024 x 2" 2 none 2 1024 8192
+  titan_qwen3_check "2 ranks tt Qwen3 AC     seq 2048 x 2" 2 full 2 2048 8192
+  titan_qwen3_check "2 ranks tt Qwen3 op-SAC seq 2048 x 2" 2 selective-op 2 2048 8192
+  titan_qwen3_check "1 rank  tt Qwen3 2k vocab seq 2048 x 1" 1 none 1 2048 2048
+  titan_qwen3_check "1 rank  tt Qwen3 2k op-SAC seq 2048 x 1" 1 selective-op 1 2048 2048
+  titan_qwen3_check "1 rank  tt Qwen3 2k AC  seq 2048 x 1" 1 full 1 2048 2048
 }
 if [ "${ROWS:-}" = torchtitan ]; then
   "$python" -c "import torchtitan.models.llama3.infra.parallelize" 2> /dev/null || { echo "torch_memory_check: $python has no torchtitan"; exit 77; }

@@ -23,6 +23,10 @@ import on torch 2.11. Its Python files from a torchtitan clone, with an __init__
 What it follows of torchtitan 0.2.2 (paths in its wheel):
 * models/llama3/model/model.py, model/args.py   Transformer, TransformerModelArgs (attn_type
   "sdpa", causal mask), init_weights under no_grad
+* models/qwen3/model/model.py, model/args.py     Qwen3Model (--family qwen3: nn.RMSNorm q_norm and
+  k_norm per head, a fp32 rope_cache [max_seq_len, 2 head_dim] cast to the activations' dtype in
+  every attention); its infra/parallelize.py: llama4's apply_fsdp (the same units) and the same
+  op-SAC save list
 * models/llama3/infra/parallelize.py apply_fsdp  fully_shard(tok_embeddings), each block,
   [norm, output] (not resharded after forward), then the root; MixedPrecisionPolicy(bf16, fp32);
   on more than one rank FSDP's own gradient division instead of its factor 1.0 (gloo has no
@@ -48,6 +52,10 @@ def parse_args():
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=12)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--family", choices=["llama3", "qwen3"], default="llama3",
+                   help="torchtitan 0.2.2's models/llama3 or models/qwen3 (dense: q/k norms, its own RoPE cache)")
+    p.add_argument("--head-dim", type=int, default=128, help="qwen3: head_dim (Qwen3 sets it apart from dim / heads)")
+    p.add_argument("--hidden-dim", type=int, default=2048, help="qwen3: the MLP's width (hidden_dim, taken as given)")
     p.add_argument("--multiple-of", type=int, default=256)
     p.add_argument("--ffn-dim-multiplier", type=float, default=None)
     p.add_argument("--seq-len", type=int, default=1024)
@@ -66,6 +74,18 @@ def parse_args():
 
 def build(args):
     import torch
+    if args.family == "qwen3":
+        from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+        from torchtitan.models.qwen3.model.model import Qwen3Model
+        # Qwen3ModelArgs.update_from_config sets max_seq_len to the training seq_len
+        model_args = Qwen3ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                                    vocab_size=args.vocab, head_dim=args.head_dim, hidden_dim=args.hidden_dim,
+                                    max_seq_len=args.seq_len, qk_norm=True)
+        torch.manual_seed(args.seed)
+        model = Qwen3Model(model_args)
+        with torch.no_grad():
+            model.init_weights()
+        return model, model_args
     if args.version == "2025-01":
         from torchtitan.models.llama.model import ModelArgs as TransformerModelArgs, Transformer
     else:
@@ -82,7 +102,7 @@ def build(args):
     return model, model_args
 
 
-def apply_ac(model, mode, version):
+def apply_ac(model, mode, version, family):
     if mode == "none":
         return
     import torch
@@ -98,7 +118,8 @@ def apply_ac(model, mode, version):
         return
     from torchtitan.config.job_config import ActivationCheckpoint
     from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
-    from torchtitan.models.llama3.infra import parallelize
+    import importlib
+    parallelize = importlib.import_module(f"torchtitan.models.{family}.infra.parallelize")
 
     config = ActivationCheckpoint(mode="full" if mode == "full" else "selective", selective_ac_option="op")
     # the list names CUDA's SDPA kernels; the CPU runs its own flash kernel, which CUDA's
@@ -155,7 +176,7 @@ def use_fused_rms_norm():
     torch.nn.RMSNorm.forward = forward
 
 
-def shard(model, world, version):
+def shard(model, world, version, family):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     if version == "2025-01":  # blocks (the last not resharded after forward), then the root; FSDP's own division
@@ -166,7 +187,8 @@ def shard(model, world, version):
         # June 2025). The runs it published had the root kept, so the reference restores that.
         model.set_reshard_after_forward(False, recurse=False)
         return
-    from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+    import importlib
+    apply_fsdp = importlib.import_module(f"torchtitan.models.{family}.infra.parallelize").apply_fsdp  # qwen3's: llama4's, the same units
 
     mesh = init_device_mesh("cpu", (world,))
     apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
@@ -193,6 +215,8 @@ def step(model, optimizer, inputs, labels):
 
 def main():
     args = parse_args()
+    if args.family == "qwen3" and args.version != "0.2.2":
+        sys.exit("torchtitan_memory.py: --family qwen3 is torchtitan 0.2.2's (the January 2025 tree had no Qwen3)")
     import torch
     import torch.distributed as dist
     from torch_reference import fsdp2_tracker_class
@@ -204,8 +228,8 @@ def main():
     if args.norm == "cuda":
         use_fused_rms_norm()
     model, model_args = build(args)
-    apply_ac(model, args.ac, args.version)
-    shard(model, world, args.version)
+    apply_ac(model, args.ac, args.version, args.family)
+    shard(model, world, args.version, args.family)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=True)
     g = torch.Generator().manual_seed(args.seed + rank)
     tokens = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len + 1), generator=g)
@@ -220,14 +244,14 @@ def main():
     categories = {str(getattr(k, "value", k)): int(v) for k, v in per_device.items()}
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        report = {"torchtitan_model": "llama3", "torchtitan_version": args.version, "model_args": {k: getattr(model_args, k, None) for k in
-                                                              ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
+        report = {"torchtitan_model": args.family, "torchtitan_version": args.version, "model_args": {k: getattr(model_args, k, None) for k in
+                                                              ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim", "vocab_size", "multiple_of",
                                                                "ffn_dim_multiplier", "norm_eps", "rope_theta", "attn_type")},
                   "params": params, "world": world, "seq_len": args.seq_len, "micro_batch": args.micro_batch, "ac": args.ac, "norm": args.norm,
                   "loss": [float(first), float(second)], "categories_at_peak": categories}
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
-        print(f"torchtitan {args.version} llama3 {params:,} params, world {world}, ac {args.ac}: peak {categories['Total']:,} bytes")
+        print(f"torchtitan {args.version} {args.family} {params:,} params, world {world}, ac {args.ac}: peak {categories['Total']:,} bytes")
     dist.destroy_process_group()
 
 

@@ -65,7 +65,8 @@ void PrintHeader(const Workload& w, std::ostream& out) {
              c.ac_every > 1 ? fmt::format("full on 1 block in {}", c.ac_every) : std::string(CheckpointingName(c.checkpointing)),
              AttentionName(c.attention), c.cpu_offload ? ", CPU offload" : "");
   if (c.impl == Impl::kTorchtitan) {
-    fmt::print(out, "torchtitan 0.2.2's Llama 3 (--impl torchtitan): units tok_embeddings, each block, [norm, output] (kept unsharded after forward), root\n");
+    fmt::print(out, "torchtitan 0.2.2's {} (--impl torchtitan): units tok_embeddings, each block, [norm, output] (kept unsharded after forward), root\n",
+               w.model.model_type == "qwen3" ? "Qwen3" : "Llama 3");
   } else if (c.impl == Impl::kTorchtitan202501) {
     fmt::print(out, "torchtitan's Llama 3 of January 2025 (--impl torchtitan-2025-01): units each block (the last kept unsharded after forward), root\n");
   }
@@ -292,7 +293,7 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--wrap", f.wrap, "block | size:N | none | linear | peft (with LoRA: adapters in units of their own)")->capture_default_str();
   app.add_option("--framework", f.framework, "fsdp1 (FullyShardedDataParallel) | fsdp2 (fully_shard)")->capture_default_str();
   app.add_option("--impl", f.impl,
-                 "whose model code runs: transformers (HF modules) | torchtitan (0.2.2's Llama 3: its wrap units, nn.RMSNorm, RoPE table) | torchtitan-2025-01 (the January 2025 main branch of torchtitan's published Llama 3.1 runs); torchtitan needs --framework fsdp2")
+                 "whose model code runs: transformers (HF modules) | torchtitan (0.2.2's Llama 3 or dense Qwen3: its wrap units, nn.RMSNorm, RoPE table) | torchtitan-2025-01 (the January 2025 main branch of torchtitan's published Llama 3.1 runs); torchtitan needs --framework fsdp2")
       ->capture_default_str();
   app.add_flag("--forward-prefetch", f.config.forward_prefetch, "FSDP1 forward_prefetch=True");
   app.add_option("--backward-prefetch", f.backward_prefetch, "pre | post | none")->capture_default_str();

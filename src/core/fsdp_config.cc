@@ -184,7 +184,7 @@ static Status ValidateLora(const LoraConfig& l, WrapPolicy wrap) {
 // torchtitan trains with FSDP2 (apply_fsdp), SDPA, its own wrap units and no LoRA; its
 // activation checkpointing offers full, layer-level (every N-th block: --ac-every) and op-level.
 static Status ValidateTorchtitan(const FsdpConfig& c, const ModelSpec& model) {
-  if (const std::string why = TorchtitanRuledOut(model); !why.empty()) return Error::BadInput(why);
+  if (const std::string why = TorchtitanRuledOut(model, c.impl); !why.empty()) return Error::BadInput(why);
   if (c.framework != Framework::kFsdp2) return Error::BadInput(fmt::format("--impl {} shards with FSDP2 (fully_shard); add --framework fsdp2", ImplName(c.impl)));
   if (c.wrap != WrapPolicy::kBlock) {
     return Error::BadInput(fmt::format("--impl {} wraps as its apply_fsdp does; --wrap {} does not apply", ImplName(c.impl), WrapPolicyName(c.wrap)));
@@ -264,11 +264,14 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   return ValidateLora(c.lora, c.wrap);
 }
 
-std::string TorchtitanRuledOut(const ModelSpec& m) {
-  if (m.model_type != "llama" || !OpCheckpointingModelled(m) || m.qk_l2_norm) {
-    return fmt::format("{} is a {} model; --impl torchtitan models torchtitan's Llama 3 (dense, bias-free pre-norm Llama blocks)", m.id, m.model_type);
+std::string TorchtitanRuledOut(const ModelSpec& m, Impl impl) {
+  const bool qwen3 = impl == Impl::kTorchtitan && m.model_type == "qwen3";
+  if ((m.model_type != "llama" && !qwen3) || !OpCheckpointingModelled(m) || m.qk_l2_norm) {
+    return fmt::format("{} is a {} model; --impl {} models torchtitan's {}", m.id, m.model_type, ImplName(impl),
+                       impl == Impl::kTorchtitan ? "Llama 3 and dense Qwen3 (bias-free pre-norm blocks)" : "Llama 3 (dense, bias-free pre-norm Llama blocks)");
   }
-  if (m.tie_word_embeddings) return fmt::format("{} ties lm_head to the embedding, which torchtitan's Llama 3 does not", m.id);
+  if (qwen3 && m.sliding_window > 0) return fmt::format("{} attends through a sliding window, which torchtitan's Qwen3 does not", m.id);
+  if (m.tie_word_embeddings) return fmt::format("{} ties lm_head to the embedding, which fsdp-plan's torchtitan profiles do not model", m.id);
   return "";
 }
 

@@ -138,10 +138,12 @@ bool Fsdp1SwitchesToNoShard(const FsdpConfig& config);
 /// (torchtitan's policy keeps every second aten.mm output; a biased Linear runs as addmm).
 bool OpCheckpointingModelled(const ModelSpec& model);
 
-/// Why torchtitan's Llama 3 (IsTorchtitan) cannot stand for the model, or "" when it can: a
-/// Llama with untied embeddings and dense, bias-free pre-norm blocks (torchtitan 0.2.2's
-/// models/llama3/model/model.py: wq/wk/wv/wo, w1/w2/w3, nn.RMSNorm, an untied `output`).
-std::string TorchtitanRuledOut(const ModelSpec& model);
+/// Why torchtitan's own model code under `impl` (IsTorchtitan) cannot stand for the model, or ""
+/// when it can: a Llama with untied embeddings and dense, bias-free pre-norm blocks (torchtitan
+/// 0.2.2's models/llama3/model/model.py: wq/wk/wv/wo, w1/w2/w3, nn.RMSNorm, an untied `output`),
+/// and under Impl::kTorchtitan also a dense Qwen3 of that shape with its per-head q/k norms and
+/// full causal attention (models/qwen3/model/model.py; the January 2025 tree had no Qwen3).
+std::string TorchtitanRuledOut(const ModelSpec& model, Impl impl);
 
 /// Why transformers cannot run the model's attention through SDPA, or "" when it can: Gemma 2's
 /// soft-capped scores (Gemma2PreTrainedModel._supports_sdpa = False; sdpa_attention_forward

@@ -108,6 +108,15 @@ TEST_CASE("--impl torchtitan: apply_fsdp's units, tok_embeddings, each block, [n
   const char* qwen = R"({"model_type":"qwen2","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
                      R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})";
   CHECK(BuildWorkload(HandModel(qwen), testing::GibGpu(), c).error().message.find("is a qwen2 model") != std::string::npos);
+  // torchtitan 0.2.2 has a dense Qwen3 (models/qwen3), the January 2025 tree none; a sliding window it has not
+  const std::string qwen3 = R"({"model_type":"qwen3","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+                            R"("num_attention_heads":2,"num_key_value_heads":1,"head_dim":4,"max_position_embeddings":64)";
+  CHECK(BuildWorkload(HandModel((qwen3 + "}").c_str()), testing::GibGpu(), c).ok());
+  FsdpConfig qwen3_jan = c;
+  qwen3_jan.impl = Impl::kTorchtitan202501;
+  CHECK(BuildWorkload(HandModel((qwen3 + "}").c_str()), testing::GibGpu(), qwen3_jan).error().message.find("is a qwen3 model") != std::string::npos);
+  const std::string windowed = qwen3 + R"(,"use_sliding_window":true,"sliding_window":16})";
+  CHECK(BuildWorkload(HandModel(windowed.c_str()), testing::GibGpu(), c).error().message.find("sliding window") != std::string::npos);
   // the module tree differs: Reconfigure refuses to switch it
   CHECK_FALSE(Reconfigure(w, testing::GibGpu(), hf).ok());
   // January 2025's apply_fsdp: the blocks, the last one with reshard_after_forward=False, then the

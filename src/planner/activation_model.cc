@@ -25,12 +25,20 @@ struct Dims {
   int64_t h, inner, heads, kv_heads, head_dim, experts, top_k;
   bool masked = false;  // SDPA runs with an explicit mask (WindowMasksSdpa)
   bool fused_rms_norm = false;  // torch's nn.RMSNorm on CUDA (--impl torchtitan), not transformers' own
+  bool rope_cache_cast = false;  // torchtitan's Qwen3: FSDP2 casts the fp32 rope_cache, an argument of each block
+  bool repeats_kv = false;  // torchtitan of January 2025: repeat_kv copies k and v to every head before SDPA
 };
+
+// torchtitan 0.2.2's Qwen3 (models/qwen3/model/model.py): a fp32 rope_cache buffer [max_seq_len,
+// 2 head_dim] (cos, then sin) that the model passes to every block's forward.
+bool TorchtitanQwen3(const ModelShape& m, const FsdpConfig& cfg) { return cfg.impl == Impl::kTorchtitan && m.model_type == "qwen3"; }
 
 Dims DimsOf(const ModelShape& m, const FsdpConfig& cfg, int64_t window = 0) {
   return Dims{cfg.micro_batch * cfg.seq_len, cfg.seq_len, BytesPerElement(cfg.param_dtype), m.hidden_size,
               m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim, m.num_experts, m.experts_per_token,
-              WindowMasksSdpa(cfg, window), cfg.impl == Impl::kTorchtitan};  // 2025-01's Python RMSNorm saves transformers' set
+              WindowMasksSdpa(cfg, window), cfg.impl == Impl::kTorchtitan,  // 2025-01's Python RMSNorm saves transformers' set
+              TorchtitanQwen3(m, cfg) && BytesPerElement(cfg.param_dtype) != 4,  // to(fp32) of the fp32 cache: itself
+              cfg.impl == Impl::kTorchtitan202501};
 }
 
 // Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
@@ -189,10 +197,19 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const
   // q_norm / k_norm (before RoPE): as AddNorm's RMSNorm over q's or k's features, its rsqrt one
   // per (token, head) for Qwen3's per-head norms and one per token for OLMo 2's whole-projection
   // ones. torch_reference.py on tests/data/hf_configs/qwen3-100m.json and olmo2-100m.json.
+  // torchtitan's nn.RMSNorm q_norm / k_norm save what the fused CUDA kernel saves (AddNorm): the
+  // projection's output itself and a fp32 rstd per row.
   for (const ParamOp& op : m.arch.block) {
     if (op.kind != ParamOp::Kind::kNorm || !op.qk_norm) continue;
     const bool is_k = op.module.find("k_norm") != std::string::npos;
     const int64_t features = is_k ? kv : q, rows = (op.head_norm ? (is_k ? d.kv_heads : d.heads) : 1) * d.tokens;
+    if (d.fused_rms_norm) {
+      if ((is_k ? f.k : f.q) || op.trainable) {
+        out.push_back({Name(op.module, "in"), d.c * features});
+        out.push_back({Name(op.module, "rstd"), 4 * rows});
+      }
+      continue;
+    }
     if (is_k ? f.k : f.q) {
       out.push_back({Name(op.module, "x_fp32"), 4 * features});
       out.push_back({Name(op.module, "rsqrt"), 4 * rows});
@@ -230,6 +247,13 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const
     out.push_back({"self_attn.k_rope", d.c * q, gqa});
     out.push_back({"self_attn.v", d.c * (gqa ? q : fused_qkv != nullptr ? q + 2 * kv : kv), gqa});
     out.push_back({"self_attn.sdpa_mask", d.c * d.tokens * d.seq, true});
+    AddAttentionCore(out, m, cfg, d, f);
+  } else if (f.attn_out && d.repeats_kv && d.kv_heads < d.heads) {
+    // torchtitan's Attention of January 2025 (models/llama/model.py, commit d4c86e3): repeat_kv
+    // (expand, then reshape: a copy) gives SDPA k and v of every head, which it saves; v's
+    // projection output is read by that copy only. Enable_gqa replaced it in 0.2.2.
+    out.push_back({"self_attn.k_repeated", d.c * q});
+    out.push_back({"self_attn.v_repeated", d.c * q});
     AddAttentionCore(out, m, cfg, d, f);
   } else if (f.attn_out) {
     out.push_back({"self_attn.k_rope", d.c * kv});
@@ -564,6 +588,15 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
   if (d.fused_rms_norm && roles.pre_attn >= 0 && !out.empty() && out.front().name == Name(norms.at(roles.pre_attn), "in")) {
     out.front().is_block_input = true;
   }
+  // torchtitan's Qwen3 passes its fp32 rope_cache [seq, 2 head_dim] to each block, whose FSDP2
+  // pre-forward casts floating-point arguments to the param dtype (MixedPrecisionPolicy's
+  // cast_forward_inputs): a copy per block, held as the checkpoint's input or, un-checkpointed,
+  // through the cos and sin views RoPE's products save (its own .to() is then a no-op). Measured:
+  // 1 MiB a block more under --ac full at seq 2048 (tools/torchtitan_memory.py --family qwen3).
+  if (d.rope_cache_cast) {
+    out.push_back({"block.rope_cache_cast", d.c * d.seq * 2 * d.head_dim});
+    out.back().block_argument = true;
+  }
   if (m.arch.fused_qkv) {
     AddFusedAttention(out, m, cfg, d, f);
   } else if (m.mla.enabled()) {
@@ -626,11 +659,12 @@ std::vector<SavedTensor> MatmulCopies(const ModelShape& m, const FsdpConfig& cfg
 // RoPE reads; down's, which the residual add reads; v's when repeat_kv copies it) are freed then.
 // By the softmax's backward v's and gate's are gone too (SiLU's backward and probs @ v's have run:
 // tools/peak_trace.py on the 2k-vocabulary op-SAC row, which still holds down's there).
-std::vector<SavedTensor> OpCheckpointKept(const FsdpConfig& cfg, const Dims& d) {
+// torchtitan's Qwen3: q_norm's fused kernel saves q's output, which then stays until its backward.
+std::vector<SavedTensor> OpCheckpointKept(const FsdpConfig& cfg, const Dims& d, bool q_norm_saves_q) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
-  const bool v_copied = cfg.attention == Attention::kEager && d.kv_heads < d.heads;
+  const bool v_copied = (cfg.attention == Attention::kEager || d.repeats_kv) && d.kv_heads < d.heads;
   std::vector<SavedTensor> kept = {{"checkpoint.block_input", d.c * d.h * d.tokens},
-                                   {"op_sac.q_proj_out", d.c * q, false, true},
+                                   {"op_sac.q_proj_out", d.c * q, false, !q_norm_saves_q},
                                    {"op_sac.v_proj_out", d.c * kv, false, v_copied, true},
                                    {"op_sac.gate_proj_out", d.c * d.inner * d.tokens, false, false, true},
                                    {"op_sac.down_proj_out", d.c * d.h * d.tokens, false, true}};
@@ -646,7 +680,7 @@ std::vector<SavedTensor> OpCheckpointKept(const FsdpConfig& cfg, const Dims& d) 
 // gate's output; SDPA saves v_proj's output (a view) and its own output and log-sum-exp, which
 // o_proj then saves; eager attention without GQA multiplies by v itself (repeat_kv returns it).
 bool KeptByOpCheckpointing(const SavedTensor& t, const FsdpConfig& cfg, const Dims& d) {
-  if (t.name == "mlp.gate_out") return true;
+  if (t.name == "mlp.gate_out" || t.name == "self_attn.q_norm.in") return true;  // (the fused q_norm's input: q's output)
   if (cfg.attention == Attention::kFlash) return t.name == "self_attn.v" || t.name == "self_attn.o_proj_in" || t.name == "self_attn.lse";
   return t.name == "self_attn.v_repeated" && d.kv_heads >= d.heads;
 }
@@ -718,7 +752,9 @@ int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const D
     for (const SavedTensor& t : block) freed += t.freed_by_softmax_backward ? t.bytes : 0;
     attention = 2 * d.c * scores + 3 * d.c * hT - freed;
   } else if (cfg.attention != Attention::kEager) {
-    attention = d.c * (d.heads + 2 * d.kv_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
+    // dq, dk, dv (repeat_kv's: of every head) and the kernel's fp32 dq accumulator
+    const int64_t kv_grad_heads = d.repeats_kv ? d.heads : d.kv_heads;
+    attention = d.c * (d.heads + 2 * kv_grad_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
   }
   // rows per token through the experts: top-k, or every expert (Llama 4's dense dispatch)
   const int64_t mlp_factor = d.experts == 0 ? 1 : m.arch.experts_dense_dispatch ? d.experts : d.top_k;
@@ -739,7 +775,8 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
 
 int64_t ModelBufferBytes(const ModelSpec& m, const FsdpConfig& cfg) {
   if (!IsTorchtitan(cfg.impl)) return 0;
-  return 8 * cfg.seq_len * (m.head_dim / 2);
+  if (TorchtitanQwen3(m, cfg)) return 4 * cfg.seq_len * 2 * m.head_dim;  // rope_cache, fp32 [seq, 2 head_dim]
+  return 8 * cfg.seq_len * (m.head_dim / 2);  // freqs_cis, complex64 [seq, head_dim / 2]
 }
 
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
@@ -776,16 +813,19 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       for (const auto& t : MatmulCopies(m, cfg, d, a.full)) a.recomputed.push_back(t);
       break;
     case Checkpointing::kSelectiveOp:
-      a.kept = OpCheckpointKept(cfg, d);
+      a.kept = OpCheckpointKept(cfg, d, d.fused_rms_norm && FindOp(m, "q_norm") != nullptr);
       for (const auto& t : a.full) {
-        if (!KeptByOpCheckpointing(t, cfg, d) && !t.is_block_input) a.recomputed.push_back(t);
+        if (t.block_argument) a.kept.push_back(t);
+        else if (!KeptByOpCheckpointing(t, cfg, d) && !t.is_block_input) a.recomputed.push_back(t);
       }
       break;
     case Checkpointing::kFull:
-      // checkpoint_wrapper (non-reentrant) saves only the block's input hidden states.
+      // checkpoint_wrapper (non-reentrant) saves only the block's inputs: the hidden states (and
+      // any other argument: block_argument)
       a.kept = {{"checkpoint.block_input", d.c * d.h * d.tokens}};
       for (const auto& t : a.full) {
-        if (!t.is_block_input) a.recomputed.push_back(t);
+        if (t.block_argument) a.kept.push_back(t);
+        else if (!t.is_block_input) a.recomputed.push_back(t);
       }
       break;
   }

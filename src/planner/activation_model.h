@@ -26,6 +26,9 @@ struct SavedTensor {
   /// the block's input hidden states themselves (torchtitan's fused RMSNorm saves its input): the
   /// tensor a checkpointed block keeps anyway, so recomputation does not allocate it again
   bool is_block_input = false;
+  /// another input of the block's forward, held by a checkpointed block as its input and by an
+  /// un-checkpointed one as what its ops save: kept under every checkpointing, never recomputed
+  bool block_argument = false;
 };
 
 /// Activation memory of one decoder block for one micro-batch.
@@ -97,7 +100,9 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors);
 /// Bytes of the model's persistent buffers on each rank (FSDP2 moves buffers to the device whole;
 /// they are not sharded): torchtitan's RoPE table freqs_cis, complex64 [seq_len, head_dim / 2]
 /// (models/llama3/model/model.py precompute_freqs_cis; args.py update_from_config sets
-/// max_seq_len to the training seq_len). transformers' inv_freq (head_dim / 2 floats): 0 here.
+/// max_seq_len to the training seq_len); its Qwen3's rope_cache, fp32 [seq_len, 2 head_dim]
+/// (models/qwen3/model/model.py precompute_rope_cache: cos then sin). transformers' inv_freq
+/// (head_dim / 2 floats): 0 here.
 int64_t ModelBufferBytes(const ModelSpec& model, const FsdpConfig& config);
 
 }  // namespace fsdp

@@ -87,6 +87,54 @@ TEST_CASE("--impl torchtitan: nn.RMSNorm's fused CUDA kernel saves its input and
   CHECK(ModelBufferBytes(m, FsdpConfig{}) == 0);
 }
 
+TEST_CASE("--impl torchtitan on Qwen3: fused q/k norms, each layer's cast cos and sin, the fp32 rope_cache") {
+  // qwen3-32b at 4096 tokens (h 5120; 64 heads and 8 kv heads of 128). transformers' q_norm saves
+  // the fp32 q 4 x 8192, 64 rsqrt 4 and the normalised q 2 x 8192 a token, its k_norm the same of
+  // k's 1024 features and 8 heads: 55,584 bytes; the fused kernel saves q itself 2 x 8192 and 64
+  // rstd 4, k 2 x 1024 and 8 rstd 4: 18,720. The hidden-state norms save 8h less (as Llama's
+  // above). FSDP2 casts the rope_cache argument of each block to bf16: [4096, 256] x 2 bytes,
+  // whatever the micro-batch, kept under every checkpointing.
+  FsdpConfig c;
+  c.seq_len = 4096;
+  const ModelSpec m = Loaded("qwen3-32b");
+  const int64_t transformers = BlockActivationProfile(m, c).FullBytes();
+  c.impl = Impl::kTorchtitan;
+  const BlockActivations titan = BlockActivationProfile(m, c);
+  CHECK(transformers - titan.FullBytes() == 4096LL * (8 * 5120 + 55'584 - 18'720) - 2LL * 4096 * 256);
+  CHECK(ModelBufferBytes(m, c) == 4LL * 4096 * 2 * 128);  // rope_cache, fp32 [4096, 256]
+  c.checkpointing = Checkpointing::kFull;
+  CHECK(BlockActivationProfile(m, c).KeptBytes() == 2LL * 5120 * 4096 + 2LL * 4096 * 256);
+  // op-level SAC keeps q's output, which the fused q_norm saves: held to q_norm's backward, not
+  // freed after the recomputation as Llama's (which RoPE reads without saving)
+  c.checkpointing = Checkpointing::kSelectiveOp;
+  const BlockActivations op = BlockActivationProfile(m, c);
+  for (const SavedTensor& t : op.recomputed) CHECK(t.name != "self_attn.q_norm.in");
+  int kept_q = 0;
+  for (const SavedTensor& t : op.kept) kept_q += t.name == "op_sac.q_proj_out" && !t.freed_after_recompute;
+  CHECK(kept_q == 1);
+  // in fp32 the cast returns the cache itself: nothing new saved
+  c.checkpointing = Checkpointing::kNone;
+  c.param_dtype = DType::kFp32;
+  for (const SavedTensor& t : BlockActivationProfile(m, c).full) CHECK(t.name != "block.rope_cache_cast");
+}
+
+TEST_CASE("--impl torchtitan-2025-01: repeat_kv gives SDPA k and v of every head") {
+  // llama-3.1-8b at 4096 tokens (32 heads, 8 kv heads of 128): its Python RMSNorm saves what
+  // transformers' does, so the only difference is k and v at 4096 features instead of 1024:
+  // 2 x 2 x 3072 bytes a token; under op-level SAC v's projection output is then read by the
+  // copy only, freed once the recomputation has run, as eager attention's.
+  FsdpConfig c;
+  c.seq_len = 4096;
+  const ModelSpec m = Loaded("llama-3.1-8b");
+  const int64_t transformers = BlockActivationProfile(m, c).FullBytes();
+  c.impl = Impl::kTorchtitan202501;
+  CHECK(BlockActivationProfile(m, c).FullBytes() - transformers == 2LL * 2 * 3072 * 4096);
+  c.checkpointing = Checkpointing::kSelectiveOp;
+  int v_freed = 0;
+  for (const SavedTensor& t : BlockActivationProfile(m, c).kept) v_freed += t.name == "op_sac.v_proj_out" && t.freed_after_recompute;
+  CHECK(v_freed == 1);
+}
+
 TEST_CASE("GQA: flash keeps k/v at kv-head width, eager repeats them") {
   // llama-3.1-8b: h=4096, 8 kv heads of 128 -> k, v 1024 wide.
   BlockActivations flash = Profile("llama-3.1-8b", 1, Attention::kFlash);
