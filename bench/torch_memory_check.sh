@@ -244,6 +244,7 @@ titan_rows() {
     --family llama3 --dim 768 --layers 8 --heads 12 --kv-heads 4 --vocab 32000
   titan_qwen3_check "1 rank  tt Qwen3        seq 1024 x 2" 1 none 2 1024 8192
   titan_qwen3_check "2 ranks tt Qwen3        seq 1024 x 2" 2 none 2 1024 8192
+  titan_qwen3_check "1 rank  tt Qwen3 AC     seq 2048 x 2" 1 full 2 2048 8192
   titan_qwen3_check "2 ranks tt Qwen3 AC     seq 2048 x 2" 2 full 2 2048 8192
   titan_qwen3_check "2 ranks tt Qwen3 op-SAC seq 2048 x 2" 2 selective-op 2 2048 8192
   titan_qwen3_check "1 rank  tt Qwen3 2k vocab seq 2048 x 1" 1 none 1 2048 2048
@@ -283,6 +284,7 @@ if [ -n "${QUICK:-}" ]; then
   lora_quick_row
   qlora_quick_row
   titan_check "1 rank  torchtitan AC     seq 1024 x 2" 1 full 2 1024 32000
+  titan_qwen3_check "1 rank  tt Qwen3 AC     seq 2048 x 2" 1 full 2 2048 8192
   exit 0
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
