@@ -188,10 +188,17 @@ int64_t RuntimeBlockSavedBytes(const Workload& w) {
   // Qwen3's q/k norms: q and k before them, one head per row, and each row's inverse RMS (BlockCache)
   const bool head_norms = std::any_of(m.arch.block.begin(), m.arch.block.end(), [](const ParamOp& op) { return op.qk_norm && op.head_norm; });
   const int64_t head_rows = t * (m.num_heads + m.num_kv_heads);
-  // LoRA: each adapted projection's x A^T (T, r), for lora_B's gradient
-  int64_t lora = 0;
-  for (const ParamOp& op : m.arch.block) lora += t * op.lora_rank;
-  return (outside_mlp + (head_norms ? head_rows * m.head_dim + head_rows : 0) + lora) * 4 + mlp_bytes;
+  // LoRA: each adapted projection's x A^T (T, r), for lora_B's gradient; with dropout its output
+  // (T, in) floats, lora_A's input, and its keep mask (T x in bytes)
+  int64_t lora = 0, dropout_masks = 0;
+  for (const ParamOp& op : m.arch.block) {
+    lora += t * op.lora_rank;
+    if (op.lora_rank > 0 && op.lora_dropout > 0) {
+      lora += t * op.in;
+      dropout_masks += t * op.in;
+    }
+  }
+  return (outside_mlp + (head_norms ? head_rows * m.head_dim + head_rows : 0) + lora) * 4 + mlp_bytes + dropout_masks;
 }
 
 int64_t RuntimeAttentionCoreBytes(const Workload& w) {

@@ -18,7 +18,8 @@ namespace fsdp {
 /// Bytes one block's forward saves in fsdp-run's engine for T = micro_batch * seq_len tokens:
 /// x, n1, x2, n2 (T*h each), q and attn (T*a*d), k and v (T*g*d), gate, up, mid (T*I), two
 /// inverse RMS vectors (T), and the attention probabilities (B*a*s*s), all fp32; with Qwen3's q/k
-/// norms q and k before them and their inverse RMS; under LoRA each adapted projection's x A^T (T*r);
+/// norms q and k before them and their inverse RMS; under LoRA each adapted projection's x A^T (T*r)
+/// and with lora_dropout its dropout(x) (T*in) and keep mask (T*in bytes);
 /// with routed experts (Qwen3-MoE) gate, up and mid per (token, expert) pair (T*k*I each), the
 /// pairs' expert outputs (T*k*h), the router's softmax (T*E) and weights (T*k), the pairs' token and
 /// slot (int32) and the experts' first pairs ((E+1) int64).

@@ -45,6 +45,26 @@ TEST_CASE("CPU engine profile: what a Qwen3-MoE block saves, counted by hand") {
   CHECK(RuntimeBlockSavedBytes(w) == 584776);
 }
 
+// tiny-llama (h 128, intermediate 344) at seq 32, micro-batch 2: T = 64 tokens. LoRA r=4 on q, v and
+// down adds x A^T (T, 4) per projection; lora_dropout 0.1 adds each one's dropout(x) (T, in) fp32
+// and its keep mask (T x in bytes), in = 128, 128, 344.
+TEST_CASE("CPU engine profile: what LoRA and its dropout add to a block, counted by hand") {
+  auto with_lora = [](double dropout) {
+    FsdpConfig c;
+    c.gpus = c.gpus_per_node = 2;
+    c.framework = Framework::kFsdp2;
+    c.micro_batch = 2;
+    c.seq_len = 32;
+    c.lora.rank = 4;
+    c.lora.targets = "q_proj,v_proj,down_proj";
+    c.lora.dropout = dropout;
+    return RuntimeBlockSavedBytes(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h200-sxm").value(), c).value());
+  };
+  const int64_t full = RuntimeBlockSavedBytes(Tiny(2, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kFp32));
+  CHECK(with_lora(0) == full + 3 * 64 * 4 * 4);
+  CHECK(with_lora(0.1) == with_lora(0) + 64 * (128 + 128 + 344) * (4 + 1));
+}
+
 TEST_CASE("GPU engine replay: fp32 shards and AdamW states, param_dtype unsharded units, 512 B blocks") {
   const Workload w = Tiny(8, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kFp32);
   const GpuRuntimeMemory m = EstimateGpuRuntimeMemory(w);

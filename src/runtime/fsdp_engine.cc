@@ -233,6 +233,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
     mix(static_cast<uint64_t>(v));
   }
   mix(std::hash<double>{}(c.lora.alpha));
+  mix(std::hash<double>{}(c.lora.dropout));
   mix(std::hash<std::string>{}(c.lora.targets));
   mix(static_cast<uint64_t>(FrozenStorageDtype(c)));
   mix(o.seed);
@@ -244,7 +245,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
 }
 
 // What of LoRA the CPU engine implements: FSDP2's per-parameter gradients, FSDP1's flat parameters
-// with use_orig_params under block or whole-model wrapping, a base in the master dtype, no dropout.
+// with use_orig_params under block or whole-model wrapping, a base in the master dtype, dropout.
 Status CheckLoraSupported(const Workload& w) {
   const LoraConfig& l = w.config.lora;
   if (l.rank == 0) return CheckEveryParameterTrains(w);
@@ -253,7 +254,6 @@ Status CheckLoraSupported(const Workload& w) {
     return Error::BadInput("fsdp-run wraps per block or the whole model: for LoRA under FSDP1 pass --wrap block --use-orig-params "
                            "(peft's wrap, each adapter a unit of its own, is planned only), or --framework fsdp2");
   }
-  if (l.dropout != 0) return Error::BadInput(fmt::format("fsdp-run's LoRA has no dropout (--lora-dropout 0), got {}", l.dropout));
   if (FrozenStorageDtype(w.config) != w.config.master_dtype) {
     return Error::BadInput("fsdp-run stores LoRA's frozen base in the master dtype: a --base-dtype apart from it is planned only");
   }
@@ -277,6 +277,7 @@ Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& 
   e->layout_ = LayoutOf(w);
   if (w.config.lora.rank > 0) {
     e->dims_.lora_scale = static_cast<float>(w.config.lora.alpha / static_cast<double>(w.config.lora.rank));
+    e->dims_.lora_dropout = w.config.lora.dropout;
     SetBlockLayout(w.model, [&e](int t) { return e->layout_.offset[t]; }, e->dims_);
   }
   if (Status s = e->Init(); !s.ok()) return s.error();
@@ -408,14 +409,17 @@ Status FsdpEngine::Reduce(int u) {
   return {};
 }
 
+int64_t FirstSequence(const Workload& w, int64_t step, int64_t micro, int rank, int world) {
+  return ((step * w.config.grad_accum + micro) * world + rank) * w.config.micro_batch;
+}
+
 std::vector<int32_t> TrainingTokens(const Workload& w, const TrainOptions& o, int64_t step, int64_t micro, int rank, int world) {
   const int64_t vocab = w.model.vocab_size;
-  // sequence index in the global batch: (micro * world + rank) * micro_batch + i, seq + 1 tokens each
   const int64_t seq = w.config.seq_len, mb = w.config.micro_batch;
   std::vector<int32_t> tokens;
   tokens.reserve(static_cast<size_t>(mb * (seq + 1)));
   for (int64_t i = 0; i < mb; ++i) {
-    const int64_t sequence = ((step * w.config.grad_accum + micro) * world + rank) * mb + i;
+    const int64_t sequence = FirstSequence(w, step, micro, rank, world) + i;  // seq + 1 tokens each
     if (!o.tokens.empty()) {  // consecutive windows of seq + 1 tokens from the file, cycled
       const int64_t n = static_cast<int64_t>(o.tokens.size());
       for (int64_t j = 0; j <= seq; ++j) tokens.push_back(o.tokens[static_cast<size_t>((sequence * (seq + 1) + j) % n)]);
@@ -436,6 +440,7 @@ std::vector<int32_t> TrainingTokens(const Workload& w, const TrainOptions& o, in
 // One micro-batch's tensors as the schedule's segments pass them on.
 struct FsdpEngine::Pass {
   std::vector<int32_t> inputs, targets;
+  DropoutKey dropout;              // LoRA dropout's masks: this micro-batch's sequences (block set per call)
   Mat x;                           // the hidden state: forward through the blocks, then the gradient back
   std::vector<BlockCache> caches;  // per block
   std::vector<Mat> inputs_saved;   // per block, under --ac full
@@ -468,6 +473,12 @@ BlockGrads FsdpEngine::Grads(int node) {
   return BlockGrads(layout_.Trained(w_, t) ? at(t) : nullptr, a >= 0 ? at(a) : nullptr);
 }
 
+DropoutKey FsdpEngine::BlockDropout(const Pass& p, int block) {
+  DropoutKey key = p.dropout;
+  key.block = block;
+  return key;
+}
+
 Status FsdpEngine::ForwardNode(int node, Pass& p) {
   const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
   switch (w_.nodes[node].role) {
@@ -479,7 +490,7 @@ Status FsdpEngine::ForwardNode(int node, Pass& p) {
         p.inputs_saved[b] = p.x;
         ledger_.Add(MemCategory::kActivations, p.x.size() * 4);
       }
-      p.x = BlockForward(dims_, Params(node), p.x, mb, seq, ac ? nullptr : &p.caches[b]);
+      p.x = BlockForward(dims_, Params(node), p.x, mb, seq, ac ? nullptr : &p.caches[b], BlockDropout(p, b));
       if (w_.config.checkpointing == Checkpointing::kSelective) DropAttentionCore(p.caches[b]);  // recomputed in backward
       if (!ac) ledger_.Add(MemCategory::kActivations, p.caches[b].SavedBytes());
       return ledger_.Sample();
@@ -530,7 +541,7 @@ Status FsdpEngine::BackwardNode(int node, Pass& p) {
       const bool ac = w_.config.checkpointing == Checkpointing::kFull;
       const BlockGrads grads = Grads(node);
       if (ac) {
-        BlockForward(dims_, Params(node), p.inputs_saved[b], mb, seq, &p.caches[b]);
+        BlockForward(dims_, Params(node), p.inputs_saved[b], mb, seq, &p.caches[b], BlockDropout(p, b));  // the forward's masks again
         ledger_.Add(MemCategory::kActivations, p.caches[b].SavedBytes());
       }
       if (w_.config.checkpointing == Checkpointing::kSelective) ledger_.Add(MemCategory::kActivations, RecomputeAttentionCore(dims_, p.caches[b], mb, seq));
@@ -569,6 +580,7 @@ Result<float> FsdpEngine::MicroBatch(int64_t step, int64_t micro) {
   const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch;
   Pass p;
   const std::vector<int32_t> all = TrainingTokens(w_, o_, step, micro, world_.rank(), world_.size());
+  p.dropout = {.seed = o_.seed, .first_sequence = FirstSequence(w_, step, micro, world_.rank(), world_.size())};
   for (int64_t i = 0; i < mb; ++i) {
     p.inputs.insert(p.inputs.end(), all.begin() + i * (seq + 1), all.begin() + i * (seq + 1) + seq);
     p.targets.insert(p.targets.end(), all.begin() + i * (seq + 1) + 1, all.begin() + (i + 1) * (seq + 1));

@@ -82,8 +82,8 @@ EngineLayout LayoutOf(const Workload& workload);
 class FsdpEngine {
  public:
   /// `world` is every rank; the engine splits shard and replica groups from it. Supports the
-  /// models DimsOf accepts with block or whole-model wrapping, and LoRA (the base in the master dtype, lora_dropout 0)
-  /// under FSDP2, or FSDP1 with use_orig_params.
+  /// models DimsOf accepts with block or whole-model wrapping, and LoRA (the base in the master dtype,
+  /// with or without lora_dropout: DropoutKey) under FSDP2, or FSDP1 with use_orig_params.
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
   /// Rehearse an out-of-memory: fail with the phase and category when the rank's heap exceeds it.
@@ -123,6 +123,8 @@ class FsdpEngine {
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
   struct Pass;  // one micro-batch's activations (fsdp_engine.cc)
+  /// Where block `block`'s LoRA dropout masks come from in this micro-batch (its recompute's too).
+  static DropoutKey BlockDropout(const Pass& pass, int block);
   Status ForwardNode(int node, Pass& pass);
   Status BackwardNode(int node, Pass& pass);
   /// Module node `node`'s parameters in its unit's unsharded buffer (its own tensors, then its
@@ -162,8 +164,12 @@ class FsdpEngine {
   int64_t optimizer_steps_ = 0;  // AdamW's step count: skipped steps do not count (torch.optim's state["step"])
 };
 
+/// The index in the whole run of the first of a rank's micro-batch's micro_batch sequences:
+/// ((step * grad_accum + micro) * world + rank) * micro_batch.
+int64_t FirstSequence(const Workload& workload, int64_t step, int64_t micro, int rank, int world);
+
 /// The tokens of one rank's micro-batch: micro_batch sequences of seq_len + 1 tokens (inputs and
-/// shifted targets), sequence index ((step * grad_accum + micro) * world + rank) * micro_batch + i;
+/// shifted targets), sequence index FirstSequence + i;
 /// consecutive windows of options.tokens when given, else a seeded start and t' = (5 t + 3) mod V.
 std::vector<int32_t> TrainingTokens(const Workload& workload, const TrainOptions& options, int64_t step, int64_t micro, int rank, int world);
 

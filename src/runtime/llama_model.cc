@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <random>
+#include <string_view>
 
 #include <fmt/format.h>
 
+#include "core/hash.h"
 #include "core/lora.h"
 
 namespace fsdp::runtime {
@@ -171,9 +174,36 @@ int64_t BlockCache::SavedBytes() const {
                    mid.size() + inv1.size() + inv2.size() + q_heads.size() + k_heads.size() + inv_q.size() + inv_k.size();
   for (const auto& p : probs) floats += p.size();
   for (const auto& m : lora_mid) floats += m.size();
+  for (const auto& m : lora_dropped) floats += m.size();
+  int64_t bools = 0;
+  for (const auto& k : lora_keep) bools += static_cast<int64_t>(k.size());
   floats += router_probs.size() + route_weight.size() + expert_out.size();
   const auto ints = static_cast<int64_t>(pair_token.size() + pair_slot.size());  // int32
-  return floats * 4 + ints * 4 + static_cast<int64_t>(pair_begin.size()) * 8;
+  return floats * 4 + ints * 4 + static_cast<int64_t>(pair_begin.size()) * 8 + bools;
+}
+
+namespace {
+// native_dropout's scale: 1 / (1 - p) in double, applied to fp32 values
+float DropoutScale(double p) { return static_cast<float>(1.0 / (1.0 - p)); }
+}  // namespace
+
+Mat LoraDropoutForward(const DropoutKey& key, int projection, double p, const Mat& x, int64_t seq, std::vector<uint8_t>& keep) {
+  const int64_t features = x.cols(), rows = x.rows();
+  const double keep_probability = 1.0 - p;
+  const float scale = DropoutScale(p);  // input * mask * scale
+  keep.assign(static_cast<size_t>(x.size()), 0);
+  Mat out(rows, features);
+  for (int64_t first = 0; first < rows; first += seq) {
+    const uint64_t stream[] = {key.seed, static_cast<uint64_t>(key.first_sequence + first / seq), static_cast<uint64_t>(key.block),
+                               static_cast<uint64_t>(projection)};
+    std::mt19937_64 rng(Fnv1a(std::string_view(reinterpret_cast<const char*>(stream), sizeof stream)));
+    for (int64_t i = first * features; i < std::min(first + seq, rows) * features; ++i) {
+      const bool kept = static_cast<double>(rng() >> 11) * 0x1p-53 < keep_probability;  // uniform in [0, 1), 53 bits
+      keep[static_cast<size_t>(i)] = kept;
+      out.data()[i] = kept ? x.data()[i] * scale : 0.0f;
+    }
+  }
+  return out;
 }
 
 void DropAttentionCore(BlockCache& cache) { std::vector<Mat>().swap(cache.probs); }
@@ -208,21 +238,30 @@ void HeadNormBackward(const LlamaDims& d, const float* w, float* dw, Mat& dx, co
 }  // namespace
 
 namespace {
-// One projection of the block: x W^T, plus scale (x A^T) B^T when LoRA adapts it (peft's
-// lora.Linear.forward: base_layer(x) + lora_B(lora_A(x)) * scaling), x A^T kept in `mid`.
-Mat Project(const LlamaDims& d, const BlockWeights& p, int64_t w, int proj, int64_t out, int64_t in, const Mat& x, Mat& mid) {
+// One projection of the block: x W^T, plus scale (dropout(x) A^T) B^T when LoRA adapts it (peft's
+// lora.Linear.forward: base_layer(x) + lora_B(lora_A(dropout(x))) * scaling), dropout(x) A^T kept in
+// the cache's lora_mid, with dropout dropout(x) and its mask in lora_dropped and lora_keep.
+Mat Project(const LlamaDims& d, const BlockWeights& p, int64_t w, int proj, int64_t out, int64_t in, const Mat& x, int64_t seq, const DropoutKey& key,
+            BlockCache& c) {
   Mat y = LinearForward(x, W(p.base + w, out, in));
   const LlamaDims::LoraOffsets lo = d.lora[proj];
   if (lo.a < 0) return y;
-  mid = LinearForward(x, W(p.adapters + lo.a, d.lora_rank, in));
+  Mat& mid = c.lora_mid[proj];
+  if (d.lora_dropout > 0) {
+    c.lora_dropped[proj] = LoraDropoutForward(key, proj, d.lora_dropout, x, seq, c.lora_keep[proj]);
+    mid = LinearForward(c.lora_dropped[proj], W(p.adapters + lo.a, d.lora_rank, in));
+  } else {
+    mid = LinearForward(x, W(p.adapters + lo.a, d.lora_rank, in));
+  }
   y += LinearForward(mid, W(p.adapters + lo.b, out, d.lora_rank)) * d.lora_scale;
   return y;
 }
 
 // Its backward: returns dx; dW += dy^T x unless the base is frozen (no weight-gradient GEMM then);
-// dB += (s dy)^T mid and dA += (s dy B)^T x for the adapters.
+// dB += (s dy)^T mid and dA += (s dy B)^T dropout(x) for the adapters, whose path's dx passes back
+// through the dropout (native_dropout_backward: times keep / (1 - p)).
 Mat ProjectBackward(const LlamaDims& d, const BlockWeights& p, const BlockGrads& g, int64_t w, int proj, int64_t out, int64_t in, const Mat& dy,
-                    const Mat& x, const Mat& mid) {
+                    const Mat& x, const BlockCache& c) {
   Mat dx;
   if (d.base_frozen) {
     dx = dy * W(p.base + w, out, in);
@@ -233,8 +272,17 @@ Mat ProjectBackward(const LlamaDims& d, const BlockWeights& p, const BlockGrads&
   const LlamaDims::LoraOffsets lo = d.lora[proj];
   if (lo.a < 0) return dx;
   MatMap gb(g.adapters + lo.b, out, d.lora_rank), ga(g.adapters + lo.a, d.lora_rank, in);
-  const Mat d_mid = LinearBackward(dy * d.lora_scale, mid, W(p.adapters + lo.b, out, d.lora_rank), gb);
-  dx += LinearBackward(d_mid, x, W(p.adapters + lo.a, d.lora_rank, in), ga);
+  const Mat d_mid = LinearBackward(dy * d.lora_scale, c.lora_mid[proj], W(p.adapters + lo.b, out, d.lora_rank), gb);
+  if (d.lora_dropout == 0) {
+    dx += LinearBackward(d_mid, x, W(p.adapters + lo.a, d.lora_rank, in), ga);
+    return dx;
+  }
+  const Mat d_dropped = LinearBackward(d_mid, c.lora_dropped[proj], W(p.adapters + lo.a, d.lora_rank, in), ga);
+  const float scale = DropoutScale(d.lora_dropout);
+  const std::vector<uint8_t>& keep = c.lora_keep[proj];
+  const float* from = d_dropped.data();
+  float* to = dx.data();
+  for (size_t i = 0; i < keep.size(); ++i) to[i] += keep[i] ? from[i] * scale : 0.0f;
   return dx;
 }
 }  // namespace
@@ -384,18 +432,17 @@ Mat MoeBackward(const LlamaDims& d, const float* p, float* g, const Mat& dy, con
 }
 }  // namespace
 
-Mat BlockForward(const LlamaDims& d, const BlockWeights& w, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache) {
+Mat BlockForward(const LlamaDims& d, const BlockWeights& w, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache, const DropoutKey& key) {
   const auto o = d.Offsets();
   const float* p = w.base;
   const int64_t qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim;
   BlockCache local;
   BlockCache& c = cache ? *cache : local;
-  auto& mid = c.lora_mid;
   c.x = x;
   c.n1 = RmsNormForward(x, V(p + o.in_norm, d.hidden), d.rms_eps, c.inv1);
-  c.q = Project(d, w, o.wq, LlamaDims::kQ, qd, d.hidden, c.n1, mid[LlamaDims::kQ]);
-  c.k = Project(d, w, o.wk, LlamaDims::kK, kvd, d.hidden, c.n1, mid[LlamaDims::kK]);
-  c.v = Project(d, w, o.wv, LlamaDims::kV, kvd, d.hidden, c.n1, mid[LlamaDims::kV]);
+  c.q = Project(d, w, o.wq, LlamaDims::kQ, qd, d.hidden, c.n1, seq, key, c);
+  c.k = Project(d, w, o.wk, LlamaDims::kK, kvd, d.hidden, c.n1, seq, key, c);
+  c.v = Project(d, w, o.wv, LlamaDims::kV, kvd, d.hidden, c.n1, seq, key, c);
   if (d.qkv_bias) {
     c.q.rowwise() += V(p + o.bq, qd).transpose();
     c.k.rowwise() += V(p + o.bk, kvd).transpose();
@@ -408,13 +455,13 @@ Mat BlockForward(const LlamaDims& d, const BlockWeights& w, const Mat& x, int64_
   Rope(c.q, d.heads, d.head_dim, seq, d.rope_inv_freq, false);
   Rope(c.k, d.kv_heads, d.head_dim, seq, d.rope_inv_freq, false);
   c.attn = AttentionForward(c.q, c.k, c.v, batch, seq, d.heads, d.kv_heads, d.head_dim, c.probs);
-  c.x2 = x + Project(d, w, o.wo, LlamaDims::kO, d.hidden, qd, c.attn, mid[LlamaDims::kO]);
+  c.x2 = x + Project(d, w, o.wo, LlamaDims::kO, d.hidden, qd, c.attn, seq, key, c);
   c.n2 = RmsNormForward(c.x2, V(p + o.post_norm, d.hidden), d.rms_eps, c.inv2);
   if (d.experts > 0) return c.x2 + MoeForward(d, p, c.n2, c);
-  c.gate = Project(d, w, o.wg, LlamaDims::kGate, d.inner, d.hidden, c.n2, mid[LlamaDims::kGate]);
-  c.up = Project(d, w, o.wu, LlamaDims::kUp, d.inner, d.hidden, c.n2, mid[LlamaDims::kUp]);
+  c.gate = Project(d, w, o.wg, LlamaDims::kGate, d.inner, d.hidden, c.n2, seq, key, c);
+  c.up = Project(d, w, o.wu, LlamaDims::kUp, d.inner, d.hidden, c.n2, seq, key, c);
   c.mid = SwiGluForward(c.gate, c.up);
-  return c.x2 + Project(d, w, o.wd, LlamaDims::kDown, d.hidden, d.inner, c.mid, mid[LlamaDims::kDown]);
+  return c.x2 + Project(d, w, o.wd, LlamaDims::kDown, d.hidden, d.inner, c.mid, seq, key, c);
 }
 
 Mat BlockBackward(const LlamaDims& d, const BlockWeights& w, const BlockGrads& grads, const Mat& dy, const BlockCache& c, int64_t batch,
@@ -422,7 +469,6 @@ Mat BlockBackward(const LlamaDims& d, const BlockWeights& w, const BlockGrads& g
   const auto o = d.Offsets();
   const float* p = w.base;
   const int64_t qd = d.heads * d.head_dim, kvd = d.kv_heads * d.head_dim;
-  const auto& mid = c.lora_mid;
   // a frozen base's norms still pass the gradient through; their weights' gradients go to a scratch
   std::vector<float> scratch(d.base_frozen ? static_cast<size_t>(std::max(d.hidden, d.head_dim)) : 0);
   auto norm_grad = [&](int64_t off, int64_t n) { return Eigen::Map<Vec>(d.base_frozen ? scratch.data() : grads.base + off, n); };
@@ -432,15 +478,15 @@ Mat BlockBackward(const LlamaDims& d, const BlockWeights& w, const BlockGrads& g
   if (d.experts > 0) {
     d_n2 = MoeBackward(d, p, d.base_frozen ? nullptr : grads.base, dy, c.n2, c);
   } else {
-    Mat d_mid = ProjectBackward(d, w, grads, o.wd, LlamaDims::kDown, d.hidden, d.inner, dy, c.mid, mid[LlamaDims::kDown]);
+    Mat d_mid = ProjectBackward(d, w, grads, o.wd, LlamaDims::kDown, d.hidden, d.inner, dy, c.mid, c);
     Mat d_gate, d_up;
     SwiGluBackward(d_mid, c.gate, c.up, d_gate, d_up);
-    d_n2 = ProjectBackward(d, w, grads, o.wg, LlamaDims::kGate, d.inner, d.hidden, d_gate, c.n2, mid[LlamaDims::kGate]) +
-           ProjectBackward(d, w, grads, o.wu, LlamaDims::kUp, d.inner, d.hidden, d_up, c.n2, mid[LlamaDims::kUp]);
+    d_n2 = ProjectBackward(d, w, grads, o.wg, LlamaDims::kGate, d.inner, d.hidden, d_gate, c.n2, c) +
+           ProjectBackward(d, w, grads, o.wu, LlamaDims::kUp, d.inner, d.hidden, d_up, c.n2, c);
   }
   Mat d_x2 = dy + RmsNormBackward(d_n2, c.x2, V(p + o.post_norm, d.hidden), c.inv2, g_post);
   // attention branch
-  Mat d_attn = ProjectBackward(d, w, grads, o.wo, LlamaDims::kO, d.hidden, qd, d_x2, c.attn, mid[LlamaDims::kO]);
+  Mat d_attn = ProjectBackward(d, w, grads, o.wo, LlamaDims::kO, d.hidden, qd, d_x2, c.attn, c);
   Mat dq, dk, dv;
   AttentionBackward(d_attn, c.q, c.k, c.v, c.probs, batch, seq, d.heads, d.kv_heads, d.head_dim, dq, dk, dv);
   Rope(dq, d.heads, d.head_dim, seq, d.rope_inv_freq, true);
@@ -454,9 +500,9 @@ Mat BlockBackward(const LlamaDims& d, const BlockWeights& w, const BlockGrads& g
     Eigen::Map<Vec>(grads.base + o.bk, kvd) += dk.colwise().sum().transpose();
     Eigen::Map<Vec>(grads.base + o.bv, kvd) += dv.colwise().sum().transpose();
   }
-  Mat d_n1 = ProjectBackward(d, w, grads, o.wq, LlamaDims::kQ, qd, d.hidden, dq, c.n1, mid[LlamaDims::kQ]) +
-             ProjectBackward(d, w, grads, o.wk, LlamaDims::kK, kvd, d.hidden, dk, c.n1, mid[LlamaDims::kK]) +
-             ProjectBackward(d, w, grads, o.wv, LlamaDims::kV, kvd, d.hidden, dv, c.n1, mid[LlamaDims::kV]);
+  Mat d_n1 = ProjectBackward(d, w, grads, o.wq, LlamaDims::kQ, qd, d.hidden, dq, c.n1, c) +
+             ProjectBackward(d, w, grads, o.wk, LlamaDims::kK, kvd, d.hidden, dk, c.n1, c) +
+             ProjectBackward(d, w, grads, o.wv, LlamaDims::kV, kvd, d.hidden, dv, c.n1, c);
   Eigen::Map<Vec> g_in = norm_grad(o.in_norm, d.hidden);
   return d_x2 + RmsNormBackward(d_n1, c.x, V(p + o.in_norm, d.hidden), c.inv1, g_in);
 }

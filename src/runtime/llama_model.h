@@ -44,6 +44,7 @@ struct LlamaDims {
   std::array<LoraOffsets, kProjections> lora{};
   int64_t lora_rank = 0;     ///< r; 0 without adapters
   float lora_scale = 0;      ///< lora_alpha / r, peft's scaling of lora_B's output: set by the caller, who knows the LoraConfig
+  double lora_dropout = 0;   ///< lora_dropout's p, in [0, 1): set by the caller with lora_scale
   bool base_frozen = false;  ///< the block's own tensors get no gradient (LoRA's base)
   int64_t block_numel = 0;  ///< parameters of one block, adapters included
   int64_t BlockNumel() const { return block_numel; }
@@ -86,6 +87,23 @@ struct BlockGrads {
   float* adapters;
 };
 
+/// Where a block call's LoRA dropout masks come from (LlamaDims::lora_dropout > 0). Row r of the
+/// call's (T = batch x seq, features) input belongs to sequence first_sequence + r / seq; each
+/// (sequence, block, projection) draws its own mask from mt19937_64 seeded by `seed` and those three,
+/// so a rank's rows get the masks the same rows get in a one-process run (the losses of N ranks equal
+/// one's) and a checkpointed block's recompute gets its forward's (torch.utils.checkpoint restores
+/// the RNG state for the same reason).
+struct DropoutKey {
+  uint64_t seed = 0;
+  int64_t first_sequence = 0;
+  int64_t block = 0;
+};
+
+/// nn.Dropout(p) in training on x (T, in) as ATen's native_dropout computes it: keep (T x in, 1 or 0,
+/// a bool each as torch saves it) drawn with keep probability 1 - p, returns x * keep * scale, scale
+/// = 1 / (1 - p) computed in double and applied in fp32.
+Mat LoraDropoutForward(const DropoutKey& key, int projection, double p, const Mat& x, int64_t seq, std::vector<uint8_t>& keep);
+
 /// What a block's forward keeps for its backward.
 struct BlockCache {
   Mat x, n1, q, k, v, attn, x2, n2, gate, up, mid;
@@ -96,6 +114,10 @@ struct BlockCache {
   std::vector<Mat> probs;
   /// LoRA: each adapted projection's x A^T (T, rank), what lora_B's gradient needs (LlamaDims::Projection order)
   std::array<Mat, LlamaDims::kProjections> lora_mid{};
+  /// LoRA with dropout: each adapted projection's dropout(x) (T, in), lora_A's input and what its
+  /// gradient needs, and the dropout's keep mask (T x in bytes), what the input's gradient needs
+  std::array<Mat, LlamaDims::kProjections> lora_dropped{};
+  std::array<std::vector<uint8_t>, LlamaDims::kProjections> lora_keep{};
   /// Routed experts: the router's softmax (T, experts) and each token's expert weights (T, k), then
   /// per routed (token, expert) pair, the pairs grouped by expert (expert e's from pair_begin[e] to
   /// pair_begin[e + 1]): the pair's token and top-k slot, and the expert's output before its weight
@@ -112,11 +134,13 @@ void DropAttentionCore(BlockCache& cache);
 int64_t RecomputeAttentionCore(const LlamaDims& d, BlockCache& cache, int64_t batch, int64_t seq);
 
 /// x (T, h) -> block output; fills `cache` when non-null. An adapted projection computes
-/// x W^T + scale (x A^T) B^T, as peft's lora.Linear.forward (lora_dropout the identity). Routed
+/// x W^T + scale (dropout(x) A^T) B^T, as peft's lora.Linear.forward, its dropout's masks from
+/// `dropout` (unused when LlamaDims::lora_dropout is 0, lora_dropout the identity then). Routed
 /// experts as Qwen3MoeTopKRouter and Qwen3MoeExperts: softmax(x Wr^T) in fp32, its top-k (the
 /// lower expert index first among equal weights), then sum over the chosen e of weight_e * down_e(
 /// silu(gate_e x) * up_e x).
-Mat BlockForward(const LlamaDims& d, const BlockWeights& params, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache);
+Mat BlockForward(const LlamaDims& d, const BlockWeights& params, const Mat& x, int64_t batch, int64_t seq, BlockCache* cache,
+                 const DropoutKey& dropout = {});
 /// Returns dx; accumulates the block's parameter gradients into `grads` (the layouts of params):
 /// the adapters' always, the block's own unless LlamaDims::base_frozen.
 Mat BlockBackward(const LlamaDims& d, const BlockWeights& params, const BlockGrads& grads, const Mat& dy, const BlockCache& cache, int64_t batch,

@@ -86,8 +86,13 @@ TEST_CASE("a block with routed experts (Qwen3-MoE): backward against finite diff
 
 // LoRA r=2 on every projection of a Qwen2 block (biases too), alpha 3: the adapters' gradients and
 // the input's against finite differences, the frozen base's gradients never written, the adapters
-// in a buffer of their own (as the engine's trained group holds them under FSDP2).
+// in a buffer of their own (as the engine's trained group holds them under FSDP2); without
+// lora_dropout and with p = 0.4 (the masks fixed by their key, as a recompute draws them).
 TEST_CASE("a LoRA block: the adapters' and the input's gradients against finite differences, the base untouched") {
+  double dropout = 0;
+  SUBCASE("lora_dropout 0") {}
+  SUBCASE("lora_dropout 0.4") { dropout = 0.4; }
+  const DropoutKey key{.seed = 5, .first_sequence = 7, .block = 2};
   auto config = ParseJson(R"({"model_type": "qwen2", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 12, "head_dim": 2,
                               "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1})",
                           "block.json");
@@ -114,6 +119,7 @@ TEST_CASE("a LoRA block: the adapters' and the input's gradients against finite 
   LlamaDims d = dims.value();
   SetBlockLayout(m, [&offset](int t) { return offset[static_cast<size_t>(t)]; }, d);
   d.lora_scale = 1.5f;
+  d.lora_dropout = dropout;
   CHECK(d.lora_rank == 2);
   CHECK(d.base_frozen);
   CHECK(d.BlockNumel() == base_numel + adapter_numel);
@@ -133,18 +139,43 @@ TEST_CASE("a LoRA block: the adapters' and the input's gradients against finite 
   Mat x(batch * seq, d.hidden), r(batch * seq, d.hidden);
   for (Eigen::Index i = 0; i < x.size(); ++i) { x.data()[i] = n(rng); r.data()[i] = n(rng); }
   const BlockWeights weights(base.data(), adapters.data());
-  auto loss = [&] { return static_cast<double>(BlockForward(d, weights, x, batch, seq, nullptr).cwiseProduct(r).sum()); };
+  auto loss = [&] { return static_cast<double>(BlockForward(d, weights, x, batch, seq, nullptr, key).cwiseProduct(r).sum()); };
   BlockCache cache;
-  BlockForward(d, weights, x, batch, seq, &cache);
+  BlockForward(d, weights, x, batch, seq, &cache, key);
   std::vector<float> base_grads(base.size(), 0.0f), adapter_grads(adapters.size(), 0.0f);
   Mat dx = BlockBackward(d, weights, BlockGrads(base_grads.data(), adapter_grads.data()), r, cache, batch, seq);
   CheckGradient(adapters.data(), adapter_numel, adapter_grads.data(), loss, rng, 2 * static_cast<int>(adapter_numel), "adapters");
   CheckGradient(x.data(), x.size(), dx.data(), loss, rng, 20, "x");
   CHECK(std::all_of(base_grads.begin(), base_grads.end(), [](float g) { return g == 0.0f; }));
-  // x A^T of every projection saved: 7 x (T, 2)
+  // x A^T of every projection saved: 7 x (T, 2); with dropout each one's dropout(x) (T, in) fp32 and
+  // its mask, a byte an element: in = 8 for q, k, v, o, gate, up and 12 for down
   CHECK(cache.SavedBytes() == BlockCache{cache.x, cache.n1, cache.q, cache.k, cache.v, cache.attn, cache.x2, cache.n2, cache.gate,
                                          cache.up, cache.mid, cache.inv1, cache.inv2, {}, {}, {}, {}, cache.probs}.SavedBytes() +
-                                  4 * 7 * batch * seq * 2);
+                                  4 * 7 * batch * seq * 2 + (dropout > 0 ? (4 + 1) * batch * seq * (6 * 8 + 12) : 0));
+}
+
+// nn.Dropout(0.4)'s masks: dropout(x) = x keep / 0.6; a sequence's mask depends on its index in the
+// run, not on the rows around it (a rank holding sequence 8 alone draws what a rank holding 7 and 8
+// draws for it), and differs between blocks and projections; about 60% kept.
+TEST_CASE("LoRA dropout's masks follow the sequence, the block and the projection") {
+  const int64_t seq = 3, features = 5;
+  Mat x(2 * seq, features);
+  for (Eigen::Index i = 0; i < x.size(); ++i) x.data()[i] = 1.0f + static_cast<float>(i);
+  std::vector<uint8_t> keep_pair, keep_second, keep_other_block, keep_other_projection;
+  const Mat pair = LoraDropoutForward({.seed = 5, .first_sequence = 7, .block = 2}, LlamaDims::kV, 0.4, x, seq, keep_pair);
+  const Mat second = LoraDropoutForward({.seed = 5, .first_sequence = 8, .block = 2}, LlamaDims::kV, 0.4, x.bottomRows(seq), seq, keep_second);
+  LoraDropoutForward({.seed = 5, .first_sequence = 7, .block = 3}, LlamaDims::kV, 0.4, x, seq, keep_other_block);
+  LoraDropoutForward({.seed = 5, .first_sequence = 7, .block = 2}, LlamaDims::kK, 0.4, x, seq, keep_other_projection);
+  for (Eigen::Index i = 0; i < x.size(); ++i) CHECK(pair.data()[i] == (keep_pair[static_cast<size_t>(i)] ? x.data()[i] * static_cast<float>(1.0 / (1.0 - 0.4)) : 0.0f));
+  CHECK(std::equal(keep_second.begin(), keep_second.end(), keep_pair.begin() + seq * features));
+  CHECK(second == pair.bottomRows(seq));
+  CHECK(keep_other_block != keep_pair);
+  CHECK(keep_other_projection != keep_pair);
+  Mat big = Mat::Ones(1000 * seq, 100);
+  std::vector<uint8_t> keep;
+  LoraDropoutForward({.seed = 1}, LlamaDims::kQ, 0.4, big, seq, keep);
+  const double kept = static_cast<double>(std::count(keep.begin(), keep.end(), 1)) / static_cast<double>(keep.size());
+  CHECK(kept == doctest::Approx(0.6).epsilon(0.01));  // 300,000 draws: 0.0009 is one standard deviation of the fraction
 }
 
 TEST_CASE("the flat block layout matches the checkpoint inventory") {
