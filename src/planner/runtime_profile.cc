@@ -38,8 +38,10 @@ class RuntimePlayer {
   void Play() {
     mem_.SetPhase(Phase{StepPhase::kInitialisation});
     const int64_t rank = FullestStateRank();
-    for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) {  // stored in the master dtype (MasterBuffer)
-      mem_.Alloc(Cat::kShardedParams, w_.units[u].shard_numel * master_bytes_);
+    for (int u = 0; u < static_cast<int>(w_.units.size()); ++u) {
+      // the frozen group's shard in the frozen base's dtype, the trained group's in the master dtype (ShardBuffer)
+      const int64_t trained = w_.units[u].grad_shard_numel;
+      mem_.Alloc(Cat::kShardedParams, (w_.units[u].shard_numel - trained) * frozen_bytes_ + trained * master_bytes_);
       mem_.Alloc(Cat::kOptimizerStates, 2 * SteppedNumel(u, rank) * master_bytes_);  // AdamW's states
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
@@ -168,6 +170,7 @@ class RuntimePlayer {
   BlockId x_ = kNoBlock, head_ = kNoBlock;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, logits_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
   int64_t master_bytes_ = BytesPerElement(w_.config.master_dtype);  // the shards', gradient shards' and states' element
+  int64_t frozen_bytes_ = BytesPerElement(FrozenStorageDtype(w_.config));  // a frozen group's shard's element
   std::vector<std::pair<int, BlockId>> in_flight_;  // (unit, its all-gather input)
 };
 

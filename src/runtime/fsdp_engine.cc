@@ -245,7 +245,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
 }
 
 // What of LoRA the CPU engine implements: FSDP2's per-parameter gradients, FSDP1's flat parameters
-// with use_orig_params under block or whole-model wrapping, a base in the master dtype, dropout.
+// with use_orig_params under block or whole-model wrapping, the base in a dtype of its own, dropout.
 Status CheckLoraSupported(const Workload& w) {
   const LoraConfig& l = w.config.lora;
   if (l.rank == 0) return CheckEveryParameterTrains(w);
@@ -253,9 +253,6 @@ Status CheckLoraSupported(const Workload& w) {
   if (w.config.framework == Framework::kFsdp1 && w.config.wrap == WrapPolicy::kPeft) {  // FSDP1's mixed units need use_orig_params (BuildWorkload)
     return Error::BadInput("fsdp-run wraps per block or the whole model: for LoRA under FSDP1 pass --wrap block --use-orig-params "
                            "(peft's wrap, each adapter a unit of its own, is planned only), or --framework fsdp2");
-  }
-  if (FrozenStorageDtype(w.config) != w.config.master_dtype) {
-    return Error::BadInput("fsdp-run stores LoRA's frozen base in the master dtype: a --base-dtype apart from it is planned only");
   }
   return {};
 }
@@ -316,8 +313,11 @@ Status FsdpEngine::Init() {
     const std::vector<float>& flat = start.value();
     // each group's shard: [frozen shard F/W | trained shard G/W]
     const int64_t f = layout_.frozen_padded[u] / shard_world_, g = unit.grad_shard_numel;
+    if (f + g != unit.shard_numel) {  // EngineLayout's invariant, which Unshard's two all-gathers rely on
+      return Error::RunFailed(fmt::format("unit {}: frozen {} + trained {} elements are not its shard of {}", unit.name, f, g, unit.shard_numel));
+    }
     const DType master = w_.config.master_dtype;
-    shard_[u] = MasterBuffer(master, static_cast<size_t>(unit.shard_numel));
+    shard_[u] = ShardBuffer(FrozenStorageDtype(w_.config), static_cast<size_t>(f), master, static_cast<size_t>(g));
     for (int64_t i = 0; i < f; ++i) shard_[u].Set(static_cast<size_t>(i), flat[static_cast<size_t>(shard_rank * f + i)]);
     const int64_t trained = layout_.frozen_padded[u] + shard_rank * g;
     for (int64_t i = 0; i < g; ++i) shard_[u].Set(static_cast<size_t>(f + i), flat[static_cast<size_t>(trained + i)]);
@@ -473,11 +473,14 @@ BlockGrads FsdpEngine::Grads(int node) {
   return BlockGrads(layout_.Trained(w_, t) ? at(t) : nullptr, a >= 0 ? at(a) : nullptr);
 }
 
-DropoutKey FsdpEngine::BlockDropout(const Pass& p, int block) {
-  DropoutKey key = p.dropout;
+namespace {
+// Where block `block`'s LoRA dropout masks come from in a micro-batch (its recompute's too).
+DropoutKey BlockDropout(const DropoutKey& micro_batch, int block) {
+  DropoutKey key = micro_batch;
   key.block = block;
   return key;
 }
+}  // namespace
 
 Status FsdpEngine::ForwardNode(int node, Pass& p) {
   const int64_t seq = w_.config.seq_len, mb = w_.config.micro_batch, h = dims_.hidden, vocab = dims_.vocab;
@@ -490,7 +493,7 @@ Status FsdpEngine::ForwardNode(int node, Pass& p) {
         p.inputs_saved[b] = p.x;
         ledger_.Add(MemCategory::kActivations, p.x.size() * 4);
       }
-      p.x = BlockForward(dims_, Params(node), p.x, mb, seq, ac ? nullptr : &p.caches[b], BlockDropout(p, b));
+      p.x = BlockForward(dims_, Params(node), p.x, mb, seq, ac ? nullptr : &p.caches[b], BlockDropout(p.dropout, b));
       if (w_.config.checkpointing == Checkpointing::kSelective) DropAttentionCore(p.caches[b]);  // recomputed in backward
       if (!ac) ledger_.Add(MemCategory::kActivations, p.caches[b].SavedBytes());
       return ledger_.Sample();
@@ -541,7 +544,7 @@ Status FsdpEngine::BackwardNode(int node, Pass& p) {
       const bool ac = w_.config.checkpointing == Checkpointing::kFull;
       const BlockGrads grads = Grads(node);
       if (ac) {
-        BlockForward(dims_, Params(node), p.inputs_saved[b], mb, seq, &p.caches[b], BlockDropout(p, b));  // the forward's masks again
+        BlockForward(dims_, Params(node), p.inputs_saved[b], mb, seq, &p.caches[b], BlockDropout(p.dropout, b));  // the forward's masks again
         ledger_.Add(MemCategory::kActivations, p.caches[b].SavedBytes());
       }
       if (w_.config.checkpointing == Checkpointing::kSelective) ledger_.Add(MemCategory::kActivations, RecomputeAttentionCore(dims_, p.caches[b], mb, seq));

@@ -64,6 +64,24 @@ class MasterBuffer {
   std::vector<uint16_t> bf16_;
 };
 
+/// A rank's shard of a unit's flat buffer (EngineLayout): the frozen group's F_u / W elements in the
+/// frozen base's dtype (FrozenStorageDtype: LoRA's --base-dtype), then the trained group's in the
+/// master dtype, each a MasterBuffer; elements indexed across both, as one shard.
+class ShardBuffer {
+ public:
+  ShardBuffer() = default;
+  ShardBuffer(DType frozen_dtype, size_t frozen_count, DType trained_dtype, size_t trained_count)
+      : frozen_(frozen_dtype, frozen_count), trained_(trained_dtype, trained_count) {}
+  float Get(size_t i) const { return i < frozen_.size() ? frozen_.Get(i) : trained_.Get(i - frozen_.size()); }
+  /// Rounds to the element's group's dtype.
+  void Set(size_t i, float value) { i < frozen_.size() ? frozen_.Set(i, value) : trained_.Set(i - frozen_.size(), value); }
+  size_t size() const { return frozen_.size() + trained_.size(); }
+  int64_t Bytes() const { return frozen_.Bytes() + trained_.Bytes(); }
+
+ private:
+  MasterBuffer frozen_, trained_;
+};
+
 /// How fsdp-run's engines lay out each unit. Its flat buffer (padded_numel) holds two groups, each
 /// packed in inventory order and padded at its end: first the tensors FSDP reduces no gradient for
 /// (F_u = padded_numel - grad_padded_numel elements: a frozen unit whole, LoRA's base under FSDP2),
@@ -82,8 +100,9 @@ EngineLayout LayoutOf(const Workload& workload);
 class FsdpEngine {
  public:
   /// `world` is every rank; the engine splits shard and replica groups from it. Supports the
-  /// models DimsOf accepts with block or whole-model wrapping, and LoRA (the base in the master dtype,
-  /// with or without lora_dropout: DropoutKey) under FSDP2, or FSDP1 with use_orig_params.
+  /// models DimsOf accepts with block or whole-model wrapping, and LoRA (with or without lora_dropout:
+  /// DropoutKey) under FSDP2, its frozen base stored in its own dtype (ShardBuffer), or under FSDP1
+  /// with use_orig_params, the base in the master dtype (BuildWorkload refuses a unit of two dtypes).
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
   /// Rehearse an out-of-memory: fail with the phase and category when the rank's heap exceeds it.
@@ -123,8 +142,6 @@ class FsdpEngine {
   Status Reduce(int u);
   Result<float> MicroBatch(int64_t step, int64_t micro);
   struct Pass;  // one micro-batch's activations (fsdp_engine.cc)
-  /// Where block `block`'s LoRA dropout masks come from in this micro-batch (its recompute's too).
-  static DropoutKey BlockDropout(const Pass& pass, int block);
   Status ForwardNode(int node, Pass& pass);
   Status BackwardNode(int node, Pass& pass);
   /// Module node `node`'s parameters in its unit's unsharded buffer (its own tensors, then its
@@ -145,7 +162,7 @@ class FsdpEngine {
   std::unique_ptr<Comm> shard_comm_, replica_comm_;
   int64_t shard_world_ = 1;
   EngineLayout layout_;
-  std::vector<MasterBuffer> shard_;       // per unit, S_u elements: the frozen group's shard, then the trained group's
+  std::vector<ShardBuffer> shard_;        // per unit, S_u elements: the frozen group's shard, then the trained group's
   std::vector<MasterBuffer> grad_shard_;  // per unit, the trained group's shard (grad_shard_numel)
   std::vector<std::vector<ElementRun>> stepped_;  // per unit, what of that shard AdamW steps (SteppedShardRuns)
   std::vector<MasterBuffer> exp_avg_, exp_avg_sq_;  // per unit, packed over stepped_

@@ -60,6 +60,19 @@ TEST_CASE("MasterBuffer: bf16 elements in 2 bytes each, rounded when set") {
   CHECK(b.empty());
 }
 
+// LoRA's base frozen in bf16 beside fp32 adapters: 3 frozen elements (2 bytes), then 2 trained (4 bytes)
+TEST_CASE("ShardBuffer: the frozen group in its dtype, then the trained group in the master dtype") {
+  ShardBuffer b(DType::kBf16, 3, DType::kFp32, 2);
+  CHECK(b.size() == 5);
+  CHECK(b.Bytes() == 3 * 2 + 2 * 4);
+  b.Set(2, 0.1234f);  // the frozen group's last element: rounded to bf16
+  b.Set(3, 0.1234f);  // the trained group's first: kept in fp32
+  CHECK(b.Get(2) == RoundTo(0.1234f, DType::kBf16));
+  CHECK(b.Get(2) != 0.1234f);
+  CHECK(b.Get(3) == 0.1234f);
+  CHECK(ShardBuffer(DType::kFp32, 0, DType::kBf16, 4).Bytes() == 8);
+}
+
 TEST_CASE("RoundTo fp16: 11 significant bits, ties to even, 65504 the largest, subnormals in steps of 2^-24") {
   CHECK(RoundTo(1.0f + std::ldexp(1.0f, -11), DType::kFp16) == 1.0f);                           // tie: to even
   CHECK(RoundTo(1.0f + 3 * std::ldexp(1.0f, -11), DType::kFp16) == 1.0f + std::ldexp(1.0f, -9));  // tie: to even, up

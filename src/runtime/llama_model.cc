@@ -246,13 +246,10 @@ Mat Project(const LlamaDims& d, const BlockWeights& p, int64_t w, int proj, int6
   Mat y = LinearForward(x, W(p.base + w, out, in));
   const LlamaDims::LoraOffsets lo = d.lora[proj];
   if (lo.a < 0) return y;
+  if (d.lora_dropout > 0) c.lora_dropped[proj] = LoraDropoutForward(key, proj, d.lora_dropout, x, seq, c.lora_keep[proj]);
+  const Mat& a_in = d.lora_dropout > 0 ? c.lora_dropped[proj] : x;  // lora_A's input
   Mat& mid = c.lora_mid[proj];
-  if (d.lora_dropout > 0) {
-    c.lora_dropped[proj] = LoraDropoutForward(key, proj, d.lora_dropout, x, seq, c.lora_keep[proj]);
-    mid = LinearForward(c.lora_dropped[proj], W(p.adapters + lo.a, d.lora_rank, in));
-  } else {
-    mid = LinearForward(x, W(p.adapters + lo.a, d.lora_rank, in));
-  }
+  mid = LinearForward(a_in, W(p.adapters + lo.a, d.lora_rank, in));
   y += LinearForward(mid, W(p.adapters + lo.b, out, d.lora_rank)) * d.lora_scale;
   return y;
 }
@@ -273,16 +270,12 @@ Mat ProjectBackward(const LlamaDims& d, const BlockWeights& p, const BlockGrads&
   if (lo.a < 0) return dx;
   MatMap gb(g.adapters + lo.b, out, d.lora_rank), ga(g.adapters + lo.a, d.lora_rank, in);
   const Mat d_mid = LinearBackward(dy * d.lora_scale, c.lora_mid[proj], W(p.adapters + lo.b, out, d.lora_rank), gb);
-  if (d.lora_dropout == 0) {
-    dx += LinearBackward(d_mid, x, W(p.adapters + lo.a, d.lora_rank, in), ga);
-    return dx;
-  }
-  const Mat d_dropped = LinearBackward(d_mid, c.lora_dropped[proj], W(p.adapters + lo.a, d.lora_rank, in), ga);
+  const Mat& a_in = d.lora_dropout > 0 ? c.lora_dropped[proj] : x;
+  const Mat d_a_in = LinearBackward(d_mid, a_in, W(p.adapters + lo.a, d.lora_rank, in), ga);
+  if (d.lora_dropout == 0) return dx + d_a_in;
   const float scale = DropoutScale(d.lora_dropout);
   const std::vector<uint8_t>& keep = c.lora_keep[proj];
-  const float* from = d_dropped.data();
-  float* to = dx.data();
-  for (size_t i = 0; i < keep.size(); ++i) to[i] += keep[i] ? from[i] * scale : 0.0f;
+  for (size_t i = 0; i < keep.size(); ++i) dx.data()[i] += keep[i] ? d_a_in.data()[i] * scale : 0.0f;
   return dx;
 }
 }  // namespace

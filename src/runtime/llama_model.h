@@ -99,9 +99,12 @@ struct DropoutKey {
   int64_t block = 0;
 };
 
-/// nn.Dropout(p) in training on x (T, in) as ATen's native_dropout computes it: keep (T x in, 1 or 0,
-/// a bool each as torch saves it) drawn with keep probability 1 - p, returns x * keep * scale, scale
-/// = 1 / (1 - p) computed in double and applied in fp32.
+/// nn.Dropout(p) in training on x (T, in) as CUDA's fused native_dropout computes it (on the CPU
+/// torch takes an unfused path that saves float noise instead of a bool mask): keep (T x in, 1 or
+/// 0, a byte each as the bool mask) drawn with keep probability 1 - p, returns x * scale where kept
+/// and 0 elsewhere, scale = 1 / (1 - p) computed in double and applied in fp32. x's rows are
+/// sequences of `seq` rows each, every sequence from a stream of its own (DropoutKey);
+/// `projection` is the LlamaDims::Projection the dropout feeds.
 Mat LoraDropoutForward(const DropoutKey& key, int projection, double p, const Mat& x, int64_t seq, std::vector<uint8_t>& keep);
 
 /// What a block's forward keeps for its backward.
