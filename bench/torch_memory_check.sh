@@ -8,8 +8,9 @@
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
 # the one-rank configurations of the first, third and fifth rows, the first FSDP1 row, one
-# Llama and one GPT-2 block-backward row and the first op-SAC row only
-# (the CTest check torch_memory_agreement does both). ROWS=lora runs the LoRA, QLoRA and pure-bf16
+# Llama and one GPT-2 block-backward row and the first op-SAC row, then one row of each newer
+# family, LoRA, QLoRA and torchtitan; QUICK=llama the first part, QUICK=others the second (the
+# CTest checks torch_memory_agreement and torch_memory_agreement_others, one each, with MAX_ERROR_PCT). ROWS=lora runs the LoRA, QLoRA and pure-bf16
 # rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only, ROWS=families
 # the rows of the newer model families (Qwen3, OLMo 2, ...) only, ROWS=torchtitan fsdp-plan
 # --impl torchtitan against torchtitan's own model (QUICK runs its AC full row).
@@ -273,18 +274,22 @@ if [ "${ROWS:-}" = pure-bf16 ]; then
   exit 0
 fi
 if [ -n "${QUICK:-}" ]; then
-  check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
-  check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
-  fsdp1_row
-  llama_block_row
-  gpt2_block_row
-  op_sac_row
-  family_quick_rows
-  check "2 ranks Llama 4 AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$L4"  # a softmax's-backward peak
-  lora_quick_row
-  qlora_quick_row
-  titan_check "1 rank  torchtitan AC     seq 1024 x 2" 1 full 2 1024 32000
-  titan_qwen3_check "1 rank  tt Qwen3 AC     seq 2048 x 2" 1 full 2 2048 8192
+  if [ "$QUICK" != others ]; then  # QUICK=llama: the Llama and GPT-2 rows
+    check "1 rank  FULL_SHARD AC  seq 1024 x 2"      1 FULL_SHARD    full 2 1024
+    check "1 rank  SHARD_GRAD_OP  seq 1024 x 2"      1 SHARD_GRAD_OP none 2 1024
+    fsdp1_row
+    llama_block_row
+    gpt2_block_row
+    op_sac_row
+  fi
+  if [ "$QUICK" != llama ]; then  # QUICK=others: the families, LoRA, QLoRA and torchtitan rows
+    family_quick_rows
+    check "2 ranks Llama 4 AC full seq 1024 x 2"       2 FULL_SHARD full 2 1024 "$L4"  # a softmax's-backward peak
+    lora_quick_row
+    qlora_quick_row
+    titan_check "1 rank  torchtitan AC     seq 1024 x 2" 1 full 2 1024 32000
+    titan_qwen3_check "1 rank  tt Qwen3 AC     seq 2048 x 2" 1 full 2 2048 8192
+  fi
   exit 0
 fi
 check "1 rank  FULL_SHARD     seq 1024 x 2"      1 FULL_SHARD    none 2 1024
