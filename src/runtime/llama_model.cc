@@ -238,6 +238,9 @@ void HeadNormBackward(const LlamaDims& d, const float* w, float* dw, Mat& dx, co
 }  // namespace
 
 namespace {
+// What lora_A of projection `proj` reads: dropout(x) as the forward kept it when lora_dropout > 0, else x.
+const Mat& LoraAInput(const LlamaDims& d, const BlockCache& c, int proj, const Mat& x) { return d.lora_dropout > 0 ? c.lora_dropped[proj] : x; }
+
 // One projection of the block: x W^T, plus scale (dropout(x) A^T) B^T when LoRA adapts it (peft's
 // lora.Linear.forward: base_layer(x) + lora_B(lora_A(dropout(x))) * scaling), dropout(x) A^T kept in
 // the cache's lora_mid, with dropout dropout(x) and its mask in lora_dropped and lora_keep.
@@ -247,9 +250,8 @@ Mat Project(const LlamaDims& d, const BlockWeights& p, int64_t w, int proj, int6
   const LlamaDims::LoraOffsets lo = d.lora[proj];
   if (lo.a < 0) return y;
   if (d.lora_dropout > 0) c.lora_dropped[proj] = LoraDropoutForward(key, proj, d.lora_dropout, x, seq, c.lora_keep[proj]);
-  const Mat& a_in = d.lora_dropout > 0 ? c.lora_dropped[proj] : x;  // lora_A's input
   Mat& mid = c.lora_mid[proj];
-  mid = LinearForward(a_in, W(p.adapters + lo.a, d.lora_rank, in));
+  mid = LinearForward(LoraAInput(d, c, proj, x), W(p.adapters + lo.a, d.lora_rank, in));
   y += LinearForward(mid, W(p.adapters + lo.b, out, d.lora_rank)) * d.lora_scale;
   return y;
 }
@@ -270,8 +272,7 @@ Mat ProjectBackward(const LlamaDims& d, const BlockWeights& p, const BlockGrads&
   if (lo.a < 0) return dx;
   MatMap gb(g.adapters + lo.b, out, d.lora_rank), ga(g.adapters + lo.a, d.lora_rank, in);
   const Mat d_mid = LinearBackward(dy * d.lora_scale, c.lora_mid[proj], W(p.adapters + lo.b, out, d.lora_rank), gb);
-  const Mat& a_in = d.lora_dropout > 0 ? c.lora_dropped[proj] : x;
-  const Mat d_a_in = LinearBackward(d_mid, a_in, W(p.adapters + lo.a, d.lora_rank, in), ga);
+  const Mat d_a_in = LinearBackward(d_mid, LoraAInput(d, c, proj, x), W(p.adapters + lo.a, d.lora_rank, in), ga);
   if (d.lora_dropout == 0) return dx + d_a_in;
   const float scale = DropoutScale(d.lora_dropout);
   const std::vector<uint8_t>& keep = c.lora_keep[proj];
