@@ -11,14 +11,15 @@ config's scaling, grouped-query attention, SwiGLU, tied or untied head, cross-en
 check the backward, gradient accumulation and AdamW (lr, betas, eps, decoupled weight decay on every
 parameter, as torch.optim.AdamW over model.parameters()). The LoRA cases wrap the model with peft's
 get_peft_model (adapters drawn non-zero) and train the parameters that require grad; fsdp-run
-starts from the peft model's own parameters under FSDP2 with the same LoRA flags.
+starts from the peft model's own parameters under FSDP2 with the same LoRA flags. The QLoRA cases
+load the checkpoint quantized by bitsandbytes (NF4, fp32 storage and compute) before peft wraps it.
 
 fsdp-run's token windows are TrainingTokens' (runtime/fsdp_engine.h): sequence index
 ((step * grad_accum + micro) * world + rank) * micro_batch + i takes tokens
 [index * (seq + 1), (index + 1) * (seq + 1)) of the file, cycled; inputs are the first seq tokens,
 targets the last seq.
 
-Usage: hf_parity.py --fsdp-run build/fsdp-run [--mpirun "mpirun --oversubscribe"] [--device cuda] [--keep DIR]
+Usage: hf_parity.py --fsdp-run build/fsdp-run [--mpirun "mpirun --oversubscribe"] [--device cuda] [--keep DIR] [--only NAME]
        hf_parity.py --fsdp-run build/fsdp-run --config path/to/config.json [--seq-len 64] [--steps 2]
          (one real model's shapes at full size instead of the built-in small cases)
 Exit status: 0 all cases agree, 1 a case disagrees or fsdp-run failed, 77 torch/transformers missing.
@@ -151,6 +152,26 @@ CASES = [
         "mpi_ranks": 2, "lora": {"r": 2, "alpha": 5, "targets": "all-linear"},
         "cpu_only": "the GPU engine does not implement LoRA",
     },
+    {   # QLoRA: from_pretrained with bitsandbytes 0.50.2's NF4 (BitsAndBytesConfig load_in_4bit,
+        # quant_storage and compute dtype fp32) quantizes the fp32 checkpoint's block linears as they
+        # load; peft's Linear4bit adapters on every linear; fsdp-run quantizes the same checkpoint
+        # itself (runtime/nf4.h) and shards the packed codes. Every in_features a multiple of 64
+        # (intermediate 192), where bitsandbytes' CPU dequantize kernel agrees with its quantizer
+        # (tools/nf4_fixture.py); under FSDP2 and under FSDP1 with use_orig_params (one fp32 flat
+        # parameter of codes and adapters); 2 ranks
+        "name": "llama-qlora-all-linear",
+        "config": dict(SMALL_LLAMA, intermediate_size=192),
+        "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--framework", "fsdp2"], "mpi_ranks": 2,
+        "lora": {"r": 4, "alpha": 16, "targets": "all-linear"}, "qlora": True,
+        "cpu_only": "the GPU engine does not implement LoRA",
+    },
+    {
+        "name": "llama-qlora-fsdp1-ac",
+        "config": dict(SMALL_LLAMA, intermediate_size=192),
+        "seq": 32, "micro_batch": 2, "grad_accum": 2, "steps": 3, "flags": ["--wrap", "block", "--use-orig-params", "--ac", "full"],
+        "mpi_ranks": 2, "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "o_proj", "down_proj"]}, "qlora": True,
+        "cpu_only": "the GPU engine does not implement LoRA",
+    },
 ]
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.95), 1e-8, 0.01  # fsdp-run's TrainOptions defaults
@@ -181,12 +202,24 @@ def window(tokens, index, seq):
     return [tokens[(index * (seq + 1) + j) % n] for j in range(seq + 1)]
 
 
+def quantized(model, directory):
+    """The checkpoint in DIR loaded as QLoRA loads it: the block linears quantized to NF4 by
+    bitsandbytes on the CPU, packed in fp32 elements and computed in fp32."""
+    import torch
+    import transformers
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                                             bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)
+    return type(model).from_pretrained(directory, quantization_config=config, dtype=torch.float32, device_map="cpu",
+                                       attn_implementation="eager")
+
+
 def with_lora(case, model, directory, seed):
     """peft's get_peft_model on the case's LoRA; the whole model (base and adapters, under the names
-    peft gives them, which fsdp-run's inventory uses) saved to DIR/lora/model.safetensors."""
+    peft gives them, which fsdp-run's inventory uses) saved to DIR/lora/model.safetensors. QLoRA: the
+    adapters saved beside the unquantized checkpoint's tensors, which fsdp-run quantizes itself."""
     import peft
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
     lora = case["lora"]
     torch.manual_seed(seed + 1)
     config = peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=lora["targets"], lora_dropout=0.0,
@@ -195,6 +228,9 @@ def with_lora(case, model, directory, seed):
     inner = model.base_model.model  # the transformers model, its modules wrapped
     os.makedirs(os.path.join(directory, "lora"), exist_ok=True)
     tensors = {name: p.detach().contiguous() for name, p in inner.named_parameters()}  # a tied head once
+    if case.get("qlora"):
+        tensors = {name: p for name, p in tensors.items() if ".lora_" in name}
+        tensors.update(load_file(os.path.join(directory, "model.safetensors")))
     save_file(tensors, os.path.join(directory, "lora", "model.safetensors"))
     return model
 
@@ -202,7 +238,8 @@ def with_lora(case, model, directory, seed):
 def lora_flags(case):
     lora = case["lora"]
     targets = lora["targets"] if isinstance(lora["targets"], str) else ",".join(lora["targets"])
-    return ["--lora-rank", str(lora["r"]), "--lora-alpha", str(lora["alpha"]), "--lora-targets", targets]
+    return ["--lora-rank", str(lora["r"]), "--lora-alpha", str(lora["alpha"]), "--lora-targets", targets] + \
+        (["--qlora"] if case.get("qlora") else [])
 
 
 def reference_losses(case, model, tokens):
@@ -289,6 +326,13 @@ def run_case(args, case, root):
         except ImportError:
             print(f"skip {case['name']}: peft is not installed")
             return True
+        if case.get("qlora"):
+            try:
+                import bitsandbytes  # noqa: F401
+            except ImportError:
+                print(f"skip {case['name']}: bitsandbytes is not installed")
+                return True
+            model = quantized(model, directory)
         model = with_lora(case, model, directory, args.seed)
     reference = reference_losses(case, model, tokens)
     del model
@@ -334,6 +378,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="with --config: AdamW steps")
     parser.add_argument("--keep", default="", help="keep the checkpoints and results in this directory")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--only", default="", help="run the built-in cases whose name contains this")
     args = parser.parse_args()
     try:
         import torch  # noqa: F401
@@ -341,7 +386,7 @@ def main():
     except ImportError as e:
         print(f"hf_parity: needs torch and transformers ({e}): skipped")
         return 77
-    cases = [case_from_config(args)] if args.config else CASES
+    cases = [case_from_config(args)] if args.config else [c for c in CASES if args.only in c["name"]]
     root = args.keep or tempfile.mkdtemp(prefix="fsdpkit-hf-parity-")
     all_ok = True
     try:

@@ -203,6 +203,17 @@ Nf4Bytes Nf4ModelBytes(const ModelSpec& m, const LoraConfig& lora, DType quant_s
   return bytes;
 }
 
+int64_t Nf4ComputeNumel(const ModelSpec& m, const std::vector<int>& unit_tensors) {
+  int64_t numel = 0;
+  bool quantized = false;
+  for (int t : unit_tensors) {
+    const TensorSpec& ts = m.tensors[static_cast<size_t>(t)];
+    quantized = quantized || ts.nf4_numel > 0;
+    if (!IsLoraAdapter(ts.name)) numel += ts.LogicalNumel();
+  }
+  return quantized ? numel : 0;
+}
+
 Status ApplyLora(ModelSpec& m, const LoraConfig& lora, DType quant_storage) {
   if (lora.rank == 0) return {};
   if (lora.qlora && m.num_experts > 0) {

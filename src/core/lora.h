@@ -51,6 +51,11 @@ struct Nf4Bytes {
 };
 Nf4Bytes Nf4ModelBytes(const ModelSpec& model, const LoraConfig& lora, DType quant_storage);
 
+/// fsdp-run's CPU engine under QLoRA dequantizes a gathered unit into a compute buffer of the unit's
+/// own tensors (`unit_tensors` less the LoRA adapters) at their LogicalNumel: its elements, or 0
+/// when none of them is a quantized weight (runtime/fsdp_engine.h, ComputeOffsets).
+int64_t Nf4ComputeNumel(const ModelSpec& model, const std::vector<int>& unit_tensors);
+
 /// The names peft gives a wrapped linear's tensors (lora.Linear, adapter "default"):
 /// "<module>.base_layer.weight" (and .bias), "<module>.lora_A.default.weight",
 /// "<module>.lora_B.default.weight". BuildInventory names them so.

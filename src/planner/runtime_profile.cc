@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/lora.h"
 #include "core/schedule.h"
 #include "planner/comm_model.h"
 #include "planner/compute_model.h"
@@ -25,7 +26,8 @@ class RuntimePlayer {
  public:
   RuntimePlayer(const Workload& w, MemoryTracker& mem)
       : w_(w), schedule_(BuildSchedule(w)), mem_(mem), phases_(w), full_(w.units.size(), kNoBlock), grad_(w.units.size(), kNoBlock),
-        shard_grad_(w.units.size(), kNoBlock), saved_(static_cast<size_t>(w.model.num_layers), kNoBlock) {
+        shard_grad_(w.units.size(), kNoBlock), saved_(static_cast<size_t>(w.model.num_layers), kNoBlock),
+        compute_(w.units.size(), kNoBlock) {
     const ModelSpec& m = w.model;
     tokens_ = w.TokensPerMicroBatch();
     hidden_bytes_ = tokens_ * m.hidden_size * 4;
@@ -43,6 +45,9 @@ class RuntimePlayer {
       const int64_t trained = w_.units[u].grad_shard_numel;
       mem_.Alloc(Cat::kShardedParams, (w_.units[u].shard_numel - trained) * frozen_bytes_ + trained * master_bytes_);
       mem_.Alloc(Cat::kOptimizerStates, 2 * SteppedNumel(u, rank) * master_bytes_);  // AdamW's states
+    }
+    for (const TensorSpec& t : w_.model.tensors) {  // QLoRA: every quantized weight's fp32 absmax per 64, on every rank
+      if (t.nf4_numel > 0) mem_.Alloc(Cat::kShardedParams, (t.nf4_numel + 63) / 64 * 4);
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));
@@ -83,7 +88,7 @@ class RuntimePlayer {
           else if (v.enter) Backward(v.node);
         }
         break;
-      case ActionKind::kReshard: mem_.Free(full_[a.unit]); break;
+      case ActionKind::kReshard: Reshard(a.unit); break;
       case ActionKind::kReduce: Reduce(a.unit); break;
       default: break;
     }
@@ -93,8 +98,12 @@ class RuntimePlayer {
   void Unshard(int u, bool prefetch) {
     BlockId low = mem_.Alloc(Cat::kCommBuffers, w_.units[u].shard_numel * 4);
     full_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * 4);
-    if (prefetch && w_.config.strategy != Strategy::kNoShard) in_flight_.emplace_back(u, low);
-    else mem_.Free(low);
+    if (prefetch && w_.config.strategy != Strategy::kNoShard) {
+      in_flight_.emplace_back(u, low);
+      return;
+    }
+    mem_.Free(low);
+    Dequantize(u);
   }
 
   void Wait(int u) {
@@ -102,8 +111,20 @@ class RuntimePlayer {
       if (in_flight_[i].first != u) continue;
       mem_.Free(in_flight_[i].second);
       in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+      Dequantize(u);
       return;
     }
+  }
+
+  // FsdpEngine::Dequantize (QLoRA): the unit's own tensors in fp32, quantized weights dequantized,
+  // until its reshard
+  void Dequantize(int u) {
+    if (const int64_t numel = Nf4ComputeNumel(w_.model, w_.units[u].tensors); numel > 0) compute_[u] = mem_.Alloc(Cat::kUnshardedParams, numel * 4);
+  }
+
+  void Reshard(int u) {
+    mem_.Free(full_[u]);
+    mem_.Free(compute_[u]);
   }
 
   // FsdpEngine::Reduce: the trained group's gradient (grad_padded_numel), nothing for a frozen unit.
@@ -166,7 +187,7 @@ class RuntimePlayer {
   Schedule schedule_;
   MemoryTracker& mem_;
   PhaseTracker phases_;
-  std::vector<BlockId> full_, grad_, shard_grad_, saved_;
+  std::vector<BlockId> full_, grad_, shard_grad_, saved_, compute_;
   BlockId x_ = kNoBlock, head_ = kNoBlock;
   int64_t tokens_ = 0, hidden_bytes_ = 0, head_bytes_ = 0, logits_bytes_ = 0, block_bytes_ = 0, core_bytes_ = 0;
   int64_t master_bytes_ = BytesPerElement(w_.config.master_dtype);  // the shards', gradient shards' and states' element

@@ -4,7 +4,9 @@
 // fsdp-run prints it next to what it measures. Under LoRA the engine gathers the frozen base with
 // the adapters and reduces, stores and steps the adapters' group only (runtime/fsdp_engine.h,
 // EngineLayout). Its sharded parameters, gradient shards and AdamW states are in the master dtype
-// (bf16 under --master-dtype bf16: MasterBuffer), its gathered buffers in fp32.
+// (bf16 under --master-dtype bf16: MasterBuffer), its gathered buffers in fp32. Under QLoRA each
+// rank also holds every quantized weight's fp32 absmax (sharded_params), and a gathered unit's own
+// tensors dequantized to fp32 (Nf4ComputeNumel, unsharded_params) until its reshard.
 #pragma once
 
 #include <array>

@@ -4,6 +4,7 @@
 
 #include "core/hardware_spec.h"
 #include "core/json_io.h"
+#include "core/lora.h"
 #include "core/model_spec.h"
 
 namespace fsdp {
@@ -63,6 +64,28 @@ TEST_CASE("CPU engine profile: what LoRA and its dropout add to a block, counted
   const int64_t full = RuntimeBlockSavedBytes(Tiny(2, Strategy::kFullShard, Checkpointing::kNone, DType::kBf16, DType::kFp32));
   CHECK(with_lora(0) == full + 3 * 64 * 4 * 4);
   CHECK(with_lora(0.1) == with_lora(0) + 64 * (128 + 128 + 344) * (4 + 1));
+}
+
+// tiny-llama on 1 rank, LoRA r=4 on q and v over a bf16 base, then QLoRA: each block's seven linears
+// (q 128 x 128, k and v 64 x 128, o 128 x 128, gate, up 344 x 128, down 128 x 344: 181,248 weights)
+// go from 2 bytes a weight to 4 codes a bf16 element, and every rank adds their fp32 absmax per 64
+// (256 + 128 + 128 + 256 + 3 x 688 = 2,832 blocks).
+TEST_CASE("CPU engine profile: QLoRA's packed codes and absmax in the sharded parameters, counted by hand") {
+  auto sharded = [](bool qlora) {
+    FsdpConfig c;
+    c.gpus = c.gpus_per_node = 1;
+    c.framework = Framework::kFsdp2;
+    c.micro_batch = 2;
+    c.seq_len = 32;
+    c.lora.rank = 4;
+    c.lora.qlora = qlora;
+    c.lora.base_dtype = DType::kBf16;
+    ModelSpec m = LoadModel("tiny-llama").value();
+    REQUIRE(ApplyLora(m, c.lora, c.param_dtype).ok());
+    const Workload w = BuildWorkload(m, LoadHardware("h200-sxm").value(), c).value();
+    return EstimateRuntimeMemory(w).peak[static_cast<int>(MemCategory::kShardedParams)];
+  };
+  CHECK(sharded(true) == sharded(false) - 5 * (181248 * 2 - 181248 / 4 * 2) + 5 * 2832 * 4);
 }
 
 TEST_CASE("GPU engine replay: fp32 shards and AdamW states, param_dtype unsharded units, 512 B blocks") {

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "core/lora.h"
+#include "runtime/nf4.h"
 
 namespace fsdp::runtime {
 
@@ -62,6 +63,20 @@ EngineLayout LayoutOf(const Workload& w) {
   return l;
 }
 
+std::vector<int64_t> ComputeOffsets(const Workload& w) {
+  std::vector<int64_t> offsets(w.model.tensors.size(), -1);
+  for (size_t u = 0; u < w.units.size(); ++u) {
+    if (Nf4ComputeNumel(w.model, w.units[u].tensors) == 0) continue;
+    int64_t next = 0;
+    for (int t : w.units[u].tensors) {
+      if (IsLoraAdapter(w.model.tensors[t].name)) continue;
+      offsets[t] = next;
+      next += w.model.tensors[t].LogicalNumel();
+    }
+  }
+  return offsets;
+}
+
 namespace {
 
 // Each tensor's random stream: its index among the model's own tensors (as without LoRA, so that a
@@ -73,7 +88,7 @@ std::vector<uint64_t> SeedStreams(const Workload& w) {
   return streams;
 }
 
-// Tensor t's seeded initial values (InitialUnit) into out (its numel floats).
+// Tensor t's seeded initial values (InitialUnit) into out (its LogicalNumel floats).
 void InitialTensor(const Workload& w, int t, uint64_t stream, uint64_t seed, float* out) {
   std::mt19937_64 rng(seed * 7919 + stream);  // seeded per tensor: the same model whatever the wrapping
   const TensorSpec& ts = w.model.tensors[t];
@@ -86,15 +101,45 @@ void InitialTensor(const Workload& w, int t, uint64_t stream, uint64_t seed, flo
   } else {
     std::normal_distribution<float> normal(0.0f, 0.02f);
     const bool norm = ts.shape.size() == 1;
-    for (int64_t i = 0; i < ts.numel(); ++i) out[i] = norm ? 1.0f : normal(rng);
+    for (int64_t i = 0; i < ts.LogicalNumel(); ++i) out[i] = norm ? 1.0f : normal(rng);
   }
 }
+
+// Where a tensor's starting values are written: its place in the flat buffer or, for a QLoRA
+// weight, its unquantized values, which Store then quantizes into that place.
+class StartingTensor {
+ public:
+  StartingTensor(const Workload& w, int t, float* place) : w_(w), t_(t), place_(place) {
+    if (w.model.tensors[t].nf4_numel > 0) logical_.resize(static_cast<size_t>(w.model.tensors[t].nf4_numel));
+  }
+  float* values() { return logical_.empty() ? place_ : logical_.data(); }
+  // Nf4Quantize of the values as the storage dtype holds them, its bytes as storage elements
+  void Store(std::vector<std::vector<float>>* nf4_absmax) {
+    if (logical_.empty()) return;
+    const DType storage = FrozenStorageDtype(w_.config);
+    for (float& v : logical_) v = RoundTo(v, storage);
+    Nf4Weight q = Nf4Quantize(logical_.data(), static_cast<int64_t>(logical_.size()));
+    const std::vector<float> elements = Nf4StorageElements(q.packed, storage);  // TensorSpec::numel() of them (CheckQloraSupported)
+    std::copy(elements.begin(), elements.end(), place_);
+    if (nf4_absmax) (*nf4_absmax)[static_cast<size_t>(t_)] = std::move(q.absmax);
+  }
+
+ private:
+  const Workload& w_;
+  int t_;
+  float* place_;
+  std::vector<float> logical_;
+};
 }  // namespace
 
-std::vector<float> InitialUnit(const Workload& w, const EngineLayout& layout, int u, uint64_t seed) {
+std::vector<float> InitialUnit(const Workload& w, const EngineLayout& layout, int u, uint64_t seed, std::vector<std::vector<float>>* nf4_absmax) {
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
   const std::vector<uint64_t> streams = SeedStreams(w);
-  for (int t : w.units[u].tensors) InitialTensor(w, t, streams[static_cast<size_t>(t)], seed, flat.data() + layout.offset[t]);
+  for (int t : w.units[u].tensors) {
+    StartingTensor start(w, t, flat.data() + layout.offset[t]);
+    InitialTensor(w, t, streams[static_cast<size_t>(t)], seed, start.values());
+    start.Store(nf4_absmax);
+  }
   return flat;
 }
 
@@ -115,6 +160,11 @@ std::vector<CheckpointPiece> CheckpointPieces(const Checkpoint& checkpoint, cons
   if (name.empty()) return {};
   const size_t dot = name.rfind('.');
   const std::string module = name.substr(0, dot + 1), leaf = name.substr(dot + 1);
+  if (tensor.nf4_numel > 0) {  // a QLoRA weight's values in the checkpoint's shape ([out, in]) when it has as many
+    const std::vector<int64_t> shape = checkpoint.ShapeOf(name);
+    const int64_t numel = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+    return {{name, !shape.empty() && numel == tensor.nf4_numel ? shape : std::vector<int64_t>{tensor.nf4_numel}}};
+  }
   const bool fused = tensor.shape.size() == 3 && (leaf == "gate_up_proj" || leaf == "down_proj");
   if (!fused || checkpoint.Has(name) || !checkpoint.Has(module + "0." + (leaf == "down_proj" ? "down_proj" : "gate_proj") + ".weight")) {
     return {{name, tensor.shape}};
@@ -133,22 +183,22 @@ std::vector<CheckpointPiece> CheckpointPieces(const Checkpoint& checkpoint, cons
   return pieces;
 }
 
-Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& layout, int u, const TrainOptions& o) {
-  if (!o.checkpoint) return InitialUnit(w, layout, u, o.seed);
+Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& layout, int u, const TrainOptions& o,
+                                        std::vector<std::vector<float>>* nf4_absmax) {
+  if (!o.checkpoint) return InitialUnit(w, layout, u, o.seed, nf4_absmax);
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
   const std::vector<uint64_t> streams = SeedStreams(w);
   for (int t : w.units[u].tensors) {
     const TensorSpec& ts = w.model.tensors[t];
+    StartingTensor start(w, t, flat.data() + layout.offset[t]);
     const std::vector<CheckpointPiece> pieces = CheckpointPieces(*o.checkpoint, ts);
-    if (pieces.empty()) {  // an adapter the checkpoint does not have
-      InitialTensor(w, t, streams[static_cast<size_t>(t)], o.seed, flat.data() + layout.offset[t]);
-      continue;
-    }
-    float* out = flat.data() + layout.offset[t];
+    if (pieces.empty()) InitialTensor(w, t, streams[static_cast<size_t>(t)], o.seed, start.values());  // an adapter the checkpoint does not have
+    float* out = start.values();
     for (const CheckpointPiece& piece : pieces) {
       if (Status s = o.checkpoint->Read(piece.name, piece.shape, out); !s.ok()) return s.error();
       out += std::accumulate(piece.shape.begin(), piece.shape.end(), int64_t{1}, std::multiplies<>());
     }
+    start.Store(nf4_absmax);
   }
   return flat;
 }
@@ -216,7 +266,7 @@ AdamCorrections AdamBiasCorrections(const TrainOptions& o, int64_t steps_taken) 
 Status CheckEveryParameterTrains(const Workload& w) {
   for (const TensorSpec& t : w.model.tensors) {
     if (!t.trainable) {
-      return Error::BadInput(fmt::format("fsdp-run's GPU engine trains every parameter; {} is frozen (LoRA, without QLoRA, trains on --device cpu)", t.name));
+      return Error::BadInput(fmt::format("fsdp-run's GPU engine trains every parameter; {} is frozen (LoRA and QLoRA train on --device cpu)", t.name));
     }
   }
   return {};
@@ -236,6 +286,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   mix(std::hash<double>{}(c.lora.dropout));
   mix(std::hash<std::string>{}(c.lora.targets));
   mix(static_cast<uint64_t>(FrozenStorageDtype(c)));
+  mix(static_cast<uint64_t>(c.lora.qlora) * 2 + static_cast<uint64_t>(c.lora.double_quant));
   mix(o.seed);
   mix(o.checkpoint ? o.checkpoint->Fingerprint() : 0);
   mix(static_cast<uint64_t>(o.loss_scaling.mode));
@@ -245,11 +296,21 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
 }
 
 // What of LoRA the CPU engine implements: FSDP2's per-parameter gradients, FSDP1's flat parameters
-// with use_orig_params under block or whole-model wrapping, the base in a dtype of its own, dropout.
+// with use_orig_params under block or whole-model wrapping, the base in a dtype of its own, dropout,
+// QLoRA's NF4 weights without double quantization.
 Status CheckLoraSupported(const Workload& w) {
   const LoraConfig& l = w.config.lora;
   if (l.rank == 0) return CheckEveryParameterTrains(w);
-  if (l.qlora) return Error::BadInput("fsdp-run's engines do not implement QLoRA's NF4 weights (--qlora): fsdp-plan and fsdp-sim model them");
+  if (l.qlora) {
+    if (l.double_quant) return Error::BadInput("fsdp-run's QLoRA keeps an fp32 absmax per 64 weights: --qlora-double-quant is planned only (fsdp-plan, fsdp-sim)");
+    const DType storage = FrozenStorageDtype(w.config);
+    if (storage == DType::kFp16) return Error::BadInput("fsdp-run packs QLoRA's NF4 weights into bf16 or fp32 elements (the param dtype): --param-dtype fp16 is planned only");
+    for (const TensorSpec& t : w.model.tensors) {  // packed.view(quant_storage) needs whole elements
+      if (t.nf4_numel > 0 && t.nf4_numel % (2 * BytesPerElement(storage)) != 0) {
+        return Error::BadInput(fmt::format("{}: {} NF4 values do not fill whole {} elements", t.name, t.nf4_numel, DTypeName(storage)));
+      }
+    }
+  }
   if (w.config.framework == Framework::kFsdp1 && w.config.wrap == WrapPolicy::kPeft) {  // FSDP1's mixed units need use_orig_params (BuildWorkload)
     return Error::BadInput("fsdp-run wraps per block or the whole model: for LoRA under FSDP1 pass --wrap block --use-orig-params "
                            "(peft's wrap, each adapter a unit of its own, is planned only), or --framework fsdp2");
@@ -272,10 +333,14 @@ Result<std::unique_ptr<FsdpEngine>> FsdpEngine::Create(const Workload& w, Comm& 
   std::unique_ptr<FsdpEngine> e(new FsdpEngine(w, world, o));
   e->dims_ = dims.value();
   e->layout_ = LayoutOf(w);
+  e->compute_offset_ = ComputeOffsets(w);
   if (w.config.lora.rank > 0) {
     e->dims_.lora_scale = static_cast<float>(w.config.lora.alpha / static_cast<double>(w.config.lora.rank));
     e->dims_.lora_dropout = w.config.lora.dropout;
-    SetBlockLayout(w.model, [&e](int t) { return e->layout_.offset[t]; }, e->dims_);
+    // a block's own tensors where Params finds them: its compute buffer under QLoRA, else the gathered unit
+    const FsdpEngine& engine = *e;
+    SetBlockLayout(w.model, [&engine](int t) { return engine.compute_offset_[t] >= 0 ? engine.compute_offset_[t] : engine.layout_.offset[t]; },
+                   e->dims_);
   }
   if (Status s = e->Init(); !s.ok()) return s.error();
   return e;
@@ -298,6 +363,8 @@ Status FsdpEngine::Init() {
   stepped_.resize(n);
   full_.resize(n);
   full_grad_.resize(n);
+  compute_.resize(n);
+  nf4_absmax_.resize(w_.model.tensors.size());
   first_adapter_.assign(w_.nodes.size(), -1);
   for (size_t t = 0; t < w_.model.tensors.size(); ++t) {  // a block's first lora_A: where its adapters start
     const TensorSpec& ts = w_.model.tensors[t];
@@ -308,7 +375,7 @@ Status FsdpEngine::Init() {
   const int shard_rank = shard_comm_->rank();
   for (size_t u = 0; u < n; ++u) {
     const WrapUnit& unit = w_.units[u];
-    auto start = StartingUnit(w_, layout_, static_cast<int>(u), o_);
+    auto start = StartingUnit(w_, layout_, static_cast<int>(u), o_, &nf4_absmax_);
     if (!start.ok()) return start.error();
     const std::vector<float>& flat = start.value();
     // each group's shard: [frozen shard F/W | trained shard G/W]
@@ -329,6 +396,7 @@ Status FsdpEngine::Init() {
     ledger_.Add(MemCategory::kShardedParams, shard_[u].Bytes());
     ledger_.Add(MemCategory::kOptimizerStates, exp_avg_[u].Bytes() + exp_avg_sq_[u].Bytes());
   }
+  for (const std::vector<float>& absmax : nf4_absmax_) ledger_.Add(MemCategory::kShardedParams, static_cast<int64_t>(absmax.size()) * 4);
   return ledger_.Sample();
 }
 
@@ -338,7 +406,9 @@ Status FsdpEngine::WaitFor(size_t index) {
     if (Status w = shard_comm_->Wait(handle); s.ok() && !w.ok()) s = w;
   }
   ledger_.Sub(MemCategory::kCommBuffers, static_cast<int64_t>(in_flight_[index].low.size()) * 4);
+  const int u = in_flight_[index].unit;
   in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(index));
+  if (s.ok()) Dequantize(u);
   return s;
 }
 
@@ -358,6 +428,7 @@ Status FsdpEngine::Unshard(int u, bool prefetch) {
       if (s.ok() && numel > 0) s = shard_comm_->AllGather(f.low.data() + first, full_[u].data() + first * shard_world_, numel);
     }
     ledger_.Sub(MemCategory::kCommBuffers, unit.shard_numel * 4);
+    if (s.ok()) Dequantize(u);
     return s;
   }
   in_flight_.push_back(std::move(f));
@@ -377,9 +448,32 @@ Status FsdpEngine::WaitUnshard(int u) {
   return {};
 }
 
+void FsdpEngine::Dequantize(int u) {
+  const int64_t numel = Nf4ComputeNumel(w_.model, w_.units[u].tensors);
+  if (numel == 0) return;
+  compute_[u].resize(static_cast<size_t>(numel));
+  ledger_.Add(MemCategory::kUnshardedParams, numel * 4);
+  const DType storage = FrozenStorageDtype(w_.config);
+  for (int t : w_.units[u].tensors) {
+    if (compute_offset_[t] < 0) continue;  // an adapter: Params reads it from full_
+    const TensorSpec& ts = w_.model.tensors[t];
+    const float* gathered = full_[u].data() + layout_.offset[t];
+    float* out = compute_[u].data() + compute_offset_[t];
+    if (ts.nf4_numel == 0) {
+      std::copy(gathered, gathered + ts.numel(), out);
+      continue;
+    }
+    // MatMul4Bit's dequantize_4bit(B, quant_state).to(A.dtype): fp32 products, then the compute dtype
+    const Nf4Weight weight{Nf4PackedBytes(gathered, ts.numel(), storage), nf4_absmax_[t]};
+    Nf4Dequantize(weight, ts.nf4_numel, out);
+    for (int64_t i = 0; i < ts.nf4_numel; ++i) out[i] = RoundTo(out[i], w_.config.param_dtype);
+  }
+}
+
 void FsdpEngine::Reshard(int u) {
-  ledger_.Sub(MemCategory::kUnshardedParams, static_cast<int64_t>(full_[u].size()) * 4);
+  ledger_.Sub(MemCategory::kUnshardedParams, static_cast<int64_t>(full_[u].size() + compute_[u].size()) * 4);
   std::vector<float>().swap(full_[u]);
+  std::vector<float>().swap(compute_[u]);
 }
 
 // Reduce-scatter the unit's gradient (rounded to reduce_dtype) within the shard group, all-reduce
@@ -457,8 +551,10 @@ bool FsdpEngine::Trains(int node) const { return w_.model.tensors[w_.WeightTenso
 
 BlockWeights FsdpEngine::Params(int node) const {
   const int t = w_.WeightTensor(node), a = first_adapter_[node];
-  const float* full = full_[w_.tensor_unit[t]].data();
-  return BlockWeights(full + layout_.offset[t], a >= 0 ? full + layout_.offset[a] : nullptr);
+  const int u = w_.tensor_unit[t];
+  const float* full = full_[u].data();
+  const float* base = compute_offset_[t] >= 0 ? compute_[u].data() + compute_offset_[t] : full + layout_.offset[t];
+  return BlockWeights(base, a >= 0 ? full + layout_.offset[a] : nullptr);
 }
 
 BlockGrads FsdpEngine::Grads(int node) {

@@ -82,6 +82,12 @@ class ShardBuffer {
   MasterBuffer frozen_, trained_;
 };
 
+/// QLoRA: where each unit's own tensors (not its adapters) sit in its compute buffer
+/// (Nf4ComputeNumel elements, core/lora.h), packed in inventory order at their LogicalNumel (a
+/// quantized weight dequantized): per tensor, -1 for adapters and for the tensors of units
+/// without a quantized weight.
+std::vector<int64_t> ComputeOffsets(const Workload& workload);
+
 /// How fsdp-run's engines lay out each unit. Its flat buffer (padded_numel) holds two groups, each
 /// packed in inventory order and padded at its end: first the tensors FSDP reduces no gradient for
 /// (F_u = padded_numel - grad_padded_numel elements: a frozen unit whole, LoRA's base under FSDP2),
@@ -103,6 +109,9 @@ class FsdpEngine {
   /// models DimsOf accepts with block or whole-model wrapping, and LoRA (with or without lora_dropout:
   /// DropoutKey) under FSDP2, its frozen base stored in its own dtype (ShardBuffer), or under FSDP1
   /// with use_orig_params, the base in the master dtype (BuildWorkload refuses a unit of two dtypes).
+  /// QLoRA: the blocks' linears stored as NF4 (runtime/nf4.h) packed into bf16 or fp32 elements
+  /// that are sharded and all-gathered as any frozen parameter, dequantized after each all-gather
+  /// into the unit's compute buffer; not double quantization.
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
   /// Rehearse an out-of-memory: fail with the phase and category when the rank's heap exceeds it.
@@ -167,6 +176,17 @@ class FsdpEngine {
   std::vector<std::vector<ElementRun>> stepped_;  // per unit, what of that shard AdamW steps (SteppedShardRuns)
   std::vector<MasterBuffer> exp_avg_, exp_avg_sq_;  // per unit, packed over stepped_
   std::vector<std::vector<float>> full_, full_grad_;                // per unit while live: P_u floats, the trained group's G_u
+  // QLoRA: per tensor, a quantized weight's absmax per 64 (its quantization state, whole on every
+  // rank, as bitsandbytes keeps it on the module outside what FSDP shards); per unit while
+  // unsharded, its own tensors (not its adapters) in their computed form, packed by
+  // compute_offset_ (per tensor): the quantized weights dequantized, the rest copied; empty for a
+  // unit without quantized weights, whose Params point into full_
+  std::vector<std::vector<float>> nf4_absmax_, compute_;
+  std::vector<int64_t> compute_offset_;
+  /// Fills compute_[u] from the gathered full_[u] (QLoRA: bitsandbytes' dequantize_4bit of every
+  /// quantized weight in fp32, rounded to the compute dtype, param_dtype); nothing for a unit
+  /// without quantized weights.
+  void Dequantize(int u);
   std::vector<int> first_adapter_;  // per module node: a block's first adapter tensor, -1 for none
   struct InFlight {
     int unit;
@@ -192,10 +212,12 @@ std::vector<int32_t> TrainingTokens(const Workload& workload, const TrainOptions
 
 
 /// Deterministic initial values of unit u's flat buffer (padded_numel, in `layout`), independent
-/// of the world size: norms 1, LoRA's lora_A as peft initialises it (kaiming_uniform_ with a =
+/// of the world size (a QLoRA weight's drawn as for its unquantized self, then quantized as
+/// StartingUnit says): norms 1, LoRA's lora_A as peft initialises it (kaiming_uniform_ with a =
 /// sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) and lora_B 0, everything else N(0, 0.02), from mt19937_64
 /// seeded per tensor; padding 0.
-std::vector<float> InitialUnit(const Workload& workload, const EngineLayout& layout, int u, uint64_t seed);
+std::vector<float> InitialUnit(const Workload& workload, const EngineLayout& layout, int u, uint64_t seed,
+                               std::vector<std::vector<float>>* nf4_absmax = nullptr);
 
 /// The checkpoint tensor `tensor` starts from: its own name; for LoRA's wrapped weight
 /// ("<module>.base_layer.weight") the base model's ("<module>.weight") when the checkpoint does not
@@ -210,7 +232,8 @@ struct CheckpointPiece {
   std::vector<int64_t> shape;
 };
 /// Where `tensor`'s values are in `checkpoint`, in its row-major order: the one tensor
-/// CheckpointTensorName names or, for transformers 5's fused experts (mlp.experts.gate_up_proj
+/// CheckpointTensorName names (a QLoRA weight's unquantized values, TensorSpec::nf4_numel of them,
+/// in the shape the checkpoint gives them: bitsandbytes quantizes them as they load) or, for transformers 5's fused experts (mlp.experts.gate_up_proj
 /// [E, 2 I, h], mlp.experts.down_proj [E, h, I]) the checkpoint does not hold fused, the Hub's
 /// per-expert tensors save_pretrained writes (mlp.experts.<e>.gate_proj.weight [I, h], up_proj,
 /// down_proj [h, I]): per expert gate's rows then up's, as transformers' conversion_mapping.py
@@ -220,8 +243,12 @@ std::vector<CheckpointPiece> CheckpointPieces(const Checkpoint& checkpoint, cons
 
 /// Unit u's starting flat buffer (padded_numel, in `layout`): each tensor read from
 /// options.checkpoint when there is one (CheckpointPieces; BadInput when it lacks one or its
-/// shape differs), else InitialUnit's seeded values.
-Result<std::vector<float>> StartingUnit(const Workload& workload, const EngineLayout& layout, int u, const TrainOptions& options);
+/// shape differs), else InitialUnit's seeded values. A QLoRA weight (TensorSpec::nf4_numel) is
+/// quantized as bitsandbytes does on loading (Nf4Quantize of its values rounded to the storage
+/// dtype, FrozenStorageDtype): its packed bytes as storage elements in the buffer
+/// (Nf4StorageElements), its absmax into (*nf4_absmax)[tensor] when nf4_absmax is given.
+Result<std::vector<float>> StartingUnit(const Workload& workload, const EngineLayout& layout, int u, const TrainOptions& options,
+                                        std::vector<std::vector<float>>* nf4_absmax = nullptr);
 
 /// AdamW's bias corrections 1 - beta^t for the step after `steps_taken` applied steps.
 struct AdamCorrections {
@@ -242,7 +269,7 @@ AdamWScalars AdamWStepScalars(const TrainOptions& options, int64_t steps_taken);
 void AdamWUpdate(const AdamWScalars& s, DType dtype, float grad, float& param, float& exp_avg, float& exp_avg_sq);
 
 /// BadInput naming the first frozen parameter, if any: the GPU engine trains every parameter (LoRA
-/// trains on the CPU engine; fsdp-plan and fsdp-sim plan it for GPUs), and without LoRA neither
+/// and QLoRA train on the CPU engine; fsdp-plan and fsdp-sim plan it for GPUs), and without LoRA neither
 /// engine freezes any.
 Status CheckEveryParameterTrains(const Workload& workload);
 

@@ -33,6 +33,11 @@ class Checkpoint {
   /// opened different checkpoints (different paths on different nodes) disagree on it.
   uint64_t Fingerprint() const;
 
+  /// Tensor `name`'s shape; empty when the checkpoint does not have it.
+  std::vector<int64_t> ShapeOf(const std::string& name) const {
+    auto it = tensors_.find(name);
+    return it == tensors_.end() ? std::vector<int64_t>{} : it->second.shape;
+  }
   /// BadInput when tensor `name` is absent, when its shape is not `shape`, or when its dtype is
   /// not one Read converts (F32, BF16, F16).
   Status Check(const std::string& name, const std::vector<int64_t>& shape) const;

@@ -17,6 +17,7 @@
 #include "core/lora.h"
 #include "core/workload.h"
 #include "runtime/fsdp_engine.h"
+#include "runtime/nf4.h"
 
 namespace fsdp::runtime {
 namespace {
@@ -298,6 +299,48 @@ TEST_CASE("StartingUnit under LoRA: base weights by their HF names, the frozen g
       }
     }
   }
+}
+
+TEST_CASE("StartingUnit under QLoRA: each block linear quantized from its checkpoint values rounded to bf16, packed in bf16 elements, absmax kept") {
+  TempDir dir("model");
+  const ModelSpec base = LoadModel("tiny-llama").value();
+  WriteModel(dir / "model.safetensors", base);
+  TrainOptions options;
+  options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
+  FsdpConfig config;
+  config.gpus = config.gpus_per_node = 2;
+  config.framework = Framework::kFsdp2;
+  config.seq_len = 16;
+  config.param_dtype = DType::kBf16;
+  config.lora.rank = 4;
+  config.lora.qlora = true;
+  ModelSpec model = base;
+  REQUIRE(ApplyLora(model, config.lora, config.param_dtype).ok());
+  const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
+  const EngineLayout layout = LayoutOf(w);
+  std::vector<std::vector<float>> absmax(model.tensors.size());
+  auto flat = StartingUnit(w, layout, 1, options, &absmax);
+  REQUIRE(flat.ok());
+  int quantized = 0;
+  for (int t : w.units[1].tensors) {
+    const TensorSpec& ts = model.tensors[t];
+    if (ts.nf4_numel == 0) continue;
+    CAPTURE(ts.name);
+    ++quantized;
+    std::string name = ts.name;  // the checkpoint's tensor, without peft's ".base_layer"
+    if (const size_t at = name.find(".base_layer"); at != std::string::npos) name.erase(at, 11);
+    const auto source = static_cast<int>(std::find_if(base.tensors.begin(), base.tensors.end(), [&](const TensorSpec& b) { return b.name == name; }) -
+                                         base.tensors.begin());
+    std::vector<float> values(static_cast<size_t>(ts.nf4_numel));
+    for (int64_t i = 0; i < ts.nf4_numel; ++i) values[static_cast<size_t>(i)] = RoundTo(Marker(source, i), DType::kBf16);
+    const Nf4Weight expected = Nf4Quantize(values.data(), ts.nf4_numel);
+    CHECK(absmax[static_cast<size_t>(t)] == expected.absmax);
+    CHECK(static_cast<int64_t>(absmax[static_cast<size_t>(t)].size()) == (ts.nf4_numel + 63) / 64);
+    const float* v = flat.value().data() + layout.offset[t];
+    CHECK(Nf4PackedBytes(v, ts.numel(), DType::kBf16) == expected.packed);  // ts.numel() bf16 elements: 4 codes each
+    CHECK(ts.numel() * 4 == ts.nf4_numel);
+  }
+  CHECK(quantized == 7);  // q, k, v, o, gate, up, down
 }
 
 TEST_CASE("CheckpointTensorName finds an adapter under peft's saved name, and none where the checkpoint lacks it") {
