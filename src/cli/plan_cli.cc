@@ -88,8 +88,9 @@ void PrintHeader(const Workload& w, std::ostream& out) {
                Percent(w.model.ParamsTrainable(), w.model.ParamsTotal()), DTypeName(c.master_dtype), DTypeName(base));
     if (c.lora.qlora) {
       const Nf4Bytes nf4 = Nf4ModelBytes(w.model, c.lora, c.param_dtype);
-      fmt::print(out, "QLoRA: the blocks' linears in NF4 ({} GiB packed in {}, sharded; {} GiB of quantization state{} on every rank)\n",
-                 Gib(nf4.packed), DTypeName(c.param_dtype), Gib(nf4.quant_state), c.lora.double_quant ? ", double-quantized," : "");
+      fmt::print(out, "QLoRA: the blocks' linears in NF4 ({} GiB packed in {}, sharded; {} GiB of quantization state{} on every rank), computed in {}\n",
+                 Gib(nf4.packed), DTypeName(c.param_dtype), Gib(nf4.quant_state), c.lora.double_quant ? ", double-quantized," : "",
+                 DTypeName(QloraComputeDtype(c)));
     }
   }
   if (c.loop_holds_outputs) fmt::print(out, "the training loop keeps `outputs`: the logits stay alive through the step\n");
@@ -286,6 +287,8 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_flag("--qlora", f.config.lora.qlora,
                "QLoRA: the blocks' linears stored by bitsandbytes as NF4, packed in the param dtype (bnb_4bit_quant_storage); needs --lora-rank");
   app.add_flag("--qlora-double-quant", f.config.lora.double_quant, "bnb_4bit_use_double_quant=True: the absmax quantized again");
+  app.add_option("--qlora-compute-dtype", f.qlora_compute_dtype,
+                 "bnb_4bit_compute_dtype: fp32 | bf16 | fp16, the dtype QLoRA's linears dequantize into and multiply in (default: the param dtype)");
   app.add_option("--base-dtype", f.base_dtype,
                  "LoRA: the frozen base's dtype, from_pretrained's torch_dtype: fp32 | bf16 (default: the master dtype; QLoRA: the param dtype)");
   app.add_option("--optimizer", f.optimizer, "adamw | adam | sgd | sgd-momentum")->capture_default_str();
@@ -334,6 +337,11 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   if (!(s = Assign(c.reduce_dtype, ParseDType(f.reduce_dtype, "--reduce-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.buffer_dtype, ParseDType(f.buffer_dtype, "--buffer-dtype"))).ok()) return s.error();
   if (!(s = Assign(c.master_dtype, ParseDType(f.master_dtype, "--master-dtype"))).ok()) return s.error();
+  if (!f.qlora_compute_dtype.empty()) {
+    auto compute = ParseDType(f.qlora_compute_dtype, "--qlora-compute-dtype");
+    if (!compute.ok()) return compute.error();
+    c.lora.compute_dtype = compute.value();
+  }
   if (!f.base_dtype.empty()) {
     auto base = ParseDType(f.base_dtype, "--base-dtype");
     if (!base.ok()) return base.error();

@@ -23,6 +23,7 @@ struct PlanFlags {
   std::string strategy = "full_shard", wrap = "block", ac = "none", attention = "flash";
   std::string param_dtype = "bf16", reduce_dtype = "fp32", buffer_dtype = "bf16", master_dtype = "fp32";
   std::string base_dtype;  ///< --base-dtype; empty: LoraConfig::base_dtype unset
+  std::string qlora_compute_dtype;  ///< --qlora-compute-dtype; empty: LoraConfig::compute_dtype unset
   std::string optimizer = "adamw", framework = "fsdp1", backward_prefetch = "pre";
   std::string impl = "transformers";  ///< --impl: whose model code runs (core/fsdp_config.h Impl)
   bool no_limit_all_gathers = false;

@@ -97,7 +97,12 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   o.base.attention = att.value();
   o.base.loop_holds_outputs = f.loop_holds_outputs;
   o.base.lora = f.lora;
-  if (f.lora != LoraConfig{} || IsTorchtitan(o.base.impl)) {
+  if (!f.qlora_compute_dtype.empty()) {
+    auto compute = ParseDType(f.qlora_compute_dtype, "--qlora-compute-dtype");
+    if (!compute.ok()) return compute.error();
+    o.base.lora.compute_dtype = compute.value();
+  }
+  if (o.base.lora != LoraConfig{} || IsTorchtitan(o.base.impl)) {
     // the LoRA and torchtitan settings' errors once, from the configuration every candidate shares
     FsdpConfig probe = o.base;
     probe.gpus = probe.gpus_per_node = 1;
@@ -184,6 +189,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--lora-dropout", f.lora.dropout, "lora_dropout p")->capture_default_str();
   app.add_flag("--qlora", f.lora.qlora, "QLoRA: the blocks' linears in bitsandbytes NF4 (needs --lora-rank)");
   app.add_flag("--qlora-double-quant", f.lora.double_quant, "bnb_4bit_use_double_quant=True");
+  app.add_option("--qlora-compute-dtype", f.qlora_compute_dtype, "bnb_4bit_compute_dtype: fp32 | bf16 | fp16 (default: the param dtype)");
   app.add_option("--top", f.top, "how many configurations to list")->capture_default_str();
   app.add_option("--export", f.export_format, "print the best configuration as pytorch | fsdp2 | accelerate | lightning");
   app.add_flag("--json", f.json, "print one JSON object");

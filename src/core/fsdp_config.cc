@@ -177,6 +177,7 @@ static Status ValidateLora(const LoraConfig& l, WrapPolicy wrap) {
   if (l.rank == 0 && l.dropout != 0) return Error::BadInput("--lora-dropout needs --lora-rank R > 0");
   if (l.rank == 0 && l.qlora) return Error::BadInput("--qlora trains LoRA adapters on a 4-bit base; it needs --lora-rank R > 0");
   if (!l.qlora && l.double_quant) return Error::BadInput("--qlora-double-quant needs --qlora");
+  if (!l.qlora && l.compute_dtype) return Error::BadInput("--qlora-compute-dtype needs --qlora");
   if (l.rank == 0 && wrap == WrapPolicy::kPeft) return Error::BadInput("--wrap peft wraps LoRA adapters; it needs --lora-rank R > 0");
   return {};
 }

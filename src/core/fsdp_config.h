@@ -54,6 +54,10 @@ struct LoraConfig {
   /// the param dtype too, the adapters in the master dtype (peft's autocast_adapter_dtype)
   bool qlora = false;
   bool double_quant = false;  ///< bnb_4bit_use_double_quant: the absmax quantized to 8 bits in blocks of 256
+  /// bnb_4bit_compute_dtype: what Linear4bit casts its input to and dequantizes its weight into
+  /// for the product (the output cast back); unset, the param dtype, as QLoRA recipes set it
+  /// (BitsAndBytesConfig's own default is fp32: every quantized GEMM in fp32). See QloraComputeDtype.
+  std::optional<DType> compute_dtype;
   /// The dtype the frozen base is stored in (from_pretrained's torch_dtype): unset, the master dtype
   /// (a model loaded in fp32), under QLoRA the param dtype; bf16 is the usual peft recipe (a bf16
   /// model, fp32 adapters). See StorageDtype (core/workload.h).

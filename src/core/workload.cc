@@ -204,6 +204,8 @@ DType FrozenStorageDtype(const FsdpConfig& config) {
   return config.lora.base_dtype.value_or(config.lora.qlora ? config.param_dtype : config.master_dtype);
 }
 
+DType QloraComputeDtype(const FsdpConfig& config) { return config.lora.compute_dtype.value_or(config.param_dtype); }
+
 DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor) {
   // a vision tower's parameters keep the dtype they require grad in, gradient or not (FSDP2's idle tower)
   return tensor.RequiresGrad() ? config.master_dtype : FrozenStorageDtype(config);

@@ -82,6 +82,9 @@ struct WrapUnit {
 DType StorageDtype(const FsdpConfig& config, const TensorSpec& tensor);
 /// StorageDtype of a frozen parameter (LoRA's base; the master dtype in full fine-tuning).
 DType FrozenStorageDtype(const FsdpConfig& config);
+/// The dtype a QLoRA weight is dequantized into and multiplied in (bnb_4bit_compute_dtype):
+/// LoraConfig::compute_dtype, by default the param dtype.
+DType QloraComputeDtype(const FsdpConfig& config);
 
 /// A module-tree node reached by a compute segment. Forward segments visit nodes in post-order
 /// (children first, `enter` false). Backward segments enter a node before its children, in reverse,

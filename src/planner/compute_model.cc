@@ -22,6 +22,7 @@ constexpr double kFlashBackwardFactor = 2.5;
 struct NodeWork {
   double gemm_flops = 0;        // forward GEMMs of the node's own weights, per micro-batch
   double frozen_gemm_flops = 0; // of those, the ones of weights without gradients: no weight-gradient GEMM in backward
+  double nf4_gemm_flops = 0;    // of those, QLoRA's quantized weights': multiplied in bnb_4bit_compute_dtype
   double attention_flops = 0;   // forward score and value products
   double traffic_bytes = 0;     // forward memory-bound traffic
   double dequant_bytes = 0;     // QLoRA: traffic of dequantizing the NF4 weights, once per forward and once per backward
@@ -44,7 +45,10 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
     const double share = ts.ComputedShare();
     work.gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
     if (!ts.trainable) work.frozen_gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
-    if (ts.nf4_numel > 0) work.dequant_bytes += Nf4DequantTrafficBytes(ts.nf4_numel, w.config.param_dtype);
+    if (ts.nf4_numel > 0) {
+      work.nf4_gemm_flops += 2.0 * static_cast<double>(ts.LogicalNumel()) * tokens * share;
+      work.dequant_bytes += Nf4DequantTrafficBytes(ts.nf4_numel, QloraComputeDtype(w.config));
+    }
   }
   const bool flash = w.config.attention == Attention::kFlash;
   const double seq = static_cast<double>(w.config.seq_len);
@@ -149,6 +153,12 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
   const double attention_rate = w.hardware.attention_efficiency > 0 ? w.hardware.PeakFlops(w.config.param_dtype) * w.hardware.attention_efficiency
                                                                      : gemm_rate;
   const double mem_rate = w.hardware.memory_bandwidth_bytes_per_s * w.hardware.memory_efficiency;
+  // QLoRA's quantized weights multiply in bnb_4bit_compute_dtype (fp32: no tensor-core rate), the
+  // rest in the param dtype
+  const double nf4_rate = w.hardware.PeakFlops(QloraComputeDtype(w.config)) * w.hardware.matmul_efficiency;
+  auto gemm_seconds = [&](double flops, double nf4_flops) {
+    return nf4_flops == 0 || nf4_rate == gemm_rate ? flops / gemm_rate : (flops - nf4_flops) / gemm_rate + nf4_flops / nf4_rate;
+  };
   const bool flash = w.config.attention == Attention::kFlash;
   const Checkpointing ac = w.config.checkpointing;
   const std::vector<bool> op_recomputed = ac == Checkpointing::kSelectiveOp ? OpRecomputedMatmuls(w) : std::vector<bool>(w.nodes.size(), false);
@@ -165,9 +175,11 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
     const double bwd_flops = bwd_gemm_flops + (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
     const double attn_bwd = (flash ? kFlashBackwardFactor : kBackwardGemmFactor) * work.attention_flops;
     // (bitsandbytes' MatMul4Bit dequantizes the weight in forward and again for the input gradient)
-    const double fwd_s = work.gemm_flops / gemm_rate + work.attention_flops / attention_rate + (work.traffic_bytes + work.dequant_bytes) / mem_rate;
+    const double fwd_gemm_s = gemm_seconds(work.gemm_flops, work.nf4_gemm_flops);
+    const double fwd_s = fwd_gemm_s + work.attention_flops / attention_rate + (work.traffic_bytes + work.dequant_bytes) / mem_rate;
     own.forward_s = fwd_s;
-    own.backward_s = bwd_gemm_flops / gemm_rate + attn_bwd / attention_rate +
+    // a quantized weight is frozen: its input gradient's GEMM only
+    own.backward_s = gemm_seconds(bwd_gemm_flops, (kBackwardGemmFactor - 1) * work.nf4_gemm_flops) + attn_bwd / attention_rate +
                      (kBackwardTrafficFactor * work.traffic_bytes + work.dequant_bytes) / mem_rate;
     double recompute_flops = 0;
     const int block_index = EnclosingBlock(w, id);
@@ -184,7 +196,7 @@ ComputeModel EstimateUnitCompute(const Workload& w, double traffic_per_saved_byt
       own.recompute_s = (core ? work.attention_flops / attention_rate : 0.0) + traffic_per_saved_byte * recomputed_bytes / mem_rate;
     } else if (op_recomputed[id]) {
       recompute_flops = work.gemm_flops;
-      own.recompute_s = work.gemm_flops / gemm_rate;
+      own.recompute_s = fwd_gemm_s;
     }
     u.forward_flops += fwd_flops;
     u.forward_s += own.forward_s;

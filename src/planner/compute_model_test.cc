@@ -117,5 +117,26 @@ TEST_CASE("QLoRA: the FLOPs of the unpacked weights and the adapters, and each q
   CHECK(q.units[0].forward_s == doctest::Approx(a.units[0].forward_s));  // lm_head is not quantized
 }
 
+TEST_CASE("QLoRA's compute dtype: the quantized weights' products at its rate, their dequantization written in it") {
+  FsdpConfig c = ThreeRanks();  // fp32 parameters
+  c.framework = Framework::kFsdp2;
+  c.lora.rank = 2;
+  c.lora.qlora = true;
+  const ComputeModel fp32 = EstimateCompute(HandWorkload(c));
+  c.lora.compute_dtype = DType::kBf16;
+  const Workload w = HandWorkload(c);
+  const ComputeModel bf16 = EstimateCompute(w);
+  // the block's 576 quantized weights: 2 x 576 x 2 tokens = 2304 FLOPs in forward and again for the
+  // input gradient (frozen: no weight gradient); the dequantized weights written in 2 bytes instead
+  // of 4: 576 x 2.5625 = 1476 bytes instead of 2628, in forward and in backward
+  const HardwareSpec& hw = w.hardware;
+  const double mem_rate = hw.memory_bandwidth_bytes_per_s * hw.memory_efficiency;
+  const double faster_s = 2304 / (hw.peak_flops_fp32 * hw.matmul_efficiency) - 2304 / (hw.peak_flops_bf16 * hw.matmul_efficiency);
+  CHECK(Nf4DequantTrafficBytes(576, DType::kBf16) == doctest::Approx(1476));
+  CHECK(fp32.units[1].forward_s - bf16.units[1].forward_s == doctest::Approx(faster_s + (2628 - 1476) / mem_rate));
+  CHECK(fp32.units[1].backward_s - bf16.units[1].backward_s == doctest::Approx(faster_s + (2628 - 1476) / mem_rate));
+  CHECK(bf16.units[1].forward_flops == doctest::Approx(fp32.units[1].forward_flops));
+}
+
 }  // namespace
 }  // namespace fsdp

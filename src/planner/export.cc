@@ -161,9 +161,9 @@ std::string LoraCode(const Workload& w) {
         "# and all-gathers them as any {0} parameter:\n"
         "from transformers import AutoModelForCausalLM, BitsAndBytesConfig\n\n"
         "bnb_config = BitsAndBytesConfig(\n    load_in_4bit=True,\n    bnb_4bit_quant_type=\"nf4\",\n    bnb_4bit_use_double_quant={1},\n"
-        "    bnb_4bit_compute_dtype={0},\n    bnb_4bit_quant_storage={0},\n)\n"
+        "    bnb_4bit_compute_dtype={2},\n    bnb_4bit_quant_storage={0},\n)\n"
         "# model = AutoModelForCausalLM.from_pretrained(MODEL_ID, dtype={0}, quantization_config=bnb_config)\n",
-        TorchDType(c.param_dtype), Python(l.double_quant));
+        TorchDType(c.param_dtype), Python(l.double_quant), TorchDType(QloraComputeDtype(c)));
   } else if (base != c.master_dtype) {
     out += fmt::format("# the frozen base in {}: model = AutoModelForCausalLM.from_pretrained(MODEL_ID, dtype={})\n", DTypeName(base), TorchDType(base));
   }

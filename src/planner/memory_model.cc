@@ -73,7 +73,9 @@ class StepPlayer {
     pb_ = BytesPerElement(c_.param_dtype);
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
-    for (const TensorSpec& t : w.model.tensors) nf4_dequant_bytes_ = std::max(nf4_dequant_bytes_, Nf4DequantTransientBytes(t));
+    for (int b = 0; b < w.model.num_layers; ++b) {
+      for (const ParamOp& op : w.model.arch.BlockOf(b)) nf4_dequant_bytes_ = std::max(nf4_dequant_bytes_, Nf4DequantTransientBytes(op));
+    }
   }
 
   /// Plays the steps: with the caching allocator two of them (the first creates the optimizer
@@ -130,14 +132,19 @@ class StepPlayer {
   }
 
   // bitsandbytes 0.50's dequantize-then-linear (backends/cuda/ops.py _dequant_linear_fallback, and
-  // MatMul4Bit.backward's dequantize_4bit): the weight in the compute dtype and, double-quantized,
-  // the absmax dequantized to fp32 and offset (two fp32 tensors of a block each). Its fused
-  // gemm_4bit kernel, taken for micro-batches of at most 1,536 tokens on some GPUs, has none: the
-  // unfused path is an upper bound there.
-  int64_t Nf4DequantTransientBytes(const TensorSpec& t) const {
-    if (t.nf4_numel == 0) return 0;
-    const int64_t blocks = (t.nf4_numel + 63) / 64;
-    return t.nf4_numel * pb_ + (c_.lora.double_quant ? 2 * 4 * blocks : 0);
+  // MatMul4Bit.backward's dequantize_4bit): the weight in the compute dtype (bnb_4bit_compute_dtype)
+  // and, double-quantized, the absmax dequantized to fp32 and offset (two fp32 tensors of a block
+  // each). With a compute dtype other than the param dtype, Linear4bit.forward's x.to(compute_dtype)
+  // (T x in) and the product (T x out) before its cast back are alive beside it, as are the
+  // gradient's casts in backward (nn/modules.py Linear4bit.forward; neither is saved: MatMul4Bit
+  // keeps only the packed weight). Its fused gemm_4bit kernel, taken for micro-batches of at most
+  // 1,536 tokens on some GPUs, has no dequantized weight: the unfused path is an upper bound there.
+  int64_t Nf4DequantTransientBytes(const ParamOp& op) const {
+    if (op.nf4_storage_bytes == 0) return 0;
+    const int64_t n = op.in * op.out, blocks = (n + 63) / 64;
+    const DType compute = QloraComputeDtype(c_);
+    const int64_t casts = compute == c_.param_dtype ? 0 : w_.TokensPerMicroBatch() * (op.in + op.out) * BytesPerElement(compute);
+    return n * BytesPerElement(compute) + casts + (c_.lora.double_quant ? 2 * 4 * blocks : 0);
   }
 
   int64_t ShardBytesTotal() const {

@@ -708,6 +708,30 @@ TEST_CASE("QLoRA under FSDP1 with peft's wrap: the base packed in bf16 and shard
   CHECK(mixed.error().message.find("uniform dtype") != std::string::npos);
 }
 
+// tiny-llama on 1 GPU at seq 16 (T = 16), QLoRA under FSDP2, bf16 parameters: the peak is in the
+// last block's backward, beside the largest weight dequantized for the input gradient (gate, up,
+// down: 344 x 128 = 44,032 weights). An fp32 compute dtype writes it in 4 bytes instead of 2, and
+// keeps the input cast to fp32 and the fp32 product beside it (T x (128 + 344) x 4), one allocation.
+TEST_CASE("QLoRA's compute dtype: the dequantized weight in it, and the input and output casts when it is not the param dtype") {
+  auto peak = [](std::optional<DType> compute) {
+    FsdpConfig c;
+    c.gpus = c.gpus_per_node = 1;
+    c.framework = Framework::kFsdp2;
+    c.seq_len = 16;
+    c.lora.rank = 4;
+    c.lora.qlora = true;
+    c.lora.compute_dtype = compute;
+    const MemoryEstimate m = EstimateMemory(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value());
+    CHECK(m.peak_phase == "backward: model.layers.4");
+    return m.allocated_peak_bytes;
+  };
+  CHECK(peak(DType::kBf16) == peak(std::nullopt));
+  CHECK(peak(DType::kFp32) - peak(std::nullopt) == 44032 * 4 + 16 * (128 + 344) * 4 - 44032 * 2);
+  // fp16: the casts beside a weight of the same size, 88,064 + 15,104 bytes rounded up to the
+  // allocator's 512 (the two above are multiples of 512)
+  CHECK(peak(DType::kFp16) - peak(std::nullopt) == (44032 * 2 + 16 * (128 + 344) * 2 + 511) / 512 * 512 - 44032 * 2);
+}
+
 TEST_CASE("what routed experts cost: every expert sharded, all-gathered and reduced whichever the tokens pick") {
   // mixtral-8x7b on 8 ranks, FSDP2 FULL_SHARD, bf16 params, fp32 reduce, AdamW: 32 layers x 8
   // experts x w1/w3/w2 of 4096 x 14336 = 45,097,156,608 routed elements, 2 of 8 per token; each

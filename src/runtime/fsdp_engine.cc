@@ -287,6 +287,7 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
   mix(std::hash<std::string>{}(c.lora.targets));
   mix(static_cast<uint64_t>(FrozenStorageDtype(c)));
   mix(static_cast<uint64_t>(c.lora.qlora) * 2 + static_cast<uint64_t>(c.lora.double_quant));
+  mix(static_cast<uint64_t>(QloraComputeDtype(c)));
   mix(o.seed);
   mix(o.checkpoint ? o.checkpoint->Fingerprint() : 0);
   mix(static_cast<uint64_t>(o.loss_scaling.mode));
@@ -463,10 +464,12 @@ void FsdpEngine::Dequantize(int u) {
       std::copy(gathered, gathered + ts.numel(), out);
       continue;
     }
-    // MatMul4Bit's dequantize_4bit(B, quant_state).to(A.dtype): fp32 products, then the compute dtype
+    // MatMul4Bit's dequantize_4bit(B, quant_state).to(A.dtype), A cast to bnb_4bit_compute_dtype:
+    // fp32 products, then the compute dtype
     const Nf4Weight weight{Nf4PackedBytes(gathered, ts.numel(), storage), nf4_absmax_[t]};
     Nf4Dequantize(weight, ts.nf4_numel, out);
-    for (int64_t i = 0; i < ts.nf4_numel; ++i) out[i] = RoundTo(out[i], w_.config.param_dtype);
+    const DType compute = QloraComputeDtype(w_.config);
+    for (int64_t i = 0; i < ts.nf4_numel; ++i) out[i] = RoundTo(out[i], compute);
   }
 }
 

@@ -184,7 +184,7 @@ class FsdpEngine {
   std::vector<std::vector<float>> nf4_absmax_, compute_;
   std::vector<int64_t> compute_offset_;
   /// Fills compute_[u] from the gathered full_[u] (QLoRA: bitsandbytes' dequantize_4bit of every
-  /// quantized weight in fp32, rounded to the compute dtype, param_dtype); nothing for a unit
+  /// quantized weight in fp32, rounded to the compute dtype, QloraComputeDtype); nothing for a unit
   /// without quantized weights.
   void Dequantize(int u);
   std::vector<int> first_adapter_;  // per module node: a block's first adapter tensor, -1 for none
