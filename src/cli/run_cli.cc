@@ -248,6 +248,16 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     if (!impl.ok()) return impl.error();
     return Error::BadInput(fmt::format("fsdp-run runs transformers' Llama modules and wrap; --impl {} is a planning option (fsdp-plan, fsdp-sim)", ImplName(impl.value())));
   }
+  // FSDP1 flattens a unit into one dtype; the planner's way out for a base stored apart from its
+  // adapters, peft's wrap (adapters in units of their own), is not one fsdp-run implements
+  if (auto config = ConfigFromFlags(plan); config.ok()) {
+    const FsdpConfig& c = config.value();
+    if (c.framework == Framework::kFsdp1 && c.lora.rank > 0 && FrozenStorageDtype(c) != c.master_dtype) {
+      return Error::BadInput(fmt::format("fsdp-run's FSDP1 flattens each block's base and adapters into one parameter of one dtype; a {} base beside {} "
+                                         "adapters trains under --framework fsdp2 (peft's FSDP1 wrap is planned only)",
+                                         DTypeName(FrozenStorageDtype(c)), DTypeName(c.master_dtype)));
+    }
+  }
   auto w = WorkloadFromFlags(plan);
   if (!w.ok()) return w.error();
   const FsdpConfig& c = w.value().config;
