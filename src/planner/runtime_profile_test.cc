@@ -24,6 +24,17 @@ Workload Tiny(int gpus, Strategy strategy, Checkpointing ac, DType param_dtype, 
 
 int64_t Round512(int64_t bytes) { return (bytes + 511) / 512 * 512; }
 
+// LoRA r=4 under FSDP2 on `gpus` ranks, micro-batch 2 of 32 tokens (tiny-llama's tests below)
+FsdpConfig TinyLora(int64_t gpus) {
+  FsdpConfig c;
+  c.gpus = c.gpus_per_node = gpus;
+  c.framework = Framework::kFsdp2;
+  c.micro_batch = 2;
+  c.seq_len = 32;
+  c.lora.rank = 4;
+  return c;
+}
+
 // tests/data/hf_configs/qwen3-moe-mini.json's shapes at seq 64, micro-batch 2: T = 128 tokens,
 // h 64, 4 heads and 2 kv heads of 16, 8 experts of 32, top 2 (256 pairs).
 TEST_CASE("CPU engine profile: what a Qwen3-MoE block saves, counted by hand") {
@@ -51,12 +62,7 @@ TEST_CASE("CPU engine profile: what a Qwen3-MoE block saves, counted by hand") {
 // and its keep mask (T x in bytes), in = 128, 128, 344.
 TEST_CASE("CPU engine profile: what LoRA and its dropout add to a block, counted by hand") {
   auto with_lora = [](double dropout) {
-    FsdpConfig c;
-    c.gpus = c.gpus_per_node = 2;
-    c.framework = Framework::kFsdp2;
-    c.micro_batch = 2;
-    c.seq_len = 32;
-    c.lora.rank = 4;
+    FsdpConfig c = TinyLora(2);
     c.lora.targets = "q_proj,v_proj,down_proj";
     c.lora.dropout = dropout;
     return RuntimeBlockSavedBytes(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h200-sxm").value(), c).value());
@@ -72,12 +78,7 @@ TEST_CASE("CPU engine profile: what LoRA and its dropout add to a block, counted
 // (256 + 128 + 128 + 256 + 3 x 688 = 2,832 blocks).
 TEST_CASE("CPU engine profile: QLoRA's packed codes and absmax in the sharded parameters, counted by hand") {
   auto sharded = [](bool qlora) {
-    FsdpConfig c;
-    c.gpus = c.gpus_per_node = 1;
-    c.framework = Framework::kFsdp2;
-    c.micro_batch = 2;
-    c.seq_len = 32;
-    c.lora.rank = 4;
+    FsdpConfig c = TinyLora(1);
     c.lora.qlora = qlora;
     c.lora.base_dtype = DType::kBf16;
     ModelSpec m = LoadModel("tiny-llama").value();

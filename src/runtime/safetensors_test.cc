@@ -253,19 +253,30 @@ TEST_CASE("StartingUnit places every checkpoint tensor at its offset in each uni
   CHECK(missing.error().message == "checkpoint '" + dir.path.string() + "' has no tensor 'model.norm.weight'");
 }
 
+// tiny-llama's checkpoint in a temporary directory, options that start from it, and LoRA r=4 under
+// FSDP2 on 2 ranks (peft's default targets for llama: q_proj, v_proj)
+struct TinyLoraCheckpoint {
+  TinyLoraCheckpoint() {
+    WriteModel(dir / "model.safetensors", base);
+    options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
+    config.gpus = config.gpus_per_node = 2;
+    config.framework = Framework::kFsdp2;
+    config.seq_len = 16;
+    config.lora.rank = 4;
+  }
+  TempDir dir{"model"};
+  ModelSpec base = LoadModel("tiny-llama").value();
+  TrainOptions options;
+  FsdpConfig config;
+};
+
 // A base model's checkpoint under LoRA (FSDP2, 2 ranks): each wrapped weight read from its HF name,
 // the frozen group first in each block's buffer, then the adapters as peft initialises them.
 TEST_CASE("StartingUnit under LoRA: base weights by their HF names, the frozen group first, adapters as peft starts them") {
-  TempDir dir("model");
-  const ModelSpec base = LoadModel("tiny-llama").value();
-  WriteModel(dir / "model.safetensors", base);
-  TrainOptions options;
-  options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
-  FsdpConfig config;
-  config.gpus = config.gpus_per_node = 2;
-  config.framework = Framework::kFsdp2;
-  config.seq_len = 16;
-  config.lora.rank = 4;  // q_proj, v_proj (peft's default for llama)
+  TinyLoraCheckpoint fixture;
+  const ModelSpec& base = fixture.base;
+  const TrainOptions& options = fixture.options;
+  FsdpConfig& config = fixture.config;
   ModelSpec model = base;
   REQUIRE(ApplyLora(model, config.lora).ok());
   const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
@@ -302,17 +313,11 @@ TEST_CASE("StartingUnit under LoRA: base weights by their HF names, the frozen g
 }
 
 TEST_CASE("StartingUnit under QLoRA: each block linear quantized from its checkpoint values rounded to bf16, packed in bf16 elements, absmax kept") {
-  TempDir dir("model");
-  const ModelSpec base = LoadModel("tiny-llama").value();
-  WriteModel(dir / "model.safetensors", base);
-  TrainOptions options;
-  options.checkpoint = std::make_shared<const Checkpoint>(Checkpoint::Open(dir.path.string()).value());
-  FsdpConfig config;
-  config.gpus = config.gpus_per_node = 2;
-  config.framework = Framework::kFsdp2;
-  config.seq_len = 16;
+  TinyLoraCheckpoint fixture;
+  const ModelSpec& base = fixture.base;
+  const TrainOptions& options = fixture.options;
+  FsdpConfig& config = fixture.config;
   config.param_dtype = DType::kBf16;
-  config.lora.rank = 4;
   config.lora.qlora = true;
   ModelSpec model = base;
   REQUIRE(ApplyLora(model, config.lora, config.param_dtype).ok());
