@@ -69,6 +69,23 @@ l100m_2_fsdp2      --model llama-100m --gpus 2 --gpus-per-node 2 --seq-len 512 -
 l7b_a100_efa       --model llama-2-7b --gpus 16 --cluster a100-40gb-efa --gpu a100-40gb-sxm --seq-len 2048
 l7b_rtx4090        --model llama-2-7b --gpu rtx-4090 --gpus 4 --gpus-per-node 4 --ac full
 l13b_mb4_ga8       --model llama-2-13b --gpus 32 --micro-batch 4 --grad-accum 8 --ac full
+l7b_lora_fsdp1     --model llama-2-7b --gpus 8 --lora-rank 16 --lora-targets all-linear
+l7b_lora_fsdp2     --model llama-2-7b --gpus 8 --framework fsdp2 --lora-rank 16 --lora-dropout 0.05 --base-dtype bf16 --ac full
+l7b_lora_origp     --model llama-2-7b --gpus 8 --lora-rank 8 --wrap block --use-orig-params
+l70b_qlora_4090    --model llama-2-70b --gpu rtx-4090 --gpus 4 --gpus-per-node 4 --seq-len 2048 --lora-rank 16 --lora-targets all-linear --qlora --ac full
+l7b_qlora_dq_fp32  --model llama-2-7b --gpus 8 --framework fsdp2 --lora-rank 8 --qlora --qlora-double-quant --qlora-compute-dtype fp32
+l7b_qlora_offload  --model llama-2-7b --gpus 8 --lora-rank 8 --qlora --cpu-offload
+l7b_pure_bf16      --model llama-2-7b --gpus 8 --framework fsdp2 --master-dtype bf16 --reduce-dtype bf16
+l8b_titan          --model llama-3.1-8b --gpus 8 --seq-len 8192 --framework fsdp2 --impl torchtitan --ac selective-op
+l8b_alloc_conf     --model llama-3.1-8b --gpus 8 --seq-len 8192 --framework fsdp2 --alloc-conf expandable_segments:True
+qwen3_8b_8         --model qwen3-8b --gpus 8 --framework fsdp2 --ac full
+qwen3_moe_16       --model qwen3-30b-a3b --gpus 16 --framework fsdp2 --ac full
+gemma3_27b_16      --model gemma-3-27b --gpus 16 --framework fsdp2 --ac full
+olmo2_8            --model olmo-2-7b --gpus 8
+phi4_8             --model phi-4 --gpus 8 --ac full
+dsv3_256           --model deepseek-v3 --gpus 256 --framework fsdp2 --ac full --seq-len 4096
+gptoss_20b_8       --model gpt-oss-20b --gpus 8 --framework fsdp2 --ac full
+llama4_scout_32    --model llama-4-scout --gpus 32 --framework fsdp2 --ac full
 EOF
 )
 
@@ -102,6 +119,11 @@ cpu_ns_2        2 --model tiny-llama --seq-len 16 --steps 2 --gpus 2 --strategy 
 cpu_hs_4        4 --model tiny-llama --seq-len 16 --steps 2 --gpus 4 --gpus-per-node 2 --strategy hybrid_shard
 cpu_ac_2        2 --model tiny-llama --seq-len 16 --steps 2 --gpus 2 --ac full --forward-prefetch --backward-prefetch post
 cpu_sel_2       2 --model tiny-llama --seq-len 16 --steps 2 --gpus 2 --ac selective --wrap none
+cpu_lora_3      3 --model tiny-llama --seq-len 16 --steps 2 --gpus 3 --framework fsdp2 --lora-rank 4 --lora-targets all-linear --lora-dropout 0.1 --base-dtype bf16
+cpu_lora_f1_2   2 --model tiny-llama --seq-len 16 --steps 2 --gpus 2 --lora-rank 4 --wrap block --use-orig-params
+cpu_qlora_2     2 --model tiny-llama --seq-len 16 --steps 2 --gpus 2 --framework fsdp2 --lora-rank 4 --lora-targets all-linear --qlora
+cpu_qlora_f1_2  2 --model tiny-llama --seq-len 16 --steps 2 --gpus 2 --lora-rank 4 --qlora --wrap block --use-orig-params --param-dtype fp32 --reduce-dtype fp32
+cpu_pure_bf16_2 2 --model tiny-llama --seq-len 16 --steps 2 --gpus 2 --framework fsdp2 --master-dtype bf16 --reduce-dtype bf16
 EOF
 )
 MPI="mpirun --allow-run-as-root --oversubscribe -np"
