@@ -10,7 +10,8 @@
 #      selective AC), each writing predicted vs measured JSON; the FULL_SHARD pair starts both from
 #      one seeded bf16 checkpoint on one token file (--init-from, --tokens), so their losses are
 #      compared too; after the first two pairs, the reserved-memory sweep: PyTorch FSDP2 alone on
-#      five models with and without expandable segments, LoRA and pure bf16 (SWEEP below), for
+#      five models with and without expandable segments, LoRA (also as peft recipes run it: dropout, a bf16
+#      base), QLoRA (bitsandbytes on the GPU) and pure bf16 (SWEEP below), for
 #      tools/gpu_memory_check.py to compare with fsdp-plan's caching-allocator replay;
 #   4. runs tools/hf_parity.py --device cuda: fsdp-run's fp32 losses against transformers' training
 #      of the same safetensors checkpoint on the same tokens;
@@ -64,6 +65,11 @@ else
   MODEL=${MODEL:-tinyllama-1.1b}
   SEQ=${SEQ:-2048}
   STEPS=${STEPS:-6}
+fi
+# bitsandbytes for the sweep's QLoRA row, carried in .device-deps/python (tools/prepare-device-deps.sh)
+# for a machine without its own
+if [ -z "$REHEARSE" ] && [ -d .device-deps/python/bitsandbytes ] && ! "$PYTHON" -c "import bitsandbytes" > /dev/null 2>&1; then
+  export PYTHONPATH=$PWD/.device-deps/python${PYTHONPATH:+:$PYTHONPATH}
 fi
 BUDGET_S=${BUDGET_S:-480}
 PARTS=" ${PARTS:-kernels pairs sweep hf_parity virtual calibrate memcheck} "
@@ -264,6 +270,8 @@ tinyllama_lora_mb4 - 4 --model models/tinyllama-1.1b.json --seq-len 2048 --micro
 qwen25_05b_ac_mb4_exp expandable_segments:True 5 --model tests/data/hf_configs/qwen2.5-0.5b.json --seq-len 4096 --micro-batch 4 --attention sdpa --ac full
 tinyllama_bf16_mb4 - 5 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 4 --attention sdpa --master-dtype bf16
 tinyllama_max_split max_split_size_mb:512 6 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 1 --attention eager
+tinyllama_qlora_mb4 - 6 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 4 --attention sdpa --lora-rank 16 --lora-targets all-linear --qlora
+tinyllama_lora_recipe_mb4 - 6 --model models/tinyllama-1.1b.json --seq-len 2048 --micro-batch 4 --attention sdpa --lora-rank 16 --lora-targets all-linear --lora-dropout 0.05 --base-dtype bf16
 TABLE
 )
 [ -n "${SWEEP_FILE:-}" ] && SWEEP=$(grep -v '^#' "$SWEEP_FILE")

@@ -48,6 +48,12 @@ def plan_flags(config, world, gpu):
             flags += ["--lora-targets", config["lora_targets"]]
         if config.get("base_dtype"):
             flags += ["--base-dtype", config["base_dtype"]]
+        if config.get("lora_dropout"):
+            flags += ["--lora-dropout", str(config["lora_dropout"])]
+        if config.get("qlora"):
+            flags.append("--qlora")
+        if config.get("qlora_double_quant"):
+            flags.append("--qlora-double-quant")
     if config.get("alloc_conf"):
         flags += ["--alloc-conf", config["alloc_conf"]]
     return flags

@@ -16,3 +16,15 @@ cp -r /usr/share/eigen3/cmake "$dest/share/eigen3/"
 cp -r /usr/lib/cmake/doctest "$dest/lib/cmake/"
 grep -qx '/.device-deps/' .git/info/exclude 2>/dev/null || echo '/.device-deps/' >> .git/info/exclude
 du -sh .device-deps
+# bitsandbytes for the reserved sweep's QLoRA row (tools/device-check.sh), from the torch venv when
+# it is there: its Python files and its CUDA 13 libraries (PyTorch 2.11 there is built for CUDA 13;
+# the other CUDA builds would not fit the carry), about 9 MB in .device-deps/python, which
+# device-check.sh puts on PYTHONPATH when the machine has no bitsandbytes of its own
+bnb=$(ls -d build/torch-venv/lib/python3*/site-packages/bitsandbytes 2>/dev/null | head -1 || true)
+if [ -n "$bnb" ]; then
+  mkdir -p .device-deps/python
+  cp -r "$bnb" .device-deps/python/
+  find .device-deps/python -name __pycache__ -prune -exec rm -rf {} +
+  find .device-deps/python/bitsandbytes -maxdepth 1 -name 'libbitsandbytes_*' ! -name 'libbitsandbytes_cuda13*' ! -name 'libbitsandbytes_cpu*' -delete
+  du -sh .device-deps/python
+fi

@@ -932,6 +932,7 @@ def build_report(args, env, params, notes, run):
             "lora_rank": args.lora_rank, "lora_alpha": args.lora_alpha,
             "lora_targets": args.lora_targets or None, "base_dtype": args.base_dtype,
             "master_dtype": args.master_dtype, "qlora": args.qlora,
+            "lora_dropout": args.lora_dropout, "qlora_double_quant": args.qlora_double_quant,
         },
         "notes": notes,
         "measured": {
