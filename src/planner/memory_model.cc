@@ -74,7 +74,10 @@ class StepPlayer {
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
     for (int b = 0; b < w.model.num_layers; ++b) {
-      for (const ParamOp& op : w.model.arch.BlockOf(b)) nf4_dequant_bytes_ = std::max(nf4_dequant_bytes_, Nf4DequantTransientBytes(op));
+      for (const ParamOp& op : w.model.arch.BlockOf(b)) {
+        const Nf4Transient t = Nf4DequantTransient(op);
+        if (t.weight_bytes + t.cast_bytes > nf4_.weight_bytes + nf4_.cast_bytes) nf4_ = t;
+      }
     }
   }
 
@@ -139,12 +142,16 @@ class StepPlayer {
   // gradient's casts in backward (nn/modules.py Linear4bit.forward; neither is saved: MatMul4Bit
   // keeps only the packed weight). Its fused gemm_4bit kernel, taken for micro-batches of at most
   // 1,536 tokens on some GPUs, has no dequantized weight: the unfused path is an upper bound there.
-  int64_t Nf4DequantTransientBytes(const ParamOp& op) const {
-    if (op.nf4_storage_bytes == 0) return 0;
+  struct Nf4Transient {
+    int64_t weight_bytes = 0;  // the dequantized weight (and absmax): unsharded_params
+    int64_t cast_bytes = 0;    // the input and output in the compute dtype: activations
+  };
+  Nf4Transient Nf4DequantTransient(const ParamOp& op) const {
+    if (op.nf4_storage_bytes == 0) return {};
     const int64_t n = op.in * op.out, blocks = (n + 63) / 64;
     const DType compute = QloraComputeDtype(c_);
-    const int64_t casts = compute == c_.param_dtype ? 0 : w_.TokensPerMicroBatch() * (op.in + op.out) * BytesPerElement(compute);
-    return n * BytesPerElement(compute) + casts + (c_.lora.double_quant ? 2 * 4 * blocks : 0);
+    return {n * BytesPerElement(compute) + (c_.lora.double_quant ? 2 * 4 * blocks : 0),
+            compute == c_.param_dtype ? 0 : w_.TokensPerMicroBatch() * (op.in + op.out) * BytesPerElement(compute)};
   }
 
   int64_t ShardBytesTotal() const {
@@ -429,8 +436,10 @@ class StepPlayer {
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) ForwardIntermediates(BlockProfile(node_id).recomputed);
         // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
         // with all the block's saved tensors alive (an upper bound by the ones saved after it)
-        if (nf4_dequant_bytes_ > 0) {
-          BlockId dequantized = mem_.Alloc(Cat::kUnshardedParams, nf4_dequant_bytes_);
+        if (nf4_.weight_bytes > 0) {
+          BlockId dequantized = mem_.Alloc(Cat::kUnshardedParams, nf4_.weight_bytes);
+          BlockId casts = nf4_.cast_bytes > 0 ? mem_.Alloc(Cat::kActivations, nf4_.cast_bytes) : kNoBlock;
+          mem_.Free(casts);
           mem_.Free(dequantized);
         }
         break;
@@ -529,7 +538,8 @@ class StepPlayer {
         }
         transient.push_back(mem_.Alloc(Cat::kActivations, BlockProfile(node_id).backward_working_bytes));
         // QLoRA: the weight dequantized again for the input gradient (MatMul4Bit.backward)
-        if (nf4_dequant_bytes_ > 0) transient.push_back(mem_.Alloc(Cat::kUnshardedParams, nf4_dequant_bytes_));
+        if (nf4_.weight_bytes > 0) transient.push_back(mem_.Alloc(Cat::kUnshardedParams, nf4_.weight_bytes));
+        if (nf4_.cast_bytes > 0) transient.push_back(mem_.Alloc(Cat::kActivations, nf4_.cast_bytes));
         break;
       case ModuleNode::Role::kLmHead: {
         // autograd's order (torch/csrc/autograd/engine.cpp: a node's input buffer and saved
@@ -720,7 +730,7 @@ class StepPlayer {
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   int64_t skipped_retries_ = 0;     // the allocator retries of the micro-batches PlayMicroBatches skipped
-  int64_t nf4_dequant_bytes_ = 0;  // QLoRA: the largest quantized weight, dequantized in the compute dtype
+  Nf4Transient nf4_;  // QLoRA: the largest quantized weight's dequantization transient
   bool states_allocated_ = true;  ///< the optimizer states exist (false until the first step's optimizer.step())
   PhaseTracker phases_;
   std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;

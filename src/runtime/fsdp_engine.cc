@@ -454,21 +454,22 @@ void FsdpEngine::Dequantize(int u) {
   if (numel == 0) return;
   compute_[u].resize(static_cast<size_t>(numel));
   ledger_.Add(MemCategory::kUnshardedParams, numel * 4);
-  const DType storage = FrozenStorageDtype(w_.config);
+  const DType storage = FrozenStorageDtype(w_.config), compute = QloraComputeDtype(w_.config);
   for (int t : w_.units[u].tensors) {
     if (compute_offset_[t] < 0) continue;  // an adapter: Params reads it from full_
     const TensorSpec& ts = w_.model.tensors[t];
     const float* gathered = full_[u].data() + layout_.offset[t];
     float* out = compute_[u].data() + compute_offset_[t];
     if (ts.nf4_numel == 0) {
-      std::copy(gathered, gathered + ts.numel(), out);
+      // Linear4bit.forward casts a quantized linear's bias to the compute dtype (AddOp puts it right after the weight)
+      const bool nf4_bias = t > 0 && w_.model.tensors[t - 1].nf4_numel > 0 && ts.module() == w_.model.tensors[t - 1].module();
+      for (int64_t i = 0; i < ts.numel(); ++i) out[i] = nf4_bias ? RoundTo(gathered[i], compute) : gathered[i];
       continue;
     }
     // MatMul4Bit's dequantize_4bit(B, quant_state).to(A.dtype), A cast to bnb_4bit_compute_dtype:
     // fp32 products, then the compute dtype
-    const Nf4Weight weight{Nf4PackedBytes(gathered, ts.numel(), storage), nf4_absmax_[t]};
-    Nf4Dequantize(weight, ts.nf4_numel, out);
-    const DType compute = QloraComputeDtype(w_.config);
+    const std::vector<uint8_t> packed = Nf4PackedBytes(gathered, ts.numel(), storage);  // (n / 2 bytes, gone before any sample)
+    Nf4Dequantize(packed.data(), nf4_absmax_[t].data(), ts.nf4_numel, out);
     for (int64_t i = 0; i < ts.nf4_numel; ++i) out[i] = RoundTo(out[i], compute);
   }
 }

@@ -49,11 +49,11 @@ Nf4Weight Nf4Quantize(const float* values, int64_t n) {
   return w;
 }
 
-void Nf4Dequantize(const Nf4Weight& w, int64_t n, float* out) {
+void Nf4Dequantize(const uint8_t* packed, const float* absmax, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) {
-    const uint8_t byte = w.packed[static_cast<size_t>(i / 2)];
+    const uint8_t byte = packed[i / 2];
     const uint8_t index = i % 2 == 0 ? byte >> 4 : byte & 0xF;
-    out[i] = kNf4Code[index] * w.absmax[static_cast<size_t>(i / kNf4BlockSize)];
+    out[i] = kNf4Code[index] * absmax[i / kNf4BlockSize];
   }
 }
 

@@ -28,7 +28,9 @@ struct Nf4Weight {
   std::vector<float> absmax;
 };
 
-/// quantize_4bit(A, blocksize=64, quant_type="nf4") of the n fp32 values (A.reshape(-1).float()),
+/// quantize_4bit(A, blocksize=64, quant_type="nf4") of n finite fp32 values (A.reshape(-1).float();
+/// fsdp-run's starting values are finite: Checkpoint::Read refuses others; bitsandbytes sends a
+/// NaN to index 15 and makes its block's absmax NaN, which this does not reproduce),
 /// as the default backend computes it: a full block's absmax = max |a|, scaled = clamp(a * (1 /
 /// max(absmax, 1e-38)), -1, 1) (the reciprocal rounded to fp32, then the product); a shorter last
 /// block's absmax = max(max |a|, 1e-38), scaled = clamp(a / absmax, -1, 1); index = the number of
@@ -36,8 +38,9 @@ struct Nf4Weight {
 /// (code[i] + code[i + 1]) / 2; an odd n padded with one zero index.
 Nf4Weight Nf4Quantize(const float* values, int64_t n);
 
-/// dequantize_4bit: out[i] = code[index i] * absmax[i / 64], an fp32 product (out: n floats).
-void Nf4Dequantize(const Nf4Weight& weight, int64_t n, float* out);
+/// dequantize_4bit: out[i] = code[index i] * absmax[i / 64], an fp32 product, from (n + 1) / 2
+/// packed bytes and (n + 63) / 64 absmax (out: n floats).
+void Nf4Dequantize(const uint8_t* packed, const float* absmax, int64_t n, float* out);
 
 /// The packed bytes viewed as `storage` elements (bnb_4bit_quant_storage: packed.view(storage),
 /// little-endian), as fsdp-run holds an element: the float whose bits a bf16 element has in its

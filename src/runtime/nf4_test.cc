@@ -49,7 +49,7 @@ TEST_CASE("Nf4Quantize on a hand-computed block: absmax 2, indices 15, 0, 12, 7 
   CHECK(w.packed[1] == 0xC7);
   for (size_t i = 2; i < 32; ++i) CHECK(w.packed[i] == 0x77);
   std::vector<float> out(64);
-  Nf4Dequantize(w, 64, out.data());
+  Nf4Dequantize(w.packed.data(), w.absmax.data(), 64, out.data());
   CHECK(out[0] == 2.0f);
   CHECK(out[1] == -2.0f);
   CHECK(out[2] == 0.44070982933044434f * 2.0f);
@@ -68,7 +68,7 @@ TEST_CASE("Nf4Quantize and Nf4Dequantize equal bitsandbytes 0.50.2's, byte for b
     CHECK(w.packed == fixture[std::string(prefix) + "packed"].get<std::vector<uint8_t>>());
     CheckSameBits(w.absmax, Floats(fixture[std::string(prefix) + "absmax"]));
     std::vector<float> out(values.size());
-    Nf4Dequantize(w, n, out.data());
+    Nf4Dequantize(w.packed.data(), w.absmax.data(), n, out.data());
     CheckSameBits(out, Floats(fixture[std::string(prefix) + "dequantized"]));
   }
 }
