@@ -157,8 +157,8 @@ CASES = [
         # load; peft's Linear4bit adapters on every linear; fsdp-run quantizes the same checkpoint
         # itself (runtime/nf4.h) and shards the packed codes. Every in_features a multiple of 64
         # (intermediate 192), where bitsandbytes' CPU dequantize kernel agrees with its quantizer
-        # (tools/nf4_fixture.py); under FSDP2 and under FSDP1 with use_orig_params (one fp32 flat
-        # parameter of codes and adapters); 2 ranks
+        # (tools/nf4_fixture.py); under FSDP2, and double-quantized under FSDP1 with use_orig_params
+        # (one fp32 flat parameter of codes and adapters); 2 ranks
         "name": "llama-qlora-all-linear",
         "config": dict(SMALL_LLAMA, intermediate_size=192),
         "seq": 32, "micro_batch": 2, "grad_accum": 1, "steps": 3, "flags": ["--framework", "fsdp2"], "mpi_ranks": 2,
@@ -166,10 +166,10 @@ CASES = [
         "cpu_only": "the GPU engine does not implement LoRA",
     },
     {
-        "name": "llama-qlora-fsdp1-ac",
+        "name": "llama-qlora-double-quant-fsdp1-ac",
         "config": dict(SMALL_LLAMA, intermediate_size=192),
         "seq": 32, "micro_batch": 2, "grad_accum": 2, "steps": 3, "flags": ["--wrap", "block", "--use-orig-params", "--ac", "full"],
-        "mpi_ranks": 2, "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "o_proj", "down_proj"]}, "qlora": True,
+        "mpi_ranks": 2, "lora": {"r": 4, "alpha": 16, "targets": ["q_proj", "o_proj", "down_proj"]}, "qlora": True, "double_quant": True,
         "cpu_only": "the GPU engine does not implement LoRA",
     },
 ]
@@ -202,12 +202,12 @@ def window(tokens, index, seq):
     return [tokens[(index * (seq + 1) + j) % n] for j in range(seq + 1)]
 
 
-def quantized(model, directory):
+def quantized(case, model, directory):
     """The checkpoint in DIR loaded as QLoRA loads it: the block linears quantized to NF4 by
     bitsandbytes on the CPU, packed in fp32 elements and computed in fp32."""
     import torch
     import transformers
-    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=bool(case.get("double_quant")),
                                              bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)
     return type(model).from_pretrained(directory, quantization_config=config, dtype=torch.float32, device_map="cpu",
                                        attn_implementation="eager")
@@ -239,7 +239,7 @@ def lora_flags(case):
     lora = case["lora"]
     targets = lora["targets"] if isinstance(lora["targets"], str) else ",".join(lora["targets"])
     return ["--lora-rank", str(lora["r"]), "--lora-alpha", str(lora["alpha"]), "--lora-targets", targets] + \
-        (["--qlora"] if case.get("qlora") else [])
+        (["--qlora"] if case.get("qlora") else []) + (["--qlora-double-quant"] if case.get("double_quant") else [])
 
 
 def reference_losses(case, model, tokens):
@@ -332,7 +332,7 @@ def run_case(args, case, root):
             except ImportError:
                 print(f"skip {case['name']}: bitsandbytes is not installed")
                 return True
-            model = quantized(model, directory)
+            model = quantized(case, model, directory)
         model = with_lora(case, model, directory, args.seed)
     reference = reference_losses(case, model, tokens)
     del model

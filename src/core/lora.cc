@@ -203,6 +203,11 @@ Nf4Bytes Nf4ModelBytes(const ModelSpec& m, const LoraConfig& lora, DType quant_s
   return bytes;
 }
 
+int64_t Nf4EngineStateBytes(int64_t n, bool double_quant) {
+  const int64_t blocks = (n + 63) / 64;
+  return double_quant ? blocks + (blocks + 255) / 256 * 4 + 4 : blocks * 4;
+}
+
 int64_t Nf4ComputeNumel(const ModelSpec& m, const std::vector<int>& unit_tensors) {
   int64_t numel = 0;
   bool quantized = false;

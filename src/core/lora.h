@@ -51,6 +51,12 @@ struct Nf4Bytes {
 };
 Nf4Bytes Nf4ModelBytes(const ModelSpec& model, const LoraConfig& lora, DType quant_storage);
 
+/// What fsdp-run's CPU engine keeps of a quantized weight's state (runtime/nf4.h Nf4QuantState):
+/// the fp32 absmax per 64 weights or, double-quantized, a byte per 64, an fp32 absmax per 256 of
+/// those bytes and the fp32 offset. (bitsandbytes' QuantState holds the codes too:
+/// Nf4QuantStateTensorBytes.)
+int64_t Nf4EngineStateBytes(int64_t weight_numel, bool double_quant);
+
 /// fsdp-run's CPU engine under QLoRA dequantizes a gathered unit into a compute buffer of the unit's
 /// own tensors (`unit_tensors` less the LoRA adapters) at their LogicalNumel: its elements, or 0
 /// when none of them is a quantized weight (runtime/fsdp_engine.h, ComputeOffsets).

@@ -46,8 +46,8 @@ class RuntimePlayer {
       mem_.Alloc(Cat::kShardedParams, (w_.units[u].shard_numel - trained) * frozen_bytes_ + trained * master_bytes_);
       mem_.Alloc(Cat::kOptimizerStates, 2 * SteppedNumel(u, rank) * master_bytes_);  // AdamW's states
     }
-    for (const TensorSpec& t : w_.model.tensors) {  // QLoRA: every quantized weight's fp32 absmax per 64, on every rank
-      if (t.nf4_numel > 0) mem_.Alloc(Cat::kShardedParams, (t.nf4_numel + 63) / 64 * 4);
+    for (const TensorSpec& t : w_.model.tensors) {  // QLoRA: every quantized weight's state, on every rank
+      if (t.nf4_numel > 0) mem_.Alloc(Cat::kShardedParams, Nf4EngineStateBytes(t.nf4_numel, w_.config.lora.double_quant));
     }
     for (int64_t micro = 0; micro < w_.config.grad_accum; ++micro) {
       phases_.StartMicroBatch(static_cast<int>(micro));

@@ -114,14 +114,14 @@ class StartingTensor {
   }
   float* values() { return logical_.empty() ? place_ : logical_.data(); }
   // Nf4Quantize of the values as the storage dtype holds them, its bytes as storage elements
-  void Store(std::vector<std::vector<float>>* nf4_absmax) {
+  void Store(std::vector<Nf4QuantState>* nf4_state) {
     if (logical_.empty()) return;
     const DType storage = FrozenStorageDtype(w_.config);
     for (float& v : logical_) v = RoundTo(v, storage);
     Nf4Weight q = Nf4Quantize(logical_.data(), static_cast<int64_t>(logical_.size()));
     const std::vector<float> elements = Nf4StorageElements(q.packed, storage);  // TensorSpec::numel() of them (CheckQloraSupported)
     std::copy(elements.begin(), elements.end(), place_);
-    if (nf4_absmax) (*nf4_absmax)[static_cast<size_t>(t_)] = std::move(q.absmax);
+    if (nf4_state) (*nf4_state)[static_cast<size_t>(t_)] = Nf4StateOf(std::move(q.absmax), w_.config.lora.double_quant);
   }
 
  private:
@@ -132,13 +132,13 @@ class StartingTensor {
 };
 }  // namespace
 
-std::vector<float> InitialUnit(const Workload& w, const EngineLayout& layout, int u, uint64_t seed, std::vector<std::vector<float>>* nf4_absmax) {
+std::vector<float> InitialUnit(const Workload& w, const EngineLayout& layout, int u, uint64_t seed, std::vector<Nf4QuantState>* nf4_state) {
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
   const std::vector<uint64_t> streams = SeedStreams(w);
   for (int t : w.units[u].tensors) {
     StartingTensor start(w, t, flat.data() + layout.offset[t]);
     InitialTensor(w, t, streams[static_cast<size_t>(t)], seed, start.values());
-    start.Store(nf4_absmax);
+    start.Store(nf4_state);
   }
   return flat;
 }
@@ -184,8 +184,8 @@ std::vector<CheckpointPiece> CheckpointPieces(const Checkpoint& checkpoint, cons
 }
 
 Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& layout, int u, const TrainOptions& o,
-                                        std::vector<std::vector<float>>* nf4_absmax) {
-  if (!o.checkpoint) return InitialUnit(w, layout, u, o.seed, nf4_absmax);
+                                        std::vector<Nf4QuantState>* nf4_state) {
+  if (!o.checkpoint) return InitialUnit(w, layout, u, o.seed, nf4_state);
   std::vector<float> flat(static_cast<size_t>(w.units[u].padded_numel), 0.0f);
   const std::vector<uint64_t> streams = SeedStreams(w);
   for (int t : w.units[u].tensors) {
@@ -198,7 +198,7 @@ Result<std::vector<float>> StartingUnit(const Workload& w, const EngineLayout& l
       if (Status s = o.checkpoint->Read(piece.name, piece.shape, out); !s.ok()) return s.error();
       out += std::accumulate(piece.shape.begin(), piece.shape.end(), int64_t{1}, std::multiplies<>());
     }
-    start.Store(nf4_absmax);
+    start.Store(nf4_state);
   }
   return flat;
 }
@@ -298,12 +298,11 @@ uint64_t ConfigFingerprint(const Workload& w, const TrainOptions& o) {
 
 // What of LoRA the CPU engine implements: FSDP2's per-parameter gradients, FSDP1's flat parameters
 // with use_orig_params under block or whole-model wrapping, the base in a dtype of its own, dropout,
-// QLoRA's NF4 weights without double quantization.
+// QLoRA's NF4 weights, double-quantized or not.
 Status CheckLoraSupported(const Workload& w) {
   const LoraConfig& l = w.config.lora;
   if (l.rank == 0) return CheckEveryParameterTrains(w);
   if (l.qlora) {
-    if (l.double_quant) return Error::BadInput("fsdp-run's QLoRA keeps an fp32 absmax per 64 weights: --qlora-double-quant is planned only (fsdp-plan, fsdp-sim)");
     const DType storage = FrozenStorageDtype(w.config);
     if (storage == DType::kFp16) return Error::BadInput("fsdp-run packs QLoRA's NF4 weights into bf16 or fp32 elements (the param dtype): --param-dtype fp16 is planned only");
     for (const TensorSpec& t : w.model.tensors) {  // packed.view(quant_storage) needs whole elements
@@ -365,7 +364,7 @@ Status FsdpEngine::Init() {
   full_.resize(n);
   full_grad_.resize(n);
   compute_.resize(n);
-  nf4_absmax_.resize(w_.model.tensors.size());
+  nf4_state_.resize(w_.model.tensors.size());
   first_adapter_.assign(w_.nodes.size(), -1);
   for (size_t t = 0; t < w_.model.tensors.size(); ++t) {  // a block's first lora_A: where its adapters start
     const TensorSpec& ts = w_.model.tensors[t];
@@ -376,7 +375,7 @@ Status FsdpEngine::Init() {
   const int shard_rank = shard_comm_->rank();
   for (size_t u = 0; u < n; ++u) {
     const WrapUnit& unit = w_.units[u];
-    auto start = StartingUnit(w_, layout_, static_cast<int>(u), o_, &nf4_absmax_);
+    auto start = StartingUnit(w_, layout_, static_cast<int>(u), o_, &nf4_state_);
     if (!start.ok()) return start.error();
     const std::vector<float>& flat = start.value();
     // each group's shard: [frozen shard F/W | trained shard G/W]
@@ -397,7 +396,7 @@ Status FsdpEngine::Init() {
     ledger_.Add(MemCategory::kShardedParams, shard_[u].Bytes());
     ledger_.Add(MemCategory::kOptimizerStates, exp_avg_[u].Bytes() + exp_avg_sq_[u].Bytes());
   }
-  for (const std::vector<float>& absmax : nf4_absmax_) ledger_.Add(MemCategory::kShardedParams, static_cast<int64_t>(absmax.size()) * 4);
+  for (const Nf4QuantState& state : nf4_state_) ledger_.Add(MemCategory::kShardedParams, state.Bytes());
   return ledger_.Sample();
 }
 
@@ -469,7 +468,9 @@ void FsdpEngine::Dequantize(int u) {
     // MatMul4Bit's dequantize_4bit(B, quant_state).to(A.dtype), A cast to bnb_4bit_compute_dtype:
     // fp32 products, then the compute dtype
     const std::vector<uint8_t> packed = Nf4PackedBytes(gathered, ts.numel(), storage);  // (n / 2 bytes, gone before any sample)
-    Nf4Dequantize(packed.data(), nf4_absmax_[t].data(), ts.nf4_numel, out);
+    const Nf4QuantState& state = nf4_state_[t];
+    const std::vector<float> nested = state.absmax_q.empty() ? std::vector<float>() : state.Absmax();  // double-quantized: for this product
+    Nf4Dequantize(packed.data(), state.absmax_q.empty() ? state.absmax.data() : nested.data(), ts.nf4_numel, out);
     for (int64_t i = 0; i < ts.nf4_numel; ++i) out[i] = RoundTo(out[i], compute);
   }
 }

@@ -23,6 +23,7 @@
 #include "runtime/llama_model.h"
 #include "runtime/loss_scaler.h"
 #include "runtime/memory_ledger.h"
+#include "runtime/nf4.h"
 #include "runtime/safetensors.h"
 
 namespace fsdp::runtime {
@@ -111,7 +112,7 @@ class FsdpEngine {
   /// with use_orig_params, the base in the master dtype (BuildWorkload refuses a unit of two dtypes).
   /// QLoRA: the blocks' linears stored as NF4 (runtime/nf4.h) packed into bf16 or fp32 elements
   /// that are sharded and all-gathered as any frozen parameter, dequantized after each all-gather
-  /// into the unit's compute buffer; not double quantization.
+  /// into the unit's compute buffer, the absmax double-quantized or not.
   static Result<std::unique_ptr<FsdpEngine>> Create(const Workload& workload, Comm& world, const TrainOptions& options);
 
   /// Rehearse an out-of-memory: fail with the phase and category when the rank's heap exceeds it.
@@ -176,12 +177,14 @@ class FsdpEngine {
   std::vector<std::vector<ElementRun>> stepped_;  // per unit, what of that shard AdamW steps (SteppedShardRuns)
   std::vector<MasterBuffer> exp_avg_, exp_avg_sq_;  // per unit, packed over stepped_
   std::vector<std::vector<float>> full_, full_grad_;                // per unit while live: P_u floats, the trained group's G_u
-  // QLoRA: per tensor, a quantized weight's absmax per 64 (its quantization state, whole on every
-  // rank, as bitsandbytes keeps it on the module outside what FSDP shards); per unit while
+  // QLoRA: per tensor, a quantized weight's quantization state (its absmax per 64, or those
+  // double-quantized; whole on every rank, as bitsandbytes keeps it on the module outside what
+  // FSDP shards); per unit while
   // unsharded, its own tensors (not its adapters) in their computed form, packed by
   // compute_offset_ (per tensor): the quantized weights dequantized, the rest copied; empty for a
   // unit without quantized weights, whose Params point into full_
-  std::vector<std::vector<float>> nf4_absmax_, compute_;
+  std::vector<Nf4QuantState> nf4_state_;
+  std::vector<std::vector<float>> compute_;
   std::vector<int64_t> compute_offset_;
   /// Fills compute_[u] from the gathered full_[u] (QLoRA: bitsandbytes' dequantize_4bit of every
   /// quantized weight in fp32, rounded to the compute dtype, QloraComputeDtype); nothing for a unit
@@ -217,7 +220,7 @@ std::vector<int32_t> TrainingTokens(const Workload& workload, const TrainOptions
 /// sqrt(5): U(-1/sqrt(in), 1/sqrt(in))) and lora_B 0, everything else N(0, 0.02), from mt19937_64
 /// seeded per tensor; padding 0.
 std::vector<float> InitialUnit(const Workload& workload, const EngineLayout& layout, int u, uint64_t seed,
-                               std::vector<std::vector<float>>* nf4_absmax = nullptr);
+                               std::vector<Nf4QuantState>* nf4_state = nullptr);
 
 /// The checkpoint tensor `tensor` starts from: its own name; for LoRA's wrapped weight
 /// ("<module>.base_layer.weight") the base model's ("<module>.weight") when the checkpoint does not
@@ -246,9 +249,10 @@ std::vector<CheckpointPiece> CheckpointPieces(const Checkpoint& checkpoint, cons
 /// shape differs), else InitialUnit's seeded values. A QLoRA weight (TensorSpec::nf4_numel) is
 /// quantized as bitsandbytes does on loading (Nf4Quantize of its values rounded to the storage
 /// dtype, FrozenStorageDtype): its packed bytes as storage elements in the buffer
-/// (Nf4StorageElements), its absmax into (*nf4_absmax)[tensor] when nf4_absmax is given.
+/// (Nf4StorageElements), its quantization state (Nf4StateOf: double-quantized under
+/// bnb_4bit_use_double_quant) into (*nf4_state)[tensor] when nf4_state is given.
 Result<std::vector<float>> StartingUnit(const Workload& workload, const EngineLayout& layout, int u, const TrainOptions& options,
-                                        std::vector<std::vector<float>>* nf4_absmax = nullptr);
+                                        std::vector<Nf4QuantState>* nf4_state = nullptr);
 
 /// AdamW's bias corrections 1 - beta^t for the step after `steps_taken` applied steps.
 struct AdamCorrections {

@@ -323,8 +323,8 @@ TEST_CASE("StartingUnit under QLoRA: each block linear quantized from its checkp
   REQUIRE(ApplyLora(model, config.lora, config.param_dtype).ok());
   const Workload w = BuildWorkload(model, LoadHardware("h100-sxm").value(), config).value();
   const EngineLayout layout = LayoutOf(w);
-  std::vector<std::vector<float>> absmax(model.tensors.size());
-  auto flat = StartingUnit(w, layout, 1, options, &absmax);
+  std::vector<Nf4QuantState> state(model.tensors.size());
+  auto flat = StartingUnit(w, layout, 1, options, &state);
   REQUIRE(flat.ok());
   int quantized = 0;
   for (int t : w.units[1].tensors) {
@@ -339,8 +339,9 @@ TEST_CASE("StartingUnit under QLoRA: each block linear quantized from its checkp
     std::vector<float> values(static_cast<size_t>(ts.nf4_numel));
     for (int64_t i = 0; i < ts.nf4_numel; ++i) values[static_cast<size_t>(i)] = RoundTo(Marker(source, i), DType::kBf16);
     const Nf4Weight expected = Nf4Quantize(values.data(), ts.nf4_numel);
-    CHECK(absmax[static_cast<size_t>(t)] == expected.absmax);
-    CHECK(static_cast<int64_t>(absmax[static_cast<size_t>(t)].size()) == (ts.nf4_numel + 63) / 64);
+    CHECK(state[static_cast<size_t>(t)].absmax == expected.absmax);
+    CHECK(state[static_cast<size_t>(t)].absmax_q.empty());  // not double-quantized
+    CHECK(static_cast<int64_t>(state[static_cast<size_t>(t)].absmax.size()) == (ts.nf4_numel + 63) / 64);
     const float* v = flat.value().data() + layout.offset[t];
     CHECK(Nf4PackedBytes(v, ts.numel(), DType::kBf16) == expected.packed);  // ts.numel() bf16 elements: 4 codes each
     CHECK(ts.numel() * 4 == ts.nf4_numel);
