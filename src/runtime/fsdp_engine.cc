@@ -119,7 +119,7 @@ class StartingTensor {
     const DType storage = FrozenStorageDtype(w_.config);
     for (float& v : logical_) v = RoundTo(v, storage);
     Nf4Weight q = Nf4Quantize(logical_.data(), static_cast<int64_t>(logical_.size()));
-    const std::vector<float> elements = Nf4StorageElements(q.packed, storage);  // TensorSpec::numel() of them (CheckQloraSupported)
+    const std::vector<float> elements = Nf4StorageElements(q.packed, storage);  // TensorSpec::numel() of them (CheckLoraSupported)
     std::copy(elements.begin(), elements.end(), place_);
     if (nf4_state) (*nf4_state)[static_cast<size_t>(t_)] = Nf4StateOf(std::move(q.absmax), w_.config.lora.double_quant);
   }
