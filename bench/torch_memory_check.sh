@@ -12,7 +12,8 @@
 # family, LoRA, QLoRA and torchtitan; QUICK=llama the first part, QUICK=others the second (the
 # CTest checks torch_memory_agreement and torch_memory_agreement_others, one each, with MAX_ERROR_PCT). ROWS=lora runs the LoRA, QLoRA and pure-bf16
 # rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only, ROWS=families
-# the rows of the newer model families (Qwen3, OLMo 2, ...) only, ROWS=torchtitan fsdp-plan
+# the rows of the newer model families (Qwen3, OLMo 2, ...) only, ROWS=transformers-versions the
+# older transformers releases' loss paths only, ROWS=torchtitan fsdp-plan
 # --impl torchtitan against torchtitan's own model (QUICK runs its AC full row).
 # Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
@@ -44,6 +45,7 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
   local torch_attention=$attention; [ "$attention" = flash ] && torch_attention=sdpa  # SDPA: its flash kernel (CPU and CUDA)
   local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
               --steps 1 --warmup 1 --param-dtype "$param" --reduce-dtype "$reduce" --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
+  args+=(${TORCH_ONLY:-})
   if [ "$ranks" -gt 1 ]; then  # a rank that gloo's transport aborted (an uncaught gloo::IoException, rare) gets one more run
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > "$out/$name.log" 2>&1 ||
       { grep -q "Signal [0-9]* (SIG" "$out/$name.log" && echo "torch_memory_check: $name: a rank died by a signal, run again" >&2 &&
@@ -53,7 +55,7 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
   fi
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
     --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype "$param" --reduce-dtype "$reduce" --cublas-workspace-bytes 0 \
-    ${both[@]+"${both[@]}"} --json > "$out/$name.plan.json"
+    ${both[@]+"${both[@]}"} ${PLAN_ONLY:-} --json > "$out/$name.plan.json"
   compare "$name" "$out/$name.json" "$out/$name.plan.json"
 }
 compare() {  # name torch.json plan.json: prints the row; exits 1 past MAX_ERROR_PCT
@@ -118,6 +120,20 @@ qlora_rows() {
   qlora_quick_row
   check "2 ranks QLoRA dq all-linear AC 1024 x 2"    2 FULL_SHARD full 2 1024 "$L" fsdp2 "--lora-rank 16 --lora-targets all-linear --qlora --qlora-double-quant"
   check "1 rank  QLoRA 2k vocab seq 2048 x 1"        1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "--lora-rank 8 --qlora"
+}
+# Older transformers releases (fsdp-plan --transformers-version, core/fsdp_config.h HfLoss): 4.44's
+# loss (the model returns fp32 logits; the loss copies the shifted rows) and 4.48's (the loss
+# upcasts and copies them), each run by that release from $TORCH_VENV/transformers-<version>
+# (./fsdpkit test installs them) on PYTHONPATH, the model built on the device (4.44 has no
+# initialize_weights); a micro-batch that puts the peak at the loss. Skipped where not installed.
+transformers_version_rows() {
+  local v dir
+  for v in 4.44.2 4.48.1; do
+    dir=$(dirname "$(dirname "$python")")/transformers-$v
+    if [ ! -d "$dir/transformers" ]; then echo "transformers $v: not installed in $dir, skipped"; continue; fi
+    PYTHONPATH=$dir TORCH_ONLY="--init device" PLAN_ONLY="--transformers-version $v" \
+      check "1 rank  transformers $v AC full 1024 x 4" 1 FULL_SHARD full 4 1024
+  done
 }
 # the newer families (issue 18), built by transformers from small configs of their own: Qwen3's
 # per-head q/k norms, OLMo 2's post-sub-layer norms and whole-projection q/k norms, Phi-3's fused
@@ -257,6 +273,10 @@ if [ "${ROWS:-}" = torchtitan ]; then
   titan_rows
   exit 0
 fi
+if [ "${ROWS:-}" = transformers-versions ]; then
+  transformers_version_rows
+  exit 0
+fi
 if [ "${ROWS:-}" = families ]; then
   family_rows
   exit 0
@@ -318,3 +338,4 @@ check "1 rank  op-SAC seq 2048 x 2 GQA"          1 FULL_SHARD selective-op 2 204
 check "1 rank  2k vocab op-SAC seq 2048 x 1"     1 FULL_SHARD selective-op 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"
 lora_rows
 family_rows
+transformers_version_rows

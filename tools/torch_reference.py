@@ -676,6 +676,16 @@ def make_optimizer(model, lr):
                              eps=1e-8, weight_decay=0.01, foreach=True)
 
 
+def loss_takes_shift_labels():
+    """Whether this transformers' ForCausalLMLoss takes already shifted labels (4.50 on)."""
+    import inspect
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # before 4.46 the model's forward computed the loss itself
+        return False
+    return "shift_labels" in inspect.signature(ForCausalLMLoss).parameters
+
+
 def train_step(model, optimizer, inputs, targets, held=None):
     """One step. ``held`` (a list, --loop-holds-outputs) plays a loop that keeps
     ``outputs = model(...)``: the previous step's logits are dropped only once this
@@ -684,7 +694,10 @@ def train_step(model, optimizer, inputs, targets, held=None):
     optimizer.zero_grad(set_to_none=True)
     # HF's loss inside the model's forward, as the Trainer runs it (ForCausalLMLoss: logits.float(),
     # mean cross-entropy); shift_labels = the already shifted targets, so no position is dropped.
-    outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False)
+    if loss_takes_shift_labels():
+        outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False)
+    else:  # before 4.50 the loss shifts the labels itself (logits[..., :-1, :]): one position fewer
+        outputs = model(input_ids=inputs, labels=targets, use_cache=False)
     loss = outputs.loss
     if held is not None:
         held[:] = [outputs.logits]
@@ -983,7 +996,8 @@ def print_summary(report):
 def run_training(args, model, device, rank, world):
     import torch
 
-    vocab = model.config.get_text_config().vocab_size
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config  # 4.45 on
+    vocab = text_config.vocab_size
     batches = make_batches(args, vocab, args.warmup + args.steps + 1, rank, world)
     optimizer = make_optimizer(model, args.lr)
     if device.type == "cuda":

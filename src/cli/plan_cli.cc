@@ -70,6 +70,13 @@ void PrintHeader(const Workload& w, std::ostream& out) {
   } else if (c.impl == Impl::kTorchtitan202501) {
     fmt::print(out, "torchtitan's Llama 3 of January 2025 (--impl torchtitan-2025-01): units each block (the last kept unsharded after forward), root\n");
   }
+  if (c.transformers != TransformersVersion{}) {
+    static constexpr std::string_view kLossPaths[] = {
+        "the loss upcasts the logits and pads the labels",
+        "the loss upcasts the logits and copies logits[..., :-1, :] contiguous",
+        "the model returns the logits upcast to fp32, the loss copies logits[..., :-1, :] contiguous"};
+    fmt::print(out, "transformers {}: {}\n", TransformersVersionName(c.transformers), kLossPaths[static_cast<int>(HfLossOf(c.transformers))]);
+  }
   if (const int64_t vision = w.model.VisionParams(); vision > 0) {
     fmt::print(out, "vision tower: {} parameters ({}), held in the root unit but idle in these text-only steps: no FLOPs, no activations, {}\n",
                WithCommas(vision), Percent(vision, w.model.ParamsTotal()),
@@ -298,6 +305,9 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--impl", f.impl,
                  "whose model code runs: transformers (HF modules) | torchtitan (0.2.2's Llama 3 or dense Qwen3: its wrap units, nn.RMSNorm, RoPE table) | torchtitan-2025-01 (the January 2025 main branch of torchtitan's published Llama 3.1 runs); torchtitan needs --framework fsdp2")
       ->capture_default_str();
+  app.add_option("--transformers-version", f.transformers_version,
+                 "the transformers release the run uses (4.31 on): before 4.49 its loss copies the shifted logits, and before 4.46 the model returns them in fp32")
+      ->capture_default_str();
   app.add_flag("--forward-prefetch", f.config.forward_prefetch, "FSDP1 forward_prefetch=True");
   app.add_option("--backward-prefetch", f.backward_prefetch, "pre | post | none")->capture_default_str();
   app.add_flag("--no-limit-all-gathers", f.no_limit_all_gathers, "FSDP1 limit_all_gathers=False");
@@ -359,6 +369,7 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   if (!(s = Assign(c.optimizer, ParseOptimizer(f.optimizer))).ok()) return s.error();
   if (!(s = Assign(c.framework, ParseFramework(f.framework))).ok()) return s.error();
   if (!(s = Assign(c.impl, ParseImpl(f.impl))).ok()) return s.error();
+  if (!(s = Assign(c.transformers, ParseTransformersVersion(f.transformers_version))).ok()) return s.error();
   if (!(s = Assign(c.backward_prefetch, ParseBackwardPrefetch(f.backward_prefetch))).ok()) return s.error();
   if (auto alloc = ParseAllocatorConfig(c.alloc_conf); !alloc.ok()) return alloc.error();
   c.limit_all_gathers = !f.no_limit_all_gathers;

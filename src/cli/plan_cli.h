@@ -26,6 +26,7 @@ struct PlanFlags {
   std::string qlora_compute_dtype;  ///< --qlora-compute-dtype; empty: LoraConfig::compute_dtype unset
   std::string optimizer = "adamw", framework = "fsdp1", backward_prefetch = "pre";
   std::string impl = "transformers";  ///< --impl: whose model code runs (core/fsdp_config.h Impl)
+  std::string transformers_version = "5.24";  ///< --transformers-version (core/fsdp_config.h TransformersVersion)
   bool no_limit_all_gathers = false;
   std::optional<int64_t> cuda_context_bytes, nccl_bytes, cublas_workspace_bytes;
   std::optional<double> fragmentation;

@@ -27,6 +27,7 @@ struct RecommendFlags {
   std::vector<std::string> prices;       ///< "id=usd" overrides
   std::string framework = "fsdp1";
   std::string impl = "transformers";    ///< --impl (core/fsdp_config.h Impl)
+  std::string transformers_version = "5.24";  ///< --transformers-version (core/fsdp_config.h TransformersVersion)
   std::string attention;                 ///< empty: flash, or eager where SDPA cannot run the model (SdpaRuledOut)
   bool loop_holds_outputs = false;       ///< FsdpConfig::loop_holds_outputs for every candidate
   LoraConfig lora;                       ///< LoRA / QLoRA for every candidate (rank 0: full fine-tuning)

@@ -248,6 +248,10 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     if (!impl.ok()) return impl.error();
     return Error::BadInput(fmt::format("fsdp-run runs transformers' Llama modules and wrap; --impl {} is a planning option (fsdp-plan, fsdp-sim)", ImplName(impl.value())));
   }
+  if (auto version = ParseTransformersVersion(plan.transformers_version); !version.ok() || version.value() != TransformersVersion{}) {
+    if (!version.ok()) return version.error();
+    return Error::BadInput("--transformers-version plans an older transformers' loss; fsdp-run computes the loss as 5.24 does (fsdp-plan and fsdp-sim take it)");
+  }
   // FSDP1 flattens a unit into one dtype; the planner's way out for a base stored apart from its
   // adapters, peft's wrap (adapters in units of their own), is not one fsdp-run implements
   if (auto config = ConfigFromFlags(plan); config.ok()) {

@@ -1,10 +1,12 @@
 #include "core/fsdp_config.h"
 
+#include <cctype>
 #include <cmath>
 #include <string>
 
 #include <fmt/format.h>
 
+#include "core/families/family.h"
 #include "core/hardware_spec.h"
 #include "core/model_spec.h"
 
@@ -92,6 +94,37 @@ Result<Impl> ParseImpl(std::string_view t) {
   if (t == "torchtitan" || t == "torchtitan-0.2.2") return Impl::kTorchtitan;
   if (t == "torchtitan-2025-01") return Impl::kTorchtitan202501;
   return Unknown("--impl", t, "transformers, torchtitan (0.2.2) or torchtitan-2025-01");
+}
+
+HfLoss HfLossOf(TransformersVersion v) {
+  if (v >= TransformersVersion{4, 49}) return HfLoss::kPaddedLabels;
+  if (v >= TransformersVersion{4, 46}) return HfLoss::kShiftedCopy;
+  return HfLoss::kFp32Logits;
+}
+
+std::string TransformersVersionName(TransformersVersion v) { return fmt::format("{}.{}", v.major, v.minor); }
+
+// The leading run of digits of `t` from `pos` on, or -1 when there is none (or it is absurd).
+static int ReadVersionPart(std::string_view t, size_t& pos) {
+  int value = 0;
+  const size_t start = pos;
+  while (pos < t.size() && t[pos] >= '0' && t[pos] <= '9' && pos - start < 4) value = value * 10 + (t[pos++] - '0');
+  return pos == start || (pos < t.size() && t[pos] >= '0' && t[pos] <= '9') ? -1 : value;
+}
+
+Result<TransformersVersion> ParseTransformersVersion(std::string_view t) {
+  const auto bad = [&] { return Error::BadInput(fmt::format("--transformers-version '{}' is not a release number like 4.44 or 4.44.2", t)); };
+  size_t pos = 0;
+  TransformersVersion v;
+  if ((v.major = ReadVersionPart(t, pos)) < 0 || pos >= t.size() || t[pos++] != '.' || (v.minor = ReadVersionPart(t, pos)) < 0) return bad();
+  if (pos < t.size() && t[pos] != '.') return bad();  // "4.44.2", "5.0.0.dev0": the rest names a patch
+  for (; pos < t.size(); ++pos) {
+    if (!std::isalnum(static_cast<unsigned char>(t[pos])) && t[pos] != '.' && t[pos] != '+') return bad();
+  }
+  if (v < TransformersVersion{4, 31}) {
+    return Error::BadInput(fmt::format("--transformers-version {}: releases before 4.31 computed the loss in the logits' own dtype, which is not modelled", t));
+  }
+  return v;
 }
 
 Result<Strategy> ParseStrategy(std::string_view t) {
@@ -204,6 +237,9 @@ static Status ValidateTorchtitan(const FsdpConfig& c, const ModelSpec& model) {
     return Error::BadInput(fmt::format("--impl {}: torchtitan's optimizers are Adam and AdamW, not {}", ImplName(c.impl), OptimizerName(c.optimizer)));
   }
   if (c.loop_holds_outputs) return Error::BadInput(fmt::format("--impl {}: torchtitan's training loop deletes the logits before backward; --loop-holds-outputs does not apply", ImplName(c.impl)));
+  if (c.transformers != TransformersVersion{}) {
+    return Error::BadInput(fmt::format("--impl {} runs torchtitan's model and loss; --transformers-version does not apply", ImplName(c.impl)));
+  }
   return {};
 }
 
@@ -262,6 +298,7 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
   if (IsTorchtitan(c.impl)) {
     if (Status s = ValidateTorchtitan(c, model); !s.ok()) return s;
   }
+  if (const std::string why = TransformersRuledOut(model, c.transformers); !why.empty()) return Error::BadInput(why);
   return ValidateLora(c.lora, c.wrap);
 }
 
@@ -273,6 +310,18 @@ std::string TorchtitanRuledOut(const ModelSpec& m, Impl impl) {
   }
   if (qwen3 && m.sliding_window > 0) return fmt::format("{} attends through a sliding window, which torchtitan's Qwen3 does not", m.id);
   if (m.tie_word_embeddings) return fmt::format("{} ties lm_head to the embedding, which fsdp-plan's torchtitan profiles do not model", m.id);
+  return "";
+}
+
+std::string TransformersRuledOut(const ModelSpec& m, TransformersVersion v) {
+  for (const families::Family& f : families::Families()) {
+    if (f.model_type != m.model_type || v >= f.plannable_since) continue;
+    if (m.model_type == "gpt2") {
+      return fmt::format("--transformers-version {}: GPT-2's loss before 4.46 ran in the logits' own dtype, which is not modelled", TransformersVersionName(v));
+    }
+    return fmt::format("--transformers-version {}: transformers has {} models from {} on", TransformersVersionName(v), m.model_type,
+                       TransformersVersionName(f.plannable_since));
+  }
   return "";
 }
 

@@ -1,6 +1,7 @@
 // The FSDP training configuration: everything a user chooses besides the model and the GPU.
 #pragma once
 
+#include <compare>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -36,6 +37,26 @@ enum class BackwardPrefetch { kPre, kPost, kNone };
 enum class Impl { kTransformers, kTorchtitan, kTorchtitan202501 };
 /// Either torchtitan profile: its Llama 3 model, FSDP2 and SDPA (TorchtitanRuledOut, ResolveAndValidate).
 inline bool IsTorchtitan(Impl i) { return i != Impl::kTransformers; }
+
+/// A transformers release, major.minor (`--transformers-version`; a patch number is read and
+/// dropped). The default is the release fsdpkit's checks run against.
+struct TransformersVersion {
+  int major = 5, minor = 24;
+  bool operator==(const TransformersVersion&) const = default;
+  auto operator<=>(const TransformersVersion&) const = default;
+};
+/// How a release's causal-LM head turns the logits into the loss; the blocks save the same tensors
+/// across them. Read from the releases' sources: LlamaForCausalLM.forward of 4.31.0 to 4.45.2
+/// (models/llama/modeling_llama.py; Mistral, Mixtral, Qwen2, Phi-3 and Gemma 2 copy it),
+/// ForCausalLMLoss of 4.46.3 to 4.48.3 and of 4.49.0 on (loss/loss_utils.py).
+enum class HfLoss {
+  kPaddedLabels,  ///< 4.49 on: the loss upcasts the logits and pads the labels (no copy of the logits)
+  kShiftedCopy,   ///< 4.46 to 4.48: the loss upcasts, then copies logits[..., :-1, :] contiguous
+  /// 4.31 to 4.45: the model's forward upcasts the logits it returns (the 16-bit ones die there),
+  /// and the loss copies logits[..., :-1, :] contiguous
+  kFp32Logits,
+};
+HfLoss HfLossOf(TransformersVersion v);
 
 /// peft's LoraConfig (peft/tuners/lora/config.py), applied to the model by BuildWorkload
 /// (core/lora.h): every base parameter frozen, a pair of adapters beside each targeted linear.
@@ -108,6 +129,7 @@ struct FsdpConfig {
   std::string alloc_conf;
   LoraConfig lora;                 ///< rank 0: full fine-tuning
   Impl impl = Impl::kTransformers;
+  TransformersVersion transformers;  ///< the release under Impl::kTransformers (its loss path: HfLossOf)
 };
 
 std::string_view StrategyName(Strategy s);        ///< "FULL_SHARD", ...
@@ -128,6 +150,10 @@ Result<Optimizer> ParseOptimizer(std::string_view text);
 Result<Framework> ParseFramework(std::string_view text);
 Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view text);
 Result<Impl> ParseImpl(std::string_view text);
+/// "4.44", "4.44.2" or "5.0.0.dev0"; releases before 4.31, which computed the loss in the logits'
+/// own dtype, are refused.
+Result<TransformersVersion> ParseTransformersVersion(std::string_view text);
+std::string TransformersVersionName(TransformersVersion v);  ///< "4.44"
 
 /// Fills the defaults that depend on model and hardware (seq_len, gpus_per_node, shard group) and
 /// rejects impossible or inconsistent settings with a one-line BadInput.
@@ -148,6 +174,10 @@ bool OpCheckpointingModelled(const ModelSpec& model);
 /// and under Impl::kTorchtitan also a dense Qwen3 of that shape with its per-head q/k norms and
 /// full causal attention (models/qwen3/model/model.py; the January 2025 tree had no Qwen3).
 std::string TorchtitanRuledOut(const ModelSpec& model, Impl impl);
+
+/// Why transformers release `v` cannot plan the model, or "" when it can: the release has no such
+/// model_type yet (families::Family::plannable_since).
+std::string TransformersRuledOut(const ModelSpec& model, TransformersVersion v);
 
 /// Why transformers cannot run the model's attention through SDPA, or "" when it can: Gemma 2's
 /// soft-capped scores (Gemma2PreTrainedModel._supports_sdpa = False; sdpa_attention_forward

@@ -47,6 +47,44 @@ TEST_CASE("inconsistent configurations are rejected") {
   CHECK(BuildWorkload(HandLlama(), testing::GibGpu(), e).value().config.seq_len == 64);  // min(4096, max positions)
 }
 
+TEST_CASE("--transformers-version: releases parse to their loss path; malformed or too old ones are refused") {
+  CHECK(ParseTransformersVersion("4.44.2").value() == TransformersVersion{4, 44});
+  CHECK(ParseTransformersVersion("5.0.0.dev0").value() == TransformersVersion{5, 0});
+  CHECK(ParseTransformersVersion("4.31").value() == TransformersVersion{4, 31});
+  for (const char* bad : {"", "4", "4.", "four.44", "4.44rc1", "4.x", "-4.44", "4.44.2 ", "99999.1", "4..44"}) {
+    auto v = ParseTransformersVersion(bad);
+    REQUIRE_MESSAGE(!v.ok(), std::string(bad));
+    CHECK(v.error().message.find("--transformers-version") != std::string::npos);
+  }
+  CHECK(ParseTransformersVersion("4.30.2").error().message.find("before 4.31") != std::string::npos);
+  CHECK(HfLossOf({4, 31}) == HfLoss::kFp32Logits);
+  CHECK(HfLossOf({4, 45}) == HfLoss::kFp32Logits);
+  CHECK(HfLossOf({4, 46}) == HfLoss::kShiftedCopy);
+  CHECK(HfLossOf({4, 48}) == HfLoss::kShiftedCopy);
+  CHECK(HfLossOf({4, 49}) == HfLoss::kPaddedLabels);
+  CHECK(HfLossOf(TransformersVersion{}) == HfLoss::kPaddedLabels);
+  CHECK(TransformersVersionName({4, 9}) == "4.9");
+}
+
+TEST_CASE("--transformers-version refuses a model the release did not have, and torchtitan's profiles") {
+  ModelSpec m = HandLlama();
+  CHECK(TransformersRuledOut(m, {4, 31}).empty());
+  m.model_type = "qwen3";
+  CHECK(TransformersRuledOut(m, {4, 50}) == "--transformers-version 4.50: transformers has qwen3 models from 4.51 on");
+  CHECK(TransformersRuledOut(m, {4, 51}).empty());
+  m.model_type = "gpt2";
+  CHECK(TransformersRuledOut(m, {4, 45}).find("GPT-2's loss before 4.46") != std::string::npos);
+  FsdpConfig c;
+  c.transformers = {4, 40};
+  c.seq_len = 8;
+  CHECK(BuildWorkload(HandLlama(), testing::GibGpu(), c).ok());
+  c.impl = Impl::kTorchtitan;
+  c.framework = Framework::kFsdp2;
+  auto w = BuildWorkload(HandLlama(), testing::GibGpu(), c);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message == "--impl torchtitan runs torchtitan's model and loss; --transformers-version does not apply");
+}
+
 TEST_CASE("wrap flag parsing") {
   FsdpConfig c;
   CHECK(ParseWrap("size:1e8", c).ok());

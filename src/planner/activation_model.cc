@@ -4,6 +4,7 @@
 #include <array>
 #include <set>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -879,17 +880,29 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   } else {
     AddNormAndLinearInput(head.final_norm, m.arch, final_norm, d, grad, !m.arch.base_frozen);
   }
-  // transformers' ForCausalLMLoss: logits.float() (a copy unless already fp32), cross_entropy =
-  // log_softmax (saves its fp32 output) + nll_loss; the compute-dtype logits stay referenced by the
-  // model output until backward ends.
+  // transformers' loss (HfLoss): cross_entropy = log_softmax (saves its fp32 output) + nll_loss,
+  // over every position with the labels padded (4.49 on) or over logits[..., :-1, :] copied
+  // contiguous (before 4.49: B (T - 1) rows). The logits the model returns stay referenced by its
+  // output until backward ends.
+  const HfLoss loss = IsTorchtitan(cfg.impl) ? HfLoss::kPaddedLabels : HfLossOf(cfg.transformers);
+  const int64_t loss_rows = loss == HfLoss::kPaddedLabels ? d.tokens : d.tokens - cfg.micro_batch;
+  const int64_t v_rows = m.vocab_size * loss_rows;
   head.logits_bytes = d.c * vT;
-  head.loss_saved_bytes = 4 * vT;
+  head.loss_saved_bytes = 4 * v_rows;
   // Gemma 2's final_logit_softcapping (Gemma2ForCausalLM: logits / cap, tanh, * cap): tanh saves
   // its output in c
   if (m.final_logit_softcapping > 0) head.loss_saved_bytes += d.c * vT;
-  head.loss_forward_transient_bytes = d.c == 4 ? 0 : 4 * vT;
+  head.loss_forward_transient_bytes = d.c == 4 ? 0 : 4 * vT;  // logits.float()
+  if (loss == HfLoss::kFp32Logits && d.c != 4) {  // the model returns the upcast; lm_head's output is the transient
+    head.upcast_in_model = true;
+    std::swap(head.logits_bytes, head.loss_forward_transient_bytes);
+  }
+  if (loss != HfLoss::kPaddedLabels) {
+    head.shift_copy_bytes = 4 * v_rows;
+    head.slice_grad_bytes = 4 * vT;
+  }
   // nll_loss_backward's dense fp32 gradient, then log_softmax_backward's fp32 result.
-  head.loss_grad_bytes = 4 * vT;
+  head.loss_grad_bytes = 4 * v_rows;
   return head;
 }
 

@@ -49,17 +49,31 @@ struct BlockActivations {
   int64_t KeptBytes() const;
 };
 
-/// Activation memory outside the blocks (embedding, final norm, logits and loss).
+/// Activation memory outside the blocks (embedding, final norm, logits and loss), as the
+/// configured transformers release computes the loss (FsdpConfig::transformers, HfLoss).
 struct HeadActivations {
   std::vector<SavedTensor> embedding;     ///< kept from embedding forward to its backward
   std::vector<SavedTensor> final_norm;    ///< kept from final norm forward to its backward
-  int64_t logits_bytes = 0;               ///< lm_head output, alive from forward to the end of the loss backward
+  /// the logits the model returns (lm_head's output, or under HfLoss::kFp32Logits its fp32
+  /// upcast), alive from forward to the end of the loss backward, or longer in a loop that keeps them
+  int64_t logits_bytes = 0;
   int64_t loss_saved_bytes = 0;           ///< log_softmax output saved by cross_entropy
-  int64_t loss_forward_transient_bytes = 0;   ///< fp32 upcast of the logits while the loss is computed
-  /// Each of the loss backward's two fp32 gradients of the logits' shape (nll_loss_backward's
+  /// while the loss is computed: the fp32 upcast of 16-bit logits; under HfLoss::kFp32Logits
+  /// lm_head's 16-bit output instead, which dies once the model has upcast it
+  int64_t loss_forward_transient_bytes = 0;
+  bool upcast_in_model = false;           ///< HfLoss::kFp32Logits: the transient is lm_head's output
+  /// The loss's contiguous copy of logits[..., :-1, :] in fp32 (HfLoss::kShiftedCopy,
+  /// kFp32Logits; 0 under kPaddedLabels), alive until the loss returns.
+  int64_t shift_copy_bytes = 0;
+  /// Each of the loss backward's two fp32 gradients of the loss's input shape (nll_loss_backward's
   /// zero-filled one, then _log_softmax_backward_data's result): separate allocations, as the
   /// caching allocator sees them.
   int64_t loss_grad_bytes = 0;
+  /// SliceBackward0's zero-filled fp32 gradient of the whole logits, behind the shifted copy
+  /// (0 under kPaddedLabels).
+  int64_t slice_grad_bytes = 0;
+  /// lm_head's output, in the compute dtype (the gradient its backward reads has this size)
+  int64_t LmHeadOutputBytes() const { return upcast_in_model ? loss_forward_transient_bytes : logits_bytes; }
   int64_t SavedBytes() const;
 };
 

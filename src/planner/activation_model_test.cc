@@ -351,6 +351,41 @@ TEST_CASE("logits and loss buffers scale with the vocabulary") {
   CHECK(h.loss_saved_bytes == 4LL * 128256 * 8192);         // log_softmax output
 }
 
+TEST_CASE("the loss path of each transformers release (HfLoss): what the head allocates") {
+  auto m = LoadModel("llama-3.1-8b");
+  REQUIRE(m.ok());
+  FsdpConfig c;
+  c.seq_len = 8192;
+  c.micro_batch = 2;
+  const int64_t vT = 128256LL * 8192 * 2, shifted = 128256LL * 8191 * 2;  // logits[..., :-1, :]: a row fewer per sequence
+  c.transformers = {4, 48};  // ForCausalLMLoss: logits.float(), then a contiguous copy of the shifted rows
+  HeadActivations b = HeadActivationProfile(m.value(), c);
+  CHECK(b.logits_bytes == 2 * vT);
+  CHECK(b.loss_forward_transient_bytes == 4 * vT);
+  CHECK(!b.upcast_in_model);
+  CHECK(b.shift_copy_bytes == 4 * shifted);
+  CHECK(b.loss_saved_bytes == 4 * shifted);
+  CHECK(b.loss_grad_bytes == 4 * shifted);
+  CHECK(b.slice_grad_bytes == 4 * vT);
+  c.transformers = {4, 31};  // LlamaForCausalLM.forward: logits = logits.float(), returned
+  HeadActivations a = HeadActivationProfile(m.value(), c);
+  CHECK(a.upcast_in_model);
+  CHECK(a.logits_bytes == 4 * vT);
+  CHECK(a.loss_forward_transient_bytes == 2 * vT);  // lm_head's bf16 output, until upcast
+  CHECK(a.LmHeadOutputBytes() == 2 * vT);
+  CHECK(a.shift_copy_bytes == 4 * shifted);
+  c.param_dtype = DType::kFp32;  // fp32 logits: .float() is the tensor itself
+  HeadActivations a32 = HeadActivationProfile(m.value(), c);
+  CHECK(!a32.upcast_in_model);
+  CHECK(a32.logits_bytes == 4 * vT);
+  CHECK(a32.loss_forward_transient_bytes == 0);
+  c.transformers = {4, 49};  // labels padded: every position, no copy
+  HeadActivations p = HeadActivationProfile(m.value(), c);
+  CHECK(p.shift_copy_bytes == 0);
+  CHECK(p.slice_grad_bytes == 0);
+  CHECK(p.loss_saved_bytes == 4 * vT);
+}
+
 TEST_CASE("torchtitan's op-level selective AC keeps the block input and the outputs of q, v, gate and down (+ SDPA's)") {
   // llama-3.1-8b per token, bf16: input 2h, q 2h, v 2 x 1024 (8 kv heads of 128), gate 2I, down 2h
   // (h = 4096, I = 14336); with SDPA its output 2h and the fp32 log-sum-exp 4a (a = 32).

@@ -64,7 +64,7 @@ NodeWork OwnWork(const Workload& w, const ModuleNode& n, const BlockActivations&
       if (!m.tensors.front().trainable) work.frozen_gemm_flops += flops;
     }
     work.traffic_bytes = traffic_per_saved_byte *
-                         static_cast<double>(head.logits_bytes + head.loss_saved_bytes + head.loss_forward_transient_bytes);
+                         static_cast<double>(head.logits_bytes + head.loss_saved_bytes + head.loss_forward_transient_bytes + head.shift_copy_bytes);
   } else if (n.role == ModuleNode::Role::kFinalNorm) {
     work.traffic_bytes = traffic_per_saved_byte * static_cast<double>(SumBytes(head.final_norm));
   }

@@ -450,9 +450,18 @@ class StepPlayer {
         }
         break;
       case ModuleNode::Role::kLmHead: {
-        BlockId logits = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
-        BlockId upcast = mem_.Alloc(Cat::kActivations, head_.loss_forward_transient_bytes);
+        BlockId logits = kNoBlock, upcast = kNoBlock;
+        if (head_.upcast_in_model) {  // `logits = logits.float()` in the model: lm_head's output dies there
+          BlockId output = mem_.Alloc(Cat::kActivations, head_.loss_forward_transient_bytes);
+          logits = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
+          mem_.Free(output);
+        } else {
+          logits = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
+          upcast = mem_.Alloc(Cat::kActivations, head_.loss_forward_transient_bytes);
+        }
+        BlockId shifted = mem_.Alloc(Cat::kActivations, head_.shift_copy_bytes);
         node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, head_.loss_saved_bytes));
+        mem_.Free(shifted);  // the loss's locals die as it returns
         mem_.Free(upcast);
         if (c_.loop_holds_outputs) {
           // `outputs = model(...)` rebinds once the forward (and HF's loss inside it) has returned:
@@ -553,8 +562,13 @@ class StepPlayer {
         mem_.Free(nll_grad);
         for (BlockId& b : node_saved_[node_id]) mem_.Free(b);
         node_saved_[node_id].clear();
+        if (head_.slice_grad_bytes > 0) {  // before 4.49: SliceBackward0 widens the shifted rows' gradient to the logits'
+          BlockId widened = mem_.Alloc(Cat::kActivations, head_.slice_grad_bytes);
+          mem_.Free(logits_grad_fp32);
+          logits_grad_fp32 = widened;
+        }
         if (head_.loss_forward_transient_bytes > 0) {  // logits in a 16-bit dtype: the downcast gradient
-          transient.push_back(mem_.Alloc(Cat::kActivations, head_.logits_bytes));
+          transient.push_back(mem_.Alloc(Cat::kActivations, head_.LmHeadOutputBytes()));
           mem_.Free(logits_grad_fp32);
         } else {  // fp32 logits: .float() made no copy and no autograd node, the result is the grad
           transient.push_back(logits_grad_fp32);

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 namespace fsdp {
 namespace {
@@ -761,6 +762,65 @@ TEST_CASE("what routed experts cost: every expert sharded, all-gathered and redu
   const Workload dense = BuildWorkload(LoadModel("llama-100m").value(), LoadHardware("h100-sxm").value(), c).value();
   CHECK(RoutedExpertBytesPerGpu(dense).params == 0);
   CHECK(EstimateComm(dense).volume.routed_expert_gather_bytes == 0);
+}
+
+TEST_CASE("each transformers release's loss, allocation by allocation (hand llama, bf16 logits, 4 positions)") {
+  // vocabulary 16, 4 positions: the logits are vT = 64 elements, the shifted rows v(T - 1) = 48.
+  // 4.49 on: forward lm_head 2vT + upcast 4vT + log_softmax 4vT = 640; backward nll 4vT + its
+  //   gradient 4vT + the saved output 4vT = 768.
+  // 4.46-4.48: forward 128 + 256 + the shifted copy 192 + log_softmax 192 = 768; backward 192 x 3 =
+  //   576, then the slice's gradient 256 beside log_softmax's 192 = 448.
+  // 4.31-4.45: the bf16 output (128) dies once upcast (256): 256 + 192 + 192 = 640 at most in forward;
+  //   backward as 4.46's. In a loop that keeps `outputs` the held logits are fp32 (256, not 128).
+  FsdpConfig c = HandConfig();
+  c.seq_len = 4;
+  c.param_dtype = DType::kBf16;
+  c.gpus = 1;
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const auto activations_in = [&](TransformersVersion v, bool holds, std::string_view phase) {
+    FsdpConfig cv = c;
+    cv.transformers = v;
+    cv.loop_holds_outputs = holds;
+    const MemoryEstimate e = EstimateMemory(Build(cv), exact);
+    int64_t most = 0;
+    for (const MemoryPoint& p : e.timeline) {
+      if (p.phase == phase) most = std::max(most, p.device[static_cast<int>(MemCategory::kActivations)]);
+    }
+    REQUIRE(most > 0);
+    return most;
+  };
+  const TransformersVersion v524, v448{4, 48}, v444{4, 44};
+  const std::string_view forward = "forward: lm_head + loss", backward = "backward: lm_head + loss";
+  const int64_t f524 = activations_in(v524, false, forward), b524 = activations_in(v524, false, backward);
+  CHECK(activations_in(v448, false, forward) - f524 == 768 - 640);
+  CHECK(activations_in(v444, false, forward) - f524 == 0);
+  CHECK(activations_in(v448, false, backward) - b524 == 576 - 768);
+  CHECK(activations_in(v444, false, backward) - b524 == 576 - 768);
+  CHECK(activations_in(v444, true, backward) - activations_in(v524, true, backward) == (576 + 256) - (768 + 128));
+  // and allocation by allocation: the activations' changes within each phase
+  const auto changes = [&](TransformersVersion v, std::string_view phase) {
+    FsdpConfig cv = c;
+    cv.transformers = v;
+    const MemoryEstimate e = EstimateMemory(Build(cv), exact);
+    std::vector<int64_t> deltas;
+    int64_t last = 0;
+    for (const MemoryPoint& p : e.timeline) {
+      const int64_t now = p.device[static_cast<int>(MemCategory::kActivations)];
+      if (p.phase == phase && now != last) deltas.push_back(now - last);
+      last = now;
+    }
+    return deltas;
+  };
+  // 4.48: lm_head's output, the upcast, the shifted copy, log_softmax's output; the copy and the
+  // upcast die as the loss returns, the logits as the model's output is dropped
+  CHECK(changes(v448, forward) == std::vector<int64_t>{128, 256, 192, 192, -192, -256, -128});
+  // 4.44: the bf16 output dies at the model's upcast
+  CHECK(changes(v444, forward) == std::vector<int64_t>{128, 256, -128, 192, 192, -192, -256});
+  // backward: nll's gradient, log_softmax's, both freed with the saved output, the slice's widened
+  // gradient, the downcast for lm_head
+  CHECK(changes(v448, backward) == std::vector<int64_t>{192, 192, -192, -192, 256, -192, 128, -256, -128});
+  CHECK(changes(v524, backward) == std::vector<int64_t>{256, 256, -256, -256, 128, -256, -128});
 }
 
 }  // namespace

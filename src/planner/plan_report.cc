@@ -135,6 +135,7 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"cpu_offload", c.cpu_offload},
           {"framework", FrameworkName(c.framework)},
           {"impl", ImplName(c.impl)},
+          {"transformers_version", TransformersVersionName(c.transformers)},
           {"forward_prefetch", c.forward_prefetch},
           {"backward_prefetch", BackwardPrefetchName(c.backward_prefetch)},
           {"limit_all_gathers", c.limit_all_gathers},

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/fsdp_config.h"
 #include "core/json_io.h"
 #include "core/model_spec.h"
 #include "core/status.h"
@@ -20,6 +21,10 @@ struct Family {
   /// Fills `model`'s hyper-parameters and architecture from the config (model_type, id already set);
   /// BadInput naming the key for values out of range.
   Status (*read)(const JsonReader& config, ModelSpec& model);
+  /// The first transformers release that plans it (`--transformers-version`): the first whose
+  /// models/ holds the type (read in the wheels of 4.30.2 to 4.55.4), and no earlier than 4.31
+  /// (ParseTransformersVersion); GPT-2's loss before 4.46 ran in the logits' own dtype, unmodelled.
+  TransformersVersion plannable_since;
 };
 
 /// Every family, in the order error messages list them.
