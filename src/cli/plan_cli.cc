@@ -389,6 +389,7 @@ Status RunPlan(const PlanFlags& flags, std::ostream& out) {
     if (w.config.impl != Impl::kTransformers) {
       return Error::BadInput(fmt::format("--export writes code around transformers' modules; --impl {} is planned, not exported (torchtitan takes a TOML job config)", ImplName(w.config.impl)));
     }
+    if (w.config.transformers != TransformersVersion{}) return Error::BadInput(ExportNeedsCurrentTransformers(w.config.transformers));
     if (flags.json) {
       out << DumpJson(Json{{"export", {{"format", flags.export_format}, {"code", ExportConfig(w, format.value())}}}}, 2) << "\n";
     } else {

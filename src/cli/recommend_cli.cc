@@ -118,6 +118,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
       return Error::BadInput(fmt::format("--export writes code around transformers' modules; --impl {} is planned, not exported", ImplName(o.base.impl)));
     }
   }
+  if (!f.export_format.empty() && o.base.transformers != TransformersVersion{}) return Error::BadInput(ExportNeedsCurrentTransformers(o.base.transformers));
   o.top = f.top;
   o.exhaustive = f.exhaustive;
   return o;

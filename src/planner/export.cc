@@ -336,6 +336,11 @@ std::string Lightning(const Workload& w) {
 
 std::string_view DecoderLayerClass(const ModelSpec& m) { return m.arch.decoder_layer_class; }
 
+std::string ExportNeedsCurrentTransformers(TransformersVersion planned) {
+  return fmt::format("--export writes code for transformers {}'s API; --transformers-version {} is planned, not exported",
+                     TransformersVersionName(TransformersVersion{}), TransformersVersionName(planned));
+}
+
 Result<ExportFormat> ParseExportFormat(std::string_view t) {
   if (t == "pytorch" || t == "fsdp1") return ExportFormat::kFsdp1;
   if (t == "fsdp2") return ExportFormat::kFsdp2;

@@ -19,6 +19,10 @@ Result<ExportFormat> ParseExportFormat(std::string_view text);
 /// checkpointing, GPU layout and batch.
 std::string ExportConfig(const Workload& workload, ExportFormat format);
 
+/// The exports are written against transformers 5.24's API (AttentionInterface, `dtype=`, ...):
+/// the one-line refusal for a plan of another release (FsdpConfig::transformers).
+std::string ExportNeedsCurrentTransformers(TransformersVersion planned);
+
 /// transformers' decoder-layer class for the model family (LlamaDecoderLayer, GPT2Block, ...).
 std::string_view DecoderLayerClass(const ModelSpec& model);
 
