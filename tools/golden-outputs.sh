@@ -76,6 +76,8 @@ l70b_qlora_4090    --model llama-2-70b --gpu rtx-4090 --gpus 4 --gpus-per-node 4
 l7b_qlora_dq_fp32  --model llama-2-7b --gpus 8 --framework fsdp2 --lora-rank 8 --qlora --qlora-double-quant --qlora-compute-dtype fp32
 l7b_qlora_offload  --model llama-2-7b --gpus 8 --lora-rank 8 --qlora --cpu-offload
 l7b_pure_bf16      --model llama-2-7b --gpus 8 --framework fsdp2 --master-dtype bf16 --reduce-dtype bf16
+l7b_tf444_holds    --model llama-2-7b --gpu rtx-4090 --gpus 2 --lora-rank 64 --qlora --micro-batch 6 --seq-len 2048 --ac full --transformers-version 4.44 --loop-holds-outputs
+mistral_tf448      --model mistral-7b --gpus 2 --gpu a100-80gb-sxm --master-dtype bf16 --micro-batch 2 --ac full --transformers-version 4.48.1
 l8b_titan          --model llama-3.1-8b --gpus 8 --seq-len 8192 --framework fsdp2 --impl torchtitan --ac selective-op
 l8b_alloc_conf     --model llama-3.1-8b --gpus 8 --seq-len 8192 --framework fsdp2 --alloc-conf expandable_segments:True
 qwen3_8b_8         --model qwen3-8b --gpus 8 --framework fsdp2 --ac full
