@@ -134,6 +134,12 @@ transformers_version_rows() {
     PYTHONPATH=$dir TORCH_ONLY="--init device" PLAN_ONLY="--transformers-version $v" \
       check "1 rank  transformers $v AC full 1024 x 4" 1 FULL_SHARD full 4 1024
   done
+  # one sequence: its logits[..., :-1, :] is contiguous already, so 4.48's loss makes no copy (with
+  # one, the loss's forward would be the peak, 8% above this row's)
+  if [ -d "$dir/transformers" ]; then
+    PYTHONPATH=$dir TORCH_ONLY="--init device" PLAN_ONLY="--transformers-version $v" \
+      check "1 rank  transformers $v flash AC 4096 x 1" 1 FULL_SHARD full 1 4096 "$root/models/llama-100m.json" fsdp2 "" flash
+  fi
 }
 # the newer families (issue 18), built by transformers from small configs of their own: Qwen3's
 # per-head q/k norms, OLMo 2's post-sub-layer norms and whole-projection q/k norms, Phi-3's fused

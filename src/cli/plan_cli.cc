@@ -75,7 +75,9 @@ void PrintHeader(const Workload& w, std::ostream& out) {
         "the loss upcasts the logits and pads the labels",
         "the loss upcasts the logits and copies logits[..., :-1, :] contiguous",
         "the model returns the logits upcast to fp32, the loss copies logits[..., :-1, :] contiguous"};
-    fmt::print(out, "transformers {}: {}\n", TransformersVersionName(c.transformers), kLossPaths[static_cast<int>(HfLossOf(c.transformers))]);
+    const HfLoss loss = HfLossOf(c.transformers, w.model.model_type);
+    fmt::print(out, "transformers {}: {}{}\n", TransformersVersionName(c.transformers), kLossPaths[static_cast<int>(loss)],
+               loss != HfLoss::kPaddedLabels && c.micro_batch == 1 ? " (one sequence: contiguous already, no copy)" : "");
   }
   if (const int64_t vision = w.model.VisionParams(); vision > 0) {
     fmt::print(out, "vision tower: {} parameters ({}), held in the root unit but idle in these text-only steps: no FLOPs, no activations, {}\n",

@@ -96,10 +96,13 @@ Result<Impl> ParseImpl(std::string_view t) {
   return Unknown("--impl", t, "transformers, torchtitan (0.2.2) or torchtitan-2025-01");
 }
 
-HfLoss HfLossOf(TransformersVersion v) {
+HfLoss HfLossOf(TransformersVersion v, std::string_view model_type) {
   if (v >= TransformersVersion{4, 49}) return HfLoss::kPaddedLabels;
-  if (v >= TransformersVersion{4, 46}) return HfLoss::kShiftedCopy;
-  return HfLoss::kFp32Logits;
+  TransformersVersion loss_function_since{4, 46};
+  for (const families::Family& f : families::Families()) {
+    if (f.model_type == model_type) loss_function_since = f.loss_function_since;
+  }
+  return v >= loss_function_since ? HfLoss::kShiftedCopy : HfLoss::kFp32Logits;
 }
 
 std::string TransformersVersionName(TransformersVersion v) { return fmt::format("{}.{}", v.major, v.minor); }
@@ -117,12 +120,25 @@ Result<TransformersVersion> ParseTransformersVersion(std::string_view t) {
   size_t pos = 0;
   TransformersVersion v;
   if ((v.major = ReadVersionPart(t, pos)) < 0 || pos >= t.size() || t[pos++] != '.' || (v.minor = ReadVersionPart(t, pos)) < 0) return bad();
-  if (pos < t.size() && t[pos] != '.') return bad();  // "4.44.2", "5.0.0.dev0": the rest names a patch
-  for (; pos < t.size(); ++pos) {
-    if (!std::isalnum(static_cast<unsigned char>(t[pos])) && t[pos] != '.' && t[pos] != '+') return bad();
+  if (pos + 1 < t.size() && t[pos] == '.' && std::isdigit(static_cast<unsigned char>(t[pos + 1]))) {  // the patch
+    ++pos;
+    if (ReadVersionPart(t, pos) < 0) return bad();
   }
+  const std::string_view rest = t.substr(pos);  // a pre-, dev- or post-release: a, b, rc, .dev, .post and a number
+  for (std::string_view tag : {"a", "b", "rc", ".dev", ".post"}) {
+    if (rest.starts_with(tag) && rest.size() > tag.size()) {
+      size_t number = pos + tag.size();
+      if (ReadVersionPart(t, number) < 0 || number != t.size()) return bad();
+      pos = number;
+      break;
+    }
+  }
+  if (pos != t.size()) return bad();
   if (v < TransformersVersion{4, 31}) {
     return Error::BadInput(fmt::format("--transformers-version {}: releases before 4.31 computed the loss in the logits' own dtype, which is not modelled", t));
+  }
+  if ((v.major == 4 && v.minor > 57) || v.major > 5) {
+    return Error::BadInput(fmt::format("--transformers-version {} is not a release fsdp-plan knows: 4.31 to 4.57, or 5.x", t));
   }
   return v;
 }
@@ -299,6 +315,10 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
     if (Status s = ValidateTorchtitan(c, model); !s.ok()) return s;
   }
   if (const std::string why = TransformersRuledOut(model, c.transformers); !why.empty()) return Error::BadInput(why);
+  if (c.attention == Attention::kFlash && c.transformers < TransformersVersion{4, 34}) {  // LlamaAttention alone until then
+    return Error::BadInput(fmt::format("--transformers-version {} runs attention eagerly (FlashAttention-2 from 4.34, SDPA from 4.36); add --attention eager",
+                                       TransformersVersionName(c.transformers)));
+  }
   return ValidateLora(c.lora, c.wrap);
 }
 
@@ -317,7 +337,7 @@ std::string TransformersRuledOut(const ModelSpec& m, TransformersVersion v) {
   for (const families::Family& f : families::Families()) {
     if (f.model_type != m.model_type || v >= f.plannable_since) continue;
     if (m.model_type == "gpt2") {
-      return fmt::format("--transformers-version {}: GPT-2's loss before 4.46 ran in the logits' own dtype, which is not modelled", TransformersVersionName(v));
+      return fmt::format("--transformers-version {}: GPT-2's loss before 4.48 ran in the logits' own dtype, which is not modelled", TransformersVersionName(v));
     }
     return fmt::format("--transformers-version {}: transformers has {} models from {} on", TransformersVersionName(v), m.model_type,
                        TransformersVersionName(f.plannable_since));

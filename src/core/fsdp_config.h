@@ -45,18 +45,22 @@ struct TransformersVersion {
   bool operator==(const TransformersVersion&) const = default;
   auto operator<=>(const TransformersVersion&) const = default;
 };
-/// How a release's causal-LM head turns the logits into the loss; the blocks save the same tensors
-/// across them. Read from the releases' sources: LlamaForCausalLM.forward of 4.31.0 to 4.45.2
-/// (models/llama/modeling_llama.py; Mistral, Mixtral, Qwen2, Phi-3 and Gemma 2 copy it),
-/// ForCausalLMLoss of 4.46.3 to 4.48.3 and of 4.49.0 on (loss/loss_utils.py).
+/// How a release's causal-LM head turns the logits into the loss. Read from the releases' sources:
+/// LlamaForCausalLM.forward of 4.31.0 to 4.45.2 (models/llama/modeling_llama.py; Mistral, Mixtral,
+/// Qwen2, Phi-3 and Gemma 2 copy it, Mistral until 4.47.1), ForCausalLMLoss of 4.46.3 to 4.48.3
+/// and of 4.49.0 on (loss/loss_utils.py). The slice logits[..., :-1, :] of one sequence is
+/// contiguous already, so the copy exists from a micro-batch of 2 on.
 enum class HfLoss {
   kPaddedLabels,  ///< 4.49 on: the loss upcasts the logits and pads the labels (no copy of the logits)
-  kShiftedCopy,   ///< 4.46 to 4.48: the loss upcasts, then copies logits[..., :-1, :] contiguous
-  /// 4.31 to 4.45: the model's forward upcasts the logits it returns (the 16-bit ones die there),
-  /// and the loss copies logits[..., :-1, :] contiguous
+  /// From the family's first ForCausalLMLoss release (families::Family::loss_function_since: 4.46,
+  /// Mistral's and GPT-2's 4.48) to 4.48: the loss upcasts, then copies logits[..., :-1, :] contiguous
+  kShiftedCopy,
+  /// Before it: the model's forward upcasts the logits it returns (the 16-bit ones die there), and
+  /// copies logits[..., :-1, :] contiguous for the loss
   kFp32Logits,
 };
-HfLoss HfLossOf(TransformersVersion v);
+/// The loss path of release `v` for a model of HF `model_type`.
+HfLoss HfLossOf(TransformersVersion v, std::string_view model_type);
 
 /// peft's LoraConfig (peft/tuners/lora/config.py), applied to the model by BuildWorkload
 /// (core/lora.h): every base parameter frozen, a pair of adapters beside each targeted linear.
@@ -150,8 +154,9 @@ Result<Optimizer> ParseOptimizer(std::string_view text);
 Result<Framework> ParseFramework(std::string_view text);
 Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view text);
 Result<Impl> ParseImpl(std::string_view text);
-/// "4.44", "4.44.2" or "5.0.0.dev0"; releases before 4.31, which computed the loss in the logits'
-/// own dtype, are refused.
+/// "4.44", "4.44.2", "4.57.0rc1" or "5.0.0.dev0" (MAJOR.MINOR[.PATCH][aN|bN|rcN|.devN|.postN]).
+/// Refused: releases before 4.31, which computed the loss in the logits' own dtype, and any but
+/// 4.31 to 4.57 and 5.x.
 Result<TransformersVersion> ParseTransformersVersion(std::string_view text);
 std::string TransformersVersionName(TransformersVersion v);  ///< "4.44"
 

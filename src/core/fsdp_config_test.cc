@@ -51,18 +51,26 @@ TEST_CASE("--transformers-version: releases parse to their loss path; malformed 
   CHECK(ParseTransformersVersion("4.44.2").value() == TransformersVersion{4, 44});
   CHECK(ParseTransformersVersion("5.0.0.dev0").value() == TransformersVersion{5, 0});
   CHECK(ParseTransformersVersion("4.31").value() == TransformersVersion{4, 31});
-  for (const char* bad : {"", "4", "4.", "four.44", "4.44rc1", "4.x", "-4.44", "4.44.2 ", "99999.1", "4..44"}) {
+  CHECK(ParseTransformersVersion("4.57.0rc1").value() == TransformersVersion{4, 57});
+  CHECK(ParseTransformersVersion("4.44rc1").value() == TransformersVersion{4, 44});
+  CHECK(ParseTransformersVersion("4.48.1.post2").value() == TransformersVersion{4, 48});
+  for (const char* bad : {"", "4", "4.", "four.44", "4.x", "-4.44", "4.44.2 ", "99999.1", "4..44", "4.44...", "4.44.+", "4.44.abc",
+                          "4.44rc", "4.44.2rc1x", "4.44.dev", "4.58", "6.0", "4.44.2.3"}) {
     auto v = ParseTransformersVersion(bad);
     REQUIRE_MESSAGE(!v.ok(), std::string(bad));
     CHECK(v.error().message.find("--transformers-version") != std::string::npos);
   }
   CHECK(ParseTransformersVersion("4.30.2").error().message.find("before 4.31") != std::string::npos);
-  CHECK(HfLossOf({4, 31}) == HfLoss::kFp32Logits);
-  CHECK(HfLossOf({4, 45}) == HfLoss::kFp32Logits);
-  CHECK(HfLossOf({4, 46}) == HfLoss::kShiftedCopy);
-  CHECK(HfLossOf({4, 48}) == HfLoss::kShiftedCopy);
-  CHECK(HfLossOf({4, 49}) == HfLoss::kPaddedLabels);
-  CHECK(HfLossOf(TransformersVersion{}) == HfLoss::kPaddedLabels);
+  CHECK(HfLossOf({4, 31}, "llama") == HfLoss::kFp32Logits);
+  CHECK(HfLossOf({4, 45}, "llama") == HfLoss::kFp32Logits);
+  CHECK(HfLossOf({4, 46}, "llama") == HfLoss::kShiftedCopy);
+  CHECK(HfLossOf({4, 48}, "llama") == HfLoss::kShiftedCopy);
+  CHECK(HfLossOf({4, 49}, "llama") == HfLoss::kPaddedLabels);
+  CHECK(HfLossOf(TransformersVersion{}, "llama") == HfLoss::kPaddedLabels);
+  // MistralForCausalLM kept its own upcast and shift through 4.47 (modeling_mistral.py of 4.46.3, 4.47.1)
+  CHECK(HfLossOf({4, 47}, "mistral") == HfLoss::kFp32Logits);
+  CHECK(HfLossOf({4, 48}, "mistral") == HfLoss::kShiftedCopy);
+  CHECK(HfLossOf({4, 47}, "qwen2") == HfLoss::kShiftedCopy);
   CHECK(TransformersVersionName({4, 9}) == "4.9");
 }
 
@@ -73,11 +81,20 @@ TEST_CASE("--transformers-version refuses a model the release did not have, and 
   CHECK(TransformersRuledOut(m, {4, 50}) == "--transformers-version 4.50: transformers has qwen3 models from 4.51 on");
   CHECK(TransformersRuledOut(m, {4, 51}).empty());
   m.model_type = "gpt2";
-  CHECK(TransformersRuledOut(m, {4, 45}).find("GPT-2's loss before 4.46") != std::string::npos);
+  CHECK(TransformersRuledOut(m, {4, 47}).find("GPT-2's loss before 4.48") != std::string::npos);
+  CHECK(TransformersRuledOut(m, {4, 48}).empty());
   FsdpConfig c;
   c.transformers = {4, 40};
   c.seq_len = 8;
   CHECK(BuildWorkload(HandLlama(), testing::GibGpu(), c).ok());
+  c.transformers = {4, 33};  // no FlashAttention-2 nor SDPA for Llama yet
+  auto eager_only = BuildWorkload(HandLlama(), testing::GibGpu(), c);
+  REQUIRE_FALSE(eager_only.ok());
+  CHECK(eager_only.error().message == "--transformers-version 4.33 runs attention eagerly (FlashAttention-2 from 4.34, SDPA from 4.36); add --attention eager");
+  c.attention = Attention::kEager;
+  CHECK(BuildWorkload(HandLlama(), testing::GibGpu(), c).ok());
+  c.attention = Attention::kFlash;
+  c.transformers = {4, 40};
   c.impl = Impl::kTorchtitan;
   c.framework = Framework::kFsdp2;
   auto w = BuildWorkload(HandLlama(), testing::GibGpu(), c);

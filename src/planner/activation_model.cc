@@ -884,7 +884,7 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   // over every position with the labels padded (4.49 on) or over logits[..., :-1, :] copied
   // contiguous (before 4.49: B (T - 1) rows). The logits the model returns stay referenced by its
   // output until backward ends.
-  const HfLoss loss = IsTorchtitan(cfg.impl) ? HfLoss::kPaddedLabels : HfLossOf(cfg.transformers);
+  const HfLoss loss = IsTorchtitan(cfg.impl) ? HfLoss::kPaddedLabels : HfLossOf(cfg.transformers, m.model_type);
   const int64_t loss_rows = loss == HfLoss::kPaddedLabels ? d.tokens : d.tokens - cfg.micro_batch;
   const int64_t v_rows = m.vocab_size * loss_rows;
   head.logits_bytes = d.c * vT;
@@ -898,7 +898,8 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
     std::swap(head.logits_bytes, head.loss_forward_transient_bytes);
   }
   if (loss != HfLoss::kPaddedLabels) {
-    head.shift_copy_bytes = 4 * v_rows;
+    // .contiguous() copies only a slice spanning sequences: one sequence's rows are contiguous already
+    head.shift_copy_bytes = cfg.micro_batch > 1 ? 4 * v_rows : 0;
     head.slice_grad_bytes = 4 * vT;
   }
   // nll_loss_backward's dense fp32 gradient, then log_softmax_backward's fp32 result.

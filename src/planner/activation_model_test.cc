@@ -379,6 +379,10 @@ TEST_CASE("the loss path of each transformers release (HfLoss): what the head al
   CHECK(!a32.upcast_in_model);
   CHECK(a32.logits_bytes == 4 * vT);
   CHECK(a32.loss_forward_transient_bytes == 0);
+  c.micro_batch = 1;  // one sequence's logits[..., :-1, :] is contiguous: no copy
+  CHECK(HeadActivationProfile(m.value(), c).shift_copy_bytes == 0);
+  CHECK(HeadActivationProfile(m.value(), c).slice_grad_bytes == 4 * 128256LL * 8192);
+  c.micro_batch = 2;
   c.transformers = {4, 49};  // labels padded: every position, no copy
   HeadActivations p = HeadActivationProfile(m.value(), c);
   CHECK(p.shift_copy_bytes == 0);

@@ -764,63 +764,67 @@ TEST_CASE("what routed experts cost: every expert sharded, all-gathered and redu
   CHECK(EstimateComm(dense).volume.routed_expert_gather_bytes == 0);
 }
 
-TEST_CASE("each transformers release's loss, allocation by allocation (hand llama, bf16 logits, 4 positions)") {
-  // vocabulary 16, 4 positions: the logits are vT = 64 elements, the shifted rows v(T - 1) = 48.
-  // 4.49 on: forward lm_head 2vT + upcast 4vT + log_softmax 4vT = 640; backward nll 4vT + its
-  //   gradient 4vT + the saved output 4vT = 768.
-  // 4.46-4.48: forward 128 + 256 + the shifted copy 192 + log_softmax 192 = 768; backward 192 x 3 =
-  //   576, then the slice's gradient 256 beside log_softmax's 192 = 448.
-  // 4.31-4.45: the bf16 output (128) dies once upcast (256): 256 + 192 + 192 = 640 at most in forward;
-  //   backward as 4.46's. In a loop that keeps `outputs` the held logits are fp32 (256, not 128).
+TEST_CASE("each transformers release's loss, allocation by allocation (hand llama, bf16 logits, 2 x 4 positions)") {
+  // vocabulary 16, micro-batch 2 of 4 positions: the logits are vT = 128 elements, the shifted rows
+  // 2 v (T - 1) = 96.
+  // 4.49 on: forward lm_head 2vT + upcast 4vT + log_softmax 4vT = 1280; backward nll 4vT + its
+  //   gradient 4vT + the saved output 4vT = 1536.
+  // 4.46-4.48: forward 256 + 512 + the shifted copy 384 + log_softmax 384 = 1536; backward 384 x 3 =
+  //   1152, then the slice's gradient 512 beside log_softmax's 384.
+  // 4.31-4.45: the bf16 output (256) dies once upcast (512): 512 + 384 + 384 = 1280 at most in
+  //   forward; backward as 4.46's. In a loop that keeps `outputs` the held logits are fp32 (512, not 256).
   FsdpConfig c = HandConfig();
   c.seq_len = 4;
+  c.micro_batch = 2;
   c.param_dtype = DType::kBf16;
   c.gpus = 1;
   MemoryOptions exact = Exact();
   exact.record_timeline = true;
-  const auto activations_in = [&](TransformersVersion v, bool holds, std::string_view phase) {
+  const auto timeline = [&](TransformersVersion v, bool holds, int micro_batch) {
     FsdpConfig cv = c;
     cv.transformers = v;
     cv.loop_holds_outputs = holds;
-    const MemoryEstimate e = EstimateMemory(Build(cv), exact);
+    cv.micro_batch = micro_batch;
+    return EstimateMemory(Build(cv), exact).timeline;
+  };
+  const auto activations = [](const MemoryPoint& p) { return p.device[static_cast<int>(MemCategory::kActivations)]; };
+  const auto most_in = [&](TransformersVersion v, bool holds, std::string_view phase) {
     int64_t most = 0;
-    for (const MemoryPoint& p : e.timeline) {
-      if (p.phase == phase) most = std::max(most, p.device[static_cast<int>(MemCategory::kActivations)]);
+    for (const MemoryPoint& p : timeline(v, holds, 2)) {
+      if (p.phase == phase) most = std::max(most, activations(p));
     }
     REQUIRE(most > 0);
     return most;
   };
-  const TransformersVersion v524, v448{4, 48}, v444{4, 44};
-  const std::string_view forward = "forward: lm_head + loss", backward = "backward: lm_head + loss";
-  const int64_t f524 = activations_in(v524, false, forward), b524 = activations_in(v524, false, backward);
-  CHECK(activations_in(v448, false, forward) - f524 == 768 - 640);
-  CHECK(activations_in(v444, false, forward) - f524 == 0);
-  CHECK(activations_in(v448, false, backward) - b524 == 576 - 768);
-  CHECK(activations_in(v444, false, backward) - b524 == 576 - 768);
-  CHECK(activations_in(v444, true, backward) - activations_in(v524, true, backward) == (576 + 256) - (768 + 128));
-  // and allocation by allocation: the activations' changes within each phase
-  const auto changes = [&](TransformersVersion v, std::string_view phase) {
-    FsdpConfig cv = c;
-    cv.transformers = v;
-    const MemoryEstimate e = EstimateMemory(Build(cv), exact);
+  // the activations' changes within a phase, allocation by allocation
+  const auto changes = [&](TransformersVersion v, std::string_view phase, int micro_batch = 2) {
     std::vector<int64_t> deltas;
     int64_t last = 0;
-    for (const MemoryPoint& p : e.timeline) {
-      const int64_t now = p.device[static_cast<int>(MemCategory::kActivations)];
-      if (p.phase == phase && now != last) deltas.push_back(now - last);
-      last = now;
+    for (const MemoryPoint& p : timeline(v, false, micro_batch)) {
+      if (p.phase == phase && activations(p) != last) deltas.push_back(activations(p) - last);
+      last = activations(p);
     }
     return deltas;
   };
+  const TransformersVersion v524, v448{4, 48}, v444{4, 44};
+  const std::string_view forward = "forward: lm_head + loss", backward = "backward: lm_head + loss";
+  const int64_t f524 = most_in(v524, false, forward), b524 = most_in(v524, false, backward);
+  CHECK(most_in(v448, false, forward) - f524 == 1536 - 1280);
+  CHECK(most_in(v444, false, forward) - f524 == 0);
+  CHECK(most_in(v448, false, backward) - b524 == 1152 - 1536);
+  CHECK(most_in(v444, false, backward) - b524 == 1152 - 1536);
+  CHECK(most_in(v444, true, backward) - most_in(v524, true, backward) == (1152 + 512) - (1536 + 256));
   // 4.48: lm_head's output, the upcast, the shifted copy, log_softmax's output; the copy and the
   // upcast die as the loss returns, the logits as the model's output is dropped
-  CHECK(changes(v448, forward) == std::vector<int64_t>{128, 256, 192, 192, -192, -256, -128});
+  CHECK(changes(v448, forward) == std::vector<int64_t>{256, 512, 384, 384, -384, -512, -256});
   // 4.44: the bf16 output dies at the model's upcast
-  CHECK(changes(v444, forward) == std::vector<int64_t>{128, 256, -128, 192, 192, -192, -256});
+  CHECK(changes(v444, forward) == std::vector<int64_t>{256, 512, -256, 384, 384, -384, -512});
   // backward: nll's gradient, log_softmax's, both freed with the saved output, the slice's widened
   // gradient, the downcast for lm_head
-  CHECK(changes(v448, backward) == std::vector<int64_t>{192, 192, -192, -192, 256, -192, 128, -256, -128});
-  CHECK(changes(v524, backward) == std::vector<int64_t>{256, 256, -256, -256, 128, -256, -128});
+  CHECK(changes(v448, backward) == std::vector<int64_t>{384, 384, -384, -384, 512, -384, 256, -512, -256});
+  CHECK(changes(v524, backward) == std::vector<int64_t>{512, 512, -512, -512, 256, -512, -256});
+  // one sequence: logits[..., :-1, :] is contiguous already, no copy (vT 64 elements, 48 shifted)
+  CHECK(changes(v448, forward, 1) == std::vector<int64_t>{128, 256, 192, -256, -128});
 }
 
 }  // namespace

@@ -23,8 +23,11 @@ struct Family {
   Status (*read)(const JsonReader& config, ModelSpec& model);
   /// The first transformers release that plans it (`--transformers-version`): the first whose
   /// models/ holds the type (read in the wheels of 4.30.2 to 4.55.4), and no earlier than 4.31
-  /// (ParseTransformersVersion); GPT-2's loss before 4.46 ran in the logits' own dtype, unmodelled.
+  /// (ParseTransformersVersion); GPT-2's loss before 4.48 ran in the logits' own dtype, unmodelled.
   TransformersVersion plannable_since;
+  /// The first release whose ForCausalLM computes its loss with ForCausalLMLoss (loss_function):
+  /// 4.46, Mistral's and GPT-2's 4.48 (core/fsdp_config.h HfLoss).
+  TransformersVersion loss_function_since{4, 46};
 };
 
 /// Every family, in the order error messages list them.
