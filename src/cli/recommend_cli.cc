@@ -92,7 +92,6 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   auto transformers = ParseTransformersVersion(f.transformers_version);
   if (!transformers.ok()) return transformers.error();
   o.base.transformers = transformers.value();
-  if (const std::string why = TransformersRuledOut(model, o.base.transformers); !why.empty()) return Error::BadInput(why);
   if (IsTorchtitan(o.base.impl)) {
     if (const std::string why = TorchtitanRuledOut(model, o.base.impl); !why.empty()) return Error::BadInput(why);
   }
@@ -106,8 +105,9 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
     if (!compute.ok()) return compute.error();
     o.base.lora.compute_dtype = compute.value();
   }
-  if (o.base.lora != LoraConfig{} || IsTorchtitan(o.base.impl)) {
-    // the LoRA and torchtitan settings' errors once, from the configuration every candidate shares
+  if (o.base.lora != LoraConfig{} || IsTorchtitan(o.base.impl) || o.base.transformers != TransformersVersion{}) {
+    // the LoRA, torchtitan and transformers-release settings' errors once, from the configuration
+    // every candidate shares (ResolveAndValidate: TransformersRuledOut, and the release's attention)
     FsdpConfig probe = o.base;
     probe.gpus = probe.gpus_per_node = 1;
     if (probe.framework == Framework::kFsdp1 && probe.lora.rank > 0) probe.wrap = WrapPolicy::kPeft;
