@@ -308,7 +308,7 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
                  "whose model code runs: transformers (HF modules) | torchtitan (0.2.2's Llama 3 or dense Qwen3: its wrap units, nn.RMSNorm, RoPE table) | torchtitan-2025-01 (the January 2025 main branch of torchtitan's published Llama 3.1 runs); torchtitan needs --framework fsdp2")
       ->capture_default_str();
   app.add_option("--transformers-version", f.transformers_version,
-                 "the transformers release the run uses (4.31 on): before 4.49 its loss copies the shifted logits, and before 4.46 the model returns them in fp32")
+                 "the transformers release the run uses (4.31 to 4.57, or 5.x), for its loss: before 4.49 it copies the shifted logits (micro-batch > 1), and before 4.46 (Mistral: 4.48) the model returns them in fp32")
       ->capture_default_str();
   app.add_flag("--forward-prefetch", f.config.forward_prefetch, "FSDP1 forward_prefetch=True");
   app.add_option("--backward-prefetch", f.backward_prefetch, "pre | post | none")->capture_default_str();

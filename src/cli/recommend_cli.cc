@@ -187,7 +187,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--price", f.prices, "override a price: GPU_ID=USD_PER_GPU_HOUR (repeatable)");
   app.add_option("--framework", f.framework, "fsdp1 | fsdp2")->capture_default_str();
   app.add_option("--impl", f.impl, "transformers | torchtitan | torchtitan-2025-01 (torchtitan's Llama 3 or, 0.2.2's, dense Qwen3 and wrap units; needs --framework fsdp2)")->capture_default_str();
-  app.add_option("--transformers-version", f.transformers_version, "the transformers release the run uses (4.31 on; its loss path)")->capture_default_str();
+  app.add_option("--transformers-version", f.transformers_version, "the transformers release the run uses (4.31 to 4.57, or 5.x), for its loss path (fsdp-plan --help)")->capture_default_str();
   app.add_option("--attention", f.attention, "eager | flash (default: flash; eager for a model SDPA cannot run, Gemma 2's)");
   app.add_flag("--loop-holds-outputs", f.loop_holds_outputs, "the training loop keeps `outputs`: its logits live through the step");
   app.add_option("--lora-rank", f.lora.rank, "LoRA rank r for every candidate (peft); 0 is full fine-tuning")->capture_default_str();
