@@ -5,6 +5,7 @@ aten op, shape, dtype, forward or backward, innermost module). Written per rank 
 summary of the largest tensors printed by rank 0.
 
     python tools/peak_trace.py OUT_PREFIX [torch_reference.py arguments]
+    python tools/peak_trace.py OUT_PREFIX --script torchtitan_memory.py [its arguments]
     python -m torch.distributed.run --standalone --nproc-per-node 2 tools/peak_trace.py OUT_PREFIX ...
 
 writes OUT_PREFIX.<rank>.json: {"seq", "op", "where", "parents", "snap" (the tracker's categories),
@@ -28,6 +29,11 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+# PEAK_TRACE_WITHIN="bw:layers.7": the highest moment inside one module's backward (or "fw:" forward)
+# instead of the step's, with the tracked total after each of its ops ("path" in the JSON)
+WITHIN = tuple(os.environ["PEAK_TRACE_WITHIN"].split(":", 1)) if os.environ.get("PEAK_TRACE_WITHIN") else None
+
+
 class PeakTracker(fsdp2_mem_tracker.FSDPMemTracker):
     last = None
 
@@ -37,6 +43,7 @@ class PeakTracker(fsdp2_mem_tracker.FSDPMemTracker):
         self.best = 0
         self.at_peak = None
         self.seq = 0
+        self.path = []  # under PEAK_TRACE_WITHIN: (seq, op, module, tracked total) after each op of the window
         PeakTracker.last = self
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -55,7 +62,11 @@ class PeakTracker(fsdp2_mem_tracker.FSDPMemTracker):
                 if st not in self.origin:
                     self.origin[st] = (self.seq, str(func), list(t.shape), str(t.dtype).replace("torch.", ""),
                                        where, parents[-1] if parents else "")
+        if WITHIN and not (where == WITHIN[0] and any(WITHIN[1] in p for p in parents)):
+            return res
         for snap in self._curr_mem_snap.values():
+            if WITHIN:
+                self.path.append((self.seq, str(func), parents[-1] if parents else "", snap[_TOTAL_KEY]))
             if snap[_TOTAL_KEY] > self.best:
                 self.best = snap[_TOTAL_KEY]
                 live = [(winfo.mem_consumed, str(winfo.reftype), self.origin.get(st, None))
@@ -71,7 +82,7 @@ def dump(prefix):
         return
     rank = os.environ.get("RANK", "0")
     with open(f"{prefix}.{rank}.json", "w") as f:
-        json.dump(tracker.at_peak, f)
+        json.dump(dict(tracker.at_peak, path=tracker.path), f)
     if rank == "0":
         peak = tracker.at_peak
         print(f"peak_trace: {peak['snap'][_TOTAL_KEY]} bytes at op {peak['seq']} ({peak['op']}, {peak['where']})")
@@ -85,8 +96,13 @@ def main():
     prefix = sys.argv[1]
     fsdp2_mem_tracker.FSDPMemTracker = PeakTracker
     atexit.register(dump, prefix)
-    sys.argv = ["torch_reference.py"] + sys.argv[2:]
-    runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_reference.py"), run_name="__main__")
+    script, rest = "torch_reference.py", sys.argv[2:]
+    if rest[:1] == ["--script"] and len(rest) > 1:  # another tool of this directory that tracks with FSDPMemTracker
+        script, rest = rest[1], rest[2:]
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    sys.argv = [script] + rest
+    runpy.run_path(os.path.join(here, script), run_name="__main__")
 
 
 if __name__ == "__main__":

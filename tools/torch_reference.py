@@ -559,22 +559,39 @@ def apply_activation_checkpointing(model, every=1):
                                        preserve_rng_state=False)
 
 
+def op_sac_saved_ops():
+    """The ops whose outputs apply_op_selective_checkpointing keeps: aten.mm (every second call
+    excepted by the policy) and every SDPA kernel of torchtitan's _op_sac_save_list, plus the CPU's
+    flash kernel (tools/torch_reference_selftest.sh checks the list against torchtitan's own)."""
+    import torch
+
+    aten = torch.ops.aten
+    saved = {aten.mm.default}
+    for kernel in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
+                   "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, kernel):
+            saved.add(getattr(aten, kernel).default)
+    return saved
+
+
 def apply_op_selective_checkpointing(model):
     """torchtitan's op-level selective AC (selective_ac_option "op", in its
     parallelize_llama.py): every decoder layer under checkpoint_wrapper with a selective-checkpoint
     context whose policy keeps the outputs of aten.mm, except every second one of the layer, and
-    of the SDPA flash / memory-efficient kernels, and recomputes every other op in the backward.
-    On the CPU the save list also holds SDPA's CPU flash kernel, standing for the CUDA one."""
+    of every SDPA kernel its _op_sac_save_list names (torchtitan 0.2.2, models/llama3/infra/
+    parallelize.py: flash, memory-efficient, cuDNN, math, the overrideable fused one), and
+    recomputes every other op in the backward. On the CPU the save list also holds SDPA's CPU
+    flash kernel, standing for the CUDA one. (Until 2026-12-05 the list held the flash and
+    memory-efficient kernels only: the H200 sweep's selective-op row, whose attention ran another
+    kernel, recomputed its attention; docs/accuracy.md.)"""
     from collections import defaultdict
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
-    saved_ops = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
-                 aten._scaled_dot_product_flash_attention.default}
-    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        saved_ops.add(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    saved_ops = op_sac_saved_ops()
 
     def context():
         mm_seen = defaultdict(int)  # per pass (forward, recompute) of this layer

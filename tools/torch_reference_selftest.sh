@@ -214,5 +214,24 @@ assert len(f) == len(t) == 3 and rel <= 1e-5
     fi
 fi
 
+# The op-level selective AC's save list holds every SDPA kernel torchtitan's own list names: a kernel
+# missing there is recomputed where PyTorch picks it (cuDNN's on sm90 under torch 2.11, which the
+# H200 sweep's selective-op row ran before the list had it; docs/accuracy.md).
+if "$PY" -c "import torchtitan.models.llama3.infra.parallelize" 2>/dev/null; then
+    log="$TMP/op-sac-list.log"
+    if PYTHONPATH="$(dirname "$TOOL")${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "
+import torch_reference
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+sdpa = {op for op in _op_sac_save_list if 'scaled_dot_product' in str(op)}
+missing = sdpa - torch_reference.op_sac_saved_ops()
+print(len(sdpa), 'SDPA kernels in torchtitan\'s list; missing here:', sorted(map(str, missing)))
+assert len(sdpa) >= 4 and not missing
+" >"$log" 2>&1; then
+        ok "op-sac-save-list-covers-torchtitans ($(tail -1 "$log"))"
+    else
+        fail "op-sac-save-list-covers-torchtitans" "$log"
+    fi
+fi
+
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
