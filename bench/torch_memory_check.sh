@@ -342,6 +342,8 @@ op_sac_row
 check "1 rank  op-SAC flash seq 1024 x 2"        1 FULL_SHARD selective-op 2 1024 "$root/models/llama-100m.json" fsdp2 "" flash
 check "1 rank  op-SAC seq 2048 x 2 GQA"          1 FULL_SHARD selective-op 2 2048 "$root/tests/data/hf_configs/llama-100m-gqa.json"
 check "1 rank  2k vocab op-SAC seq 2048 x 1"     1 FULL_SHARD selective-op 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"
+# SDPA with the peak in a block's backward (a 256-token vocabulary): fsdp-plan's known excess there
+check "1 rank  256 vocab flash seq 2048 x 1"     1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/llama-100m-256-vocab.json" fsdp2 "" flash
 lora_rows
 family_rows
 transformers_version_rows

@@ -1097,7 +1097,8 @@ def main(argv=None):
             apply_op_selective_checkpointing(model)
             notes.append("ac=selective-op -> torchtitan's op-level selective AC: checkpoint_wrapper with a "
                          "selective-checkpoint policy saving aten.mm outputs but every second one and the "
-                         "SDPA kernels' outputs (on the CPU its flash kernel too), on each decoder layer before fully_shard")
+                         "outputs of every SDPA kernel torchtitan 0.2.2's list names (flash, memory-efficient, cuDNN, math, "
+                         "overrideable; on the CPU its flash kernel too), on each decoder layer before fully_shard")
         if args.ac == "full" and args.framework == "fsdp2":
             apply_activation_checkpointing(model, args.ac_every)
             notes.append("ac=full -> checkpoint_wrapper(NO_REENTRANT, "

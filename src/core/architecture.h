@@ -107,6 +107,11 @@ struct Architecture {
   /// The attention's output projection (module path inside the block): its backward runs just
   /// before the attention core's, the moment a block's backward holds the scores' gradients
   std::string attention_output = "self_attn.o_proj";
+  /// The MLP's output (down) projection, module path inside the block: its backward runs first in
+  /// the MLP's, after which the MLP's intermediates' gradients shrink (BlockActivations::
+  /// mlp_working_bytes). Routed experts' fused projections are no such module: their blocks keep
+  /// that share to the block's end.
+  std::string mlp_output = "mlp.down_proj";
   /// q, k and v reach eager attention as transposed views of their projections ([B, s, heads, d]
   /// underneath; RoPE's elementwise ops keep that layout), which torch.matmul copies into
   /// [B * heads, s, d] for a micro-batch of more than one sequence (tools/peak_trace.py: OLMo 2);

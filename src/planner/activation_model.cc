@@ -735,11 +735,15 @@ int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Di
 }
 
 // Largest set of gradients alive at once inside a block's backward, beyond its saved tensors:
-// the incoming and outgoing hidden-state gradients plus the largest op-level transient. `block`
-// is what the block's forward saves; `softmax_moment`: the attention core's backward is
-// MarkSoftmaxBackward's moment, not a term here.
-int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block,
-                             bool softmax_moment) {
+// the incoming and outgoing hidden-state gradients plus the largest op-level transient, and of it
+// the MLP's share beyond the rest (BlockActivations::mlp_working_bytes). `block` is what the
+// block's forward saves; `softmax_moment`: the attention core's backward is MarkSoftmaxBackward's
+// moment, not a term here.
+struct BackwardWorking {
+  int64_t bytes = 0, mlp_share = 0;
+};
+BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block,
+                                     bool softmax_moment) {
   const int64_t hT = d.h * d.tokens, scores = d.heads * d.seq * d.tokens;
   int64_t attention = 0;
   if (softmax_moment) {
@@ -763,7 +767,8 @@ int64_t BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const D
   // transformers' RMSNorm backward runs in fp32 over the whole [T, h]; the fused CUDA kernel
   // writes only the input's gradient (one of the two hidden-state gradients counted below)
   const int64_t norm = d.fused_rms_norm ? 0 : 12 * hT;
-  return 2 * d.c * hT + std::max({attention, mlp, norm});
+  const int64_t rest = std::max(attention, norm);
+  return {2 * d.c * hT + std::max(mlp, rest), std::max<int64_t>(0, mlp - rest)};
 }
 
 }  // namespace
@@ -830,7 +835,9 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       }
       break;
   }
-  a.backward_working_bytes = BackwardWorkingBytes(m, cfg, d, a.full, a.softmax_backward_bytes > 0);
+  const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.full, a.softmax_backward_bytes > 0);
+  a.backward_working_bytes = working.bytes;
+  a.mlp_working_bytes = working.mlp_share;
   return a;
 }
 

@@ -39,6 +39,14 @@ struct BlockActivations {
   /// Transient gradients alive inside the block's backward beyond its saved tensors: with
   /// softmax_backward_bytes, those of the MLP's and norms' backward only
   int64_t backward_working_bytes = 0;
+  /// Of backward_working_bytes, what only the MLP's backward needs: its intermediates' gradients
+  /// (the down projection's input gradient, then the activation's and the up projection's: 3 c I
+  /// a token for a gated MLP) beyond the largest working set of the rest of the block (attention,
+  /// norms). The MLP's backward runs first in the block's and its [T, I] gradients die within it:
+  /// the memory model frees this share once the down projection's backward has run
+  /// (Architecture::mlp_output), instead of holding it while the block's weight gradients
+  /// accumulate. 0 where the MLP's is not the largest term.
+  int64_t mlp_working_bytes = 0;
   /// Eager attention over separate q, k and v projections: the gradients alive while the
   /// softmax's backward runs (after the output projection's backward, so with the weight
   /// gradients of everything from it on, and after the tensors marked freed_by_softmax_backward

@@ -82,6 +82,9 @@ TEST_CASE("--impl torchtitan: nn.RMSNorm's fused CUDA kernel saves its input and
   for (const SavedTensor& t : op.recomputed) CHECK(t.name != "input_layernorm.in");
   // the backward's norm term (transformers' fp32 [T, h] temporaries, 12h) is gone: the MLP's 3 x 2I rules
   CHECK(titan.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 4096LL);
+  // of which the MLP's share beyond SDPA's backward (dq, dk, dv 3 x 2h and the fp32 dq accumulator
+  // 4h) dies once the down projection's backward has run
+  CHECK(titan.mlp_working_bytes == (3 * 2 * 11008 - (3 * 2 * 4096 + 4 * 4096)) * 4096LL);
   // torchtitan's RoPE table: complex64 [seq, head_dim / 2], 8 x 4096 x 64 bytes; transformers' none
   CHECK(ModelBufferBytes(m, c) == 8LL * 4096 * 64);
   CHECK(ModelBufferBytes(m, FsdpConfig{}) == 0);
@@ -165,6 +168,8 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   // incoming and outgoing hidden-state gradients 2 x 2h plus SwiGLU's 3 x 2I.
   const BlockActivations a = Profile("llama-2-7b", 4096, Attention::kEager);
   CHECK(a.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 4096);
+  // the MLP's share beyond the norms' fp32 backward (12h; the attention's is the softmax's moment)
+  CHECK(a.mlp_working_bytes == (3 * 2 * 11008 - 12 * 4096) * 4096);
   // The softmax's moment: the residual gradient 2h, v's gradient 2h (32 x 128 = h), and two fp32
   // gradients of the fp32 softmax's output, 2 x 4as.
   CHECK(a.softmax_backward_bytes == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
@@ -190,6 +195,9 @@ TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized g
   const int64_t mlp = 4 * 2 * inner * 1024;
   REQUIRE(mlp > attention);  // at 1024 positions the MLP's transient is the larger
   CHECK(Profile("gpt2", 1024, Attention::kEager).backward_working_bytes == 2 * 2 * h * 1024 + mlp);
+  // the MLP's share beyond the norms' 12h a token (the softmax's term, less what is freed by then, is smaller)
+  REQUIRE(12 * h * 1024 > attention);
+  CHECK(Profile("gpt2", 1024, Attention::kEager).mlp_working_bytes == mlp - 12 * h * 1024);
   // 4096 positions, no dropout: the softmax's term is the larger
   auto m = LoadModel("gpt2");
   REQUIRE(m.ok());
@@ -200,6 +208,7 @@ TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized g
   c.attention = Attention::kEager;
   const int64_t as4k = 12 * 4096;
   CHECK(BlockActivationProfile(m.value(), c).backward_working_bytes == (2 * 2 * h + 2 * 2 * as4k + 3 * 2 * h - (6 * h + 8 + 10 * inner)) * 4096);
+  CHECK(BlockActivationProfile(m.value(), c).mlp_working_bytes == 0);  // the MLP's is not the largest
 }
 
 TEST_CASE("Qwen3-8B block, flash: Llama's tensors plus the per-head q/k norms") {

@@ -56,15 +56,9 @@ class StepPlayer {
     kept_grad_.assign(n, kNoBlock);
     reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
-    output_projection_.assign(w.nodes.size(), -1);
     if (w.model.tie_word_embeddings) embedding_node_ = w.EmbeddingNode();
-    const std::string suffix = "." + w.model.arch.attention_output;
-    for (size_t node = 0; node < w.nodes.size(); ++node) {
-      if (!w.nodes[node].path.ends_with(suffix)) continue;  // each block's attention output projection
-      int block = w.nodes[node].parent;
-      while (block >= 0 && w.nodes[block].role != ModuleNode::Role::kBlock) block = w.nodes[block].parent;
-      if (block >= 0) output_projection_[block] = static_cast<int>(node);
-    }
+    output_projection_ = BlockChildNodes(w, w.model.arch.attention_output);
+    mlp_output_ = BlockChildNodes(w, w.model.arch.mlp_output);
     for (int b = 0; b < w.model.num_layers; ++b) {
       int& holder = mask_holder_[w.model.WindowOf(b) > 0 ? 1 : 0];
       if (holder < 0 && BlockCheckpointed(c_, b)) holder = b;
@@ -499,6 +493,10 @@ class StepPlayer {
     } else {
       AllocGradients(v.node);
     }
+    if (v.node == mlp_working_until_) {
+      mem_.Free(mlp_working_);
+      mlp_working_until_ = -1;
+    }
     // the attention core's backward follows its output projection's (or ends a block without one)
     if (softmax_block_ && (v.node == softmax_block_->output_projection || v.node == softmax_block_->node)) {
       SoftmaxBackward(*softmax_block_);
@@ -514,6 +512,19 @@ class StepPlayer {
     transient_starts_.pop_back();
     for (BlockId& b : node_saved_[v.node]) mem_.Free(b);
     node_saved_[v.node].clear();
+  }
+
+  // Per block node, its module at `path_in_block` (-1: none; the other nodes' entries are -1).
+  static std::vector<int> BlockChildNodes(const Workload& w, const std::string& path_in_block) {
+    std::vector<int> child(w.nodes.size(), -1);
+    const std::string suffix = "." + path_in_block;
+    for (size_t node = 0; node < w.nodes.size(); ++node) {
+      if (!w.nodes[node].path.ends_with(suffix)) continue;
+      int block = w.nodes[node].parent;
+      while (block >= 0 && w.nodes[block].role != ModuleNode::Role::kBlock) block = w.nodes[block].parent;
+      if (block >= 0) child[static_cast<size_t>(block)] = static_cast<int>(node);
+    }
+    return child;
   }
 
   // The saved tensors of a block: the configured checkpointing's, or none's for a block that
@@ -545,7 +556,14 @@ class StepPlayer {
         if (BlockProfile(node_id).softmax_backward_bytes > 0) {
           softmax_block_ = SoftmaxBlock{node_id, output_projection_[node_id], transient_starts_.back(), transient.size()};
         }
-        transient.push_back(mem_.Alloc(Cat::kActivations, BlockProfile(node_id).backward_working_bytes));
+        {
+          // the MLP's share of the working gradients goes once its down projection's backward has
+          // run (BlockActivations::mlp_working_bytes), or with the rest at the block's end
+          const BlockActivations& profile = BlockProfile(node_id);
+          transient.push_back(mem_.Alloc(Cat::kActivations, profile.backward_working_bytes - profile.mlp_working_bytes));
+          mlp_working_ = mem_.Alloc(Cat::kActivations, profile.mlp_working_bytes);
+          mlp_working_until_ = mlp_output_[node_id] >= 0 ? mlp_output_[node_id] : node_id;
+        }
         // QLoRA: the weight dequantized again for the input gradient (MatMul4Bit.backward)
         if (nf4_.weight_bytes > 0) transient.push_back(mem_.Alloc(Cat::kUnshardedParams, nf4_.weight_bytes));
         if (nf4_.cast_bytes > 0) transient.push_back(mem_.Alloc(Cat::kActivations, nf4_.cast_bytes));
@@ -598,6 +616,7 @@ class StepPlayer {
   void SoftmaxBackward(const SoftmaxBlock& b) {
     const BlockActivations& profile = BlockProfile(b.node);
     mem_.Free(transients_[b.working]);
+    mem_.Free(mlp_working_);  // the MLP's share, where no down projection's backward freed it before
     for (size_t i = 0; i < profile.recomputed.size(); ++i) {
       if (profile.recomputed[i].freed_by_softmax_backward) mem_.Free(transients_[b.saved_start + i]);
     }
@@ -756,6 +775,9 @@ class StepPlayer {
   std::vector<size_t> transient_starts_;  ///< per entered node: where its transients begin
   std::optional<SoftmaxBlock> softmax_block_;  ///< the block in backward whose softmax's has not run yet (blocks do not nest)
   std::vector<int> output_projection_;        ///< per block node: its Architecture::attention_output node (-1: none)
+  std::vector<int> mlp_output_;               ///< per block node: its Architecture::mlp_output node (-1: none)
+  BlockId mlp_working_ = kNoBlock;            ///< the block in backward's MLP share of its working gradients
+  int mlp_working_until_ = -1;                ///< the node whose backward exit frees it (its block's, without an MLP output)
   static constexpr int kNoMask = -2, kUnheldMask = -1;
   /// Eager attention's [B, 1, s, s] masks, full-attention and sliding-window: each kind's, and the
   /// first checkpointed block that reads it (its backward releases it; kUnheldMask: none, freed

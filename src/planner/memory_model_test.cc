@@ -65,6 +65,8 @@ TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
   CHECK(a.KeptBytes() == 1120);
   // 2ch*T = 128 plus the largest transient, the MLP's 3cI*T = 384.
   CHECK(a.backward_working_bytes == 512);
+  // of which the MLP's own beyond the norms' fp32 12hT = 192 (SDPA's c(a + 2g)d T + 4adT is 192 too)
+  CHECK(a.mlp_working_bytes == 192);
   HeadActivations head = HeadActivationProfile(w.model, w.config);
   CHECK(SumBytes(head.final_norm) == 200);
   CHECK(head.logits_bytes == 128);
@@ -83,24 +85,25 @@ TEST_CASE("FULL_SHARD on 3 ranks, counted by hand event by event") {
   // rate limiter: 4752 pending), pads the gradient to 594 (2376) and reduce-scatters into a 198-element
   // shard (792); autograd's gradient (2368) is then record_stream'd to the post-backward stream.
   // Backward of model.layers.0 then allocates its 2368 bytes of gradients while that is still pending:
-  //   allocated 1936 + 1056 + 2376 + grads (512 + 32 + sharded 792 + pieces 2368) + working 512
-  //   + activations 1120 = 10704; pending 4752 (all-gather stream) + 2368 (post-backward stream)
-  //   = 17824 on the device: the device peak.
+  //   allocated 1936 + 1056 + 2376 + grads (512 + 32 + sharded 792 + pieces 2368) + working 320
+  //   (the norms' 2chT + 12hT: the MLP's 192 more went once down_proj's backward had run)
+  //   + activations 1120 = 10512; pending 4752 (all-gather stream) + 2368 (post-backward stream)
+  //   = 17632 on the device: the device peak.
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), Exact());
   CHECK(m.allocated_peak_bytes == 14144);
   CHECK(m.allocated_peak_phase == "backward: reduce-scatter model.layers.1");
-  CHECK(m.peak_bytes == 17824);
+  CHECK(m.peak_bytes == 17632);
   CHECK(m.peak_phase == "backward: model.layers.0");
   CHECK(m.pending_free_bytes_at_peak == 4752 + 2368);
   CHECK(Cat(m, MemCategory::kShardedParams) == 1936);
   CHECK(Cat(m, MemCategory::kUnshardedParams) == 1056 + 2376 + 4752);
   CHECK(Cat(m, MemCategory::kGradients) == 512 + 32 + 792 + 2368 + 2368);
-  CHECK(Cat(m, MemCategory::kActivations) == 512 + 1120);
+  CHECK(Cat(m, MemCategory::kActivations) == 320 + 1120);
   CHECK(Cat(m, MemCategory::kOptimizerStates) == 0);
   CHECK(Cat(m, MemCategory::kCommBuffers) == 0);
   CHECK(Cat(m, MemCategory::kFramework) == 0);
   CHECK(m.fits);
-  CHECK(m.headroom_bytes == 20000 - 17824);
+  CHECK(m.headroom_bytes == 20000 - 17632);
 }
 
 TEST_CASE("without limit_all_gathers every freed buffer stays reserved until backward ends") {
@@ -108,8 +111,8 @@ TEST_CASE("without limit_all_gathers every freed buffer stays reserved until bac
   c.limit_all_gathers = false;
   MemoryEstimate m = EstimateMemory(Build(c), Exact());
   CHECK(m.allocated_peak_bytes == 14144);  // allocations are the same
-  // layers.0's forward buffer is no longer released by the limiter: 17824 + 2376
-  CHECK(m.peak_bytes == 17824 + 2376);
+  // layers.0's forward buffer is no longer released by the limiter: 17632 + 2376
+  CHECK(m.peak_bytes == 17632 + 2376);
 }
 
 TEST_CASE("AdamW adds 8 bytes per sharded element and a foreach temporary at the step") {
@@ -241,7 +244,7 @@ TEST_CASE("framework terms add to the device peak but not to the tensors") {
   o.overheads.cublas_workspace_blocks = {64};
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);
   CHECK(m.allocated_peak_bytes == 14144 + 64);
-  CHECK(m.peak_bytes == 17824 + 64 + 1000 + 300);
+  CHECK(m.peak_bytes == 17632 + 64 + 1000 + 300);
   CHECK(Cat(m, MemCategory::kFramework) == 1364);
 }
 
@@ -362,8 +365,8 @@ TEST_CASE("a loop that keeps `outputs` holds the logits through the step and int
   const MemoryEstimate holds = EstimateMemory(Build(c), o);
   // The hand llama's logits: 2 tokens x 16 vocab x 4 bytes = 128, alive at the backward peak.
   CHECK(holds.allocated_peak_bytes == 14144 + 128);
-  CHECK(holds.peak_bytes == 17824 + 128);
-  CHECK(Cat(holds, MemCategory::kActivations) == 512 + 1120 + 128);
+  CHECK(holds.peak_bytes == 17632 + 128);
+  CHECK(Cat(holds, MemCategory::kActivations) == 320 + 1120 + 128);
   // In the loss's forward the previous output's logits are still referenced next to the new ones;
   // at the optimizer step the new ones are.
   CHECK(PhaseMax(holds, "forward: lm_head + loss") == PhaseMax(drops, "forward: lm_head + loss") + 128);
@@ -825,6 +828,40 @@ TEST_CASE("each transformers release's loss, allocation by allocation (hand llam
   CHECK(changes(v524, backward) == std::vector<int64_t>{512, 512, -512, -512, 256, -512, -256});
   // one sequence: logits[..., :-1, :] is contiguous already, no copy (vT 64 elements, 48 shifted)
   CHECK(changes(v448, forward, 1) == std::vector<int64_t>{128, 256, 192, -256, -128});
+}
+
+TEST_CASE("a block's backward: the MLP's working gradients go once its down projection's backward has run") {
+  // Hand llama, fp32, flash, one rank, 2 tokens: the block's working set is 2chT 128 + the MLP's
+  // 3cIT 384 = 512, of which 192 is the MLP's beyond the norms' fp32 12hT (BlockActivations::
+  // mlp_working_bytes). Backward of model.layers.1, in order: the working set (320 + 192), then
+  // down_proj's weight gradient (16 x 8 x 4 = 512) and the MLP's share freed, then up's and gate's
+  // gradients and the rest of the block's, the rest of the working set at the block's end.
+  FsdpConfig c = HandConfig();
+  c.gpus = 1;
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const auto timeline = EstimateMemory(Build(c), exact).timeline;
+  std::vector<std::pair<int64_t, int64_t>> deltas;  // (activations, gradients) changes within the block's backward
+  int64_t act = 0, grad = 0;
+  for (const MemoryPoint& p : timeline) {
+    const int64_t a = p.device[static_cast<int>(MemCategory::kActivations)], g = p.device[static_cast<int>(MemCategory::kGradients)];
+    if (p.phase == "backward: model.layers.1" && (a != act || g != grad)) deltas.emplace_back(a - act, g - grad);
+    act = a;
+    grad = g;
+  }
+  REQUIRE(deltas.size() >= 4);
+  CHECK(deltas[0] == std::pair<int64_t, int64_t>{320, 0});
+  CHECK(deltas[1] == std::pair<int64_t, int64_t>{192, 0});
+  CHECK(deltas[2] == std::pair<int64_t, int64_t>{0, 512});   // down_proj's weight gradient
+  CHECK(deltas[3] == std::pair<int64_t, int64_t>{-192, 0});  // then the MLP's share
+  // the block's other gradients (up 512, gate 512, post-attention norm 32, o 256, v 128, k 128, q
+  // 256, input norm 32) before the rest of the working set goes
+  int64_t later_grads = 0;
+  size_t i = 4;
+  for (; i < deltas.size() && deltas[i].first == 0; ++i) later_grads += deltas[i].second;
+  CHECK(later_grads == 1856);
+  REQUIRE(i < deltas.size());
+  CHECK(deltas[i] == std::pair<int64_t, int64_t>{-320, 0});
 }
 
 }  // namespace

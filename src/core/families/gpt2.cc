@@ -38,6 +38,7 @@ Status ReadGpt2(const JsonReader& r, ModelSpec& m) {
   a.fused_qkv = true;
   a.softmax_fp32 = false;
   a.attention_output = "attn.c_proj";
+  a.mlp_output = "mlp.c_proj";
   a.lora_default_targets = {"c_attn"};
   const int64_t h = m.hidden_size, inner = m.intermediate_size;
   a.block = {{ParamOp::Kind::kNorm, "ln_1", 0, h},
