@@ -15,6 +15,8 @@
 # the rows of the newer model families (Qwen3, OLMo 2, ...) only, ROWS=transformers-versions the
 # older transformers releases' loss paths only, ROWS=torchtitan fsdp-plan
 # --impl torchtitan against torchtitan's own model (QUICK runs its AC full row).
+# FSDP_PLAN_ONLY=1 runs fsdp-plan alone and prints its column (no PyTorch figure, no error): what a
+# change to the memory model moves, row by row, in seconds (run it before and after, and diff).
 # Rows 8 and 9 use selective checkpointing (torch_reference.py --ac selective: HF's attention
 # function under torch.utils.checkpoint), the second of them on llama-100m with 4 kv heads (GQA).
 # The FSDP1 rows (torch_reference.py --framework fsdp1: FullyShardedDataParallel, MemTracker) use
@@ -37,7 +39,8 @@ python=${PYTHON:-${FSDPKIT_PYTHON:-python3}}
 export FSDPKIT_DATA_DIR=$root
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-"$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
+plan_only=${FSDP_PLAN_ONLY:-}
+[ -n "$plan_only" ] || "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
 check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash] [param dtype, default bf16] [reduce dtype, default fp32]
   local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}
@@ -46,7 +49,9 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
   local args=(--device cpu --model "$model" --framework "$framework" --strategy "$strategy" --ac "$ac" --micro-batch "$micro" --seq-len "$seq"
               --steps 1 --warmup 1 --param-dtype "$param" --reduce-dtype "$reduce" --attention "$torch_attention" --out "$out/$name.json" ${both[@]+"${both[@]}"})
   args+=(${TORCH_ONLY:-})
-  if [ "$ranks" -gt 1 ]; then  # a rank that gloo's transport aborted (an uncaught gloo::IoException, rare) gets one more run
+  if [ -n "$plan_only" ]; then
+    :
+  elif [ "$ranks" -gt 1 ]; then  # a rank that gloo's transport aborted (an uncaught gloo::IoException, rare) gets one more run
     "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > "$out/$name.log" 2>&1 ||
       { grep -q "Signal [0-9]* (SIG" "$out/$name.log" && echo "torch_memory_check: $name: a rank died by a signal, run again" >&2 &&
         "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1; }
@@ -62,8 +67,11 @@ compare() {  # name torch.json plan.json: prints the row; exits 1 past MAX_ERROR
   python3 - "$1" "$2" "$3" <<'PY'
 import json, sys
 name, torch_path, plan_path = sys.argv[1:]
-tracked = json.load(open(torch_path))["measured"]["memory"]["categories_at_peak"]["Total"]
 per_gpu = json.load(open(plan_path))["memory"]["per_gpu"]
+if __import__("os").environ.get("FSDP_PLAN_ONLY"):
+    print(f"{name:44s} {'-':>14s} {per_gpu['allocated_peak_bytes']:14d} {'-':>8s}  {per_gpu['peak_phase']}")
+    sys.exit(0)
+tracked = json.load(open(torch_path))["measured"]["memory"]["categories_at_peak"]["Total"]
 # tensors only: the allocated peak, which without a cuBLAS workspace holds no framework term and no
 # blocks FSDP1's record_stream keeps reserved on a GPU (none exist on the CPU)
 planned = per_gpu["allocated_peak_bytes"]
@@ -226,21 +234,25 @@ titan_run() {  # name ranks ac micro seq vocab [version] -- model.json torchtita
   local model=$1
   shift
   local impl=torchtitan; [ "$version" = 2025-01 ] && impl=torchtitan-2025-01
-  if [ "$version" = 2025-01 ]; then
+  if [ -n "$plan_only" ]; then
+    :
+  elif [ "$version" = 2025-01 ]; then
     [ -n "${TORCHTITAN_2025_01:-}" ] || { echo "torch_memory_check: $name: skipped (TORCHTITAN_2025_01 unset)"; return 0; }
-    export PYTHONPATH=$TORCHTITAN_2025_01
   elif ! "$python" -c "import torchtitan.models.llama3.infra.parallelize" 2> /dev/null; then
     echo "torch_memory_check: $name: skipped (torchtitan does not import)"
     return 0
   fi
   local args=(--version "$version" "$@" --ac "$ac" --micro-batch "$micro" --seq-len "$seq")
-  if [ "$ranks" -gt 1 ]; then
-    "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torchtitan_memory.py" "${args[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
-  else
-    "$python" "$root/tools/torchtitan_memory.py" "${args[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+  if [ -z "$plan_only" ]; then
+    [ "$version" = 2025-01 ] && export PYTHONPATH=$TORCHTITAN_2025_01
+    if [ "$ranks" -gt 1 ]; then
+      "$python" -m torch.distributed.run --standalone --nproc-per-node "$ranks" "$root/tools/torchtitan_memory.py" "${args[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+    else
+      "$python" "$root/tools/torchtitan_memory.py" "${args[@]}" --out "$out/$name.json" > "$out/$name.log" 2>&1
+    fi
+    [ "$version" = 2025-01 ] && unset PYTHONPATH
+    python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); json.dump({"measured": {"memory": {"categories_at_peak": r["categories_at_peak"]}}}, open(sys.argv[1], "w"))' "$out/$name.json"
   fi
-  [ "$version" = 2025-01 ] && unset PYTHONPATH
-  python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); json.dump({"measured": {"memory": {"categories_at_peak": r["categories_at_peak"]}}}, open(sys.argv[1], "w"))' "$out/$name.json"
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework fsdp2 --impl "$impl" --ac "$ac" \
     --micro-batch "$micro" --seq-len "$seq" --attention flash --cublas-workspace-bytes 0 --json > "$out/$name.plan.json"
   compare "$name" "$out/$name.json" "$out/$name.plan.json"
@@ -275,7 +287,7 @@ titan_rows() {
   titan_qwen3_check "1 rank  tt Qwen3 2k AC  seq 2048 x 1" 1 full 1 2048 2048
 }
 if [ "${ROWS:-}" = torchtitan ]; then
-  "$python" -c "import torchtitan.models.llama3.infra.parallelize" 2> /dev/null || { echo "torch_memory_check: $python has no torchtitan"; exit 77; }
+  [ -n "$plan_only" ] || "$python" -c "import torchtitan.models.llama3.infra.parallelize" 2> /dev/null || { echo "torch_memory_check: $python has no torchtitan"; exit 77; }
   titan_rows
   exit 0
 fi

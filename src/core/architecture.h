@@ -108,10 +108,14 @@ struct Architecture {
   /// before the attention core's, the moment a block's backward holds the scores' gradients
   std::string attention_output = "self_attn.o_proj";
   /// The MLP's output (down) projection, module path inside the block: its backward runs first in
-  /// the MLP's, after which the MLP's intermediates' gradients shrink (BlockActivations::
-  /// mlp_working_bytes). Routed experts' fused projections are no such module: their blocks keep
-  /// that share to the block's end.
+  /// the MLP's, and the MLP's intermediates' gradients peak right after it (BlockActivations::
+  /// mlp_working_bytes). Routed experts' fused projections are no such module: their blocks hold
+  /// that share through the MLP's backward.
   std::string mlp_output = "mlp.down_proj";
+  /// The block's attention and MLP modules (paths inside the block): the end of each one's
+  /// backward releases the tensors its ops saved (SavedTensor::freed_after)
+  std::string attention_module = "self_attn";
+  std::string mlp_module = "mlp";
   /// q, k and v reach eager attention as transposed views of their projections ([B, s, heads, d]
   /// underneath; RoPE's elementwise ops keep that layout), which torch.matmul copies into
   /// [B * heads, s, d] for a micro-batch of more than one sequence (tools/peak_trace.py: OLMo 2);

@@ -585,6 +585,21 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
                                                                      reads_saved({"shared_experts.gate_proj", "shared_experts.up_proj",
                                                                                   "shared_expert.gate_proj", "shared_expert.up_proj"});
   std::vector<SavedTensor> out;
+  // which module's backward releases each tensor: a norm's own, down's input its projection's,
+  // the rest the sub-layer's that reads it (a norm's output: the sub-layer's linears')
+  auto tag_releases = [&](size_t begin, const std::string& reader) {
+    for (size_t i = begin; i < out.size(); ++i) {
+      SavedTensor& t = out[i];
+      if (t.block_argument || !t.freed_after.empty()) continue;
+      t.freed_after = reader;
+      if (t.name == "mlp.down_in" || t.name == "mlp.c_proj_in" || t.name.starts_with(m.arch.mlp_output + ".")) t.freed_after = m.arch.mlp_output;
+      for (std::string_view norm : norms) {
+        if (t.name.starts_with(norm) && t.name.size() > norm.size() && t.name[norm.size()] == '.' && !t.name.ends_with(".out")) {
+          t.freed_after = std::string(norm);
+        }
+      }
+    }
+  };
   add_sublayer_input(out, roles.pre_attn, f.input, attention_input_saved, "block.input");
   if (d.fused_rms_norm && roles.pre_attn >= 0 && !out.empty() && out.front().name == Name(norms.at(roles.pre_attn), "in")) {
     out.front().is_block_input = true;
@@ -607,10 +622,13 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
   }
   if (roles.post_attn >= 0) AddNorm(out, m.arch, norms.at(roles.post_attn), d, {f.attn_out || Trains(FindOp(m, "o_proj")), norm_weight(roles.post_attn)});
   if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});
+  tag_releases(0, m.arch.attention_module);
+  const size_t mlp_begin = out.size();
   add_sublayer_input(out, roles.pre_mlp, f.hidden, mlp_input_saved, "mlp.input");
   AddMlp(out, m, d, f);
   if (roles.post_mlp >= 0) AddNorm(out, m.arch, norms.at(roles.post_mlp), d, {f.norm2 || Trains(FindOp(m, "down_proj")), norm_weight(roles.post_mlp)});
   if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", d.h * d.tokens});
+  tag_releases(mlp_begin, m.arch.mlp_module);
   return out;
 }
 
@@ -734,13 +752,13 @@ int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Di
   return d.c * d.h * d.tokens + value_grad + 2 * block[softmax].bytes;
 }
 
-// Largest set of gradients alive at once inside a block's backward, beyond its saved tensors:
-// the incoming and outgoing hidden-state gradients plus the largest op-level transient, and of it
-// the MLP's share beyond the rest (BlockActivations::mlp_working_bytes). `block` is what the
-// block's forward saves; `softmax_moment`: the attention core's backward is MarkSoftmaxBackward's
-// moment, not a term here.
+// The gradients alive inside a block's backward beyond its saved tensors: those held through it
+// (the incoming and outgoing hidden-state gradients and the largest op-level transient outside
+// the MLP) and the MLP's moment beyond them (BlockActivations::backward_working_bytes,
+// mlp_working_bytes). `block` is what the block's forward saves; `softmax_moment`: the attention
+// core's backward is MarkSoftmaxBackward's moment, not a term here.
 struct BackwardWorking {
-  int64_t bytes = 0, mlp_share = 0;
+  int64_t held = 0, mlp_moment = 0;
 };
 BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block,
                                      bool softmax_moment) {
@@ -767,8 +785,8 @@ BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg,
   // transformers' RMSNorm backward runs in fp32 over the whole [T, h]; the fused CUDA kernel
   // writes only the input's gradient (one of the two hidden-state gradients counted below)
   const int64_t norm = d.fused_rms_norm ? 0 : 12 * hT;
-  const int64_t rest = std::max(attention, norm);
-  return {2 * d.c * hT + std::max(mlp, rest), std::max<int64_t>(0, mlp - rest)};
+  const int64_t held = 2 * d.c * hT + std::max(attention, norm);
+  return {held, std::max<int64_t>(0, d.c * hT + mlp - held)};
 }
 
 }  // namespace
@@ -836,8 +854,8 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       break;
   }
   const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.full, a.softmax_backward_bytes > 0);
-  a.backward_working_bytes = working.bytes;
-  a.mlp_working_bytes = working.mlp_share;
+  a.backward_working_bytes = working.held;
+  a.mlp_working_bytes = working.mlp_moment;
   return a;
 }
 

@@ -29,6 +29,11 @@ struct SavedTensor {
   /// another input of the block's forward, held by a checkpointed block as its input and by an
   /// un-checkpointed one as what its ops save: kept under every checkpointing, never recomputed
   bool block_argument = false;
+  /// The module (path inside the block: Architecture::attention_module, mlp_module, mlp_output, a
+  /// norm's) whose backward's end releases the tensor: autograd frees an op's saved tensors once
+  /// the op's backward has run (torch/csrc/autograd/engine.cpp, release_variables). Empty: the
+  /// block's end (a block argument; the kept inputs checkpointing adds).
+  std::string freed_after = {};
 };
 
 /// Activation memory of one decoder block for one micro-batch.
@@ -36,16 +41,17 @@ struct BlockActivations {
   std::vector<SavedTensor> full;       ///< saved by an un-checkpointed forward (eager or flash attention)
   std::vector<SavedTensor> kept;       ///< kept until backward under the configured checkpointing
   std::vector<SavedTensor> recomputed; ///< of `full`, what checkpointing re-creates for the block's backward (alive through it)
-  /// Transient gradients alive inside the block's backward beyond its saved tensors: with
-  /// softmax_backward_bytes, those of the MLP's and norms' backward only
+  /// Transient gradients held through the block's backward beyond its saved tensors: the
+  /// incoming and outgoing hidden-state gradients (2 c h a token) and the largest op-level
+  /// working set outside the MLP (SDPA's backward, transformers' fp32 norm backward); with
+  /// softmax_backward_bytes, the norms' only
   int64_t backward_working_bytes = 0;
-  /// Of backward_working_bytes, what only the MLP's backward needs: its intermediates' gradients
-  /// (the down projection's input gradient, then the activation's and the up projection's: 3 c I
-  /// a token for a gated MLP) beyond the largest working set of the rest of the block (attention,
-  /// norms). The MLP's backward runs first in the block's and its [T, I] gradients die within it:
-  /// the memory model frees this share once the down projection's backward has run
-  /// (Architecture::mlp_output), instead of holding it while the block's weight gradients
-  /// accumulate. 0 where the MLP's is not the largest term.
+  /// The MLP's moment beyond backward_working_bytes: right after the down projection's backward
+  /// (its weight gradient made, its saved input released) the product's backward holds three
+  /// [T, I] gradients (3 c I a token for a gated MLP, 4 for GPT-2's) beside the incoming c h,
+  /// before the outgoing gradient exists: max(0, c h + mlp - backward_working_bytes). The memory
+  /// model allocates and frees it there (Architecture::mlp_output), or, for routed experts
+  /// without such a module, holds it through the MLP's backward.
   int64_t mlp_working_bytes = 0;
   /// Eager attention over separate q, k and v projections: the gradients alive while the
   /// softmax's backward runs (after the output projection's backward, so with the weight

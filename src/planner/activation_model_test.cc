@@ -5,6 +5,8 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+
 namespace fsdp {
 namespace {
 
@@ -80,11 +82,12 @@ TEST_CASE("--impl torchtitan: nn.RMSNorm's fused CUDA kernel saves its input and
   c.checkpointing = Checkpointing::kSelectiveOp;
   const BlockActivations op = BlockActivationProfile(m, c);
   for (const SavedTensor& t : op.recomputed) CHECK(t.name != "input_layernorm.in");
-  // the backward's norm term (transformers' fp32 [T, h] temporaries, 12h) is gone: the MLP's 3 x 2I rules
-  CHECK(titan.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 4096LL);
-  // of which the MLP's share beyond SDPA's backward (dq, dk, dv 3 x 2h and the fp32 dq accumulator
-  // 4h) dies once the down projection's backward has run
-  CHECK(titan.mlp_working_bytes == (3 * 2 * 11008 - (3 * 2 * 4096 + 4 * 4096)) * 4096LL);
+  // the backward's norm term (transformers' fp32 [T, h] temporaries, 12h) is gone: held through the
+  // block are the two hidden-state gradients 2 x 2h and SDPA's backward (dq, dk, dv 3 x 2h and the
+  // fp32 dq accumulator 4h)
+  CHECK(titan.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 4096 + 4 * 4096) * 4096LL);
+  // the MLP's moment: the incoming 2h and its three 2I gradients, beyond what is held
+  CHECK(titan.mlp_working_bytes == (2 * 4096 + 3 * 2 * 11008 - (2 * 2 * 4096 + 3 * 2 * 4096 + 4 * 4096)) * 4096LL);
   // torchtitan's RoPE table: complex64 [seq, head_dim / 2], 8 x 4096 x 64 bytes; transformers' none
   CHECK(ModelBufferBytes(m, c) == 8LL * 4096 * 64);
   CHECK(ModelBufferBytes(m, FsdpConfig{}) == 0);
@@ -165,11 +168,12 @@ TEST_CASE("selective checkpointing with GQA keeps k and v at kv-head width") {
 
 TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's moment with the rest freed") {
   // llama-2-7b at seq 4096, bf16 (h 4096, 32 heads of 128, I 11008), per token. The MLP's term:
-  // incoming and outgoing hidden-state gradients 2 x 2h plus SwiGLU's 3 x 2I.
+  // incoming and outgoing hidden-state gradients 2 x 2h and the norms' fp32 backward (12h; the
+  // attention's is the softmax's moment) held through the block; the MLP's moment (the incoming
+  // 2h and SwiGLU's 3 x 2I) beyond them.
   const BlockActivations a = Profile("llama-2-7b", 4096, Attention::kEager);
-  CHECK(a.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 11008) * 4096);
-  // the MLP's share beyond the norms' fp32 backward (12h; the attention's is the softmax's moment)
-  CHECK(a.mlp_working_bytes == (3 * 2 * 11008 - 12 * 4096) * 4096);
+  CHECK(a.backward_working_bytes == (2 * 2 * 4096 + 12 * 4096) * 4096);
+  CHECK(a.mlp_working_bytes == (2 * 4096 + 3 * 2 * 11008 - (2 * 2 * 4096 + 12 * 4096)) * 4096);
   // The softmax's moment: the residual gradient 2h, v's gradient 2h (32 x 128 = h), and two fp32
   // gradients of the fp32 softmax's output, 2 x 4as.
   CHECK(a.softmax_backward_bytes == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
@@ -184,6 +188,37 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   CHECK(Profile("llama-2-7b", 4096, Attention::kFlash).softmax_backward_bytes == 0);
 }
 
+TEST_CASE("each saved tensor names the module whose backward's end releases it") {
+  auto released_by = [](const BlockActivations& a) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const SavedTensor& t : a.full) out.emplace_back(std::string(t.name), t.freed_after);
+    return out;
+  };
+  using P = std::pair<std::string, std::string>;
+  // Llama, SDPA: a norm's own tensors by the norm, its output by the sub-layer whose linears read
+  // it, down's input by down
+  const std::vector<P> llama = {
+      {"input_layernorm.x_fp32", "input_layernorm"}, {"input_layernorm.rsqrt", "input_layernorm"},
+      {"input_layernorm.x_normalized", "input_layernorm"}, {"input_layernorm.out", "self_attn"},
+      {"self_attn.q_rope", "self_attn"}, {"self_attn.k_rope", "self_attn"}, {"self_attn.v", "self_attn"},
+      {"self_attn.lse", "self_attn"}, {"self_attn.o_proj_in", "self_attn"},
+      {"post_attention_layernorm.x_fp32", "post_attention_layernorm"}, {"post_attention_layernorm.rsqrt", "post_attention_layernorm"},
+      {"post_attention_layernorm.x_normalized", "post_attention_layernorm"}, {"post_attention_layernorm.out", "mlp"},
+      {"mlp.gate_out", "mlp"}, {"mlp.act_out", "mlp"}, {"mlp.up_out", "mlp"}, {"mlp.down_in", "mlp.down_proj"}};
+  CHECK(released_by(Profile("llama-2-7b", 4096, Attention::kFlash)) == llama);
+  // GPT-2: its attention is `attn`, c_proj saves the MLP's activation
+  for (const auto& [name, module] : released_by(Profile("gpt2", 1024, Attention::kEager))) {
+    CAPTURE(name);
+    if (name.starts_with("ln_")) CHECK(module == (name.ends_with(".out") ? (name.starts_with("ln_1") ? "attn" : "mlp") : name.substr(0, 4)));
+    else if (name == "mlp.c_proj_in") CHECK(module == "mlp.c_proj");
+    else CHECK(module == (name.starts_with("mlp.") ? "mlp" : "attn"));
+  }
+  // Mixtral's routed MLP is block_sparse_moe
+  for (const SavedTensor& t : Profile("mixtral-8x7b", 4096, Attention::kFlash).full) {
+    if (t.name.starts_with("moe.")) CHECK(t.freed_after == "block_sparse_moe");
+  }
+}
+
 TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized gradients, after the block has freed the rest") {
   // gpt2 at 1024 tokens (micro-batch 1), dropout 0.1, bf16: 2 x 2as + 3 x 2h per token for the
   // softmax's backward, less what the backward has freed by then: dropout's mask as and output 2as,
@@ -194,10 +229,12 @@ TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized g
   const int64_t attention = (2 * 2 * as1k + 3 * 2 * h - 3 * as1k - after_core) * 1024;
   const int64_t mlp = 4 * 2 * inner * 1024;
   REQUIRE(mlp > attention);  // at 1024 positions the MLP's transient is the larger
-  CHECK(Profile("gpt2", 1024, Attention::kEager).backward_working_bytes == 2 * 2 * h * 1024 + mlp);
-  // the MLP's share beyond the norms' 12h a token (the softmax's term, less what is freed by then, is smaller)
+  // held through the block: 2 x 2h and the norms' 12h a token (the softmax's term, less what is
+  // freed by then, is smaller); the MLP's moment (the incoming 2h and its 4 x 2I) beyond them
   REQUIRE(12 * h * 1024 > attention);
-  CHECK(Profile("gpt2", 1024, Attention::kEager).mlp_working_bytes == mlp - 12 * h * 1024);
+  const int64_t held = (2 * 2 * h + 12 * h) * 1024;
+  CHECK(Profile("gpt2", 1024, Attention::kEager).backward_working_bytes == held);
+  CHECK(Profile("gpt2", 1024, Attention::kEager).mlp_working_bytes == 2 * h * 1024 + mlp - held);
   // 4096 positions, no dropout: the softmax's term is the larger
   auto m = LoadModel("gpt2");
   REQUIRE(m.ok());
@@ -280,6 +317,12 @@ TEST_CASE("Routed experts save each token once per selected expert, as transform
   for (const auto& t : a.full) if (t.name.starts_with("moe.")) moe += t.bytes;
   const int64_t h = 4096, inner = 14336, e = 8, k = 2;
   CHECK(moe == 4 * e + 8 * k + k * (2 * h + 4 * inner + 2 * inner + 2 * inner + 2 * h + 4 + 24));
+  // held through the block: 2 x 2h and the larger of SDPA's (dq, dk, dv: 2 x (32 + 2 x 8) x 128,
+  // the fp32 dq accumulator 4 x 32 x 128) and the norms' 12h; the MLP's moment beyond it: the
+  // incoming 2h and three 2I gradients per routed pair
+  const int64_t held = 2 * 2 * h + std::max<int64_t>(2 * 48 * 128 + 4 * 32 * 128, 12 * h);
+  CHECK(a.backward_working_bytes == held);
+  CHECK(a.mlp_working_bytes == 2 * h + 3 * 2 * inner * k - held);
   // qwen3-30b-a3b: top-8 of 128 experts of 768, h=2048, and Qwen3's per-head q/k norms
   a = Profile("qwen3-30b-a3b", 1, Attention::kFlash);
   moe = 0;

@@ -2,6 +2,8 @@
 
 #include <array>
 #include <optional>
+#include <string>
+#include <unordered_map>
 #include <algorithm>
 #include <deque>
 #include <memory>
@@ -59,6 +61,9 @@ class StepPlayer {
     if (w.model.tie_word_embeddings) embedding_node_ = w.EmbeddingNode();
     output_projection_ = BlockChildNodes(w, w.model.arch.attention_output);
     mlp_output_ = BlockChildNodes(w, w.model.arch.mlp_output);
+    mlp_module_ = BlockChildNodes(w, w.model.arch.mlp_module);
+    releases_.assign(w.nodes.size(), {});
+    for (size_t node = 0; node < w.nodes.size(); ++node) node_of_path_.emplace(w.nodes[node].path, static_cast<int>(node));
     for (int b = 0; b < w.model.num_layers; ++b) {
       int& holder = mask_holder_[w.model.WindowOf(b) > 0 ? 1 : 0];
       if (holder < 0 && BlockCheckpointed(c_, b)) holder = b;
@@ -493,6 +498,14 @@ class StepPlayer {
     } else {
       AllocGradients(v.node);
     }
+    // autograd releases what the module's ops saved once their backward has run
+    for (const Release& r : releases_[v.node]) mem_.Free(r.transient ? transients_[r.index] : node_saved_[r.block][r.index]);
+    releases_[v.node].clear();
+    if (v.node == mlp_moment_at_) {  // the product's backward, after down's (BlockActivations::mlp_working_bytes)
+      BlockId moment = mem_.Alloc(Cat::kActivations, mlp_moment_bytes_);
+      mem_.Free(moment);
+      mlp_moment_at_ = -1;
+    }
     if (v.node == mlp_working_until_) {
       mem_.Free(mlp_working_);
       mlp_working_until_ = -1;
@@ -527,6 +540,20 @@ class StepPlayer {
     return child;
   }
 
+  // Registers a block's saved tensors (kept, and recomputed ones on the transient stack from the
+  // block's start) for release at the end of their SavedTensor::freed_after module's backward.
+  void ScheduleReleases(int block_node, bool recomputed) {
+    const BlockActivations& profile = BlockProfile(block_node);
+    auto schedule = [&](const SavedTensor& t, bool transient, size_t index) {
+      if (t.freed_after.empty()) return;
+      const auto it = node_of_path_.find(w_.nodes[block_node].path + "." + t.freed_after);
+      if (it != node_of_path_.end()) releases_[static_cast<size_t>(it->second)].push_back({transient, index, block_node});
+    };
+    for (size_t i = 0; i < profile.kept.size() && i < node_saved_[block_node].size(); ++i) schedule(profile.kept[i], false, i);
+    if (!recomputed) return;
+    for (size_t i = 0; i < profile.recomputed.size(); ++i) schedule(profile.recomputed[i], true, transient_starts_.back() + i);
+  }
+
   // The saved tensors of a block: the configured checkpointing's, or none's for a block that
   // --ac-every leaves un-checkpointed.
   const BlockActivations& BlockProfile(int node_id) const { return profiles_.Of(w_.nodes[node_id].block); }
@@ -557,12 +584,19 @@ class StepPlayer {
           softmax_block_ = SoftmaxBlock{node_id, output_projection_[node_id], transient_starts_.back(), transient.size()};
         }
         {
-          // the MLP's share of the working gradients goes once its down projection's backward has
-          // run (BlockActivations::mlp_working_bytes), or with the rest at the block's end
+          // the working gradients held through the block, and the MLP's moment beyond them: right
+          // after its down projection's backward, or held through the MLP's backward where routed
+          // experts have no such module (BlockActivations::mlp_working_bytes)
           const BlockActivations& profile = BlockProfile(node_id);
-          transient.push_back(mem_.Alloc(Cat::kActivations, profile.backward_working_bytes - profile.mlp_working_bytes));
-          mlp_working_ = mem_.Alloc(Cat::kActivations, profile.mlp_working_bytes);
-          mlp_working_until_ = mlp_output_[node_id] >= 0 ? mlp_output_[node_id] : node_id;
+          ScheduleReleases(node_id, BlockCheckpointed(c_, w_.nodes[node_id].block));
+          transient.push_back(mem_.Alloc(Cat::kActivations, profile.backward_working_bytes));
+          if (mlp_output_[node_id] >= 0) {
+            mlp_moment_at_ = mlp_output_[node_id];
+            mlp_moment_bytes_ = profile.mlp_working_bytes;
+          } else {
+            mlp_working_ = mem_.Alloc(Cat::kActivations, profile.mlp_working_bytes);
+            mlp_working_until_ = mlp_module_[node_id] >= 0 ? mlp_module_[node_id] : node_id;
+          }
         }
         // QLoRA: the weight dequantized again for the input gradient (MatMul4Bit.backward)
         if (nf4_.weight_bytes > 0) transient.push_back(mem_.Alloc(Cat::kUnshardedParams, nf4_.weight_bytes));
@@ -776,8 +810,20 @@ class StepPlayer {
   std::optional<SoftmaxBlock> softmax_block_;  ///< the block in backward whose softmax's has not run yet (blocks do not nest)
   std::vector<int> output_projection_;        ///< per block node: its Architecture::attention_output node (-1: none)
   std::vector<int> mlp_output_;               ///< per block node: its Architecture::mlp_output node (-1: none)
-  BlockId mlp_working_ = kNoBlock;            ///< the block in backward's MLP share of its working gradients
-  int mlp_working_until_ = -1;                ///< the node whose backward exit frees it (its block's, without an MLP output)
+  std::vector<int> mlp_module_;               ///< per block node: its Architecture::mlp_module node (-1: none)
+  int mlp_moment_at_ = -1;                    ///< the down projection whose backward's exit has the MLP's moment
+  int64_t mlp_moment_bytes_ = 0;
+  BlockId mlp_working_ = kNoBlock;            ///< without a down projection: the MLP's moment, held through the MLP's backward
+  int mlp_working_until_ = -1;                ///< the node whose backward exit frees it (the MLP's, or the block's)
+  /// A saved tensor of a block in backward, released at the end of a module's backward: in
+  /// transients_ (recomputed) or node_saved_[block] (kept), at `index`
+  struct Release {
+    bool transient = false;
+    size_t index = 0;
+    int block = -1;
+  };
+  std::vector<std::vector<Release>> releases_;  ///< per node: what the end of its backward releases
+  std::unordered_map<std::string, int> node_of_path_;
   static constexpr int kNoMask = -2, kUnheldMask = -1;
   /// Eager attention's [B, 1, s, s] masks, full-attention and sliding-window: each kind's, and the
   /// first checkpointed block that reads it (its backward releases it; kUnheldMask: none, freed

@@ -63,10 +63,11 @@ TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
   // output) 32 = 104; SwiGLU 4 x 4I = 256. 560 bytes x 2 tokens.
   CHECK(a.FullBytes() == 1120);
   CHECK(a.KeptBytes() == 1120);
-  // 2ch*T = 128 plus the largest transient, the MLP's 3cI*T = 384.
-  CHECK(a.backward_working_bytes == 512);
-  // of which the MLP's own beyond the norms' fp32 12hT = 192 (SDPA's c(a + 2g)d T + 4adT is 192 too)
-  CHECK(a.mlp_working_bytes == 192);
+  // Held through the block: 2ch*T = 128 and the larger of the norms' fp32 12hT = 192 and SDPA's
+  // c(a + 2g)d T + 4adT = 192.
+  CHECK(a.backward_working_bytes == 320);
+  // The MLP's moment: the incoming ch*T 64 and its 3cI*T = 384, 128 beyond what is held.
+  CHECK(a.mlp_working_bytes == 128);
   HeadActivations head = HeadActivationProfile(w.model, w.config);
   CHECK(SumBytes(head.final_norm) == 200);
   CHECK(head.logits_bytes == 128);
@@ -77,33 +78,37 @@ TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
 
 TEST_CASE("FULL_SHARD on 3 ranks, counted by hand event by event") {
   // Sharded fp32 params: (88 + 198 + 198) * 4 = 1936. Unsharded units: root 264*4 = 1056, block
-  // 594*4 = 2376 (padded). Block activations 1120, backward working memory 512.
+  // 594*4 = 2376 (padded). Block activations 1120, backward working memory 320 (+ 128 at the MLP's
+  // moment).
   // Backward of model.layers.1 (BACKWARD_PRE prefetches layers.0), flat-gradient concat:
   //   1936 + root 1056 + layers.1 2376 + layers.0 2376 + grads (lm_head 512 + norm 32 + layers.1
   //   pieces 2368 + flat 2368) + layers.0 activations 1120 = 14144 allocated: the allocated peak.
   // Its post-backward hook reshards layers.1 (its buffer joins layers.1's forward buffer behind the
   // rate limiter: 4752 pending), pads the gradient to 594 (2376) and reduce-scatters into a 198-element
   // shard (792); autograd's gradient (2368) is then record_stream'd to the post-backward stream.
-  // Backward of model.layers.0 then allocates its 2368 bytes of gradients while that is still pending:
-  //   allocated 1936 + 1056 + 2376 + grads (512 + 32 + sharded 792 + pieces 2368) + working 320
-  //   (the norms' 2chT + 12hT: the MLP's 192 more went once down_proj's backward had run)
-  //   + activations 1120 = 10512; pending 4752 (all-gather stream) + 2368 (post-backward stream)
-  //   = 17632 on the device: the device peak.
+  // While the padded gradient and the shard are alive: allocated 1936 + 1056 + 2376 + grads (512
+  // + 32 + flat 2368) + comm buffers (2376 + 792) + layers.0's activations 1120 = 12568; pending
+  // 4752 = 17320 on the device: the device peak.
+  // Backward of model.layers.0 stays below it: it allocates its 2368 bytes of gradients while
+  // layers.1's 2368 are pending on the post-backward stream, but releases its saved tensors as
+  // their modules' backward ends; at its largest (q's gradient, the MLP's and the second norm's
+  // 712 released) allocated 1936 + 1056 + 2376 + grads (512 + 32 + 792 + pieces 2336) + working
+  // 320 + activations 408 = 9768, pending 4752 + 2368: 16888.
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), Exact());
   CHECK(m.allocated_peak_bytes == 14144);
   CHECK(m.allocated_peak_phase == "backward: reduce-scatter model.layers.1");
-  CHECK(m.peak_bytes == 17632);
-  CHECK(m.peak_phase == "backward: model.layers.0");
-  CHECK(m.pending_free_bytes_at_peak == 4752 + 2368);
+  CHECK(m.peak_bytes == 17320);
+  CHECK(m.peak_phase == "backward: reduce-scatter model.layers.1");
+  CHECK(m.pending_free_bytes_at_peak == 4752);
   CHECK(Cat(m, MemCategory::kShardedParams) == 1936);
   CHECK(Cat(m, MemCategory::kUnshardedParams) == 1056 + 2376 + 4752);
-  CHECK(Cat(m, MemCategory::kGradients) == 512 + 32 + 792 + 2368 + 2368);
-  CHECK(Cat(m, MemCategory::kActivations) == 320 + 1120);
+  CHECK(Cat(m, MemCategory::kGradients) == 512 + 32 + 2368);
+  CHECK(Cat(m, MemCategory::kActivations) == 1120);
   CHECK(Cat(m, MemCategory::kOptimizerStates) == 0);
-  CHECK(Cat(m, MemCategory::kCommBuffers) == 0);
+  CHECK(Cat(m, MemCategory::kCommBuffers) == 2376 + 792);
   CHECK(Cat(m, MemCategory::kFramework) == 0);
   CHECK(m.fits);
-  CHECK(m.headroom_bytes == 20000 - 17632);
+  CHECK(m.headroom_bytes == 20000 - 17320);
 }
 
 TEST_CASE("without limit_all_gathers every freed buffer stays reserved until backward ends") {
@@ -111,8 +116,8 @@ TEST_CASE("without limit_all_gathers every freed buffer stays reserved until bac
   c.limit_all_gathers = false;
   MemoryEstimate m = EstimateMemory(Build(c), Exact());
   CHECK(m.allocated_peak_bytes == 14144);  // allocations are the same
-  // layers.0's forward buffer is no longer released by the limiter: 17632 + 2376
-  CHECK(m.peak_bytes == 17632 + 2376);
+  // layers.0's forward buffer is no longer released by the limiter: 17320 + 2376
+  CHECK(m.peak_bytes == 17320 + 2376);
 }
 
 TEST_CASE("AdamW adds 8 bytes per sharded element and a foreach temporary at the step") {
@@ -244,7 +249,7 @@ TEST_CASE("framework terms add to the device peak but not to the tensors") {
   o.overheads.cublas_workspace_blocks = {64};
   MemoryEstimate m = EstimateMemory(Build(HandConfig()), o);
   CHECK(m.allocated_peak_bytes == 14144 + 64);
-  CHECK(m.peak_bytes == 17632 + 64 + 1000 + 300);
+  CHECK(m.peak_bytes == 17320 + 64 + 1000 + 300);
   CHECK(Cat(m, MemCategory::kFramework) == 1364);
 }
 
@@ -365,8 +370,8 @@ TEST_CASE("a loop that keeps `outputs` holds the logits through the step and int
   const MemoryEstimate holds = EstimateMemory(Build(c), o);
   // The hand llama's logits: 2 tokens x 16 vocab x 4 bytes = 128, alive at the backward peak.
   CHECK(holds.allocated_peak_bytes == 14144 + 128);
-  CHECK(holds.peak_bytes == 17632 + 128);
-  CHECK(Cat(holds, MemCategory::kActivations) == 320 + 1120 + 128);
+  CHECK(holds.peak_bytes == 17320 + 128);
+  CHECK(Cat(holds, MemCategory::kActivations) == 1120 + 128);
   // In the loss's forward the previous output's logits are still referenced next to the new ones;
   // at the optimizer step the new ones are.
   CHECK(PhaseMax(holds, "forward: lm_head + loss") == PhaseMax(drops, "forward: lm_head + loss") + 128);
@@ -830,12 +835,10 @@ TEST_CASE("each transformers release's loss, allocation by allocation (hand llam
   CHECK(changes(v448, forward, 1) == std::vector<int64_t>{128, 256, 192, -256, -128});
 }
 
-TEST_CASE("a block's backward: the MLP's working gradients go once its down projection's backward has run") {
-  // Hand llama, fp32, flash, one rank, 2 tokens: the block's working set is 2chT 128 + the MLP's
-  // 3cIT 384 = 512, of which 192 is the MLP's beyond the norms' fp32 12hT (BlockActivations::
-  // mlp_working_bytes). Backward of model.layers.1, in order: the working set (320 + 192), then
-  // down_proj's weight gradient (16 x 8 x 4 = 512) and the MLP's share freed, then up's and gate's
-  // gradients and the rest of the block's, the rest of the working set at the block's end.
+TEST_CASE("a block's backward releases each module's saved tensors as its backward ends, and has the MLP's moment after down's") {
+  // Hand llama, fp32, flash, one rank, 2 tokens (saved per token: input norm 4h + 4 + 4h and its
+  // output 4h; q 32, k 16, v 16, lse 8, o's input 32; post-attention norm 4h + 4 + 4h and its
+  // output 4h; gate, act, up and down's input 4I each). Backward of model.layers.1, in order:
   FsdpConfig c = HandConfig();
   c.gpus = 1;
   MemoryOptions exact = Exact();
@@ -849,19 +852,57 @@ TEST_CASE("a block's backward: the MLP's working gradients go once its down proj
     act = a;
     grad = g;
   }
-  REQUIRE(deltas.size() >= 4);
-  CHECK(deltas[0] == std::pair<int64_t, int64_t>{320, 0});
-  CHECK(deltas[1] == std::pair<int64_t, int64_t>{192, 0});
-  CHECK(deltas[2] == std::pair<int64_t, int64_t>{0, 512});   // down_proj's weight gradient
-  CHECK(deltas[3] == std::pair<int64_t, int64_t>{-192, 0});  // then the MLP's share
-  // the block's other gradients (up 512, gate 512, post-attention norm 32, o 256, v 128, k 128, q
-  // 256, input norm 32) before the rest of the working set goes
-  int64_t later_grads = 0;
-  size_t i = 4;
-  for (; i < deltas.size() && deltas[i].first == 0; ++i) later_grads += deltas[i].second;
-  CHECK(later_grads == 1856);
-  REQUIRE(i < deltas.size());
-  CHECK(deltas[i] == std::pair<int64_t, int64_t>{-320, 0});
+  using D = std::pair<int64_t, int64_t>;
+  const std::vector<D> expected = {
+      {320, 0},                                            // the working gradients held through the block
+      {0, 512}, {-128, 0},                                 // down_proj: its weight's gradient, its input released
+      {128, 0}, {-128, 0},                                 // the MLP's moment: 64 + 384 less the 320 held
+      {0, 512}, {0, 512},                                  // up_proj, gate_proj
+      {-64, 0}, {-128, 0}, {-128, 0}, {-128, 0},           // the MLP's end: the norm's output, gate, act, up
+      {0, 32}, {-64, 0}, {-8, 0}, {-64, 0},                // post_attention_layernorm: weight, its fp32 input, rsqrt, normalised
+      {0, 256}, {0, 128}, {0, 128}, {0, 256},              // o, v, k, q
+      {-64, 0}, {-64, 0}, {-32, 0}, {-32, 0}, {-16, 0}, {-64, 0},  // self_attn's end: the norm's output, q, k, v, lse, o's input
+      {0, 32}, {-64, 0}, {-8, 0}, {-64, 0},                // input_layernorm
+      {-320, 0}};                                          // the block's end
+  CHECK(deltas == expected);
+}
+
+TEST_CASE("routed experts, which have no down projection module, hold the MLP's moment through the MLP's backward") {
+  // qwen3-moe-tiny (h 512, 16 experts of 256) routing each token to 8, bf16, one GPU, 64 tokens (a
+  // moment of 2h + 3 x 2 x 256 x 8 a token, above the held 2 x 2h + 12h). Backward of its last
+  // block: the held working set, then the MLP's moment, allocated at the block's entry; the moment
+  // goes at the MLP's end, after the router's and the experts' gradients and the MLP's saved tensors,
+  // before post_attention_layernorm's weight gradient.
+  auto model = LoadModel(DataDir() + "/tests/data/hf_configs/qwen3-moe-tiny.json");
+  REQUIRE(model.ok());
+  model.value().experts_per_token = 8;
+  FsdpConfig c;
+  c.gpus = 1;
+  c.framework = Framework::kFsdp2;
+  c.seq_len = 64;
+  const Workload w = BuildWorkload(model.value(), LoadHardware("h100-sxm").value(), c).value();
+  const BlockActivations profile = BlockActivationProfile(w.model, w.config);
+  CHECK(profile.mlp_working_bytes == (2 * 512 + 3 * 2 * 256 * 8 - (2 * 2 * 512 + 12 * 512)) * 64);
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  std::vector<std::pair<int64_t, int64_t>> deltas;
+  int64_t act = 0, grad = 0;
+  for (const MemoryPoint& p : EstimateMemory(w, exact).timeline) {
+    const int64_t a = p.device[static_cast<int>(MemCategory::kActivations)], g = p.device[static_cast<int>(MemCategory::kGradients)];
+    if (p.phase == "backward: model.layers.3" && (a != act || g != grad)) deltas.emplace_back(a - act, g - grad);
+    act = a;
+    grad = g;
+  }
+  REQUIRE(deltas.size() > 2);
+  CHECK(deltas[0] == std::pair<int64_t, int64_t>{profile.backward_working_bytes, 0});
+  CHECK(deltas[1] == std::pair<int64_t, int64_t>{profile.mlp_working_bytes, 0});
+  size_t moment_end = 2;
+  int64_t mlp_grads = 0;
+  for (; moment_end < deltas.size() && deltas[moment_end].first != -profile.mlp_working_bytes; ++moment_end) mlp_grads += deltas[moment_end].second;
+  REQUIRE(moment_end + 1 < deltas.size());
+  // bf16 gradients of the router (16 x 512) and the experts' gate_up (16 x 512 x 512) and down (16 x 256 x 512)
+  CHECK(mlp_grads == 2 * (16 * 512 + 16 * 512 * 512 + 16 * 256 * 512));
+  CHECK(deltas[moment_end + 1] == std::pair<int64_t, int64_t>{0, 2 * 512});  // post_attention_layernorm's weight
 }
 
 }  // namespace

@@ -39,6 +39,7 @@ Status ReadGpt2(const JsonReader& r, ModelSpec& m) {
   a.softmax_fp32 = false;
   a.attention_output = "attn.c_proj";
   a.mlp_output = "mlp.c_proj";
+  a.attention_module = "attn";
   a.lora_default_targets = {"c_attn"};
   const int64_t h = m.hidden_size, inner = m.intermediate_size;
   a.block = {{ParamOp::Kind::kNorm, "ln_1", 0, h},

@@ -91,6 +91,7 @@ Status ReadLlama4Text(const JsonReader& r, ModelSpec& m) {
   a.softmax_fp32 = false;  // eager_attention_forward's softmax(attn_weights, dim=-1) in the compute dtype
   a.experts_dense_dispatch = true;
   a.mlp_output = "feed_forward.down_proj";  // the dense layers' MLP (the routed ones have no such module)
+  a.mlp_module = "feed_forward";
   a.lora_default_targets = {};  // peft 0.21's mapping has "llama4" (the multimodal type), not "llama4_text"
   m.router = ModelShape::Router::kTopKThenSigmoid;
   const int64_t h = m.hidden_size, inner = m.intermediate_size;

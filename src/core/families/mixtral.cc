@@ -18,6 +18,7 @@ Status ReadMixtral(const JsonReader& r, ModelSpec& m) {
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "MixtralDecoderLayer";
   m.arch.mlp = MlpKind::kMoe;
+  m.arch.mlp_module = "block_sparse_moe";
   AddLlamaAttention(m, false, false, m.arch.block);
   const int64_t h = m.hidden_size, inner = m.intermediate_size, e = m.num_experts, k = m.experts_per_token;
   m.arch.block.push_back({ParamOp::Kind::kRouter, "block_sparse_moe.gate", h, e});
