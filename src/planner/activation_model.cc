@@ -43,11 +43,14 @@ Dims DimsOf(const ModelShape& m, const FsdpConfig& cfg, int64_t window = 0) {
 }
 
 // Interns "<module>.<what>" for the lifetime of the process: SavedTensor names are string_views.
-std::string_view Name(std::string_view module, std::string_view what) {
+// Static text for a name made at run time (SavedTensor's string_views outlive the model).
+std::string_view Interned(std::string_view text) {
   static std::set<std::string, std::less<>> names;
-  std::string name = fmt::format("{}.{}", module, what);
-  return *names.insert(std::move(name)).first;
+  if (auto it = names.find(text); it != names.end()) return *it;
+  return *names.emplace(text).first;
 }
+
+std::string_view Name(std::string_view module, std::string_view what) { return Interned(fmt::format("{}.{}", module, what)); }
 
 // Which inputs of a norm need a gradient.
 struct NormGrad {
@@ -587,16 +590,19 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
   std::vector<SavedTensor> out;
   // which module's backward releases each tensor: a norm's own, down's input its projection's,
   // the rest the sub-layer's that reads it (a norm's output: the sub-layer's linears')
-  auto tag_releases = [&](size_t begin, const std::string& reader) {
+  const std::string_view mlp_output = Interned(m.arch.mlp_output);
+  auto within = [](std::string_view name, std::string_view module) {  // "module.<what>"
+    return name.size() > module.size() && name.starts_with(module) && name[module.size()] == '.';
+  };
+  auto tag_releases = [&](size_t begin, const std::string& reader_module) {
+    const std::string_view reader = Interned(reader_module);
     for (size_t i = begin; i < out.size(); ++i) {
       SavedTensor& t = out[i];
       if (t.block_argument || !t.freed_after.empty()) continue;
       t.freed_after = reader;
-      if (t.name == "mlp.down_in" || t.name == "mlp.c_proj_in" || t.name.starts_with(m.arch.mlp_output + ".")) t.freed_after = m.arch.mlp_output;
+      if (t.name == "mlp.down_in" || t.name == "mlp.c_proj_in" || within(t.name, mlp_output)) t.freed_after = mlp_output;
       for (std::string_view norm : norms) {
-        if (t.name.starts_with(norm) && t.name.size() > norm.size() && t.name[norm.size()] == '.' && !t.name.ends_with(".out")) {
-          t.freed_after = std::string(norm);
-        }
+        if (within(t.name, norm) && !t.name.ends_with(".out")) t.freed_after = Interned(norm);
       }
     }
   };
@@ -737,15 +743,18 @@ size_t MarkFreedBySoftmaxBackward(std::vector<SavedTensor>& block, std::string_v
 // first). FSDPMemTracker at the peak of a two-rank --ac full step (tools/peak_trace.py: Llama 3
 // 2k-vocab, Gemma 2, gpt-oss, Llama 4) holds exactly these. gpt-oss's peak comes one op later, in
 // the row maximum's backward (zeros and a scatter of the scores' shape while the probabilities
-// are freed): the same bytes. Returns 0 for GPT-2's fused c_attn (q, k, v views of one saved
-// output: BackwardWorkingBytes' term) and where the scores need no gradient (LoRA on v alone: the
-// probabilities are saved for v's gradient only); v's gradient only where v needs one.
+// are freed): the same bytes. GPT-2's fused c_attn (q, k, v views of one saved output, its
+// softmax in c) the same: v's gradient is one of c_attn's output width h, q's and k's come after
+// (PEAK_TRACE_WITHIN=bw:h.11 tools/peak_trace.py on the 2k-context, 2k-vocabulary GPT-2: the
+// step's peak is _softmax_backward_data with these alive). Returns 0 where the scores need no
+// gradient (LoRA on v alone: the probabilities are saved for v's gradient only); v's gradient
+// only where v needs one.
 int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f, std::vector<SavedTensor>& block) {
   if (cfg.attention != Attention::kEager) return 0;
   const std::string_view softmax_output = m.arch.softmax_fp32 && !m.attention_sinks ? "attn_core.softmax_fp32" : "attn_core.probs";
   const size_t softmax = MarkFreedBySoftmaxBackward(block, softmax_output, !m.arch.fused_qkv);
-  if (m.arch.fused_qkv || !f.scores || softmax == block.size()) return 0;
-  int64_t value_grad = 0;
+  if (!f.scores || softmax == block.size()) return 0;
+  int64_t value_grad = m.arch.fused_qkv && f.v ? d.c * d.h * d.tokens : 0;
   for (const SavedTensor& t : block) {
     if (f.v && IsValueCopy(t)) value_grad = t.bytes;
   }
@@ -755,25 +764,16 @@ int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Di
 // The gradients alive inside a block's backward beyond its saved tensors: those held through it
 // (the incoming and outgoing hidden-state gradients and the largest op-level transient outside
 // the MLP) and the MLP's moment beyond them (BlockActivations::backward_working_bytes,
-// mlp_working_bytes). `block` is what the block's forward saves; `softmax_moment`: the attention
-// core's backward is MarkSoftmaxBackward's moment, not a term here.
+// mlp_working_bytes). `softmax_moment`: the attention core's backward is MarkSoftmaxBackward's
+// moment, not a term here.
 struct BackwardWorking {
   int64_t held = 0, mlp_moment = 0;
 };
-BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const std::vector<SavedTensor>& block,
-                                     bool softmax_moment) {
-  const int64_t hT = d.h * d.tokens, scores = d.heads * d.seq * d.tokens;
+BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, bool softmax_moment) {
+  const int64_t hT = d.h * d.tokens;
   int64_t attention = 0;
   if (softmax_moment) {
     attention = 0;
-  } else if (cfg.attention == Attention::kEager && m.arch.fused_qkv) {
-    // GPT-2's softmax runs in c: the probabilities' gradient and the softmax input's (2 c a s per
-    // token) and 3 c h of q/k/v gradients, while the probabilities are still saved. MemTracker on
-    // one GPT2Block (transformers 5.24, bf16, 2048 tokens, no dropout): 138.4 MB beyond the saved
-    // tensors, the incoming gradient and the weight gradients, as this term gives (docs/memory-model.md).
-    int64_t freed = 0;  // marked by MarkSoftmaxBackward
-    for (const SavedTensor& t : block) freed += t.freed_by_softmax_backward ? t.bytes : 0;
-    attention = 2 * d.c * scores + 3 * d.c * hT - freed;
   } else if (cfg.attention != Attention::kEager) {
     // dq, dk, dv (repeat_kv's: of every head) and the kernel's fp32 dq accumulator
     const int64_t kv_grad_heads = d.repeats_kv ? d.heads : d.kv_heads;
@@ -853,7 +853,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       }
       break;
   }
-  const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.full, a.softmax_backward_bytes > 0);
+  const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.softmax_backward_bytes > 0);
   a.backward_working_bytes = working.held;
   a.mlp_working_bytes = working.mlp_moment;
   return a;

@@ -32,8 +32,8 @@ struct SavedTensor {
   /// The module (path inside the block: Architecture::attention_module, mlp_module, mlp_output, a
   /// norm's) whose backward's end releases the tensor: autograd frees an op's saved tensors once
   /// the op's backward has run (torch/csrc/autograd/engine.cpp, release_variables). Empty: the
-  /// block's end (a block argument; the kept inputs checkpointing adds).
-  std::string freed_after = {};
+  /// block's end (a block argument; the kept inputs checkpointing adds). Static text.
+  std::string_view freed_after = {};
 };
 
 /// Activation memory of one decoder block for one micro-batch.
@@ -53,11 +53,11 @@ struct BlockActivations {
   /// model allocates and frees it there (Architecture::mlp_output), or, for routed experts
   /// without such a module, holds it through the MLP's backward.
   int64_t mlp_working_bytes = 0;
-  /// Eager attention over separate q, k and v projections: the gradients alive while the
-  /// softmax's backward runs (after the output projection's backward, so with the weight
-  /// gradients of everything from it on, and after the tensors marked freed_by_softmax_backward
-  /// are gone): the residual stream's, v's and two of the scores' shape. 0: no such moment
-  /// modelled (SDPA, GPT-2's fused c_attn, or scores that need no gradient)
+  /// Eager attention: the gradients alive while the softmax's backward runs (after the output
+  /// projection's backward, so with the weight gradients of everything from it on, and after the
+  /// tensors marked freed_by_softmax_backward are gone): the residual stream's, v's (GPT-2's fused
+  /// c_attn: q's, k's and v's) and two of the scores' shape. 0: no such moment modelled (SDPA, or
+  /// scores that need no gradient)
   int64_t softmax_backward_bytes = 0;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;

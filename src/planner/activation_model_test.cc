@@ -219,23 +219,24 @@ TEST_CASE("each saved tensor names the module whose backward's end releases it")
   }
 }
 
-TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized gradients, after the block has freed the rest") {
-  // gpt2 at 1024 tokens (micro-batch 1), dropout 0.1, bf16: 2 x 2as + 3 x 2h per token for the
-  // softmax's backward, less what the backward has freed by then: dropout's mask as and output 2as,
-  // c_proj's input 2h and its dropout mask h, ln_2 2h + 8, c_fc's input 2h, NewGELU 4 x 2 x inner,
-  // c_proj's input 2 x inner, the MLP's dropout mask h.
+TEST_CASE("GPT-2 eager backward: the MLP's moment, then the softmax's with the rest freed, as Llama's") {
+  // gpt2 at 1024 tokens (micro-batch 1), dropout 0.1, bf16. Held through the block: the two
+  // hidden-state gradients 2 x 2h and the norms' 12h a token; the MLP's moment (the incoming 2h and
+  // its 4 x 2I) beyond them; the softmax's moment (the held set gone): the residual's gradient 2h,
+  // v's 2h (GPT-2's v is c_attn's output, h wide) and two of the probabilities' shape, 2 x 2as.
   const int64_t h = 768, inner = 3072, as1k = 12 * 1024;
-  const int64_t after_core = 8 * h + 8 + 10 * inner;
-  const int64_t attention = (2 * 2 * as1k + 3 * 2 * h - 3 * as1k - after_core) * 1024;
-  const int64_t mlp = 4 * 2 * inner * 1024;
-  REQUIRE(mlp > attention);  // at 1024 positions the MLP's transient is the larger
-  // held through the block: 2 x 2h and the norms' 12h a token (the softmax's term, less what is
-  // freed by then, is smaller); the MLP's moment (the incoming 2h and its 4 x 2I) beyond them
-  REQUIRE(12 * h * 1024 > attention);
+  const BlockActivations a = Profile("gpt2", 1024, Attention::kEager);
   const int64_t held = (2 * 2 * h + 12 * h) * 1024;
-  CHECK(Profile("gpt2", 1024, Attention::kEager).backward_working_bytes == held);
-  CHECK(Profile("gpt2", 1024, Attention::kEager).mlp_working_bytes == 2 * h * 1024 + mlp - held);
-  // 4096 positions, no dropout: the softmax's term is the larger
+  CHECK(a.backward_working_bytes == held);
+  CHECK(a.mlp_working_bytes == 2 * h * 1024 + 4 * 2 * inner * 1024 - held);
+  CHECK(a.softmax_backward_bytes == (2 * h + 2 * h + 2 * 2 * as1k) * 1024);
+  // what has gone by then: dropout's mask as and output 2as, c_proj's input 2h and its dropout
+  // mask h, ln_2 2h + 8, c_fc's input 2h, NewGELU 4 x 2 x inner, c_proj's input 2 x inner, the
+  // MLP's dropout mask h
+  int64_t freed = 0;
+  for (const SavedTensor& t : a.full) freed += t.freed_by_softmax_backward ? t.bytes : 0;
+  CHECK(freed == (3 * as1k + 8 * h + 8 + 10 * inner) * 1024);
+  // 4096 positions, no dropout: the same terms, the MLP's moment still above the held set
   auto m = LoadModel("gpt2");
   REQUIRE(m.ok());
   m.value().max_position_embeddings = 4096;
@@ -244,8 +245,10 @@ TEST_CASE("GPT-2 eager backward working memory: two compute-dtype scores-sized g
   c.seq_len = 4096;
   c.attention = Attention::kEager;
   const int64_t as4k = 12 * 4096;
-  CHECK(BlockActivationProfile(m.value(), c).backward_working_bytes == (2 * 2 * h + 2 * 2 * as4k + 3 * 2 * h - (6 * h + 8 + 10 * inner)) * 4096);
-  CHECK(BlockActivationProfile(m.value(), c).mlp_working_bytes == 0);  // the MLP's is not the largest
+  const BlockActivations b = BlockActivationProfile(m.value(), c);
+  CHECK(b.backward_working_bytes == (2 * 2 * h + 12 * h) * 4096);
+  CHECK(b.mlp_working_bytes == (2 * h + 4 * 2 * inner - (2 * 2 * h + 12 * h)) * 4096);
+  CHECK(b.softmax_backward_bytes == (2 * h + 2 * h + 2 * 2 * as4k) * 4096);
 }
 
 TEST_CASE("Qwen3-8B block, flash: Llama's tensors plus the per-head q/k norms") {

@@ -3,7 +3,7 @@
 #include <array>
 #include <optional>
 #include <string>
-#include <unordered_map>
+#include <string_view>
 #include <algorithm>
 #include <deque>
 #include <memory>
@@ -58,12 +58,8 @@ class StepPlayer {
     kept_grad_.assign(n, kNoBlock);
     reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
+    releases_at_.assign(w.nodes.size(), 0);
     if (w.model.tie_word_embeddings) embedding_node_ = w.EmbeddingNode();
-    output_projection_ = BlockChildNodes(w, w.model.arch.attention_output);
-    mlp_output_ = BlockChildNodes(w, w.model.arch.mlp_output);
-    mlp_module_ = BlockChildNodes(w, w.model.arch.mlp_module);
-    releases_.assign(w.nodes.size(), {});
-    for (size_t node = 0; node < w.nodes.size(); ++node) node_of_path_.emplace(w.nodes[node].path, static_cast<int>(node));
     for (int b = 0; b < w.model.num_layers; ++b) {
       int& holder = mask_holder_[w.model.WindowOf(b) > 0 ? 1 : 0];
       if (holder < 0 && BlockCheckpointed(c_, b)) holder = b;
@@ -499,8 +495,13 @@ class StepPlayer {
       AllocGradients(v.node);
     }
     // autograd releases what the module's ops saved once their backward has run
-    for (const Release& r : releases_[v.node]) mem_.Free(r.transient ? transients_[r.index] : node_saved_[r.block][r.index]);
-    releases_[v.node].clear();
+    for (size_t i = 0; releases_at_[v.node] > 0 && i < releases_.size(); ++i) {
+      Release& r = releases_[i];
+      if (r.node != v.node) continue;
+      mem_.Free(r.transient ? transients_[r.index] : node_saved_[r.block][r.index]);
+      r.node = -1;
+      --releases_at_[v.node];
+    }
     if (v.node == mlp_moment_at_) {  // the product's backward, after down's (BlockActivations::mlp_working_bytes)
       BlockId moment = mem_.Alloc(Cat::kActivations, mlp_moment_bytes_);
       mem_.Free(moment);
@@ -527,31 +528,61 @@ class StepPlayer {
     node_saved_[v.node].clear();
   }
 
-  // Per block node, its module at `path_in_block` (-1: none; the other nodes' entries are -1).
-  static std::vector<int> BlockChildNodes(const Workload& w, const std::string& path_in_block) {
-    std::vector<int> child(w.nodes.size(), -1);
-    const std::string suffix = "." + path_in_block;
-    for (size_t node = 0; node < w.nodes.size(); ++node) {
-      if (!w.nodes[node].path.ends_with(suffix)) continue;
-      int block = w.nodes[node].parent;
-      while (block >= 0 && w.nodes[block].role != ModuleNode::Role::kBlock) block = w.nodes[block].parent;
-      if (block >= 0) child[static_cast<size_t>(block)] = static_cast<int>(node);
-    }
-    return child;
-  }
-
   // Registers a block's saved tensors (kept, and recomputed ones on the transient stack from the
   // block's start) for release at the end of their SavedTensor::freed_after module's backward.
   void ScheduleReleases(int block_node, bool recomputed) {
     const BlockActivations& profile = BlockProfile(block_node);
+    releases_.clear();  // blocks do not nest: the previous block's have all run
+    std::string_view module;  // neighbours mostly share theirs (static text: one pointer per module)
+    int node = -1;
     auto schedule = [&](const SavedTensor& t, bool transient, size_t index) {
       if (t.freed_after.empty()) return;
-      const auto it = node_of_path_.find(w_.nodes[block_node].path + "." + t.freed_after);
-      if (it != node_of_path_.end()) releases_[static_cast<size_t>(it->second)].push_back({transient, index, block_node});
+      if (t.freed_after.data() != module.data()) node = ReleaseNode(block_node, module = t.freed_after);
+      if (node < 0) return;
+      releases_.push_back({node, transient, index, block_node});
+      ++releases_at_[static_cast<size_t>(node)];
     };
     for (size_t i = 0; i < profile.kept.size() && i < node_saved_[block_node].size(); ++i) schedule(profile.kept[i], false, i);
     if (!recomputed) return;
     for (size_t i = 0; i < profile.recomputed.size(); ++i) schedule(profile.recomputed[i], true, transient_starts_.back() + i);
+  }
+
+  // The node at `relative` (a module path inside the block: "mlp.down_proj") under a block node,
+  // -1 if it has none. Blocks build their subtrees alike, so a module found once is tried at the
+  // same offset from every block (checked: its ancestors lead to the block, its path ends so)
+  // before the block's children are searched.
+  int ReleaseNode(int block_node, std::string_view relative) {
+    auto is_it = [&](int node, int depth) {
+      if (node < 0 || static_cast<size_t>(node) >= w_.nodes.size()) return false;
+      const std::string& path = w_.nodes[static_cast<size_t>(node)].path;
+      if (path.size() <= relative.size() || !path.ends_with(relative) || path[path.size() - relative.size() - 1] != '.') return false;
+      int up = node;
+      for (int i = 0; i < depth && up >= 0; ++i) up = w_.nodes[static_cast<size_t>(up)].parent;
+      return up == block_node;
+    };
+    for (const ReleaseOffset& o : release_offsets_) {
+      if (o.relative.data() != relative.data() && o.relative != relative) continue;
+      if (is_it(block_node + o.offset, o.depth)) return block_node + o.offset;
+      break;
+    }
+    int node = block_node;
+    for (std::string_view rest = relative; node >= 0 && !rest.empty();) {
+      const size_t dot = rest.find('.');
+      const std::string_view part = rest.substr(0, dot);
+      rest = dot == std::string_view::npos ? std::string_view() : rest.substr(dot + 1);
+      int next = -1;
+      for (int child : w_.nodes[static_cast<size_t>(node)].children) {
+        const std::string& path = w_.nodes[static_cast<size_t>(child)].path;
+        if (path.size() > part.size() && path.ends_with(part) && path[path.size() - part.size() - 1] == '.') next = child;
+      }
+      node = next;
+    }
+    if (node >= 0) {
+      bool known = false;
+      for (const ReleaseOffset& o : release_offsets_) known = known || o.relative == relative;
+      if (!known) release_offsets_.push_back({relative, node - block_node, 1 + static_cast<int>(std::count(relative.begin(), relative.end(), '.'))});
+    }
+    return node;
   }
 
   // The saved tensors of a block: the configured checkpointing's, or none's for a block that
@@ -581,7 +612,7 @@ class StepPlayer {
           }
         }
         if (BlockProfile(node_id).softmax_backward_bytes > 0) {
-          softmax_block_ = SoftmaxBlock{node_id, output_projection_[node_id], transient_starts_.back(), transient.size()};
+          softmax_block_ = SoftmaxBlock{node_id, ReleaseNode(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size()};
         }
         {
           // the working gradients held through the block, and the MLP's moment beyond them: right
@@ -590,12 +621,13 @@ class StepPlayer {
           const BlockActivations& profile = BlockProfile(node_id);
           ScheduleReleases(node_id, BlockCheckpointed(c_, w_.nodes[node_id].block));
           transient.push_back(mem_.Alloc(Cat::kActivations, profile.backward_working_bytes));
-          if (mlp_output_[node_id] >= 0) {
-            mlp_moment_at_ = mlp_output_[node_id];
+          if (const int down = ReleaseNode(node_id, w_.model.arch.mlp_output); down >= 0) {
+            mlp_moment_at_ = down;
             mlp_moment_bytes_ = profile.mlp_working_bytes;
           } else {
             mlp_working_ = mem_.Alloc(Cat::kActivations, profile.mlp_working_bytes);
-            mlp_working_until_ = mlp_module_[node_id] >= 0 ? mlp_module_[node_id] : node_id;
+            const int mlp = ReleaseNode(node_id, w_.model.arch.mlp_module);
+            mlp_working_until_ = mlp >= 0 ? mlp : node_id;
           }
         }
         // QLoRA: the weight dequantized again for the input gradient (MatMul4Bit.backward)
@@ -650,7 +682,7 @@ class StepPlayer {
   void SoftmaxBackward(const SoftmaxBlock& b) {
     const BlockActivations& profile = BlockProfile(b.node);
     mem_.Free(transients_[b.working]);
-    mem_.Free(mlp_working_);  // the MLP's share, where no down projection's backward freed it before
+    mem_.Free(mlp_working_);  // routed experts' MLP moment, where the MLP's end has not freed it
     for (size_t i = 0; i < profile.recomputed.size(); ++i) {
       if (profile.recomputed[i].freed_by_softmax_backward) mem_.Free(transients_[b.saved_start + i]);
     }
@@ -808,22 +840,27 @@ class StepPlayer {
   std::vector<BlockId> transients_;       ///< backward transients of the nodes entered and not yet left
   std::vector<size_t> transient_starts_;  ///< per entered node: where its transients begin
   std::optional<SoftmaxBlock> softmax_block_;  ///< the block in backward whose softmax's has not run yet (blocks do not nest)
-  std::vector<int> output_projection_;        ///< per block node: its Architecture::attention_output node (-1: none)
-  std::vector<int> mlp_output_;               ///< per block node: its Architecture::mlp_output node (-1: none)
-  std::vector<int> mlp_module_;               ///< per block node: its Architecture::mlp_module node (-1: none)
   int mlp_moment_at_ = -1;                    ///< the down projection whose backward's exit has the MLP's moment
   int64_t mlp_moment_bytes_ = 0;
   BlockId mlp_working_ = kNoBlock;            ///< without a down projection: the MLP's moment, held through the MLP's backward
   int mlp_working_until_ = -1;                ///< the node whose backward exit frees it (the MLP's, or the block's)
-  /// A saved tensor of a block in backward, released at the end of a module's backward: in
-  /// transients_ (recomputed) or node_saved_[block] (kept), at `index`
+  /// A saved tensor of the block in backward, released at the end of `node`'s backward (-1: done):
+  /// in transients_ (recomputed) or node_saved_[block] (kept), at `index`
   struct Release {
+    int node = -1;
     bool transient = false;
     size_t index = 0;
     int block = -1;
   };
-  std::vector<std::vector<Release>> releases_;  ///< per node: what the end of its backward releases
-  std::unordered_map<std::string, int> node_of_path_;
+  std::vector<Release> releases_;
+  std::vector<int> releases_at_;  ///< per node: how many of releases_ its backward's end has yet to run
+  /// ReleaseNode's modules, by path inside the block (static text or the architecture's strings,
+  /// which outlive the replay), at their node's offset from the block's where first found
+  struct ReleaseOffset {
+    std::string_view relative;
+    int offset = 0, depth = 0;  ///< from the block's node; levels below the block
+  };
+  std::vector<ReleaseOffset> release_offsets_;
   static constexpr int kNoMask = -2, kUnheldMask = -1;
   /// Eager attention's [B, 1, s, s] masks, full-attention and sliding-window: each kind's, and the
   /// first checkpointed block that reads it (its backward releases it; kUnheldMask: none, freed
