@@ -56,8 +56,8 @@ struct BlockActivations {
   /// Eager attention: the gradients alive while the softmax's backward runs (after the output
   /// projection's backward, so with the weight gradients of everything from it on, and after the
   /// tensors marked freed_by_softmax_backward are gone): the residual stream's, v's (GPT-2's fused
-  /// c_attn: q's, k's and v's) and two of the scores' shape. 0: no such moment modelled (SDPA, or
-  /// scores that need no gradient)
+  /// c_attn: v's view, h wide; q's and k's come after) and two of the scores' shape. 0: no such
+  /// moment modelled (SDPA, or scores that need no gradient)
   int64_t softmax_backward_bytes = 0;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
