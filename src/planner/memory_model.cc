@@ -58,7 +58,6 @@ class StepPlayer {
     kept_grad_.assign(n, kNoBlock);
     reduce_grad_.assign(n, kNoBlock);
     node_saved_.assign(w.nodes.size(), {});
-    releases_at_.assign(w.nodes.size(), 0);
     if (w.model.tie_word_embeddings) embedding_node_ = w.EmbeddingNode();
     for (int b = 0; b < w.model.num_layers; ++b) {
       int& holder = mask_holder_[w.model.WindowOf(b) > 0 ? 1 : 0];
@@ -495,12 +494,8 @@ class StepPlayer {
       AllocGradients(v.node);
     }
     // autograd releases what the module's ops saved once their backward has run
-    for (size_t i = 0; releases_at_[v.node] > 0 && i < releases_.size(); ++i) {
-      Release& r = releases_[i];
-      if (r.node != v.node) continue;
-      mem_.Free(r.transient ? transients_[r.index] : node_saved_[r.block][r.index]);
-      r.node = -1;
-      --releases_at_[v.node];
+    for (const Release& r : releases_) {
+      if (r.node == v.node) mem_.Free(r.transient ? transients_[r.index] : node_saved_[r.block][r.index]);
     }
     if (v.node == mlp_moment_at_) {  // the product's backward, after down's (BlockActivations::mlp_working_bytes)
       BlockId moment = mem_.Alloc(Cat::kActivations, mlp_moment_bytes_);
@@ -537,33 +532,35 @@ class StepPlayer {
     int node = -1;
     auto schedule = [&](const SavedTensor& t, bool transient, size_t index) {
       if (t.freed_after.empty()) return;
-      if (t.freed_after.data() != module.data()) node = ReleaseNode(block_node, module = t.freed_after);
-      if (node < 0) return;
-      releases_.push_back({node, transient, index, block_node});
-      ++releases_at_[static_cast<size_t>(node)];
+      if (t.freed_after.data() != module.data()) node = ModuleUnder(block_node, module = t.freed_after);
+      if (node >= 0) releases_.push_back({node, transient, index, block_node});
     };
     for (size_t i = 0; i < profile.kept.size() && i < node_saved_[block_node].size(); ++i) schedule(profile.kept[i], false, i);
     if (!recomputed) return;
     for (size_t i = 0; i < profile.recomputed.size(); ++i) schedule(profile.recomputed[i], true, transient_starts_.back() + i);
   }
 
+  // Whether a node's path ends in "." + `tail`.
+  static bool PathEndsWith(const std::string& path, std::string_view tail) {
+    return path.size() > tail.size() && path.ends_with(tail) && path[path.size() - tail.size() - 1] == '.';
+  }
+
   // The node at `relative` (a module path inside the block: "mlp.down_proj") under a block node,
   // -1 if it has none. Blocks build their subtrees alike, so a module found once is tried at the
-  // same offset from every block (checked: its ancestors lead to the block, its path ends so)
-  // before the block's children are searched.
-  int ReleaseNode(int block_node, std::string_view relative) {
-    auto is_it = [&](int node, int depth) {
-      if (node < 0 || static_cast<size_t>(node) >= w_.nodes.size()) return false;
-      const std::string& path = w_.nodes[static_cast<size_t>(node)].path;
-      if (path.size() <= relative.size() || !path.ends_with(relative) || path[path.size() - relative.size() - 1] != '.') return false;
-      int up = node;
-      for (int i = 0; i < depth && up >= 0; ++i) up = w_.nodes[static_cast<size_t>(up)].parent;
-      return up == block_node;
-    };
+  // same offset from every block (checked: its path ends so and its ancestors lead to the block)
+  // before the block's children are searched component by component.
+  int ModuleUnder(int block_node, std::string_view relative) {
+    const ReleaseOffset* cached = nullptr;
     for (const ReleaseOffset& o : release_offsets_) {
-      if (o.relative.data() != relative.data() && o.relative != relative) continue;
-      if (is_it(block_node + o.offset, o.depth)) return block_node + o.offset;
-      break;
+      if (o.relative.data() == relative.data() || o.relative == relative) cached = &o;
+    }
+    if (cached != nullptr) {
+      const int node = block_node + cached->offset;
+      if (node >= 0 && static_cast<size_t>(node) < w_.nodes.size() && PathEndsWith(w_.nodes[static_cast<size_t>(node)].path, relative)) {
+        int up = node;
+        for (int i = 0; i < cached->depth && up >= 0; ++i) up = w_.nodes[static_cast<size_t>(up)].parent;
+        if (up == block_node) return node;
+      }
     }
     int node = block_node;
     for (std::string_view rest = relative; node >= 0 && !rest.empty();) {
@@ -572,15 +569,12 @@ class StepPlayer {
       rest = dot == std::string_view::npos ? std::string_view() : rest.substr(dot + 1);
       int next = -1;
       for (int child : w_.nodes[static_cast<size_t>(node)].children) {
-        const std::string& path = w_.nodes[static_cast<size_t>(child)].path;
-        if (path.size() > part.size() && path.ends_with(part) && path[path.size() - part.size() - 1] == '.') next = child;
+        if (PathEndsWith(w_.nodes[static_cast<size_t>(child)].path, part)) next = child;
       }
       node = next;
     }
-    if (node >= 0) {
-      bool known = false;
-      for (const ReleaseOffset& o : release_offsets_) known = known || o.relative == relative;
-      if (!known) release_offsets_.push_back({relative, node - block_node, 1 + static_cast<int>(std::count(relative.begin(), relative.end(), '.'))});
+    if (node >= 0 && cached == nullptr) {
+      release_offsets_.push_back({relative, node - block_node, 1 + static_cast<int>(std::count(relative.begin(), relative.end(), '.'))});
     }
     return node;
   }
@@ -612,7 +606,7 @@ class StepPlayer {
           }
         }
         if (BlockProfile(node_id).softmax_backward_bytes > 0) {
-          softmax_block_ = SoftmaxBlock{node_id, ReleaseNode(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size()};
+          softmax_block_ = SoftmaxBlock{node_id, ModuleUnder(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size()};
         }
         {
           // the working gradients held through the block, and the MLP's moment beyond them: right
@@ -621,12 +615,12 @@ class StepPlayer {
           const BlockActivations& profile = BlockProfile(node_id);
           ScheduleReleases(node_id, BlockCheckpointed(c_, w_.nodes[node_id].block));
           transient.push_back(mem_.Alloc(Cat::kActivations, profile.backward_working_bytes));
-          if (const int down = ReleaseNode(node_id, w_.model.arch.mlp_output); down >= 0) {
+          if (const int down = ModuleUnder(node_id, w_.model.arch.mlp_output); down >= 0) {
             mlp_moment_at_ = down;
             mlp_moment_bytes_ = profile.mlp_working_bytes;
           } else {
             mlp_working_ = mem_.Alloc(Cat::kActivations, profile.mlp_working_bytes);
-            const int mlp = ReleaseNode(node_id, w_.model.arch.mlp_module);
+            const int mlp = ModuleUnder(node_id, w_.model.arch.mlp_module);
             mlp_working_until_ = mlp >= 0 ? mlp : node_id;
           }
         }
@@ -844,7 +838,7 @@ class StepPlayer {
   int64_t mlp_moment_bytes_ = 0;
   BlockId mlp_working_ = kNoBlock;            ///< without a down projection: the MLP's moment, held through the MLP's backward
   int mlp_working_until_ = -1;                ///< the node whose backward exit frees it (the MLP's, or the block's)
-  /// A saved tensor of the block in backward, released at the end of `node`'s backward (-1: done):
+  /// A saved tensor of the block in backward, released at the end of `node`'s backward:
   /// in transients_ (recomputed) or node_saved_[block] (kept), at `index`
   struct Release {
     int node = -1;
@@ -853,8 +847,7 @@ class StepPlayer {
     int block = -1;
   };
   std::vector<Release> releases_;
-  std::vector<int> releases_at_;  ///< per node: how many of releases_ its backward's end has yet to run
-  /// ReleaseNode's modules, by path inside the block (static text or the architecture's strings,
+  /// ModuleUnder's modules, by path inside the block (static text or the architecture's strings,
   /// which outlive the replay), at their node's offset from the block's where first found
   struct ReleaseOffset {
     std::string_view relative;
