@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace fsdp {
@@ -835,6 +836,19 @@ TEST_CASE("each transformers release's loss, allocation by allocation (hand llam
   CHECK(changes(v448, forward, 1) == std::vector<int64_t>{128, 256, 192, -256, -128});
 }
 
+// The (activations, gradients) changes of a recorded timeline within one phase, in order.
+std::vector<std::pair<int64_t, int64_t>> ActivationAndGradientSteps(const MemoryEstimate& m, std::string_view phase) {
+  std::vector<std::pair<int64_t, int64_t>> steps;
+  int64_t act = 0, grad = 0;
+  for (const MemoryPoint& p : m.timeline) {
+    const int64_t a = p.device[static_cast<int>(MemCategory::kActivations)], g = p.device[static_cast<int>(MemCategory::kGradients)];
+    if (p.phase == phase && (a != act || g != grad)) steps.emplace_back(a - act, g - grad);
+    act = a;
+    grad = g;
+  }
+  return steps;
+}
+
 TEST_CASE("a block's backward releases each module's saved tensors as its backward ends, and has the MLP's moment after down's") {
   // Hand llama, fp32, flash, one rank, 2 tokens (saved per token: input norm 4h + 4 + 4h and its
   // output 4h; q 32, k 16, v 16, lse 8, o's input 32; post-attention norm 4h + 4 + 4h and its
@@ -843,15 +857,7 @@ TEST_CASE("a block's backward releases each module's saved tensors as its backwa
   c.gpus = 1;
   MemoryOptions exact = Exact();
   exact.record_timeline = true;
-  const auto timeline = EstimateMemory(Build(c), exact).timeline;
-  std::vector<std::pair<int64_t, int64_t>> deltas;  // (activations, gradients) changes within the block's backward
-  int64_t act = 0, grad = 0;
-  for (const MemoryPoint& p : timeline) {
-    const int64_t a = p.device[static_cast<int>(MemCategory::kActivations)], g = p.device[static_cast<int>(MemCategory::kGradients)];
-    if (p.phase == "backward: model.layers.1" && (a != act || g != grad)) deltas.emplace_back(a - act, g - grad);
-    act = a;
-    grad = g;
-  }
+  const auto deltas = ActivationAndGradientSteps(EstimateMemory(Build(c), exact), "backward: model.layers.1");
   using D = std::pair<int64_t, int64_t>;
   const std::vector<D> expected = {
       {320, 0},                                            // the working gradients held through the block
@@ -885,14 +891,7 @@ TEST_CASE("routed experts, which have no down projection module, hold the MLP's 
   CHECK(profile.mlp_working_bytes == (2 * 512 + 3 * 2 * 256 * 8 - (2 * 2 * 512 + 12 * 512)) * 64);
   MemoryOptions exact = Exact();
   exact.record_timeline = true;
-  std::vector<std::pair<int64_t, int64_t>> deltas;
-  int64_t act = 0, grad = 0;
-  for (const MemoryPoint& p : EstimateMemory(w, exact).timeline) {
-    const int64_t a = p.device[static_cast<int>(MemCategory::kActivations)], g = p.device[static_cast<int>(MemCategory::kGradients)];
-    if (p.phase == "backward: model.layers.3" && (a != act || g != grad)) deltas.emplace_back(a - act, g - grad);
-    act = a;
-    grad = g;
-  }
+  const auto deltas = ActivationAndGradientSteps(EstimateMemory(w, exact), "backward: model.layers.3");
   REQUIRE(deltas.size() > 2);
   CHECK(deltas[0] == std::pair<int64_t, int64_t>{profile.backward_working_bytes, 0});
   CHECK(deltas[1] == std::pair<int64_t, int64_t>{profile.mlp_working_bytes, 0});
