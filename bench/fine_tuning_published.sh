@@ -9,6 +9,11 @@
 # in bf16 where FSDP runs without MixedPrecision (fms, llama-recipes' pure_bf16), SDPA / flash
 # attention except llama-recipes' 2023 run (transformers 4.31: eager), full checkpointing where
 # the run checkpoints (HF gradient_checkpointing, reentrant or not, checkpoints every layer).
+# llama-recipes at e5970e2e loads LlamaForCausalLM.from_pretrained without use_cache=False (Llama 2's
+# config has use_cache true) and checkpoints with torch's checkpoint_wrapper (policies/
+# activation_checkpointing_functions.py), not HF's gradient_checkpointing_enable, which is what turns
+# the cache off: its forward returns every layer's keys and values (--use-cache), the "~4 GB of
+# activation memory" its PR #165 later saved with use_cache=False.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 P=${1:-$root/build}/fsdp-plan
@@ -36,6 +41,6 @@ done <<'ROWS'
 #11 answerai llama7b qlora 4090 mb10|22516567818|reserved|--model llama-2-7b --gpu rtx-4090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --qlora --qlora-double-quant --seq-len 2048 --micro-batch 10 --ac full --transformers-version 4.38 --loop-holds-outputs
 #12 answerai llama7b lora 4090 mb6|22924573573|reserved|--model llama-2-7b --gpu rtx-4090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --seq-len 2048 --micro-batch 6 --ac full --transformers-version 4.38 --loop-holds-outputs
 #13 answerai 70b qlora offload 4090|16020422328|reserved|--model llama-2-70b --gpu rtx-4090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --qlora --qlora-double-quant --seq-len 2048 --micro-batch 2 --ac full --cpu-offload --transformers-version 4.38 --loop-holds-outputs
-#25 llama-recipes 7b lora bf16 reserved|19360000000|reserved|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31
-#25 llama-recipes 7b lora bf16 active|15220000000|allocated|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31
+#25 llama-recipes 7b lora bf16 reserved|19360000000|reserved|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache
+#25 llama-recipes 7b lora bf16 active|15220000000|allocated|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache
 ROWS

@@ -99,7 +99,7 @@ op_sac_row() { check "1 rank  FULL_SHARD op-SAC seq 1024 x 2"   1 FULL_SHARD sel
 # dropout row differs by ATen's CPU dropout, which saves its noise in the input dtype (bf16) where
 # CUDA's fused kernel saves the bool mask fsdp-plan counts: 1 byte per element of each adapted
 # linear's input in every block whose input requires grad.
-L=$root/models/llama-100m.json V2K=$root/tests/data/hf_configs/llama-100m-2k-vocab.json
+L=$root/models/llama-100m.json V2K=$root/tests/data/hf_configs/llama-100m-2k-vocab.json DEEP=$root/tests/data/hf_configs/llama-24-layers-2k-vocab.json
 lora_quick_row() { check "1 rank  LoRA q,v r8 seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8"; }
 # QLoRA: the model saved in bf16 and loaded back through bitsandbytes' BitsAndBytesConfig (NF4 in
 # bf16 storage) on both sides' terms; FSDPMemTracker does not see bitsandbytes' QuantState tensors
@@ -136,6 +136,19 @@ qlora_rows() {
 # initialize_weights); a micro-batch that puts the peak at the loss. Skipped where not installed.
 transformers_version_rows() {
   local v dir
+  # 4.31's tuple cache under use_cache=True (fsdp-plan --use-cache): every layer's k and v held
+  # until the output is dropped, on a deep, narrow model (24 layers of 512) with a 2k vocabulary.
+  # 16 x 512: the peak is the last block's forward at its eager softmax (scores, their fp32 copy
+  # and the fp32 output beside 23 layers' caches); 32 x 256: the loss, with all 24. 4.31's
+  # per-layer RoPE tables (cos_cached, sin_cached: 2 x max positions x head_dim fp32 a layer,
+  # 6.3 MB here) are buffers fsdp-plan does not count.
+  dir=$(dirname "$(dirname "$python")")/transformers-4.31.0
+  if [ ! -d "$dir/transformers" ]; then echo "transformers 4.31.0: not installed in $dir, skipped"; else
+    PYTHONPATH=$dir TORCH_ONLY="--init device" PLAN_ONLY="--transformers-version 4.31" \
+      check "1 rank  transformers 4.31 use_cache AC 512 x 16" 1 FULL_SHARD full 16 512 "$DEEP" fsdp2 --use-cache
+    PYTHONPATH=$dir TORCH_ONLY="--init device" PLAN_ONLY="--transformers-version 4.31" \
+      check "1 rank  transformers 4.31 use_cache AC 256 x 32" 1 FULL_SHARD full 32 256 "$DEEP" fsdp2 --use-cache
+  fi
   for v in 4.44.2 4.48.1; do
     dir=$(dirname "$(dirname "$python")")/transformers-$v
     if [ ! -d "$dir/transformers" ]; then echo "transformers $v: not installed in $dir, skipped"; continue; fi

@@ -21,7 +21,8 @@ How fsdpkit's options map to PyTorch
 * Model: ``LlamaForCausalLM(LlamaConfig.from_dict(json, attn_implementation=
   --attention))`` built directly on the target device in fp32 after
   ``torch.manual_seed(--seed)`` (same seed on every rank, so every rank starts
-  from the same full weights before sharding). ``use_cache`` is off. A GPT-2
+  from the same full weights before sharding). ``use_cache`` is off (--use-cache:
+  on, transformers 4.31 to 4.35 only). A GPT-2
   config (model_type gpt2) builds ``GPT2LMHeadModel`` the same way, with its
   config's dropout; its decoder blocks are ``transformer.h`` (GPT2Block).
 * Wrapping: ``fully_shard`` on every ``model.model.layers[i]`` (one FSDP
@@ -219,6 +220,10 @@ def build_parser():
     p.add_argument("--loop-holds-outputs", action="store_true",
                    help="keep each step's logits until the next step's loss exists "
                         "(a loop holding outputs = model(...)), as fsdp-plan --loop-holds-outputs")
+    p.add_argument("--use-cache", action="store_true",
+                   help="run the forward with use_cache=True: transformers 4.31 to 4.35 return every layer's key and "
+                        "value states (past_key_values), dropped with the output after the loss (kept with it under "
+                        "--loop-holds-outputs), as fsdp-plan --use-cache")
     p.add_argument("--init", default="", choices=("", "meta", "device"),
                    help="where the model is built: 'meta' (the default for FSDP2 from seeded weights: built "
                         "on the meta device, sharded, then to_empty and initialize_weights, as torchtitan and "
@@ -703,21 +708,21 @@ def loss_takes_shift_labels():
     return "shift_labels" in inspect.signature(ForCausalLMLoss).parameters
 
 
-def train_step(model, optimizer, inputs, targets, held=None):
+def train_step(model, optimizer, inputs, targets, held=None, use_cache=False):
     """One step. ``held`` (a list, --loop-holds-outputs) plays a loop that keeps
-    ``outputs = model(...)``: the previous step's logits are dropped only once this
-    step's loss exists, and this step's stay referenced through its backward and
-    optimizer step."""
+    ``outputs = model(...)``: the previous step's logits (and, with ``use_cache``, its
+    past_key_values) are dropped only once this step's loss exists, and this step's stay
+    referenced through its backward and optimizer step."""
     optimizer.zero_grad(set_to_none=True)
     # HF's loss inside the model's forward, as the Trainer runs it (ForCausalLMLoss: logits.float(),
     # mean cross-entropy); shift_labels = the already shifted targets, so no position is dropped.
     if loss_takes_shift_labels():
-        outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False)
+        outputs = model(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=use_cache)
     else:  # before 4.50 the loss shifts the labels itself (logits[..., :-1, :]): one position fewer
-        outputs = model(input_ids=inputs, labels=targets, use_cache=False)
+        outputs = model(input_ids=inputs, labels=targets, use_cache=use_cache)
     loss = outputs.loss
     if held is not None:
-        held[:] = [outputs.logits]
+        held[:] = [outputs.logits] + [t for layer in (outputs.past_key_values or ()) for t in layer]
     del outputs
     loss.backward()
     optimizer.step()
@@ -728,7 +733,7 @@ def to_device(batch, device):
     return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
-def timed_step(model, optimizer, batch, device, held=None):
+def timed_step(model, optimizer, batch, device, held=None, use_cache=False):
     """Runs one step; returns (loss, event_seconds or None, wall_seconds)."""
     import torch
 
@@ -739,7 +744,7 @@ def timed_step(model, optimizer, batch, device, held=None):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    loss = train_step(model, optimizer, inputs, targets, held)
+    loss = train_step(model, optimizer, inputs, targets, held, use_cache)
     if cuda:
         end.record()
         torch.cuda.synchronize(device)
@@ -885,7 +890,7 @@ def fsdp2_tracker_class():
     return Tracker
 
 
-def tracked_categories(model, optimizer, batch, device, held=None):
+def tracked_categories(model, optimizer, batch, device, held=None, use_cache=False):
     """One extra step under FSDPMemTracker (FSDP2) or MemTracker (FSDP1); returns (categories,
     loss, error)."""
     try:
@@ -902,7 +907,7 @@ def tracked_categories(model, optimizer, batch, device, held=None):
         if held:
             tracker.track_external(*held)  # the previous step's logits, still referenced
         with tracker:
-            loss = train_step(model, optimizer, inputs, targets, held)
+            loss = train_step(model, optimizer, inputs, targets, held, use_cache)
         snapshot = tracker.get_tracker_snapshot("peak")
         per_device = next((v for k, v in snapshot.items()
                            if str(k) == str(device)), None)
@@ -1013,6 +1018,9 @@ def print_summary(report):
 def run_training(args, model, device, rank, world):
     import torch
 
+    import transformers
+    if args.use_cache and not (4, 31) <= tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 36):
+        raise SystemExit(f"torch_reference: error: --use-cache runs transformers 4.31 to 4.35 (the tuple cache), not {transformers.__version__}")
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config  # 4.45 on
     vocab = text_config.vocab_size
     batches = make_batches(args, vocab, args.warmup + args.steps + 1, rank, world)
@@ -1025,12 +1033,12 @@ def run_training(args, model, device, rank, world):
     reset_peaks(device)
     history = start_memory_history(args, device)
     for i in range(args.warmup):
-        run["loss"].append(timed_step(model, optimizer, batches[i], device, held)[0])
+        run["loss"].append(timed_step(model, optimizer, batches[i], device, held, args.use_cache)[0])
     run["warm_peaks"] = peak_stats(device) if args.warmup else None
     reset_peaks(device)
     run["steps_s"], run["wall_steps_s"] = [], []
     for i in range(args.warmup, args.warmup + args.steps):
-        loss, event, wall = timed_step(model, optimizer, batches[i], device, held)
+        loss, event, wall = timed_step(model, optimizer, batches[i], device, held, args.use_cache)
         run["loss"].append(loss)
         run["steps_s"].append(event if event is not None else wall)
         run["wall_steps_s"].append(wall)
@@ -1043,7 +1051,7 @@ def run_training(args, model, device, rank, world):
     run["allocator_stats"] = allocator_stats(device)
     run["categories"], run["tracker_loss"], run["categories_error"] = (
         (None, None, "skipped (--no-tracker)") if args.no_tracker else
-        tracked_categories(model, optimizer, batches[-1], device, held))
+        tracked_categories(model, optimizer, batches[-1], device, held, args.use_cache))
     state = quant_state_bytes(model)
     if state and run["categories"]:
         # bitsandbytes' QuantState tensors are neither parameters nor buffers: the tracker does not

@@ -103,6 +103,10 @@ void PrintHeader(const Workload& w, std::ostream& out) {
     }
   }
   if (c.loop_holds_outputs) fmt::print(out, "the training loop keeps `outputs`: the logits stay alive through the step\n");
+  if (c.use_cache) {
+    fmt::print(out, "use_cache=True: every layer returns its keys and values (past_key_values), alive {}\n",
+               c.loop_holds_outputs ? "through the step" : "until the loss has been computed");
+  }
 }
 
 void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
@@ -316,6 +320,8 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_flag("--use-orig-params", f.config.use_orig_params, "FSDP1 use_orig_params=True (16-byte aligned flat parameters)");
   app.add_flag("--loop-holds-outputs", f.config.loop_holds_outputs,
                "the training loop keeps `outputs` (outputs = model(...); outputs.loss.backward()): its logits live until the next forward");
+  app.add_flag("--use-cache", f.config.use_cache,
+               "the forward runs with use_cache=True (transformers 4.31 to 4.35, checkpointing not HF's own): every layer's keys and values live until the loop drops the output");
   app.add_option("--cuda-context-bytes", f.cuda_context_bytes, "override the CUDA context size");
   app.add_option("--nccl-bytes", f.nccl_bytes, "override NCCL buffer bytes per communicator");
   app.add_option("--cublas-workspace-bytes", f.cublas_workspace_bytes, "override the cuBLAS workspace");

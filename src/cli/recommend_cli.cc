@@ -99,6 +99,7 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
   if (!att.ok()) return att.error();
   o.base.attention = att.value();
   o.base.loop_holds_outputs = f.loop_holds_outputs;
+  o.base.use_cache = f.use_cache;
   o.base.lora = f.lora;
   if (!f.qlora_compute_dtype.empty()) {
     auto compute = ParseDType(f.qlora_compute_dtype, "--qlora-compute-dtype");
@@ -190,6 +191,7 @@ void AddRecommendFlags(CLI::App& app, RecommendFlags& f) {
   app.add_option("--transformers-version", f.transformers_version, "the transformers release the run uses (4.31 to 4.57, or 5.x), for its loss path (fsdp-plan --help)")->capture_default_str();
   app.add_option("--attention", f.attention, "eager | flash (default: flash; eager for a model SDPA cannot run, Gemma 2's)");
   app.add_flag("--loop-holds-outputs", f.loop_holds_outputs, "the training loop keeps `outputs`: its logits live through the step");
+  app.add_flag("--use-cache", f.use_cache, "the forward runs with use_cache=True (transformers 4.31 to 4.35): every layer's keys and values live through the loss");
   app.add_option("--lora-rank", f.lora.rank, "LoRA rank r for every candidate (peft); 0 is full fine-tuning")->capture_default_str();
   app.add_option("--lora-targets", f.lora.targets, "target_modules: module names or all-linear (default: peft's for the model type)");
   app.add_option("--lora-dropout", f.lora.dropout, "lora_dropout p")->capture_default_str();

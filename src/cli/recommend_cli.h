@@ -30,6 +30,7 @@ struct RecommendFlags {
   std::string transformers_version = "5.24";  ///< --transformers-version (core/fsdp_config.h TransformersVersion)
   std::string attention;                 ///< empty: flash, or eager where SDPA cannot run the model (SdpaRuledOut)
   bool loop_holds_outputs = false;       ///< FsdpConfig::loop_holds_outputs for every candidate
+  bool use_cache = false;                ///< FsdpConfig::use_cache for every candidate
   LoraConfig lora;                       ///< LoRA / QLoRA for every candidate (rank 0: full fine-tuning)
   std::string qlora_compute_dtype;       ///< --qlora-compute-dtype; empty: LoraConfig::compute_dtype unset
   int64_t top = 10;

@@ -256,6 +256,24 @@ static Status ValidateTorchtitan(const FsdpConfig& c, const ModelSpec& model) {
   if (c.transformers != TransformersVersion{}) {
     return Error::BadInput(fmt::format("--impl {} runs torchtitan's model and loss; --transformers-version does not apply", ImplName(c.impl)));
   }
+  if (c.use_cache) return Error::BadInput(fmt::format("--impl {}: torchtitan's model keeps no key/value cache; --use-cache does not apply", ImplName(c.impl)));
+  return {};
+}
+
+// --use-cache: the tuple cache of transformers 4.31 to 4.35 (LlamaModel.forward's
+// next_decoder_cache; 4.36 replaced it with a DynamicCache the layers write into)
+static Status ValidateUseCache(const FsdpConfig& c) {
+  if (!c.use_cache) return {};
+  if (c.transformers < TransformersVersion{4, 31} || TransformersVersion{4, 35} < c.transformers) {
+    return Error::BadInput(fmt::format("--use-cache is modelled for transformers 4.31 to 4.35 (each layer returns its key and value states as a tuple), "
+                                       "not {}: from 4.36 the layers write a DynamicCache; add --transformers-version 4.31 to 4.35",
+                                       TransformersVersionName(c.transformers)));
+  }
+  if (c.loop_holds_outputs && (c.checkpointing != Checkpointing::kFull || c.ac_every != 1)) {
+    return Error::BadInput(fmt::format("--use-cache with --loop-holds-outputs is modelled with every block checkpointed (--ac full), not --ac {}{}: "
+                                       "an un-checkpointed block's saved keys and values would outlive their backward",
+                                       CheckpointingName(c.checkpointing), c.ac_every != 1 ? fmt::format(" --ac-every {}", c.ac_every) : ""));
+  }
   return {};
 }
 
@@ -319,6 +337,7 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
     return Error::BadInput(fmt::format("--transformers-version {} runs attention eagerly (FlashAttention-2 from 4.34, SDPA from 4.36); add --attention eager",
                                        TransformersVersionName(c.transformers)));
   }
+  if (Status s = ValidateUseCache(c); !s.ok()) return s;
   return ValidateLora(c.lora, c.wrap);
 }
 

@@ -129,6 +129,13 @@ struct FsdpConfig {
   /// backward, the optimizer step and the next forward, until `outputs` is rebound. false: the loop
   /// keeps only the loss (HF Trainer, Lightning, torchtitan).
   bool loop_holds_outputs = false;
+  /// The model's forward runs with use_cache=True (a HF config's default, which only HF's own
+  /// gradient_checkpointing_enable() turns off in training): under transformers 4.31 to 4.35 each
+  /// decoder layer returns its key and value states ([B, kv_heads, s, head_dim] each, after RoPE,
+  /// before repeat_kv) as `past_key_values`, alive until the loop drops the model's output (after
+  /// the loss; with loop_holds_outputs, at the next forward). A checkpoint_wrapper'd layer saves
+  /// neither, so they come on top (llama-recipes of 2023: ~4 GB on Llama 2 7B, its PR #165).
+  bool use_cache = false;
   /// PYTORCH_CUDA_ALLOC_CONF, verbatim (core/caching_allocator.h parses it; "" is PyTorch's default).
   std::string alloc_conf;
   LoraConfig lora;                 ///< rank 0: full fine-tuning

@@ -102,6 +102,41 @@ TEST_CASE("--transformers-version refuses a model the release did not have, and 
   CHECK(w.error().message == "--impl torchtitan runs torchtitan's model and loss; --transformers-version does not apply");
 }
 
+TEST_CASE("--use-cache: the tuple cache of 4.31 to 4.35; with a loop that keeps outputs, every block checkpointed") {
+  FsdpConfig c;
+  c.seq_len = 8;
+  c.attention = Attention::kEager;
+  c.use_cache = true;
+  const auto message = [&] {
+    auto w = BuildWorkload(HandLlama(), testing::GibGpu(), c);
+    return w.ok() ? std::string() : w.error().message;
+  };
+  CHECK(message() ==
+        "--use-cache is modelled for transformers 4.31 to 4.35 (each layer returns its key and value states as a tuple), not 5.24: "
+        "from 4.36 the layers write a DynamicCache; add --transformers-version 4.31 to 4.35");
+  c.transformers = {4, 36};
+  CHECK(message().find("not 4.36") != std::string::npos);
+  for (TransformersVersion v : {TransformersVersion{4, 31}, TransformersVersion{4, 35}}) {
+    c.transformers = v;
+    CHECK(message().empty());
+  }
+  c.loop_holds_outputs = true;
+  CHECK(message() == "--use-cache with --loop-holds-outputs is modelled with every block checkpointed (--ac full), not --ac none: "
+                     "an un-checkpointed block's saved keys and values would outlive their backward");
+  c.checkpointing = Checkpointing::kFull;
+  CHECK(message().empty());
+  c.ac_every = 2;
+  CHECK(message().find("not --ac full --ac-every 2") != std::string::npos);
+  FsdpConfig t;
+  t.seq_len = 8;
+  t.impl = Impl::kTorchtitan;
+  t.framework = Framework::kFsdp2;
+  t.use_cache = true;
+  auto w = BuildWorkload(HandLlama(), testing::GibGpu(), t);
+  REQUIRE_FALSE(w.ok());
+  CHECK(w.error().message == "--impl torchtitan: torchtitan's model keeps no key/value cache; --use-cache does not apply");
+}
+
 TEST_CASE("wrap flag parsing") {
   FsdpConfig c;
   CHECK(ParseWrap("size:1e8", c).ok());

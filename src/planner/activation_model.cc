@@ -789,6 +789,49 @@ BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg,
   return {held, std::max<int64_t>(0, d.c * hT + mlp - held)};
 }
 
+// The key and value states transformers 4.31 to 4.35 return per layer under use_cache
+// (LlamaAttention.forward: `past_key_value = (key_states, value_states) if use_cache else None`,
+// after RoPE, before repeat_kv; [B, kv_heads, s, head_dim] each), less those a kept tensor already
+// is: eager attention's k and v without GQA (repeat_kv returns them as they are), SDPA's or
+// FlashAttention-2's k and v of the kv heads.
+std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedTensor>& kept) {
+  const int64_t bytes = d.c * d.kv_heads * d.head_dim * d.tokens;
+  const auto holds = [&](std::string_view a, std::string_view b) {
+    return std::any_of(kept.begin(), kept.end(), [&](const SavedTensor& t) { return (t.name == a || t.name == b) && t.bytes == bytes; });
+  };
+  std::vector<SavedTensor> cache;
+  if (!holds("self_attn.k_rope", "self_attn.k_repeated")) cache.push_back({"cache.key", bytes});
+  if (!holds("self_attn.v", "self_attn.v_repeated")) cache.push_back({"cache.value", bytes});
+  return cache;
+}
+
+// A fully checkpointed block's forward at eager attention's softmax (eager_attention_forward of
+// 5.x; LlamaAttention.forward of 4.31 to 4.35 the same way): `attn_weights = softmax(attn_weights,
+// dtype=float32).to(query.dtype)` with the masked scores still bound to attn_weights. ATen's
+// softmax(input, dim, dtype) (aten/src/ATen/native/SoftMax.cpp) fuses the upcast only for fp16 on
+// CUDA (_softmax(half_to_float=true)); a bf16 input is first converted to a fp32 copy, alive while
+// _softmax writes its fp32 output: scores + copy + output, 10 bytes a score. Otherwise the highest
+// moment is the cast back: scores + fp32 softmax + probabilities (fp16: 8 bytes; under fp32 the
+// copy and the cast return their inputs: 8). Alive beside them: the normed hidden states the
+// projections read (pre-norm blocks), q after RoPE, k and v (the cache's own under use_cache:
+// `cached` of them are allocated already) and, with GQA, repeat_kv's copies. The block's input
+// is the checkpoint's, kept already. Measured on the CPU (tools/peak_trace.py, transformers 4.31,
+// llama-24-layers-2k-vocab.json): the peak is at aten._softmax with the scores, the fp32 copy and
+// the output alive.
+int64_t EagerSoftmaxForwardMoment(const ModelShape& m, const Dims& d, bool bf16, size_t cached) {
+  if (m.arch.fused_qkv || m.mla.enabled() || !m.arch.softmax_fp32 || m.attention_sinks || m.attn_logit_softcapping > 0 ||
+      m.attention_dropout > 0) {
+    return 0;
+  }
+  const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
+  const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
+  int64_t bytes = d.c * q + static_cast<int64_t>(2 - std::min<size_t>(cached, 2)) * d.c * kv;
+  if (RolesOf(m.arch.norm_placement).pre_attn >= 0) bytes += d.c * d.h * d.tokens;
+  if (d.kv_heads < d.heads) bytes += 2 * d.c * q;
+  const int64_t after_softmax = bf16 ? 4 : d.c != 4 ? d.c : 0;  // the fp32 copy, or the cast's probabilities
+  return bytes + (d.c + 4 + after_softmax) * scores;
+}
+
 }  // namespace
 
 int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
@@ -853,6 +896,8 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       }
       break;
   }
+  if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
+  if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment_bytes = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, a.cache.size());
   const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.softmax_backward_bytes > 0);
   a.backward_working_bytes = working.held;
   a.mlp_working_bytes = working.mlp_moment;

@@ -59,6 +59,18 @@ struct BlockActivations {
   /// c_attn: v's view, h wide; q's and k's come after) and two of the scores' shape. 0: no such
   /// moment modelled (SDPA, or scores that need no gradient)
   int64_t softmax_backward_bytes = 0;
+  /// FsdpConfig::use_cache: the key and value states the layer returns (past_key_values) that
+  /// `kept` does not already hold (the same storage: an un-checkpointed layer's attention saves
+  /// them unless it saves copies, repeat_kv's under GQA), alive from the block's forward until
+  /// the loop drops the model's output. Empty without use_cache.
+  std::vector<SavedTensor> cache;
+  /// A checkpointed block's forward at its highest moment, beyond `kept` and `cache`: eager
+  /// attention with an fp32 softmax casting the probabilities back while the masked scores and
+  /// the fp32 softmax are alive, beside the attention's inputs. Nothing of it is saved, and its
+  /// recomputation in backward keeps the softmax's saved tensors, counted there. 0: not modelled
+  /// (an un-checkpointed block, whose softmax saves its output; SDPA, whose kernels hold no
+  /// scores; eager cores other than Llama-style ones: GPT-2's, soft-capped, with sinks or dropout).
+  int64_t forward_moment_bytes = 0;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
 };

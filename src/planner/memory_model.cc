@@ -94,6 +94,10 @@ class StepPlayer {
     } else if (c_.loop_holds_outputs) {
       // A loop that keeps `outputs` enters the step holding the previous micro-batch's logits.
       held_logits_ = mem_.Alloc(Cat::kActivations, head_.logits_bytes);
+      for (const auto& node : w_.nodes) {
+        if (node.role != ModuleNode::Role::kBlock) continue;
+        for (const auto& t : profiles_.Of(node.block).cache) held_cache_.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+      }
     }
     PlayMicroBatches();
   }
@@ -428,6 +432,8 @@ class StepPlayer {
       case ModuleNode::Role::kBlock:
         AllocSaved(node_id, BlockProfile(node_id).kept);
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) ForwardIntermediates(BlockProfile(node_id).recomputed);
+        for (const auto& t : BlockProfile(node_id).cache) cache_.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+        mem_.TensorsOnlyMoment(Cat::kActivations, BlockProfile(node_id).forward_moment_bytes);
         // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
         // with all the block's saved tensors alive (an upper bound by the ones saved after it)
         if (nf4_.weight_bytes > 0) {
@@ -459,12 +465,16 @@ class StepPlayer {
         mem_.Free(upcast);
         if (c_.loop_holds_outputs) {
           // `outputs = model(...)` rebinds once the forward (and HF's loss inside it) has returned:
-          // the previous output's logits die then, these live until the next rebinding.
+          // the previous output's logits (and past_key_values) die then, these live until the next rebinding.
           mem_.Free(held_logits_);
           held_logits_ = logits;
+          for (BlockId b : held_cache_) mem_.Free(b);
+          held_cache_ = std::move(cache_);
         } else {
           mem_.Free(logits);  // Trainer, Lightning and torchtitan keep only the loss
+          for (BlockId b : cache_) mem_.Free(b);
         }
+        cache_.clear();
         break;
       }
       case ModuleNode::Role::kOther: break;
@@ -863,6 +873,8 @@ class StepPlayer {
   int embedding_node_ = -1;           ///< a tied lm_head's weight: its gradient exists from lm_head's backward
   BlockId fsdp2_deferred_ = kNoBlock;
   BlockId held_logits_ = kNoBlock;  ///< logits the loop still references (loop_holds_outputs)
+  std::vector<BlockId> cache_;       ///< this forward's past_key_values so far (use_cache)
+  std::vector<BlockId> held_cache_;  ///< the previous output's past_key_values (use_cache and loop_holds_outputs)
   BlockId fsdp2_rs_deferred_ = kNoBlock;
 };
 

@@ -388,6 +388,112 @@ TEST_CASE("a loop that keeps `outputs` holds the logits through the step and int
   CHECK(holds_accum == EstimateMemory(Build(c), o).allocated_peak_bytes + 128);
 }
 
+// The hand llama with as many kv heads as heads (no GQA).
+Workload BuildMha(FsdpConfig c) {
+  auto json = ParseJson(R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
+                        R"("num_attention_heads":2,"num_key_value_heads":2,"max_position_embeddings":64})",
+                        "hand-mha.json");
+  auto m = ModelFromHfConfig(json.value(), "hand-mha", "hand-mha.json");
+  REQUIRE(m.ok());
+  auto w = BuildWorkload(m.value(), Build(HandConfig()).hardware, c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
+TEST_CASE("use_cache: the keys and values a layer returns, less what its attention saves itself") {
+  FsdpConfig c = HandConfig();
+  c.transformers = {4, 31};
+  c.use_cache = true;
+  c.attention = Attention::kEager;
+  // k and v of the hand llama's one kv head: 4 bytes x 4 (head_dim) x 2 tokens = 32 bytes each.
+  // Checkpointed, the block saves neither: both come on top.
+  c.checkpointing = Checkpointing::kFull;
+  Workload w = Build(c);
+  BlockActivations a = BlockActivationProfile(w.model, w.config);
+  REQUIRE(a.cache.size() == 2);
+  CHECK(a.cache[0].bytes == 32);
+  CHECK(a.cache[1].bytes == 32);
+  // Un-checkpointed eager attention under GQA saves repeat_kv's copies (64 bytes each), not them.
+  c.checkpointing = Checkpointing::kNone;
+  w = Build(c);
+  CHECK(SumBytes(BlockActivationProfile(w.model, w.config).cache) == 64);
+  // Without GQA repeat_kv returns them as they are, and eager attention saves those very tensors;
+  // SDPA saves k and v at kv-head width under GQA too: nothing comes on top.
+  CHECK(BlockActivationProfile(BuildMha(c).model, c).cache.empty());
+  c.attention = Attention::kFlash;
+  c.transformers = {4, 35};  // SDPA from 4.36, FlashAttention-2 from 4.34: this is FA2's k and v
+  w = Build(c);
+  CHECK(BlockActivationProfile(w.model, w.config).cache.empty());
+  c.use_cache = false;
+  CHECK(BlockActivationProfile(w.model, w.config).cache.empty());
+}
+
+TEST_CASE("a checkpointed block's forward peaks at eager attention's softmax: scores, the fp32 copy or softmax, the probabilities") {
+  FsdpConfig c = HandConfig();
+  c.attention = Attention::kEager;
+  c.checkpointing = Checkpointing::kFull;
+  // fp32, 2 tokens, 2 heads of 4, 1 kv head: scores 2 x 2 x 2 = 8 (4 + 4 bytes each: the softmax's
+  // copy and its cast back are its input and output themselves) = 64; the normed input 4 x 8 x 2 =
+  // 64, q 4 x 8 x 2 = 64, k and v 2 x 4 x 4 x 2 = 64, repeat_kv's copies 2 x 64 = 128: 384.
+  Workload w = Build(c);
+  CHECK(BlockActivationProfile(w.model, w.config).forward_moment_bytes == 384);
+  // bf16: the scores 2 + the fp32 copy 4 + the fp32 softmax 4 = 10 bytes each (80), the rest halved (160)
+  FsdpConfig bf16 = c;
+  bf16.param_dtype = DType::kBf16;
+  w = Build(bf16);
+  CHECK(BlockActivationProfile(w.model, w.config).forward_moment_bytes == 240);
+  // use_cache: k and v are the cache's, allocated already
+  FsdpConfig cached = c;
+  cached.transformers = {4, 31};
+  cached.use_cache = true;
+  w = Build(cached);
+  CHECK(BlockActivationProfile(w.model, w.config).forward_moment_bytes == 320);
+  // not modelled: SDPA, an un-checkpointed block (its softmax saves the output)
+  c.attention = Attention::kFlash;
+  w = Build(c);
+  CHECK(BlockActivationProfile(w.model, w.config).forward_moment_bytes == 0);
+  c.attention = Attention::kEager;
+  c.checkpointing = Checkpointing::kNone;
+  w = Build(c);
+  CHECK(BlockActivationProfile(w.model, w.config).forward_moment_bytes == 0);
+}
+
+TEST_CASE("use_cache: the caches live until the loop drops the output, or through the step when it keeps it") {
+  FsdpConfig c = HandConfig();
+  c.attention = Attention::kEager;
+  c.checkpointing = Checkpointing::kFull;
+  c.transformers = {4, 31};
+  c.optimizer = Optimizer::kAdamW;  // so that the optimizer step records a point
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  const MemoryEstimate off = EstimateMemory(Build(c), o);
+  c.use_cache = true;
+  const MemoryEstimate on = EstimateMemory(Build(c), o);
+  // 2 layers x (k 32 + v 32) at the loss; at layers.1's softmax layers.0's 64 beside its own k and
+  // v, which the moment without a cache counted already
+  CHECK(PhaseMax(on, "forward: lm_head + loss") == PhaseMax(off, "forward: lm_head + loss") + 128);
+  CHECK(PhaseMax(on, "forward: model.layers.1") == PhaseMax(off, "forward: model.layers.1") + 64);
+  CHECK(PhaseMax(on, "backward: model.layers.1") == PhaseMax(off, "backward: model.layers.1"));
+  CHECK(PhaseMax(on, "optimizer step") == PhaseMax(off, "optimizer step"));
+  // a loop that keeps `outputs` keeps its past_key_values too: through the backward and the step
+  c.loop_holds_outputs = true;
+  const MemoryEstimate held = EstimateMemory(Build(c), o);
+  c.use_cache = false;
+  const MemoryEstimate held_off = EstimateMemory(Build(c), o);
+  CHECK(PhaseMax(held, "backward: model.layers.1") == PhaseMax(held_off, "backward: model.layers.1") + 128);
+  CHECK(PhaseMax(held, "optimizer step") == PhaseMax(held_off, "optimizer step") + 128);
+  const auto act = [](const MemoryPoint& p) { return p.device[static_cast<int>(MemCategory::kActivations)]; };
+  // without a loop that holds them, every cache is freed: nothing is left at the step's end
+  CHECK(act(on.timeline.back()) == 0);
+  // the moment is one event up and one down, inside layers.0's forward: 384 bytes (fp32, above)
+  bool found = false;
+  for (size_t i = 0; i + 2 < off.timeline.size(); ++i) {
+    const MemoryPoint &a = off.timeline[i], &b = off.timeline[i + 1], &e = off.timeline[i + 2];
+    if (b.phase == "forward: model.layers.0" && act(b) - act(a) == 384 && act(e) - act(b) == -384) found = true;
+  }
+  CHECK(found);
+}
+
 TEST_CASE("FSDP2 on one rank has no all-gather: no flat output, and a prefetch holds nothing") {
   FsdpConfig c = HandConfig();
   c.gpus = 1;

@@ -141,6 +141,7 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"limit_all_gathers", c.limit_all_gathers},
           {"use_orig_params", c.use_orig_params},
           {"loop_holds_outputs", c.loop_holds_outputs},
+          {"use_cache", c.use_cache},
           {"alloc_conf", c.alloc_conf}};
 }
 
