@@ -139,9 +139,8 @@ transformers_version_rows() {
   # 4.31's tuple cache under use_cache=True (fsdp-plan --use-cache): every layer's k and v held
   # until the output is dropped, on a deep, narrow model (24 layers of 512) with a 2k vocabulary.
   # 16 x 512: the peak is the last block's forward at its eager softmax (scores, their fp32 copy
-  # and the fp32 output beside 23 layers' caches); 32 x 256: the loss, with all 24. 4.31's
-  # per-layer RoPE tables (cos_cached, sin_cached: 2 x max positions x head_dim fp32 a layer,
-  # 6.3 MB here) are buffers fsdp-plan does not count.
+  # and the fp32 output beside 23 layers' caches); 32 x 256: the loss, with all 24. Both also hold
+  # 4.31's per-layer RoPE tables (cos_cached, sin_cached: 2 x 512 positions x 64 fp32 a layer).
   dir=$(dirname "$(dirname "$python")")/transformers-4.31.0
   if [ ! -d "$dir/transformers" ]; then echo "transformers 4.31.0: not installed in $dir, skipped"; else
     PYTHONPATH=$dir TORCH_ONLY="--init device" PLAN_ONLY="--transformers-version 4.31" \

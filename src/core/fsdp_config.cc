@@ -105,6 +105,13 @@ HfLoss HfLossOf(TransformersVersion v, std::string_view model_type) {
   return v >= loss_function_since ? HfLoss::kShiftedCopy : HfLoss::kFp32Logits;
 }
 
+bool HasPerLayerRopeTables(TransformersVersion v, std::string_view model_type) {
+  for (const families::Family& f : families::Families()) {
+    if (f.model_type == model_type) return v <= f.rope_tables_until;
+  }
+  return false;
+}
+
 std::string TransformersVersionName(TransformersVersion v) { return fmt::format("{}.{}", v.major, v.minor); }
 
 // The leading run of digits of `t` from `pos` on, or -1 when there is none (or it is absurd).

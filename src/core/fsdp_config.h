@@ -61,6 +61,10 @@ enum class HfLoss {
 };
 /// The loss path of release `v` for a model of HF `model_type`.
 HfLoss HfLossOf(TransformersVersion v, std::string_view model_type);
+/// Whether release `v`'s attention layers of HF `model_type` each hold RoPE tables of every position
+/// as buffers (families::Family::rope_tables_until: Llama to 4.40, Mistral to 4.41, Qwen2 to 4.44,
+/// Mixtral to 4.46).
+bool HasPerLayerRopeTables(TransformersVersion v, std::string_view model_type);
 
 /// peft's LoraConfig (peft/tuners/lora/config.py), applied to the model by BuildWorkload
 /// (core/lora.h): every base parameter frozen, a pair of adapters beside each targeted linear.

@@ -61,6 +61,18 @@ TEST_CASE("--transformers-version: releases parse to their loss path; malformed 
     CHECK(v.error().message.find("--transformers-version") != std::string::npos);
   }
   CHECK(ParseTransformersVersion("4.30.2").error().message.find("before 4.31") != std::string::npos);
+  // RoPE tables per attention layer, read in the wheels: Llama to 4.40, Mistral 4.41, Qwen2 4.44, Mixtral 4.46
+  CHECK(HasPerLayerRopeTables({4, 31}, "llama"));
+  CHECK(HasPerLayerRopeTables({4, 40}, "llama"));
+  CHECK_FALSE(HasPerLayerRopeTables({4, 41}, "llama"));
+  CHECK(HasPerLayerRopeTables({4, 41}, "mistral"));
+  CHECK_FALSE(HasPerLayerRopeTables({4, 42}, "mistral"));
+  CHECK(HasPerLayerRopeTables({4, 44}, "qwen2"));
+  CHECK_FALSE(HasPerLayerRopeTables({4, 45}, "qwen2"));
+  CHECK(HasPerLayerRopeTables({4, 46}, "mixtral"));
+  CHECK_FALSE(HasPerLayerRopeTables({4, 47}, "mixtral"));
+  CHECK_FALSE(HasPerLayerRopeTables({4, 42}, "gemma2"));
+  CHECK_FALSE(HasPerLayerRopeTables(TransformersVersion{}, "llama"));
   CHECK(HfLossOf({4, 31}, "llama") == HfLoss::kFp32Logits);
   CHECK(HfLossOf({4, 45}, "llama") == HfLoss::kFp32Logits);
   CHECK(HfLossOf({4, 46}, "llama") == HfLoss::kShiftedCopy);

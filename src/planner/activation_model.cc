@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/lora.h"
+#include "core/workload.h"
 
 namespace fsdp {
 namespace {
@@ -841,7 +842,16 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
 }
 
 int64_t ModelBufferBytes(const ModelSpec& m, const FsdpConfig& cfg) {
-  if (!IsTorchtitan(cfg.impl)) return 0;
+  if (!IsTorchtitan(cfg.impl)) {
+    if (!HasPerLayerRopeTables(cfg.transformers, m.model_type)) return 0;
+    // each layer's rotary embedding: cos_cached and sin_cached [P, head_dim] (4.31: [1, 1, P,
+    // head_dim]) and inv_freq [head_dim / 2], made in the default dtype, which from_pretrained's
+    // torch_dtype and model.to() set to the model's; FSDP1's MixedPrecision casts every buffer to
+    // its buffer_dtype (fsdp/_runtime_utils.py, _cast_buffers_to_dtype_and_device), FSDP2 none
+    const DType stored = FrozenStorageDtype(cfg);
+    const DType dtype = cfg.framework == Framework::kFsdp1 && cfg.param_dtype != stored ? cfg.buffer_dtype : stored;
+    return m.num_layers * (2 * m.max_position_embeddings * m.head_dim + m.head_dim / 2) * BytesPerElement(dtype);
+  }
   if (TorchtitanQwen3(m, cfg)) return 4 * cfg.seq_len * 2 * m.head_dim;  // rope_cache, fp32 [seq, 2 head_dim]
   return 8 * cfg.seq_len * (m.head_dim / 2);  // freqs_cis, complex64 [seq, head_dim / 2]
 }

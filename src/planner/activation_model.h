@@ -141,8 +141,10 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors);
 /// they are not sharded): torchtitan's RoPE table freqs_cis, complex64 [seq_len, head_dim / 2]
 /// (models/llama3/model/model.py precompute_freqs_cis; args.py update_from_config sets
 /// max_seq_len to the training seq_len); its Qwen3's rope_cache, fp32 [seq_len, 2 head_dim]
-/// (models/qwen3/model/model.py precompute_rope_cache: cos then sin). transformers' inv_freq
-/// (head_dim / 2 floats): 0 here.
+/// (models/qwen3/model/model.py precompute_rope_cache: cos then sin). transformers' one
+/// inv_freq of the model (head_dim / 2 floats): 0 here; in releases whose attention layers each
+/// hold RoPE tables of every position (HasPerLayerRopeTables: Llama 4.31 to 4.40, ...), those, in
+/// the model's dtype or FSDP1's buffer_dtype.
 int64_t ModelBufferBytes(const ModelSpec& model, const FsdpConfig& config);
 
 }  // namespace fsdp

@@ -494,6 +494,35 @@ TEST_CASE("use_cache: the caches live until the loop drops the output, or throug
   CHECK(found);
 }
 
+TEST_CASE("releases whose layers each hold RoPE tables: cos and sin of every position and inv_freq, as buffers") {
+  // the hand llama: 2 layers x (2 x 64 positions x head_dim 4 + 2) = 1028 elements
+  FsdpConfig c = HandConfig();
+  c.attention = Attention::kEager;
+  c.transformers = {4, 31};
+  CHECK(ModelBufferBytes(Build(c).model, c) == 1028 * 4);  // fp32 throughout
+  c.transformers = {4, 40};
+  CHECK(ModelBufferBytes(Build(c).model, c) == 1028 * 4);
+  c.transformers = {4, 41};  // Llama's tables went in 4.41 (Mistral's in 4.42, Qwen2's 4.45, Mixtral's 4.47)
+  CHECK(ModelBufferBytes(Build(c).model, c) == 0);
+  c.transformers = {4, 40};
+  c.param_dtype = DType::kBf16;  // FSDP1's MixedPrecision casts them to its buffer_dtype
+  c.buffer_dtype = DType::kBf16;
+  CHECK(ModelBufferBytes(Build(c).model, c) == 1028 * 2);
+  c.framework = Framework::kFsdp2;  // FSDP2 leaves buffers in the model's dtype
+  CHECK(ModelBufferBytes(Build(c).model, c) == 1028 * 4);
+  c.master_dtype = DType::kBf16;  // a model loaded in bf16 made them in bf16
+  CHECK(ModelBufferBytes(Build(c).model, c) == 1028 * 2);
+  // on every rank whole, through the step: the sharded-parameter category carries them
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  const MemoryEstimate with = EstimateMemory(Build(c), o);
+  c.transformers = {4, 41};
+  const MemoryEstimate without = EstimateMemory(Build(c), o);
+  CHECK(with.allocated_peak_bytes == without.allocated_peak_bytes + 1028 * 2);
+  CHECK(with.timeline.back().device[static_cast<int>(MemCategory::kShardedParams)] ==
+        without.timeline.back().device[static_cast<int>(MemCategory::kShardedParams)] + 1028 * 2);
+}
+
 TEST_CASE("FSDP2 on one rank has no all-gather: no flat output, and a prefetch holds nothing") {
   FsdpConfig c = HandConfig();
   c.gpus = 1;
