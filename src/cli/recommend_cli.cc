@@ -106,7 +106,11 @@ Result<SearchOptions> OptionsFromFlags(const RecommendFlags& f, const ModelSpec&
     if (!compute.ok()) return compute.error();
     o.base.lora.compute_dtype = compute.value();
   }
-  if (o.base.lora != LoraConfig{} || IsTorchtitan(o.base.impl) || o.base.transformers != TransformersVersion{}) {
+  if (f.use_cache && f.loop_holds_outputs) {
+    return Error::BadInput("recommend --use-cache --loop-holds-outputs: the search's un-checkpointed candidates would hold their saved keys and values "
+                           "past their backward, which is not modelled; plan that pair with fsdp-plan --ac full");
+  }
+  if (o.base.lora != LoraConfig{} || IsTorchtitan(o.base.impl) || o.base.transformers != TransformersVersion{} || o.base.use_cache) {
     // the LoRA, torchtitan and transformers-release settings' errors once, from the configuration
     // every candidate shares (ResolveAndValidate: TransformersRuledOut, and the release's attention)
     FsdpConfig probe = o.base;

@@ -112,6 +112,13 @@ bool HasPerLayerRopeTables(TransformersVersion v, std::string_view model_type) {
   return false;
 }
 
+bool HasCausalMaskBuffer(TransformersVersion v, std::string_view model_type) {
+  for (const families::Family& f : families::Families()) {
+    if (f.model_type == model_type) return v == f.causal_mask_buffer_in;
+  }
+  return false;
+}
+
 std::string TransformersVersionName(TransformersVersion v) { return fmt::format("{}.{}", v.major, v.minor); }
 
 // The leading run of digits of `t` from `pos` on, or -1 when there is none (or it is absurd).

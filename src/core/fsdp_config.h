@@ -63,8 +63,11 @@ enum class HfLoss {
 HfLoss HfLossOf(TransformersVersion v, std::string_view model_type);
 /// Whether release `v`'s attention layers of HF `model_type` each hold RoPE tables of every position
 /// as buffers (families::Family::rope_tables_until: Llama to 4.40, Mistral to 4.41, Qwen2 to 4.44,
-/// Mixtral to 4.46).
+/// Mixtral to 4.47).
 bool HasPerLayerRopeTables(TransformersVersion v, std::string_view model_type);
+/// Whether release `v`'s model of HF `model_type` holds a bool [P, P] causal_mask buffer
+/// (families::Family::causal_mask_buffer_in: Llama 4.38).
+bool HasCausalMaskBuffer(TransformersVersion v, std::string_view model_type);
 
 /// peft's LoraConfig (peft/tuners/lora/config.py), applied to the model by BuildWorkload
 /// (core/lora.h): every base parameter frozen, a pair of adapters beside each targeted linear.

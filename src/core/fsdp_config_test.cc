@@ -61,7 +61,7 @@ TEST_CASE("--transformers-version: releases parse to their loss path; malformed 
     CHECK(v.error().message.find("--transformers-version") != std::string::npos);
   }
   CHECK(ParseTransformersVersion("4.30.2").error().message.find("before 4.31") != std::string::npos);
-  // RoPE tables per attention layer, read in the wheels: Llama to 4.40, Mistral 4.41, Qwen2 4.44, Mixtral 4.46
+  // RoPE tables per attention layer, read in the wheels: Llama to 4.40, Mistral 4.41, Qwen2 4.44, Mixtral 4.47
   CHECK(HasPerLayerRopeTables({4, 31}, "llama"));
   CHECK(HasPerLayerRopeTables({4, 40}, "llama"));
   CHECK_FALSE(HasPerLayerRopeTables({4, 41}, "llama"));
@@ -69,8 +69,12 @@ TEST_CASE("--transformers-version: releases parse to their loss path; malformed 
   CHECK_FALSE(HasPerLayerRopeTables({4, 42}, "mistral"));
   CHECK(HasPerLayerRopeTables({4, 44}, "qwen2"));
   CHECK_FALSE(HasPerLayerRopeTables({4, 45}, "qwen2"));
-  CHECK(HasPerLayerRopeTables({4, 46}, "mixtral"));
-  CHECK_FALSE(HasPerLayerRopeTables({4, 47}, "mixtral"));
+  CHECK(HasPerLayerRopeTables({4, 47}, "mixtral"));
+  CHECK_FALSE(HasPerLayerRopeTables({4, 48}, "mixtral"));
+  CHECK(HasCausalMaskBuffer({4, 38}, "llama"));
+  CHECK_FALSE(HasCausalMaskBuffer({4, 37}, "llama"));
+  CHECK_FALSE(HasCausalMaskBuffer({4, 39}, "llama"));
+  CHECK_FALSE(HasCausalMaskBuffer({4, 38}, "mistral"));
   CHECK_FALSE(HasPerLayerRopeTables({4, 42}, "gemma2"));
   CHECK_FALSE(HasPerLayerRopeTables(TransformersVersion{}, "llama"));
   CHECK(HfLossOf({4, 31}, "llama") == HfLoss::kFp32Logits);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <initializer_list>
 #include <set>
 #include <string>
 #include <utility>
@@ -794,15 +795,18 @@ BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg,
 // (LlamaAttention.forward: `past_key_value = (key_states, value_states) if use_cache else None`,
 // after RoPE, before repeat_kv; [B, kv_heads, s, head_dim] each), less those a kept tensor already
 // is: eager attention's k and v without GQA (repeat_kv returns them as they are), SDPA's or
-// FlashAttention-2's k and v of the kv heads.
+// FlashAttention-2's k and v of the kv heads, selective checkpointing's attention inputs under GQA,
+// op-level checkpointing's v_proj output (v is its view; k is RoPE's output, which it recomputes).
 std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedTensor>& kept) {
   const int64_t bytes = d.c * d.kv_heads * d.head_dim * d.tokens;
-  const auto holds = [&](std::string_view a, std::string_view b) {
-    return std::any_of(kept.begin(), kept.end(), [&](const SavedTensor& t) { return (t.name == a || t.name == b) && t.bytes == bytes; });
+  const auto holds = [&](std::initializer_list<std::string_view> names) {
+    return std::any_of(kept.begin(), kept.end(), [&](const SavedTensor& t) {
+      return t.bytes == bytes && std::find(names.begin(), names.end(), t.name) != names.end();
+    });
   };
   std::vector<SavedTensor> cache;
-  if (!holds("self_attn.k_rope", "self_attn.k_repeated")) cache.push_back({"cache.key", bytes});
-  if (!holds("self_attn.v", "self_attn.v_repeated")) cache.push_back({"cache.value", bytes});
+  if (!holds({"self_attn.k_rope", "self_attn.k_repeated", "attn_core.k_input"})) cache.push_back({"cache.key", bytes});
+  if (!holds({"self_attn.v", "self_attn.v_repeated", "attn_core.v_input", "op_sac.v_proj_out"})) cache.push_back({"cache.value", bytes});
   return cache;
 }
 
@@ -819,18 +823,27 @@ std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedT
 // is the checkpoint's, kept already. Measured on the CPU (tools/peak_trace.py, transformers 4.31,
 // llama-24-layers-2k-vocab.json): the peak is at aten._softmax with the scores, the fp32 copy and
 // the output alive.
-int64_t EagerSoftmaxForwardMoment(const ModelShape& m, const Dims& d, bool bf16, size_t cached) {
+std::vector<SavedTensor> EagerSoftmaxForwardMoment(const ModelShape& m, const Dims& d, bool bf16, size_t cached) {
   if (m.arch.fused_qkv || m.mla.enabled() || !m.arch.softmax_fp32 || m.attention_sinks || m.attn_logit_softcapping > 0 ||
       m.attention_dropout > 0) {
-    return 0;
+    return {};
   }
   const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
-  int64_t bytes = d.c * q + static_cast<int64_t>(2 - std::min<size_t>(cached, 2)) * d.c * kv;
-  if (RolesOf(m.arch.norm_placement).pre_attn >= 0) bytes += d.c * d.h * d.tokens;
-  if (d.kv_heads < d.heads) bytes += 2 * d.c * q;
-  const int64_t after_softmax = bf16 ? 4 : d.c != 4 ? d.c : 0;  // the fp32 copy, or the cast's probabilities
-  return bytes + (d.c + 4 + after_softmax) * scores;
+  std::vector<SavedTensor> moment;
+  if (RolesOf(m.arch.norm_placement).pre_attn >= 0) moment.push_back({"moment.normed", d.c * d.h * d.tokens});
+  moment.push_back({"moment.q_rope", d.c * q});
+  if (cached < 1) moment.push_back({"moment.k_rope", d.c * kv});
+  if (cached < 2) moment.push_back({"moment.v", d.c * kv});
+  if (d.kv_heads < d.heads) {
+    moment.push_back({"moment.k_repeated", d.c * q});
+    moment.push_back({"moment.v_repeated", d.c * q});
+  }
+  moment.push_back({"moment.scores", d.c * scores});
+  if (bf16) moment.push_back({"moment.scores_fp32", 4 * scores});
+  moment.push_back({"moment.softmax", 4 * scores});
+  if (!bf16 && d.c != 4) moment.push_back({"moment.probs", d.c * scores});  // fp16: the cast back
+  return moment;
 }
 
 }  // namespace
@@ -841,19 +854,26 @@ int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
   return total;
 }
 
-int64_t ModelBufferBytes(const ModelSpec& m, const FsdpConfig& cfg) {
-  if (!IsTorchtitan(cfg.impl)) {
-    if (!HasPerLayerRopeTables(cfg.transformers, m.model_type)) return 0;
+std::vector<int64_t> ModelBuffers(const ModelSpec& m, const FsdpConfig& cfg) {
+  if (IsTorchtitan(cfg.impl)) {
+    if (TorchtitanQwen3(m, cfg)) return {4 * cfg.seq_len * 2 * m.head_dim};  // rope_cache, fp32 [seq, 2 head_dim]
+    return {8 * cfg.seq_len * (m.head_dim / 2)};                             // freqs_cis, complex64 [seq, head_dim / 2]
+  }
+  std::vector<int64_t> buffers;
+  const int64_t positions = m.max_position_embeddings;
+  if (HasPerLayerRopeTables(cfg.transformers, m.model_type)) {
     // each layer's rotary embedding: cos_cached and sin_cached [P, head_dim] (4.31: [1, 1, P,
     // head_dim]) and inv_freq [head_dim / 2], made in the default dtype, which from_pretrained's
-    // torch_dtype and model.to() set to the model's; FSDP1's MixedPrecision casts every buffer to
-    // its buffer_dtype (fsdp/_runtime_utils.py, _cast_buffers_to_dtype_and_device), FSDP2 none
+    // torch_dtype and model.to() set to the model's; FSDP1's MixedPrecision casts every floating
+    // buffer to its buffer_dtype (fsdp/_runtime_utils.py, _cast_buffers_to_dtype_and_device), FSDP2 none
     const DType stored = FrozenStorageDtype(cfg);
-    const DType dtype = cfg.framework == Framework::kFsdp1 && cfg.param_dtype != stored ? cfg.buffer_dtype : stored;
-    return m.num_layers * (2 * m.max_position_embeddings * m.head_dim + m.head_dim / 2) * BytesPerElement(dtype);
+    const int64_t c = BytesPerElement(cfg.framework == Framework::kFsdp1 && cfg.param_dtype != stored ? cfg.buffer_dtype : stored);
+    for (int64_t layer = 0; layer < m.num_layers; ++layer) {
+      for (int64_t bytes : {c * positions * m.head_dim, c * positions * m.head_dim, c * (m.head_dim / 2)}) buffers.push_back(bytes);
+    }
   }
-  if (TorchtitanQwen3(m, cfg)) return 4 * cfg.seq_len * 2 * m.head_dim;  // rope_cache, fp32 [seq, 2 head_dim]
-  return 8 * cfg.seq_len * (m.head_dim / 2);  // freqs_cis, complex64 [seq, head_dim / 2]
+  if (HasCausalMaskBuffer(cfg.transformers, m.model_type)) buffers.push_back(positions * positions);  // bool: no cast
+  return buffers;
 }
 
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
@@ -907,7 +927,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       break;
   }
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
-  if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment_bytes = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, a.cache.size());
+  if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, a.cache.size());
   const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.softmax_backward_bytes > 0);
   a.backward_working_bytes = working.held;
   a.mlp_working_bytes = working.mlp_moment;

@@ -65,12 +65,13 @@ struct BlockActivations {
   /// the loop drops the model's output. Empty without use_cache.
   std::vector<SavedTensor> cache;
   /// A checkpointed block's forward at its highest moment, beyond `kept` and `cache`: eager
-  /// attention with an fp32 softmax casting the probabilities back while the masked scores and
-  /// the fp32 softmax are alive, beside the attention's inputs. Nothing of it is saved, and its
-  /// recomputation in backward keeps the softmax's saved tensors, counted there. 0: not modelled
-  /// (an un-checkpointed block, whose softmax saves its output; SDPA, whose kernels hold no
-  /// scores; eager cores other than Llama-style ones: GPT-2's, soft-capped, with sinks or dropout).
-  int64_t forward_moment_bytes = 0;
+  /// attention with an fp32 softmax making its output while the masked scores and their fp32 copy
+  /// (or, past it, the probabilities) are alive, beside the attention's inputs. Nothing of it is
+  /// saved, and its recomputation in backward keeps the softmax's saved tensors, counted there.
+  /// Empty: not modelled (an un-checkpointed block, whose softmax saves its output; SDPA, whose
+  /// kernels hold no scores; eager cores other than Llama-style ones: GPT-2's, soft-capped, with
+  /// sinks or dropout).
+  std::vector<SavedTensor> forward_moment;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
 };
@@ -137,14 +138,14 @@ HeadActivations HeadActivationProfile(const ModelSpec& model, const FsdpConfig& 
 
 int64_t SumBytes(const std::vector<SavedTensor>& tensors);
 
-/// Bytes of the model's persistent buffers on each rank (FSDP2 moves buffers to the device whole;
-/// they are not sharded): torchtitan's RoPE table freqs_cis, complex64 [seq_len, head_dim / 2]
+/// The model's persistent buffers on each rank, bytes of each tensor (FSDP moves buffers to the
+/// device whole; they are not sharded): torchtitan's RoPE table freqs_cis, complex64 [seq_len, head_dim / 2]
 /// (models/llama3/model/model.py precompute_freqs_cis; args.py update_from_config sets
 /// max_seq_len to the training seq_len); its Qwen3's rope_cache, fp32 [seq_len, 2 head_dim]
 /// (models/qwen3/model/model.py precompute_rope_cache: cos then sin). transformers' one
 /// inv_freq of the model (head_dim / 2 floats): 0 here; in releases whose attention layers each
 /// hold RoPE tables of every position (HasPerLayerRopeTables: Llama 4.31 to 4.40, ...), those, in
-/// the model's dtype or FSDP1's buffer_dtype.
-int64_t ModelBufferBytes(const ModelSpec& model, const FsdpConfig& config);
+/// the model's dtype or FSDP1's buffer_dtype; 4.38's Llama adds its bool [P, P] causal_mask.
+std::vector<int64_t> ModelBuffers(const ModelSpec& model, const FsdpConfig& config);
 
 }  // namespace fsdp

@@ -89,8 +89,8 @@ TEST_CASE("--impl torchtitan: nn.RMSNorm's fused CUDA kernel saves its input and
   // the MLP's moment: the incoming 2h and its three 2I gradients, beyond what is held
   CHECK(titan.mlp_working_bytes == (2 * 4096 + 3 * 2 * 11008 - (2 * 2 * 4096 + 3 * 2 * 4096 + 4 * 4096)) * 4096LL);
   // torchtitan's RoPE table: complex64 [seq, head_dim / 2], 8 x 4096 x 64 bytes; transformers' none
-  CHECK(ModelBufferBytes(m, c) == 8LL * 4096 * 64);
-  CHECK(ModelBufferBytes(m, FsdpConfig{}) == 0);
+  CHECK(ModelBuffers(m, c) == std::vector<int64_t>{8LL * 4096 * 64});
+  CHECK(ModelBuffers(m, FsdpConfig{}).empty());
 }
 
 TEST_CASE("--impl torchtitan on Qwen3: fused q/k norms, each layer's cast cos and sin, the fp32 rope_cache") {
@@ -107,7 +107,7 @@ TEST_CASE("--impl torchtitan on Qwen3: fused q/k norms, each layer's cast cos an
   c.impl = Impl::kTorchtitan;
   const BlockActivations titan = BlockActivationProfile(m, c);
   CHECK(transformers - titan.FullBytes() == 4096LL * (8 * 5120 + 55'584 - 18'720) - 2LL * 4096 * 256);
-  CHECK(ModelBufferBytes(m, c) == 4LL * 4096 * 2 * 128);  // rope_cache, fp32 [4096, 256]
+  CHECK(ModelBuffers(m, c) == std::vector<int64_t>{4LL * 4096 * 2 * 128});  // rope_cache, fp32 [4096, 256]
   c.checkpointing = Checkpointing::kFull;
   CHECK(BlockActivationProfile(m, c).KeptBytes() == 2LL * 5120 * 4096 + 2LL * 4096 * 256);
   // op-level SAC keeps q's output, which the fused q_norm saves: held to q_norm's backward, not

@@ -111,7 +111,7 @@ class StepPlayer {
   void AllocShardedState(CategoryBytes& host, bool optimizer_states) {
     const int64_t trainable_elems = w_.GradShardNumelTotal();
     AllocQuantStates();
-    if (const int64_t buffers = ModelBufferBytes(w_.model, c_); buffers > 0) mem_.Alloc(Cat::kShardedParams, buffers);  // on the device whole, offload or not
+    for (int64_t bytes : ModelBuffers(w_.model, c_)) mem_.Alloc(Cat::kShardedParams, bytes);  // on the device whole, offload or not
     if (c_.cpu_offload) {
       host[static_cast<int>(Cat::kShardedParams)] = ShardBytesTotal();
       host[static_cast<int>(Cat::kGradients)] = trainable_elems * mb_;
@@ -404,6 +404,15 @@ class StepPlayer {
     mem_.AllocatorOnly(bytes);
   }
 
+  // BlockActivations::forward_moment: its tensors at once, then gone (after the block's batch of
+  // intermediates, whose freed segments they mostly reuse)
+  void ForwardMoment(const std::vector<SavedTensor>& tensors) {
+    std::vector<BlockId> live;
+    live.reserve(tensors.size());
+    for (const auto& t : tensors) live.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+    for (BlockId& b : live) mem_.Free(b);
+  }
+
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
     for (const auto& t : tensors) node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, t.bytes));
   }
@@ -433,7 +442,7 @@ class StepPlayer {
         AllocSaved(node_id, BlockProfile(node_id).kept);
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) ForwardIntermediates(BlockProfile(node_id).recomputed);
         for (const auto& t : BlockProfile(node_id).cache) cache_.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
-        mem_.TensorsOnlyMoment(Cat::kActivations, BlockProfile(node_id).forward_moment_bytes);
+        ForwardMoment(BlockProfile(node_id).forward_moment);
         // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
         // with all the block's saved tensors alive (an upper bound by the ones saved after it)
         if (nf4_.weight_bytes > 0) {

@@ -50,16 +50,6 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
   return static_cast<BlockId>(blocks_.size() - 1);
 }
 
-void MemoryTracker::TensorsOnlyMoment(MemCategory category, int64_t bytes) {
-  if (bytes <= 0) return;
-  const int64_t rounded = RoundUp(bytes, rounding_);
-  for (const int64_t delta : {rounded, -rounded}) {
-    live_[static_cast<int>(category)] += delta;
-    allocated_total_ += delta;
-    Changed();
-  }
-}
-
 void MemoryTracker::AllocatorOnly(const std::vector<int64_t>& bytes, Stream stream) {
   if (!allocator_ || oom_) return;
   const int64_t reserved_peak_before = allocator_->stats().reserved_peak_bytes;

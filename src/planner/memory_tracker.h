@@ -52,10 +52,6 @@ class MemoryTracker {
   /// accounting (no category, no allocated peak): their only effect is on the allocator's
   /// segments and reserved bytes. Without an allocator, nothing.
   void AllocatorOnly(const std::vector<int64_t>& bytes, Stream stream = Stream::kCompute);
-  /// The other half: a transient of one event in the tensors' accounting (allocated peak, device
-  /// peak, timeline) that the caching allocator does not replay (its blocks are in an
-  /// AllocatorOnly batch of their own).
-  void TensorsOnlyMoment(MemCategory category, int64_t bytes);
   /// Moves a live block to another category (a reduce-scatter output that becomes the sharded gradient).
   void Recategorize(BlockId block, MemCategory category);
   /// Frees a block (kNoBlock is ignored) and sets the handle to kNoBlock.

@@ -22,8 +22,8 @@ Status ReadGpt2(const JsonReader& r, ModelSpec& m);
 
 const std::vector<Family>& Families() {
   static const std::vector<Family> kFamilies = {
-      {"llama", ReadLlama, {4, 31}, {4, 46}, {4, 40}},  {"mistral", ReadMistral, {4, 34}, {4, 48}, {4, 41}},
-      {"mixtral", ReadMixtral, {4, 36}, {4, 46}, {4, 46}},  {"qwen2", ReadQwen2, {4, 37}, {4, 46}, {4, 44}},          {"qwen3", ReadQwen3, {4, 51}},         {"qwen3_moe", ReadQwen3Moe, {4, 51}},
+      {"llama", ReadLlama, {4, 31}, {4, 46}, {4, 40}, {4, 38}},  {"mistral", ReadMistral, {4, 34}, {4, 48}, {4, 41}},
+      {"mixtral", ReadMixtral, {4, 36}, {4, 46}, {4, 47}},  {"qwen2", ReadQwen2, {4, 37}, {4, 46}, {4, 44}},          {"qwen3", ReadQwen3, {4, 51}},         {"qwen3_moe", ReadQwen3Moe, {4, 51}},
       {"gemma2", ReadGemma2, {4, 42}},        {"gemma3_text", ReadGemma3Text, {4, 50}}, {"gemma3", ReadGemma3, {4, 50}},
       {"olmo2", ReadOlmo2, {4, 47}},          {"phi3", ReadPhi3, {4, 41}},           {"deepseek_v3", ReadDeepseekV3, {4, 51}},
       {"gpt_oss", ReadGptOss, {4, 55}},       {"llama4_text", ReadLlama4Text, {4, 51}}, {"llama4", ReadLlama4, {4, 51}},

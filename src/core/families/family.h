@@ -33,6 +33,9 @@ struct Family {
   /// read in the wheels of 4.31.0 to 4.47.0 (`register_buffer("cos_cached"` or "_cos_cached").
   /// {0, 0}: none in any release that plans the family.
   TransformersVersion rope_tables_until{0, 0};
+  /// The one release whose model registers a bool causal_mask buffer of [P, P] positions
+  /// (LlamaModel.__init__ of 4.38.2: torch.triu of a full matrix; gone in 4.39). {0, 0}: none.
+  TransformersVersion causal_mask_buffer_in{0, 0};
 };
 
 /// Every family, in the order error messages list them.
