@@ -30,7 +30,7 @@ struct Family {
   TransformersVersion loss_function_since{4, 46};
   /// The last release whose attention layers each register RoPE tables of max_position_embeddings
   /// rows (the rotary embedding's cos_cached and sin_cached, [P, head_dim] each, beside inv_freq):
-  /// read in the wheels of 4.31.0 to 4.47.0 (`register_buffer("cos_cached"` or "_cos_cached").
+  /// read in the wheels of 4.31.0 to 4.48.1 (`register_buffer("cos_cached"` or "_cos_cached").
   /// {0, 0}: none in any release that plans the family.
   TransformersVersion rope_tables_until{0, 0};
   /// The one release whose model registers a bool causal_mask buffer of [P, P] positions
