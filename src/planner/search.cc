@@ -478,6 +478,11 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   }
   for (int64_t s = c.seq_len / 2; s >= 512 && s >= c.seq_len / 4; s /= 2) add(fmt::format("--seq-len {}", s), [&](FsdpConfig& n) { n.seq_len = s; });
   if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
+  // What the training code holds and need not: the keys and values of every layer (pass
+  // use_cache=False, as llama-recipes' PR #165 did) and the output object (keep only the loss, its
+  // PR #41). Neither costs a step any time.
+  if (c.use_cache) add("without --use-cache (use_cache=False)", [](FsdpConfig& n) { n.use_cache = false; });
+  if (c.loop_holds_outputs) add("without --loop-holds-outputs (loss = model(**batch).loss)", [](FsdpConfig& n) { n.loop_holds_outputs = false; });
   // The allocator's own settings: expandable segments give back most of what fragmentation takes
   // (the per-stream cache and the holes left between differently sized blocks); max_split_size_mb
   // keeps large cached blocks whole for large requests; the rate limiter keeps FSDP1 from

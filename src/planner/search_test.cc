@@ -275,6 +275,45 @@ TEST_CASE("advise: the changes that make llama-2-13b fit on 4 x RTX 4090, cheape
   }
 }
 
+TEST_CASE("advise: dropping the cache or the held output, which cost no time, come first when they fit") {
+  // llama-recipes' LoRA run of 2023 (docs/accuracy.md) on a 20 GiB card: use_cache=True under
+  // torch's checkpoint wrapper keeps 4 GiB of keys and values, the held output the fp32 logits
+  FsdpConfig c;
+  c.gpus = 4;
+  c.seq_len = 2048;
+  c.micro_batch = 4;
+  c.attention = Attention::kEager;
+  c.checkpointing = Checkpointing::kFull;
+  c.transformers = {4, 31};
+  c.use_cache = true;
+  c.loop_holds_outputs = true;
+  c.master_dtype = DType::kBf16;
+  c.reduce_dtype = DType::kBf16;
+  c.wrap = WrapPolicy::kPeft;
+  c.lora.rank = 8;
+  c.lora.targets = "q_proj,v_proj";
+  HardwareSpec card = LoadHardware("a100-40gb-sxm").value();
+  card.memory_bytes = int64_t{20} << 30;
+  auto w = BuildWorkload(Model("llama-2-7b"), card, c);
+  REQUIRE(w.ok());
+  REQUIRE_FALSE(EstimateMemory(w.value()).fits);
+  const std::vector<Advice> advice = AdviseFit(w.value());
+  REQUIRE(!advice.empty());
+  const auto find = [&](const std::string& change) {
+    return std::find_if(advice.begin(), advice.end(), [&](const Advice& a) { return a.change == change; });
+  };
+  const auto no_cache = find("without --use-cache (use_cache=False)");
+  REQUIRE(no_cache != advice.end());
+  CHECK(no_cache->slowdown_pct == doctest::Approx(0).epsilon(1e-9));
+  FsdpConfig without = c;
+  without.use_cache = false;
+  auto direct = BuildWorkload(Model("llama-2-7b"), card, without);
+  REQUIRE(direct.ok());
+  CHECK(no_cache->peak_bytes == EstimateMemory(direct.value()).peak_bytes);
+  CHECK(no_cache->saves_bytes > (int64_t{4} << 30));  // at least the 32 layers' keys and values
+  CHECK(advice.front().slowdown_pct <= 1e-9);  // a change that costs nothing leads
+}
+
 TEST_CASE("advise's fine-tuning changes: LoRA then QLoRA, each with full checkpointing, each re-evaluated as its own model") {
   auto w = OnFourRtx4090("llama-2-70b", 2048);
   REQUIRE(w.ok());
