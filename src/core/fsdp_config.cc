@@ -98,25 +98,19 @@ Result<Impl> ParseImpl(std::string_view t) {
 
 HfLoss HfLossOf(TransformersVersion v, std::string_view model_type) {
   if (v >= TransformersVersion{4, 49}) return HfLoss::kPaddedLabels;
-  TransformersVersion loss_function_since{4, 46};
-  for (const families::Family& f : families::Families()) {
-    if (f.model_type == model_type) loss_function_since = f.loss_function_since;
-  }
+  const families::Family* f = families::FindFamily(model_type);
+  const TransformersVersion loss_function_since = f != nullptr ? f->loss_function_since : TransformersVersion{4, 46};
   return v >= loss_function_since ? HfLoss::kShiftedCopy : HfLoss::kFp32Logits;
 }
 
 bool HasPerLayerRopeTables(TransformersVersion v, std::string_view model_type) {
-  for (const families::Family& f : families::Families()) {
-    if (f.model_type == model_type) return v <= f.rope_tables_until;
-  }
-  return false;
+  const families::Family* f = families::FindFamily(model_type);
+  return f != nullptr && v <= f->rope_tables_until;
 }
 
 bool HasCausalMaskBuffer(TransformersVersion v, std::string_view model_type) {
-  for (const families::Family& f : families::Families()) {
-    if (f.model_type == model_type) return v == f.causal_mask_buffer_in;
-  }
-  return false;
+  const families::Family* f = families::FindFamily(model_type);
+  return f != nullptr && v == f->causal_mask_buffer_in;
 }
 
 std::string TransformersVersionName(TransformersVersion v) { return fmt::format("{}.{}", v.major, v.minor); }
@@ -367,15 +361,13 @@ std::string TorchtitanRuledOut(const ModelSpec& m, Impl impl) {
 }
 
 std::string TransformersRuledOut(const ModelSpec& m, TransformersVersion v) {
-  for (const families::Family& f : families::Families()) {
-    if (f.model_type != m.model_type || v >= f.plannable_since) continue;
-    if (m.model_type == "gpt2") {
-      return fmt::format("--transformers-version {}: GPT-2's loss before 4.48 ran in the logits' own dtype, which is not modelled", TransformersVersionName(v));
-    }
-    return fmt::format("--transformers-version {}: transformers has {} models from {} on", TransformersVersionName(v), m.model_type,
-                       TransformersVersionName(f.plannable_since));
+  const families::Family* f = families::FindFamily(m.model_type);
+  if (f == nullptr || v >= f->plannable_since) return "";
+  if (m.model_type == "gpt2") {
+    return fmt::format("--transformers-version {}: GPT-2's loss before 4.48 ran in the logits' own dtype, which is not modelled", TransformersVersionName(v));
   }
-  return "";
+  return fmt::format("--transformers-version {}: transformers has {} models from {} on", TransformersVersionName(v), m.model_type,
+                     TransformersVersionName(f->plannable_since));
 }
 
 // torchtitan's policy counts aten.mm calls; a Linear with a bias runs as addmm and shifts which are

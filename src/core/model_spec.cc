@@ -87,11 +87,9 @@ void AddBlock(std::vector<TensorSpec>& out, const Architecture& a, const std::st
 }
 
 Result<const families::Family*> FamilyOf(const std::string& model_type, const std::string& origin) {
+  if (const families::Family* f = families::FindFamily(model_type)) return f;
   std::string supported;
-  for (const families::Family& f : families::Families()) {
-    if (f.model_type == model_type) return &f;
-    supported += (supported.empty() ? "" : ", ") + std::string(f.model_type);
-  }
+  for (const families::Family& f : families::Families()) supported += (supported.empty() ? "" : ", ") + std::string(f.model_type);
   return Error::BadInput(fmt::format("{}: key 'model_type': unsupported model type '{}' (supported: {})", origin, model_type, supported));
 }
 

@@ -818,12 +818,12 @@ std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedT
 // _softmax writes its fp32 output: scores + copy + output, 10 bytes a score. Otherwise the highest
 // moment is the cast back: scores + fp32 softmax + probabilities (fp16: 8 bytes; under fp32 the
 // copy and the cast return their inputs: 8). Alive beside them: the normed hidden states the
-// projections read (pre-norm blocks), q after RoPE, k and v (the cache's own under use_cache:
-// `cached` of them are allocated already) and, with GQA, repeat_kv's copies. The block's input
+// projections read (pre-norm blocks), q after RoPE, k and v (unless `cached`: the cache's, which a
+// checkpointed block keeps whole, allocated already) and, with GQA, repeat_kv's copies. The block's input
 // is the checkpoint's, kept already. Measured on the CPU (tools/peak_trace.py, transformers 4.31,
 // llama-24-layers-2k-vocab.json): the peak is at aten._softmax with the scores, the fp32 copy and
 // the output alive.
-std::vector<SavedTensor> EagerSoftmaxForwardMoment(const ModelShape& m, const Dims& d, bool bf16, size_t cached) {
+std::vector<SavedTensor> EagerSoftmaxForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached) {
   if (m.arch.fused_qkv || m.mla.enabled() || !m.arch.softmax_fp32 || m.attention_sinks || m.attn_logit_softcapping > 0 ||
       m.attention_dropout > 0) {
     return {};
@@ -833,8 +833,10 @@ std::vector<SavedTensor> EagerSoftmaxForwardMoment(const ModelShape& m, const Di
   std::vector<SavedTensor> moment;
   if (RolesOf(m.arch.norm_placement).pre_attn >= 0) moment.push_back({"moment.normed", d.c * d.h * d.tokens});
   moment.push_back({"moment.q_rope", d.c * q});
-  if (cached < 1) moment.push_back({"moment.k_rope", d.c * kv});
-  if (cached < 2) moment.push_back({"moment.v", d.c * kv});
+  if (!cached) {
+    moment.push_back({"moment.k_rope", d.c * kv});
+    moment.push_back({"moment.v", d.c * kv});
+  }
   if (d.kv_heads < d.heads) {
     moment.push_back({"moment.k_repeated", d.c * q});
     moment.push_back({"moment.v_repeated", d.c * q});
@@ -927,7 +929,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       break;
   }
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
-  if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, a.cache.size());
+  if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, !a.cache.empty());
   const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.softmax_backward_bytes > 0);
   a.backward_working_bytes = working.held;
   a.mlp_working_bytes = working.mlp_moment;

@@ -496,13 +496,11 @@ TEST_CASE("use_cache: the caches live until the loop drops the output, or throug
   CHECK(act(on.timeline.back()) == 0);
   // the moment's tensors come and go inside layers.0's forward: 384 bytes (fp32, above) over what
   // the phase ends with
-  int64_t phase_end = -1;
+  int64_t phase_end = -1, phase_max = 0;
   for (const MemoryPoint& p : off.timeline) {
-    if (p.phase == "forward: model.layers.0") phase_end = act(p);
-  }
-  int64_t phase_max = 0;
-  for (const MemoryPoint& p : off.timeline) {
-    if (p.phase == "forward: model.layers.0") phase_max = std::max(phase_max, act(p));
+    if (p.phase != "forward: model.layers.0") continue;
+    phase_end = act(p);
+    phase_max = std::max(phase_max, phase_end);
   }
   CHECK(phase_max - phase_end == 384);
 }

@@ -32,4 +32,11 @@ const std::vector<Family>& Families() {
   return kFamilies;
 }
 
+const Family* FindFamily(std::string_view model_type) {
+  for (const Family& f : Families()) {
+    if (f.model_type == model_type) return &f;
+  }
+  return nullptr;
+}
+
 }  // namespace fsdp::families

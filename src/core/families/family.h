@@ -40,6 +40,8 @@ struct Family {
 
 /// Every family, in the order error messages list them.
 const std::vector<Family>& Families();
+/// The family of HF `model_type`; null when fsdpkit has none.
+const Family* FindFamily(std::string_view model_type);
 
 // ---- config readers (families/config_keys.cc) -----------------------------------------------
 
