@@ -722,7 +722,7 @@ def train_step(model, optimizer, inputs, targets, held=None, use_cache=False):
         outputs = model(input_ids=inputs, labels=targets, use_cache=use_cache)
     loss = outputs.loss
     if held is not None:
-        held[:] = [outputs.logits] + [t for layer in (outputs.past_key_values or ()) for t in layer]
+        held[:] = [outputs.logits] + ([t for layer in outputs.past_key_values for t in layer] if use_cache else [])
     del outputs
     loss.backward()
     optimizer.step()
