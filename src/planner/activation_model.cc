@@ -737,7 +737,7 @@ size_t MarkFreedBySoftmaxBackward(std::vector<SavedTensor>& block, std::string_v
 }
 
 // Eager attention: marks what is freed by the softmax's backward (above) and, over separate q, k
-// and v projections, returns the gradients alive while it runs, beyond the saved tensors still
+// and v projections, returns the gradients alive while it runs (one tensor each), beyond the saved tensors still
 // referenced. By then autograd has run the backward of everything after the attention core
 // (their weight gradients exist) and of probs @ v. Alive: the residual stream's gradient (c h per
 // token), v's gradient (v's saved shape), and two gradients of the softmax output's shape (its
@@ -749,18 +749,26 @@ size_t MarkFreedBySoftmaxBackward(std::vector<SavedTensor>& block, std::string_v
 // softmax in c) the same: v's gradient is one of c_attn's output width h, q's and k's come after
 // (PEAK_TRACE_WITHIN=bw:h.11 tools/peak_trace.py on the 2k-context, 2k-vocabulary GPT-2: the
 // step's peak is _softmax_backward_data with these alive). Returns 0 where the scores need no
-// gradient (LoRA on v alone: the probabilities are saved for v's gradient only); v's gradient
-// only where v needs one.
-int64_t MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f, std::vector<SavedTensor>& block) {
-  if (cfg.attention != Attention::kEager) return 0;
+// gradient (LoRA on v alone: the probabilities are saved for v's gradient only; then none); v's
+// gradient only where v needs one.
+std::vector<SavedTensor> MarkSoftmaxBackward(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f,
+                                             std::vector<SavedTensor>& block) {
+  if (cfg.attention != Attention::kEager) return {};
   const std::string_view softmax_output = m.arch.softmax_fp32 && !m.attention_sinks ? "attn_core.softmax_fp32" : "attn_core.probs";
   const size_t softmax = MarkFreedBySoftmaxBackward(block, softmax_output, !m.arch.fused_qkv);
-  if (!f.scores || softmax == block.size()) return 0;
+  if (!f.scores || softmax == block.size()) return {};
   int64_t value_grad = m.arch.fused_qkv && f.v ? d.c * d.h * d.tokens : 0;
   for (const SavedTensor& t : block) {
     if (f.v && IsValueCopy(t)) value_grad = t.bytes;
   }
-  return d.c * d.h * d.tokens + value_grad + 2 * block[softmax].bytes;
+  // separate tensors, as the caching allocator sees them: two [B, a, s, s] fp32 gradients reuse
+  // the segments of the forward's and the recomputation's fp32 scores, where one block of their
+  // sum needs a segment of its own
+  std::vector<SavedTensor> grads = {{"grad.hidden", d.c * d.h * d.tokens}};
+  if (value_grad > 0) grads.push_back({"grad.v", value_grad});
+  grads.push_back({"grad.softmax_output", block[softmax].bytes});
+  grads.push_back({"grad.softmax_input", block[softmax].bytes});
+  return grads;
 }
 
 // The gradients alive inside a block's backward beyond its saved tensors: those held through it
@@ -880,6 +888,7 @@ std::vector<int64_t> ModelBuffers(const ModelSpec& m, const FsdpConfig& cfg) {
 
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
 int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
+int64_t BlockActivations::SoftmaxBackwardBytes() const { return SumBytes(softmax_backward); }
 int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
@@ -898,7 +907,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   const Dims d = DimsOf(m, cfg, window);
   BlockActivations a;
   a.full = BlockSaved(m, cfg, d, input_requires_grad);
-  a.softmax_backward_bytes = MarkSoftmaxBackward(m, cfg, d, FlowOf(m, input_requires_grad), a.full);
+  a.softmax_backward = MarkSoftmaxBackward(m, cfg, d, FlowOf(m, input_requires_grad), a.full);
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
     case Checkpointing::kSelective:
@@ -930,7 +939,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   }
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
   if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, !a.cache.empty());
-  const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, a.softmax_backward_bytes > 0);
+  const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, !a.softmax_backward.empty());
   a.backward_working_bytes = working.held;
   a.mlp_working_bytes = working.mlp_moment;
   return a;

@@ -20,7 +20,7 @@ struct SavedTensor {
   /// a kept tensor only the recomputation reads (selective-op's q and down outputs): freed as soon as
   /// the block's backward has recomputed the block, not at its end
   bool freed_after_recompute = false;
-  /// freed by the time the softmax's backward runs (BlockActivations::softmax_backward_bytes):
+  /// freed by the time the softmax's backward runs (BlockActivations::softmax_backward):
   /// saved after the attention core, or by a core op whose backward has run (probs @ v's copy of v)
   bool freed_by_softmax_backward = false;
   /// the block's input hidden states themselves (torchtitan's fused RMSNorm saves its input): the
@@ -44,7 +44,7 @@ struct BlockActivations {
   /// Transient gradients held through the block's backward beyond its saved tensors: the
   /// incoming and outgoing hidden-state gradients (2 c h a token) and the largest op-level
   /// working set outside the MLP (SDPA's backward, transformers' fp32 norm backward); with
-  /// softmax_backward_bytes, the norms' only
+  /// softmax_backward, the norms' only
   int64_t backward_working_bytes = 0;
   /// The MLP's moment beyond backward_working_bytes: right after the down projection's backward
   /// (its weight gradient made, its saved input released) the product's backward holds three
@@ -55,10 +55,12 @@ struct BlockActivations {
   int64_t mlp_working_bytes = 0;
   /// Eager attention: the gradients alive while the softmax's backward runs (after the output
   /// projection's backward, so with the weight gradients of everything from it on, and after the
-  /// tensors marked freed_by_softmax_backward are gone): the residual stream's, v's (GPT-2's fused
-  /// c_attn: v's view, h wide; q's and k's come after) and two of the scores' shape. 0: no such
-  /// moment modelled (SDPA, or scores that need no gradient)
-  int64_t softmax_backward_bytes = 0;
+  /// tensors marked freed_by_softmax_backward are gone), one tensor each as autograd makes them:
+  /// the residual stream's, v's (GPT-2's fused c_attn: v's view, h wide; q's and k's come after)
+  /// and two of the scores' shape (the softmax output's gradient, then its input's). Empty: no
+  /// such moment modelled (SDPA, or scores that need no gradient)
+  std::vector<SavedTensor> softmax_backward;
+  int64_t SoftmaxBackwardBytes() const;
   /// FsdpConfig::use_cache: the key and value states the layer returns (past_key_values) that
   /// `kept` does not already hold (the same storage: an un-checkpointed layer's attention saves
   /// them unless it saves copies, repeat_kv's under GQA), alive from the block's forward until

@@ -176,7 +176,13 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   CHECK(a.mlp_working_bytes == (2 * 4096 + 3 * 2 * 11008 - (2 * 2 * 4096 + 12 * 4096)) * 4096);
   // The softmax's moment: the residual gradient 2h, v's gradient 2h (32 x 128 = h), and two fp32
   // gradients of the fp32 softmax's output, 2 x 4as.
-  CHECK(a.softmax_backward_bytes == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
+  CHECK(a.SoftmaxBackwardBytes() == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
+  // one tensor each, in the order autograd makes them (the caching allocator sees four blocks)
+  REQUIRE(a.softmax_backward.size() == 4);
+  CHECK(a.softmax_backward[0].bytes == 2LL * 4096 * 4096);
+  CHECK(a.softmax_backward[1].bytes == 2LL * 4096 * 4096);
+  CHECK(a.softmax_backward[2].bytes == 4LL * 32 * 4096 * 4096);
+  CHECK(a.softmax_backward[3].bytes == 4LL * 32 * 4096 * 4096);
   // Freed by then: v's saved copy, the bf16 probabilities (after the softmax in the core), and
   // everything after the core; the softmax's output, q, k and the first norm's still saved.
   int64_t freed = 0, kept = 0;
@@ -185,7 +191,7 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   CHECK(freed == (2 * 4096 + 2LL * 32 * 4096 + after_core) * 4096);
   CHECK(kept == ((4 * 4096 + 4 + 2 * 4096 + 2 * 4096) + 2 * 4096 + 2 * 4096 + 4LL * 32 * 4096) * 4096);
   // flash: no such moment (SDPA's backward is a term of backward_working_bytes)
-  CHECK(Profile("llama-2-7b", 4096, Attention::kFlash).softmax_backward_bytes == 0);
+  CHECK(Profile("llama-2-7b", 4096, Attention::kFlash).SoftmaxBackwardBytes() == 0);
 }
 
 TEST_CASE("each saved tensor names the module whose backward's end releases it") {
@@ -229,7 +235,7 @@ TEST_CASE("GPT-2 eager backward: the MLP's moment, then the softmax's with the r
   const int64_t held = (2 * 2 * h + 12 * h) * 1024;
   CHECK(a.backward_working_bytes == held);
   CHECK(a.mlp_working_bytes == 2 * h * 1024 + 4 * 2 * inner * 1024 - held);
-  CHECK(a.softmax_backward_bytes == (2 * h + 2 * h + 2 * 2 * as1k) * 1024);
+  CHECK(a.SoftmaxBackwardBytes() == (2 * h + 2 * h + 2 * 2 * as1k) * 1024);
   // what has gone by then: dropout's mask as and output 2as, c_proj's input 2h and its dropout
   // mask h, ln_2 2h + 8, c_fc's input 2h, NewGELU 4 x 2 x inner, c_proj's input 2 x inner, the
   // MLP's dropout mask h
@@ -248,7 +254,7 @@ TEST_CASE("GPT-2 eager backward: the MLP's moment, then the softmax's with the r
   const BlockActivations b = BlockActivationProfile(m.value(), c);
   CHECK(b.backward_working_bytes == (2 * 2 * h + 12 * h) * 4096);
   CHECK(b.mlp_working_bytes == (2 * h + 4 * 2 * inner - (2 * 2 * h + 12 * h)) * 4096);
-  CHECK(b.softmax_backward_bytes == (2 * h + 2 * h + 2 * 2 * as4k) * 4096);
+  CHECK(b.SoftmaxBackwardBytes() == (2 * h + 2 * h + 2 * 2 * as4k) * 4096);
 }
 
 TEST_CASE("Qwen3-8B block, flash: Llama's tensors plus the per-head q/k norms") {

@@ -624,7 +624,7 @@ class StepPlayer {
             if (kept[i].freed_after_recompute) mem_.Free(node_saved_[node_id][i]);
           }
         }
-        if (BlockProfile(node_id).softmax_backward_bytes > 0) {
+        if (!BlockProfile(node_id).softmax_backward.empty()) {
           softmax_block_ = SoftmaxBlock{node_id, ModuleUnder(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size()};
         }
         {
@@ -684,7 +684,7 @@ class StepPlayer {
     }
   }
 
-  // A block's backward at its softmax's (BlockActivations::softmax_backward_bytes): the MLP's
+  // A block's backward at its softmax's (BlockActivations::softmax_backward): the MLP's
   // working gradients and the saved tensors whose backward has run are gone, the scores'
   // gradients come and go.
   struct SoftmaxBlock {
@@ -703,8 +703,9 @@ class StepPlayer {
     for (size_t i = 0; i < profile.kept.size() && i < saved.size(); ++i) {
       if (profile.kept[i].freed_by_softmax_backward) mem_.Free(saved[i]);
     }
-    BlockId grads = mem_.Alloc(Cat::kActivations, profile.softmax_backward_bytes);
-    mem_.Free(grads);
+    std::vector<BlockId> grads;
+    for (const SavedTensor& t : profile.softmax_backward) grads.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+    for (BlockId& g : grads) mem_.Free(g);
   }
 
   // The post-backward hook: the unit's gradient as one tensor, kept unsharded under no_sync.

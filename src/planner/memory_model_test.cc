@@ -723,6 +723,45 @@ TEST_CASE("the caching allocator's replay against reserves measured on an H200")
   }
 }
 
+// llama-recipes' LoRA run of 2023 (docs/data/fine_tuning_published.json #25: Llama 2 7B on 4 x
+// A100 40GB, pure bf16, eager attention under transformers 4.31, use_cache on, torch's
+// checkpoint_wrapper on every layer; max reserved 19.36 GB) guards one rule: the softmax's
+// backward makes its two [B, a, s, s] fp32 gradients as two tensors, which reuse the 2 GiB
+// segments of the forward's fp32 scores. Counted as one 4.1 GiB block, each step's first softmax
+// backward reserved a segment of that size: +14.4%.
+TEST_CASE("eager attention's softmax backward: its gradients as separate blocks (llama-recipes' published reserve)") {
+  auto m = LoadModel("llama-2-7b");
+  auto hw = LoadHardware("a100-40gb-sxm");
+  REQUIRE(m.ok());
+  REQUIRE(hw.ok());
+  FsdpConfig c;
+  c.gpus = 4;
+  c.seq_len = 2048;
+  c.micro_batch = 4;
+  c.lora.rank = 8;
+  c.lora.alpha = 32;
+  c.lora.targets = "q_proj,v_proj";
+  c.lora.dropout = 0.05;
+  c.wrap = WrapPolicy::kPeft;  // fsdp-plan's choice for FSDP1 under LoRA, as llama-recipes' own policy
+  c.master_dtype = DType::kBf16;
+  c.reduce_dtype = DType::kBf16;
+  c.checkpointing = Checkpointing::kFull;
+  c.attention = Attention::kEager;
+  c.transformers = {4, 31};
+  c.use_cache = true;
+  auto w = BuildWorkload(m.value(), hw.value(), c);
+  INFO((w.ok() ? std::string() : w.error().message));
+  REQUIRE(w.ok());
+  const MemoryEstimate e = EstimateMemory(w.value());
+  const BlockActivations& block = BlockActivationProfile(w.value().model, c);
+  REQUIRE(block.softmax_backward.size() == 4);
+  const int64_t scores_fp32 = 4LL * 4 * 32 * 2048 * 2048;  // B a s s, fp32: 2 GiB
+  CHECK(block.softmax_backward[2].bytes == scores_fp32);
+  CHECK(block.softmax_backward[3].bytes == scores_fp32);
+  const double error = static_cast<double>(e.reserved_peak_bytes) / 19.36e9 - 1;
+  CHECK(std::abs(error) < 0.05);
+}
+
 TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {
   // 20,000 bytes hold the tensors (17,824 at the peak) but not one 2 MiB segment: PyTorch's malloc
   // fails, frees the (empty) cache, retries once and raises
