@@ -773,30 +773,38 @@ std::vector<SavedTensor> MarkSoftmaxBackward(const ModelShape& m, const FsdpConf
 
 // The gradients alive inside a block's backward beyond its saved tensors: those held through it
 // (the incoming and outgoing hidden-state gradients and the largest op-level transient outside
-// the MLP) and the MLP's moment beyond them (BlockActivations::backward_working_bytes,
+// the MLP) and the MLP's moment beyond them (BlockActivations::backward_working,
 // mlp_working_bytes). `softmax_moment`: the attention core's backward is MarkSoftmaxBackward's
 // moment, not a term here.
 struct BackwardWorking {
-  int64_t held = 0, mlp_moment = 0;
+  std::vector<SavedTensor> held;
+  int64_t mlp_moment = 0;
 };
-BackwardWorking BackwardWorkingBytes(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, bool softmax_moment) {
+BackwardWorking BackwardWorkingOf(const ModelShape& m, const FsdpConfig& cfg, const Dims& d, bool softmax_moment) {
   const int64_t hT = d.h * d.tokens;
-  int64_t attention = 0;
-  if (softmax_moment) {
-    attention = 0;
-  } else if (cfg.attention != Attention::kEager) {
+  std::vector<SavedTensor> attention;
+  if (!softmax_moment && cfg.attention != Attention::kEager) {
     // dq, dk, dv (repeat_kv's: of every head) and the kernel's fp32 dq accumulator
     const int64_t kv_grad_heads = d.repeats_kv ? d.heads : d.kv_heads;
-    attention = d.c * (d.heads + 2 * kv_grad_heads) * d.head_dim * d.tokens + 4 * d.heads * d.head_dim * d.tokens;
+    attention = {{"grad.q", d.c * d.heads * d.head_dim * d.tokens},
+                 {"grad.k", d.c * kv_grad_heads * d.head_dim * d.tokens},
+                 {"grad.v", d.c * kv_grad_heads * d.head_dim * d.tokens},
+                 {"grad.q_accumulator_fp32", 4 * d.heads * d.head_dim * d.tokens}};
   }
   // rows per token through the experts: top-k, or every expert (Llama 4's dense dispatch)
   const int64_t mlp_factor = d.experts == 0 ? 1 : m.arch.experts_dense_dispatch ? d.experts : d.top_k;
   const int64_t mlp = (m.arch.mlp == MlpKind::kPlain ? 4 : 3) * d.c * d.inner * d.tokens * mlp_factor;
-  // transformers' RMSNorm backward runs in fp32 over the whole [T, h]; the fused CUDA kernel
-  // writes only the input's gradient (one of the two hidden-state gradients counted below)
-  const int64_t norm = d.fused_rms_norm ? 0 : 12 * hT;
-  const int64_t held = 2 * d.c * hT + std::max(attention, norm);
-  return {held, std::max<int64_t>(0, d.c * hT + mlp - held)};
+  // transformers' RMSNorm backward runs in fp32 over the whole [T, h], three such tensors at
+  // once (12 bytes a element); the fused CUDA kernel writes only the input's gradient (one of the
+  // two hidden-state gradients counted below)
+  std::vector<SavedTensor> norm;
+  if (!d.fused_rms_norm) norm.assign(3, SavedTensor{"grad.norm_fp32", 4 * hT});
+  BackwardWorking w;
+  w.held = {{"grad.hidden_in", d.c * hT}, {"grad.hidden_out", d.c * hT}};
+  const std::vector<SavedTensor>& larger = SumBytes(attention) > SumBytes(norm) ? attention : norm;
+  w.held.insert(w.held.end(), larger.begin(), larger.end());
+  w.mlp_moment = std::max<int64_t>(0, d.c * hT + mlp - SumBytes(w.held));
+  return w;
 }
 
 // The key and value states transformers 4.31 to 4.35 return per layer under use_cache
@@ -889,6 +897,7 @@ std::vector<int64_t> ModelBuffers(const ModelSpec& m, const FsdpConfig& cfg) {
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
 int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
 int64_t BlockActivations::SoftmaxBackwardBytes() const { return SumBytes(softmax_backward); }
+int64_t BlockActivations::BackwardWorkingBytes() const { return SumBytes(backward_working); }
 int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
@@ -939,8 +948,8 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   }
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
   if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, !a.cache.empty());
-  const BackwardWorking working = BackwardWorkingBytes(m, cfg, d, !a.softmax_backward.empty());
-  a.backward_working_bytes = working.held;
+  BackwardWorking working = BackwardWorkingOf(m, cfg, d, !a.softmax_backward.empty());
+  a.backward_working = std::move(working.held);
   a.mlp_working_bytes = working.mlp_moment;
   return a;
 }

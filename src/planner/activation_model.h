@@ -42,14 +42,16 @@ struct BlockActivations {
   std::vector<SavedTensor> kept;       ///< kept until backward under the configured checkpointing
   std::vector<SavedTensor> recomputed; ///< of `full`, what checkpointing re-creates for the block's backward (alive through it)
   /// Transient gradients held through the block's backward beyond its saved tensors: the
-  /// incoming and outgoing hidden-state gradients (2 c h a token) and the largest op-level
-  /// working set outside the MLP (SDPA's backward, transformers' fp32 norm backward); with
-  /// softmax_backward, the norms' only
-  int64_t backward_working_bytes = 0;
-  /// The MLP's moment beyond backward_working_bytes: right after the down projection's backward
+  /// incoming and outgoing hidden-state gradients (c h a token each) and the largest op-level
+  /// working set outside the MLP (SDPA's backward: dq, dk, dv and the kernel's fp32 dq
+  /// accumulator; transformers' fp32 norm backward: three fp32 [T, h]); with softmax_backward, the
+  /// norms' only. One tensor each, as the caching allocator gets them.
+  std::vector<SavedTensor> backward_working;
+  int64_t BackwardWorkingBytes() const;
+  /// The MLP's moment beyond backward_working: right after the down projection's backward
   /// (its weight gradient made, its saved input released) the product's backward holds three
   /// [T, I] gradients (3 c I a token for a gated MLP, 4 for GPT-2's) beside the incoming c h,
-  /// before the outgoing gradient exists: max(0, c h + mlp - backward_working_bytes). The memory
+  /// before the outgoing gradient exists: max(0, c h + mlp - BackwardWorkingBytes()). The memory
   /// model allocates and frees it there (Architecture::mlp_output), or, for routed experts
   /// without such a module, holds it through the MLP's backward.
   int64_t mlp_working_bytes = 0;

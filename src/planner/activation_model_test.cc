@@ -85,7 +85,11 @@ TEST_CASE("--impl torchtitan: nn.RMSNorm's fused CUDA kernel saves its input and
   // the backward's norm term (transformers' fp32 [T, h] temporaries, 12h) is gone: held through the
   // block are the two hidden-state gradients 2 x 2h and SDPA's backward (dq, dk, dv 3 x 2h and the
   // fp32 dq accumulator 4h)
-  CHECK(titan.backward_working_bytes == (2 * 2 * 4096 + 3 * 2 * 4096 + 4 * 4096) * 4096LL);
+  CHECK(titan.BackwardWorkingBytes() == (2 * 2 * 4096 + 3 * 2 * 4096 + 4 * 4096) * 4096LL);
+  // as six tensors, the allocator's blocks: the two hidden-state gradients, dq, dk, dv, the accumulator
+  std::vector<int64_t> held;
+  for (const SavedTensor& t : titan.backward_working) held.push_back(t.bytes / 4096);
+  CHECK(held == std::vector<int64_t>{2 * 4096, 2 * 4096, 2 * 4096, 2 * 4096, 2 * 4096, 4 * 4096});
   // the MLP's moment: the incoming 2h and its three 2I gradients, beyond what is held
   CHECK(titan.mlp_working_bytes == (2 * 4096 + 3 * 2 * 11008 - (2 * 2 * 4096 + 3 * 2 * 4096 + 4 * 4096)) * 4096LL);
   // torchtitan's RoPE table: complex64 [seq, head_dim / 2], 8 x 4096 x 64 bytes; transformers' none
@@ -172,7 +176,7 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   // attention's is the softmax's moment) held through the block; the MLP's moment (the incoming
   // 2h and SwiGLU's 3 x 2I) beyond them.
   const BlockActivations a = Profile("llama-2-7b", 4096, Attention::kEager);
-  CHECK(a.backward_working_bytes == (2 * 2 * 4096 + 12 * 4096) * 4096);
+  CHECK(a.BackwardWorkingBytes() == (2 * 2 * 4096 + 12 * 4096) * 4096);
   CHECK(a.mlp_working_bytes == (2 * 4096 + 3 * 2 * 11008 - (2 * 2 * 4096 + 12 * 4096)) * 4096);
   // The softmax's moment: the residual gradient 2h, v's gradient 2h (32 x 128 = h), and two fp32
   // gradients of the fp32 softmax's output, 2 x 4as.
@@ -190,7 +194,7 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   const int64_t after_core = 2 * 4096 + (4 * 4096 + 4 + 2 * 4096 + 2 * 4096) + 4 * 2 * 11008;
   CHECK(freed == (2 * 4096 + 2LL * 32 * 4096 + after_core) * 4096);
   CHECK(kept == ((4 * 4096 + 4 + 2 * 4096 + 2 * 4096) + 2 * 4096 + 2 * 4096 + 4LL * 32 * 4096) * 4096);
-  // flash: no such moment (SDPA's backward is a term of backward_working_bytes)
+  // flash: no such moment (SDPA's backward is a term of backward_working)
   CHECK(Profile("llama-2-7b", 4096, Attention::kFlash).SoftmaxBackwardBytes() == 0);
 }
 
@@ -233,7 +237,7 @@ TEST_CASE("GPT-2 eager backward: the MLP's moment, then the softmax's with the r
   const int64_t h = 768, inner = 3072, as1k = 12 * 1024;
   const BlockActivations a = Profile("gpt2", 1024, Attention::kEager);
   const int64_t held = (2 * 2 * h + 12 * h) * 1024;
-  CHECK(a.backward_working_bytes == held);
+  CHECK(a.BackwardWorkingBytes() == held);
   CHECK(a.mlp_working_bytes == 2 * h * 1024 + 4 * 2 * inner * 1024 - held);
   CHECK(a.SoftmaxBackwardBytes() == (2 * h + 2 * h + 2 * 2 * as1k) * 1024);
   // what has gone by then: dropout's mask as and output 2as, c_proj's input 2h and its dropout
@@ -252,7 +256,7 @@ TEST_CASE("GPT-2 eager backward: the MLP's moment, then the softmax's with the r
   c.attention = Attention::kEager;
   const int64_t as4k = 12 * 4096;
   const BlockActivations b = BlockActivationProfile(m.value(), c);
-  CHECK(b.backward_working_bytes == (2 * 2 * h + 12 * h) * 4096);
+  CHECK(b.BackwardWorkingBytes() == (2 * 2 * h + 12 * h) * 4096);
   CHECK(b.mlp_working_bytes == (2 * h + 4 * 2 * inner - (2 * 2 * h + 12 * h)) * 4096);
   CHECK(b.SoftmaxBackwardBytes() == (2 * h + 2 * h + 2 * 2 * as4k) * 4096);
 }
@@ -330,7 +334,7 @@ TEST_CASE("Routed experts save each token once per selected expert, as transform
   // the fp32 dq accumulator 4 x 32 x 128) and the norms' 12h; the MLP's moment beyond it: the
   // incoming 2h and three 2I gradients per routed pair
   const int64_t held = 2 * 2 * h + std::max<int64_t>(2 * 48 * 128 + 4 * 32 * 128, 12 * h);
-  CHECK(a.backward_working_bytes == held);
+  CHECK(a.BackwardWorkingBytes() == held);
   CHECK(a.mlp_working_bytes == 2 * h + 3 * 2 * inner * k - held);
   // qwen3-30b-a3b: top-8 of 128 experts of 768, h=2048, and Qwen3's per-head q/k norms
   a = Profile("qwen3-30b-a3b", 1, Attention::kFlash);

@@ -625,7 +625,8 @@ class StepPlayer {
           }
         }
         if (!BlockProfile(node_id).softmax_backward.empty()) {
-          softmax_block_ = SoftmaxBlock{node_id, ModuleUnder(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size()};
+          softmax_block_ = SoftmaxBlock{node_id, ModuleUnder(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size(),
+                                        BlockProfile(node_id).backward_working.size()};
         }
         {
           // the working gradients held through the block, and the MLP's moment beyond them: right
@@ -633,7 +634,7 @@ class StepPlayer {
           // experts have no such module (BlockActivations::mlp_working_bytes)
           const BlockActivations& profile = BlockProfile(node_id);
           ScheduleReleases(node_id, BlockCheckpointed(c_, w_.nodes[node_id].block));
-          transient.push_back(mem_.Alloc(Cat::kActivations, profile.backward_working_bytes));
+          for (const SavedTensor& t : profile.backward_working) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
           if (const int down = ModuleUnder(node_id, w_.model.arch.mlp_output); down >= 0) {
             mlp_moment_at_ = down;
             mlp_moment_bytes_ = profile.mlp_working_bytes;
@@ -690,11 +691,12 @@ class StepPlayer {
   struct SoftmaxBlock {
     int node = -1, output_projection = -1;  ///< the block, and its attention's output projection (-1: none)
     size_t saved_start = 0;                 ///< where its recomputed tensors begin in transients_
-    size_t working = 0;                     ///< its working transient's index in transients_
+    size_t working = 0;                     ///< where its working transients begin in transients_
+    size_t working_count = 0;               ///< and how many (BlockActivations::backward_working)
   };
   void SoftmaxBackward(const SoftmaxBlock& b) {
     const BlockActivations& profile = BlockProfile(b.node);
-    mem_.Free(transients_[b.working]);
+    for (size_t i = b.working; i < b.working + b.working_count; ++i) mem_.Free(transients_[i]);
     mem_.Free(mlp_working_);  // routed experts' MLP moment, where the MLP's end has not freed it
     for (size_t i = 0; i < profile.recomputed.size(); ++i) {
       if (profile.recomputed[i].freed_by_softmax_backward) mem_.Free(transients_[b.saved_start + i]);

@@ -67,7 +67,10 @@ TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
   CHECK(a.KeptBytes() == 1120);
   // Held through the block: 2ch*T = 128 and the larger of the norms' fp32 12hT = 192 and SDPA's
   // c(a + 2g)d T + 4adT = 192.
-  CHECK(a.backward_working_bytes == 320);
+  CHECK(a.BackwardWorkingBytes() == 320);
+  // as five tensors (on the tie, the norms'): the two hidden-state gradients and three fp32 [T, h]
+  CHECK(a.backward_working.size() == 5);
+  for (const SavedTensor& t : a.backward_working) CHECK(t.bytes == 64);
   // The MLP's moment: the incoming ch*T 64 and its 3cI*T = 384, 128 beyond what is held.
   CHECK(a.mlp_working_bytes == 128);
   HeadActivations head = HeadActivationProfile(w.model, w.config);
@@ -1052,7 +1055,8 @@ TEST_CASE("a block's backward releases each module's saved tensors as its backwa
   const auto deltas = ActivationAndGradientSteps(EstimateMemory(Build(c), exact), "backward: model.layers.1");
   using D = std::pair<int64_t, int64_t>;
   const std::vector<D> expected = {
-      {320, 0},                                            // the working gradients held through the block
+      {64, 0}, {64, 0},                                    // the working gradients held through the block: the
+      {64, 0}, {64, 0}, {64, 0},                           // hidden states' two and the norm's three fp32 [T, h]
       {0, 512}, {-128, 0},                                 // down_proj: its weight's gradient, its input released
       {128, 0}, {-128, 0},                                 // the MLP's moment: 64 + 384 less the 320 held
       {0, 512}, {0, 512},                                  // up_proj, gate_proj
@@ -1061,7 +1065,7 @@ TEST_CASE("a block's backward releases each module's saved tensors as its backwa
       {0, 256}, {0, 128}, {0, 128}, {0, 256},              // o, v, k, q
       {-64, 0}, {-64, 0}, {-32, 0}, {-32, 0}, {-16, 0}, {-64, 0},  // self_attn's end: the norm's output, q, k, v, lse, o's input
       {0, 32}, {-64, 0}, {-8, 0}, {-64, 0},                // input_layernorm
-      {-320, 0}};                                          // the block's end
+      {-64, 0}, {-64, 0}, {-64, 0}, {-64, 0}, {-64, 0}};   // the block's end
   CHECK(deltas == expected);
 }
 
@@ -1085,9 +1089,11 @@ TEST_CASE("routed experts, which have no down projection module, hold the MLP's 
   exact.record_timeline = true;
   const auto deltas = ActivationAndGradientSteps(EstimateMemory(w, exact), "backward: model.layers.3");
   REQUIRE(deltas.size() > 2);
-  CHECK(deltas[0] == std::pair<int64_t, int64_t>{profile.backward_working_bytes, 0});
-  CHECK(deltas[1] == std::pair<int64_t, int64_t>{profile.mlp_working_bytes, 0});
-  size_t moment_end = 2;
+  const size_t held = profile.backward_working.size();
+  REQUIRE(deltas.size() > held + 1);
+  for (size_t i = 0; i < held; ++i) CHECK(deltas[i] == std::pair<int64_t, int64_t>{profile.backward_working[i].bytes, 0});
+  CHECK(deltas[held] == std::pair<int64_t, int64_t>{profile.mlp_working_bytes, 0});
+  size_t moment_end = held + 1;
   int64_t mlp_grads = 0;
   for (; moment_end < deltas.size() && deltas[moment_end].first != -profile.mlp_working_bytes; ++moment_end) mlp_grads += deltas[moment_end].second;
   REQUIRE(moment_end + 1 < deltas.size());
