@@ -2,8 +2,12 @@
 
 #include <doctest/doctest.h>
 
+#include <map>
 #include <string>
 #include <vector>
+
+#include "core/catalog.h"
+#include "core/json_io.h"
 
 namespace fsdp {
 namespace {
@@ -262,6 +266,56 @@ TEST_CASE("expandable segments: a request past a whole range fails as an out-of-
   const auto h = a.Malloc(GiB, 0);  // one range holds it
   REQUIRE(h != CachingAllocator::kNoHandle);
   CHECK(a.stats().allocated_bytes == GiB);
+}
+
+// PyTorch's own requests, on an H200 (tools/torch_reference.py --memory-history: torch 2.11's
+// _record_memory_history of two steps of Llama 3.2 1B, FSDP2, full AC, micro-batch 8 x 4096;
+// docs/data/gpu_h200_2026-12-04_history/), replayed on this allocator from the layout the
+// recording started with: the segments the two steps added are PyTorch's, to the byte and in
+// number. The start layout is re-made block by block, so blocks under 1 MiB of a large segment
+// land in the small pool (4 MiB more at the start); what the steps add is what is compared.
+// free_completed is when PyTorch returned a block to its pool (after its recorded streams'
+// events), so it is this allocator's Free; other streams are one stream here.
+TEST_CASE("PyTorch's allocator history replayed: the segments it added, to the byte") {
+  auto doc = LoadJsonFile(DataDir() + "/docs/data/gpu_h200_2026-12-04_history/hist_llama32_ac_mb8_s4k.json");
+  REQUIRE(doc.ok());
+  const Json& h = doc.value();
+  CountingDeviceMemory device(int64_t{1} << 40, 150 * GiB);
+  CachingAllocator a(AllocatorConfig{}, device);
+  std::map<uint64_t, CachingAllocator::Handle> live;  // by PyTorch's address
+  std::vector<CachingAllocator::Handle> inactive;
+  int64_t start_bytes = 0, end_bytes = 0, segments_added = 0;
+  for (const Json& seg : h["segments_at_start"]) {  // [address, bytes, stream, pool, [[bytes, state], ...]]
+    const int stream = seg[2].get<int64_t>() == 0 ? 0 : 1;
+    start_bytes += seg[1].get<int64_t>();
+    if (seg[3] == "large") a.Free(a.Malloc(seg[1].get<int64_t>(), stream));  // the segment, then its blocks
+    uint64_t address = seg[0].get<uint64_t>();
+    for (const Json& block : seg[4]) {
+      const CachingAllocator::Handle b = a.Malloc(block[0].get<int64_t>(), stream);
+      if (block[1] == "active_allocated") live[address] = b;
+      else inactive.push_back(b);
+      address += block[0].get<uint64_t>();
+    }
+  }
+  for (CachingAllocator::Handle b : inactive) a.Free(b);
+  for (const Json& seg : h["segments_at_end"]) end_bytes += seg[1].get<int64_t>();
+  const int64_t reserved_at_start = a.stats().reserved_bytes, device_allocs_at_start = a.stats().num_device_alloc;
+  for (const Json& e : h["events"]) {  // [action, address, bytes, stream]
+    const uint64_t address = e[1].get<uint64_t>();
+    if (e[0] == "alloc") {
+      live[address] = a.Malloc(e[2].get<int64_t>(), e[3].get<int64_t>() == 0 ? 0 : 1);
+    } else if (e[0] == "free_completed") {
+      REQUIRE(live.count(address) == 1);
+      a.Free(live[address]);
+      live.erase(address);
+    } else if (e[0] == "segment_alloc") {
+      ++segments_added;
+    }
+  }
+  CHECK(reserved_at_start - start_bytes == 4 * MiB);
+  CHECK(a.stats().reserved_bytes - reserved_at_start == end_bytes - start_bytes);  // 67,578,626,048 bytes
+  CHECK(a.stats().num_device_alloc - device_allocs_at_start == segments_added);    // 30 segments
+  CHECK(a.stats().num_alloc_retries == 0);
 }
 
 TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
