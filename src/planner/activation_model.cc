@@ -637,6 +637,7 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
   if (roles.post_mlp >= 0) AddNorm(out, m.arch, norms.at(roles.post_mlp), d, {f.norm2 || Trains(FindOp(m, "down_proj")), norm_weight(roles.post_mlp)});
   if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", d.h * d.tokens});
   tag_releases(mlp_begin, m.arch.mlp_module);
+  for (size_t i = mlp_begin; i < out.size(); ++i) out[i].mlp_sublayer = true;
   return out;
 }
 

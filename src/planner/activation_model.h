@@ -29,6 +29,9 @@ struct SavedTensor {
   /// another input of the block's forward, held by a checkpointed block as its input and by an
   /// un-checkpointed one as what its ops save: kept under every checkpointing, never recomputed
   bool block_argument = false;
+  /// made by the block's MLP sub-layer (from the norm before it on), not by the attention
+  /// sub-layer: a checkpointed forward, under no_grad, has freed the attention's by then
+  bool mlp_sublayer = false;
   /// The module (path inside the block: Architecture::attention_module, mlp_module, mlp_output, a
   /// norm's) whose backward's end releases the tensor: autograd frees an op's saved tensors once
   /// the op's backward has run (torch/csrc/autograd/engine.cpp, release_variables). Empty: the

@@ -170,6 +170,29 @@ TEST_CASE("selective checkpointing with GQA keeps k and v at kv-head width") {
             Profile("llama-2-7b", seq, Attention::kEager, Checkpointing::kSelective).KeptBytes() == 6LL * 32 * seq * seq);
 }
 
+TEST_CASE("each saved tensor says which sub-layer makes it: the attention's die before the MLP's are made") {
+  // Llama: the first norm and self_attn make the attention's; the norm before the MLP on, the MLP's
+  for (const SavedTensor& t : Profile("llama-2-7b", 16, Attention::kEager).full) {
+    CAPTURE(t.name);
+    const bool mlp = t.name.starts_with("post_attention_layernorm.") || t.name.starts_with("mlp.");
+    CHECK(mlp == t.mlp_sublayer);
+    CHECK((mlp || t.name.starts_with("input_layernorm.") || t.name.starts_with("self_attn.") || t.name.starts_with("attn_core.")));
+  }
+  // Gemma 2 normalises the attention's output before the residual add (post_attention_layernorm,
+  // the attention sub-layer's) and the MLP's input and output (pre_ and post_feedforward_layernorm)
+  int attention = 0, mlp = 0;
+  for (const SavedTensor& t : Profile("gemma-2-9b", 16, Attention::kEager).full) {
+    CAPTURE(t.name);
+    const bool in_mlp = t.name.starts_with("pre_feedforward_layernorm.") || t.name.starts_with("post_feedforward_layernorm.") ||
+                        t.name.starts_with("mlp.");
+    CHECK(in_mlp == t.mlp_sublayer);
+    (t.mlp_sublayer ? mlp : attention) += 1;
+    if (t.name.starts_with("post_attention_layernorm.")) CHECK_FALSE(t.mlp_sublayer);
+  }
+  CHECK(attention > 0);
+  CHECK(mlp > 0);
+}
+
 TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's moment with the rest freed") {
   // llama-2-7b at seq 4096, bf16 (h 4096, 32 heads of 128, I 11008), per token. The MLP's term:
   // incoming and outgoing hidden-state gradients 2 x 2h and the norms' fp32 backward (12h; the

@@ -394,14 +394,21 @@ class StepPlayer {
   // allocator is that their segments exist before the head's logits are allocated: on the H200,
   // PyTorch's allocator history showed a checkpointed Llama's forward leaving 512 MiB segments
   // that the recomputation, and later AdamW's states, reuse, where a replay without them carved
-  // both out of the logits' segments (+19% reserved). They are handed out together and taken back
-  // at the block's end on the allocator only: PyTorch frees them one by one as the forward goes,
-  // so holding them together in the tensors' accounting could put a forward above the peak it has.
+  // both out of the logits' segments (+19% reserved). They are handed out on the allocator only,
+  // one sub-layer at a time: under no_grad nothing the attention sub-layer makes outlives it but
+  // its output (added into the residual stream), so its tensors are taken back before the MLP's
+  // are made (SavedTensor::mlp_sublayer). PyTorch frees them one by one as the forward goes, so
+  // holding a sub-layer's together in the tensors' accounting could put a forward above the peak
+  // it has.
   void ForwardIntermediates(const std::vector<SavedTensor>& tensors) {
-    std::vector<int64_t> bytes;
-    bytes.reserve(tensors.size());
-    for (const auto& t : tensors) bytes.push_back(t.bytes);
-    mem_.AllocatorOnly(bytes);
+    for (bool mlp : {false, true}) {
+      std::vector<int64_t> bytes;
+      bytes.reserve(tensors.size());
+      for (const auto& t : tensors) {
+        if (t.mlp_sublayer == mlp) bytes.push_back(t.bytes);
+      }
+      mem_.AllocatorOnly(bytes);
+    }
   }
 
   // BlockActivations::forward_moment: its tensors at once, then gone (after the block's batch of
