@@ -224,6 +224,11 @@ def build_parser():
                    help="run the forward with use_cache=True: transformers 4.31 to 4.35 return every layer's key and "
                         "value states (past_key_values), dropped with the output after the loss (kept with it under "
                         "--loop-holds-outputs), as fsdp-plan --use-cache")
+    p.add_argument("--hf-reentrant-checkpointing", action="store_true",
+                   help="--ac full as transformers 4.35 to 4.x's Trainer does it (gradient_checkpointing=True without "
+                        "kwargs): the model's gradient_checkpointing_enable(use_reentrant=True) and "
+                        "enable_input_require_grads() before FSDP1 wraps it, so each checkpoint runs around an "
+                        "FSDP-wrapped decoder layer; as fsdp-plan --ac-reentrant (FSDP1, transformers before 4.52)")
     p.add_argument("--init", default="", choices=("", "meta", "device"),
                    help="where the model is built: 'meta' (the default for FSDP2 from seeded weights: built "
                         "on the meta device, sharded, then to_empty and initialize_weights, as torchtitan and "
@@ -1124,9 +1129,21 @@ def main(argv=None):
             notes.append("param_dtype fp16 runs without loss scaling (no GradScaler)")
         if args.seq_len > args.model_dict.get("max_position_embeddings", args.seq_len):
             notes.append("seq_len exceeds max_position_embeddings (RoPE extrapolates)")
+        if args.hf_reentrant_checkpointing:
+            import transformers
+            if args.framework != "fsdp1" or args.ac != "full":
+                raise SystemExit("torch_reference: error: --hf-reentrant-checkpointing runs with --framework fsdp1 --ac full")
+            if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 52):
+                raise SystemExit("torch_reference: error: --hf-reentrant-checkpointing needs a transformers release whose "
+                                 f"model loop calls the checkpoint around each layer (before 4.52), not {transformers.__version__}")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            model.enable_input_require_grads()
+            notes.append("ac=full -> the model's gradient_checkpointing_enable(use_reentrant=True) and "
+                         "enable_input_require_grads() before FullyShardedDataParallel (the HF Trainer's "
+                         "gradient_checkpointing=True on transformers 4.35 to 4.x)")
         if args.framework == "fsdp1":
             model = shard_model_fsdp1(model, args, device)
-            if args.ac == "full":  # inside each FSDP unit, as fsdp-plan --export pytorch writes it
+            if args.ac == "full" and not args.hf_reentrant_checkpointing:  # inside each FSDP unit, as fsdp-plan --export pytorch writes it
                 apply_activation_checkpointing_fsdp1(model, args)
                 notes.append("ac=full -> apply_activation_checkpointing(checkpoint_wrapper NO_REENTRANT) "
                              "on each decoder layer after FullyShardedDataParallel")

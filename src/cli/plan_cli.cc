@@ -107,6 +107,11 @@ void PrintHeader(const Workload& w, std::ostream& out) {
     fmt::print(out, "use_cache=True: every layer returns its keys and values (past_key_values), alive {}\n",
                c.loop_holds_outputs ? "through the step" : "until the loss has been computed");
   }
+  if (c.ac_reentrant) {
+    fmt::print(out, "reentrant checkpointing (transformers' gradient_checkpointing_enable){}\n",
+               ReentrantHoldsInputs(c) ? ": FSDP1's frozen units keep each layer's input and its gradient until the end of backward"
+                                       : ": nothing held beyond non-reentrant checkpointing (FSDP2, or transformers 4.52 on)");
+  }
 }
 
 void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
@@ -322,6 +327,9 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
                "the training loop keeps `outputs` (outputs = model(...); outputs.loss.backward()): its logits live until the next forward");
   app.add_flag("--use-cache", f.config.use_cache,
                "the forward runs with use_cache=True (transformers 4.31 to 4.35, checkpointing not HF's own): every layer's keys and values live until the loop drops the output");
+  app.add_flag("--ac-reentrant", f.config.ac_reentrant,
+               "--ac full as transformers' gradient_checkpointing_enable() runs it (use_reentrant=True, 4.35 to 4.51: the HF Trainer's "
+               "gradient_checkpointing=True): under FSDP1, frozen units keep each layer's input and its gradient until backward ends");
   app.add_option("--cuda-context-bytes", f.cuda_context_bytes, "override the CUDA context size");
   app.add_option("--nccl-bytes", f.nccl_bytes, "override NCCL buffer bytes per communicator");
   app.add_option("--cublas-workspace-bytes", f.cublas_workspace_bytes, "override the cuBLAS workspace");

@@ -249,6 +249,7 @@ Result<PreparedRun> PrepareRun(const RunFlags& f, PlanFlags plan) {
     return Error::BadInput(fmt::format("fsdp-run runs transformers' Llama modules and wrap; --impl {} is a planning option (fsdp-plan, fsdp-sim)", ImplName(impl.value())));
   }
   if (plan.config.use_cache) return Error::BadInput("--use-cache describes transformers' forward; fsdp-run's own model keeps no key/value cache");
+  if (plan.config.ac_reentrant) return Error::BadInput("--ac-reentrant describes transformers' gradient checkpointing; fsdp-run checkpoints its own blocks non-reentrantly");
   if (auto version = ParseTransformersVersion(plan.transformers_version); !version.ok() || version.value() != TransformersVersion{}) {
     if (!version.ok()) return version.error();
     return Error::BadInput("--transformers-version plans an older transformers' loss; fsdp-run computes the loss as 5.24 does (fsdp-plan and fsdp-sim take it)");

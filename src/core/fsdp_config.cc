@@ -285,6 +285,21 @@ static Status ValidateUseCache(const FsdpConfig& c) {
   return {};
 }
 
+bool ReentrantHoldsInputs(const FsdpConfig& c) {
+  return c.ac_reentrant && c.framework == Framework::kFsdp1 && c.transformers < TransformersVersion{4, 52};
+}
+
+// --ac-reentrant: transformers' gradient checkpointing with use_reentrant=True
+static Status ValidateReentrant(const FsdpConfig& c) {
+  if (!c.ac_reentrant) return {};
+  if (c.checkpointing != Checkpointing::kFull) {
+    return Error::BadInput(fmt::format("--ac-reentrant describes transformers' gradient checkpointing of whole decoder layers: it needs --ac full, not --ac {}",
+                                       CheckpointingName(c.checkpointing)));
+  }
+  if (IsTorchtitan(c.impl)) return Error::BadInput(fmt::format("--impl {} checkpoints with torchtitan's own (non-reentrant) wrapper; --ac-reentrant does not apply", ImplName(c.impl)));
+  return {};
+}
+
 Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareSpec& hw) {
   if (Status s = CheckRange("--gpus", c.gpus, kMaxGpus); !s.ok()) return s;
   if (c.gpus_per_node == 0) c.gpus_per_node = std::min(hw.gpus_per_node, c.gpus);
@@ -346,6 +361,7 @@ Status ResolveAndValidate(FsdpConfig& c, const ModelSpec& model, const HardwareS
                                        TransformersVersionName(c.transformers)));
   }
   if (Status s = ValidateUseCache(c); !s.ok()) return s;
+  if (Status s = ValidateReentrant(c); !s.ok()) return s;
   return ValidateLora(c.lora, c.wrap);
 }
 

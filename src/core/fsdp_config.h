@@ -143,12 +143,28 @@ struct FsdpConfig {
   /// the loss; with loop_holds_outputs, at the next forward). A checkpoint_wrapper'd layer saves
   /// neither, so they come on top (llama-recipes of 2023: ~4 GB on Llama 2 7B, its PR #165).
   bool use_cache = false;
+  /// --ac full as transformers' own gradient_checkpointing_enable() runs it under the HF Trainer
+  /// (gradient_checkpointing=True with no kwargs): use_reentrant=True from 4.35 to at least 4.51,
+  /// the checkpoint called by the model's layer loop around each decoder layer, and so around its
+  /// FSDP1 unit. FSDP1 registers its reshard-only post-backward hook for a frozen flat parameter
+  /// (LoRA and QLoRA under peft's wrap) on the unit's input tensors when the unit's forward runs
+  /// with grad enabled (_runtime_utils.py, _register_post_backward_reshard_only_hook): that is the
+  /// reentrant recomputation, whose input is a detached leaf, so the hook holds its AccumulateGrad
+  /// node, the input and, once backward has run, its .grad until _finalize_params at the end of
+  /// backward. From 4.52 the layer checkpoints itself inside the unit (GradientCheckpointingLayer)
+  /// and nothing is held. Requires --ac full.
+  bool ac_reentrant = false;
   /// PYTORCH_CUDA_ALLOC_CONF, verbatim (core/caching_allocator.h parses it; "" is PyTorch's default).
   std::string alloc_conf;
   LoraConfig lora;                 ///< rank 0: full fine-tuning
   Impl impl = Impl::kTransformers;
   TransformersVersion transformers;  ///< the release under Impl::kTransformers (its loss path: HfLossOf)
 };
+
+/// FsdpConfig::ac_reentrant where it holds something: FSDP1 with transformers before 4.52 (whose
+/// layer loop calls the checkpoint around the FSDP unit). Which units it holds (frozen ones) is
+/// the workload's question.
+bool ReentrantHoldsInputs(const FsdpConfig& c);
 
 std::string_view StrategyName(Strategy s);        ///< "FULL_SHARD", ...
 std::string_view WrapPolicyName(WrapPolicy w);    ///< "block", "size", "none", "linear", "peft"

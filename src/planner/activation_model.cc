@@ -945,6 +945,14 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
         if (t.block_argument) a.kept.push_back(t);
         else if (!t.is_block_input) a.recomputed.push_back(t);
       }
+      // reentrant checkpointing (CheckpointFunction.backward) reruns the whole layer and holds its
+      // output through the layer's backward (`outputs = ctx.run_function(*detached_inputs)`, then
+      // torch.autograd.backward on them); non-reentrant recomputation stops once the saved
+      // tensors are back, before the last residual add
+      if (cfg.ac_reentrant) {
+        a.recomputed.push_back({"checkpoint.reentrant_output", d.c * d.h * d.tokens});
+        a.recomputed.back().mlp_sublayer = true;
+      }
       break;
   }
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
@@ -968,7 +976,9 @@ BlockProfiles BlockProfilesOf(const ModelSpec& m, const FsdpConfig& cfg) {
   p.of_block.resize(static_cast<size_t>(m.num_layers));
   for (int b = 0; b < m.num_layers; ++b) {
     const int64_t window = m.WindowOf(b);
-    const std::array<bool, 5> key = {m.arch.DenseLayer(b), m.LayerWithoutRope(b), BlockInputRequiresGrad(m, b), BlockCheckpointed(cfg, b),
+    // reentrant checkpointing needs an input that requires grad: transformers' enable_input_require_grads()
+    // makes a frozen embedding's output require it (the HF Trainer and TRL call it)
+    const std::array<bool, 5> key = {m.arch.DenseLayer(b), m.LayerWithoutRope(b), BlockInputRequiresGrad(m, b) || cfg.ac_reentrant, BlockCheckpointed(cfg, b),
                                      WindowMasksSdpa(cfg, window)};
     const auto known = std::find(keys.begin(), keys.end(), key);
     p.of_block[static_cast<size_t>(b)] = static_cast<size_t>(known - keys.begin());
@@ -995,7 +1005,7 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   // Under LoRA the final norm's weight and lm_head are frozen: the norm keeps what its input's
   // gradient needs and lm_head saves nothing.
   const std::string_view final_norm = LastComponent(m.arch.names.final_norm);
-  const NormGrad grad{BlockInputRequiresGrad(m, static_cast<int>(m.num_layers)), !m.arch.base_frozen};
+  const NormGrad grad{BlockInputRequiresGrad(m, static_cast<int>(m.num_layers)) || cfg.ac_reentrant, !m.arch.base_frozen};
   if (m.arch.norm == NormKind::kLayer) {
     AddNorm(head.final_norm, m.arch, final_norm, d, grad);
   } else {

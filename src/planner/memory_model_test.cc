@@ -876,6 +876,58 @@ TEST_CASE("LoRA under FSDP1 with use_orig_params: states for the adapters' parts
   CHECK(StartStates(peft) == 2 * 4 * (2 * (8 + 8 + 8 + 4)));
 }
 
+TEST_CASE("reentrant checkpointing under FSDP1: frozen units hold each layer's input, and from the next layer on its gradient, until backward ends") {
+  // The hand llama with three layers, fp32, 2 tokens: c h T = 4 x 8 x 2 = 64 bytes. LoRA on q and v
+  // under peft's wrap leaves every block's unit frozen. transformers 4.51 calls the checkpoint
+  // around the FSDP unit, 4.52 inside it (GradientCheckpointingLayer): the same loss path, the
+  // same reentrant recomputation (its output held through each layer's backward), only 4.51 holds.
+  auto json = ParseJson(
+      R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":3,)"
+      R"("num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64})", "hand3.json");
+  auto model = ModelFromHfConfig(json.value(), "hand3", "hand3.json");
+  REQUIRE(model.ok());
+  HardwareSpec hw;
+  hw.id = "test";
+  hw.memory_bytes = 1 << 30;
+  hw.gpus_per_node = 8;
+  FsdpConfig c = HandConfig();
+  c.gpus = 2;
+  c.lora.rank = 2;
+  c.wrap = WrapPolicy::kPeft;
+  c.checkpointing = Checkpointing::kFull;
+  c.ac_reentrant = true;
+  c.optimizer = Optimizer::kAdamW;  // so that the optimizer step records a point
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  const auto estimate = [&](TransformersVersion v) {
+    c.transformers = v;
+    auto w = BuildWorkload(model.value(), hw, c);
+    REQUIRE(w.ok());
+    return EstimateMemory(w.value(), o);
+  };
+  const MemoryEstimate holds = estimate({4, 51}), inside = estimate({4, 52});
+  const auto more = [&](const std::string& phase) { return PhaseMax(holds, phase) - PhaseMax(inside, phase); };
+  REQUIRE(PhaseMax(holds, "backward: model.layers.2") > 0);
+  REQUIRE(PhaseMax(holds, "optimizer step") > 0);
+  CHECK(more("backward: model.layers.2") == 0);
+  CHECK(more("backward: model.layers.1") == 64);           // layers.2's input
+  CHECK(more("backward: model.layers.0") == 64 + 64 + 64);  // layers.2's and 1's inputs, the gradient of layers.2's
+  CHECK(more("optimizer step") == 0);                       // released at the end of backward
+  // FSDP2, or a trainable unit (full fine-tuning), holds nothing
+  c.framework = Framework::kFsdp2;
+  c.wrap = WrapPolicy::kBlock;
+  const MemoryEstimate fsdp2 = estimate({4, 51}), fsdp2_inside = estimate({4, 52});
+  CHECK(PhaseMax(fsdp2, "backward: model.layers.0") == PhaseMax(fsdp2_inside, "backward: model.layers.0"));
+  c.framework = Framework::kFsdp1;
+  c.lora = LoraConfig{};
+  const MemoryEstimate full = estimate({4, 51}), full_inside = estimate({4, 52});
+  CHECK(PhaseMax(full, "backward: model.layers.0") == PhaseMax(full_inside, "backward: model.layers.0"));
+  // the reentrant recomputation's output: one c h T more through each checkpointed layer's backward
+  c.ac_reentrant = false;
+  const MemoryEstimate non_reentrant = estimate({4, 52});
+  CHECK(PhaseMax(full_inside, "backward: model.layers.1") - PhaseMax(non_reentrant, "backward: model.layers.1") == 64);
+}
+
 TEST_CASE("QLoRA under FSDP1 with peft's wrap: the base packed in bf16 and sharded, fp32 adapters, the quantization state on every rank") {
   FsdpConfig c = HandConfig();
   c.gpus = 2;

@@ -142,6 +142,7 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"use_orig_params", c.use_orig_params},
           {"loop_holds_outputs", c.loop_holds_outputs},
           {"use_cache", c.use_cache},
+          {"ac_reentrant", c.ac_reentrant},
           {"alloc_conf", c.alloc_conf}};
 }
 

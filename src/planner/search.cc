@@ -480,8 +480,12 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
   if (c.checkpointing != Checkpointing::kFull) add("--ac full", [](FsdpConfig& n) { n.checkpointing = Checkpointing::kFull; });
   // What the training code holds and need not: the keys and values of every layer (pass
   // use_cache=False, as llama-recipes' PR #165 did) and the output object (keep only the loss, its
-  // PR #41). Neither costs a step any time.
+  // PR #41), and under FSDP1 the inputs reentrant checkpointing leaves to frozen units' hooks
+  // (gradient_checkpointing_kwargs={"use_reentrant": False}). None costs a step any time.
   if (c.use_cache) add("without --use-cache (use_cache=False)", [](FsdpConfig& n) { n.use_cache = false; });
+  if (ReentrantHoldsInputs(c)) {
+    add("without --ac-reentrant (gradient_checkpointing_kwargs={\"use_reentrant\": False})", [](FsdpConfig& n) { n.ac_reentrant = false; });
+  }
   if (c.loop_holds_outputs) add("without --loop-holds-outputs (loss = model(**batch).loss)", [](FsdpConfig& n) { n.loop_holds_outputs = false; });
   // The allocator's own settings: expandable segments give back most of what fragmentation takes
   // (the per-stream cache and the holes left between differently sized blocks); max_split_size_mb
