@@ -9,6 +9,12 @@
 # in bf16 where FSDP runs without MixedPrecision (fms, llama-recipes' pure_bf16), SDPA / flash
 # attention except llama-recipes' 2023 run (transformers 4.31: eager), full checkpointing where
 # the run checkpoints (HF gradient_checkpointing, reentrant or not, checkpoints every layer).
+# fms-acceleration's benchmark (scripts/benchmarks/defaults.yaml: gradient_checkpointing: True, no
+# gradient_checkpointing_kwargs; accelerate.yaml: FSDP FULL_SHARD, mixed_precision 'no') runs the HF
+# Trainer on transformers 4.48.1, whose gradient_checkpointing_enable() then takes use_reentrant=True
+# (modeling_utils.py) and calls the checkpoint around each FSDP1-wrapped layer: --ac-reentrant, under
+# which the frozen LoRA / QLoRA units hold each layer's input and its gradient to the end of backward
+# (tools/reentrant_check.py measures it on CPU ranks).
 # llama-recipes at e5970e2e loads LlamaForCausalLM.from_pretrained without use_cache=False (Llama 2's
 # config has use_cache true) and checkpoints with torch's checkpoint_wrapper (policies/
 # activation_checkpointing_functions.py), not HF's gradient_checkpointing_enable, which is what turns
@@ -31,10 +37,10 @@ speed=f'tokens/s/GPU published {float(tp):6.0f} fsdp-plan {t:6.0f} {100*(t-float
 print(f'{\"$name\":36s} {kind:9s} published {pub/2**30:6.2f} GiB  fsdp-plan {v/2**30:6.2f} GiB {100*(v-pub)/pub:+6.1f}%  {speed}')
 "
 done <<'ROWS'
-#20 fms mistral7b lora 2xA100|15144870400|allocated|--model mistral-7b --gpu a100-80gb-sxm --gpus 2 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --master-dtype bf16 --reduce-dtype bf16 --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48|2946.3
-#21 fms mistral7b qlora 2xA100|9424594432|allocated|--model mistral-7b --gpu a100-80gb-sxm --gpus 2 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --master-dtype bf16 --reduce-dtype bf16 --qlora --qlora-double-quant --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48|2949.2
-#22 fms llama70b qlora 2xA100|46685287936|allocated|--model llama-2-70b --gpu a100-80gb-sxm --gpus 2 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --master-dtype bf16 --reduce-dtype bf16 --qlora --qlora-double-quant --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48|433.5
-#23 fms mistral7b full bf16|36225939968|allocated|--model mistral-7b --gpu a100-80gb-sxm --gpus 2 --master-dtype bf16 --reduce-dtype bf16 --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48|2777.2
+#20 fms mistral7b lora 2xA100|15144870400|allocated|--model mistral-7b --gpu a100-80gb-sxm --gpus 2 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --master-dtype bf16 --reduce-dtype bf16 --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48 --ac-reentrant|2946.3
+#21 fms mistral7b qlora 2xA100|9424594432|allocated|--model mistral-7b --gpu a100-80gb-sxm --gpus 2 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --master-dtype bf16 --reduce-dtype bf16 --qlora --qlora-double-quant --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48 --ac-reentrant|2949.2
+#22 fms llama70b qlora 2xA100|46685287936|allocated|--model llama-2-70b --gpu a100-80gb-sxm --gpus 2 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --master-dtype bf16 --reduce-dtype bf16 --qlora --qlora-double-quant --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48 --ac-reentrant|433.5
+#23 fms mistral7b full bf16|36225939968|allocated|--model mistral-7b --gpu a100-80gb-sxm --gpus 2 --master-dtype bf16 --reduce-dtype bf16 --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48 --ac-reentrant|2777.2
 #9 answerai llama7b qlora 2x3090|5594194575|reserved|--model llama-2-7b --gpu rtx-3090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --qlora --qlora-double-quant --seq-len 2048 --micro-batch 1 --ac full --transformers-version 4.38 --loop-holds-outputs
 #10 answerai llama7b lora 2x3090|10973880893|reserved|--model llama-2-7b --gpu rtx-3090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --seq-len 2048 --micro-batch 1 --ac full --transformers-version 4.38 --loop-holds-outputs
 #10 answerai llama7b lora 3090 alloc|9835475107|allocated|--model llama-2-7b --gpu rtx-3090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --seq-len 2048 --micro-batch 1 --ac full --transformers-version 4.38 --loop-holds-outputs
