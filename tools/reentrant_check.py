@@ -9,7 +9,7 @@ the input and its gradient until _finalize_params at the end of backward.
 
 This runs one step of a peft LoRA Llama under FullyShardedDataParallel (peft's fsdp_auto_wrap_policy,
 pure bf16, no MixedPrecision, as fms-acceleration's benchmark runs it) twice, with HF's gradient
-checkpointing reentrant and non-reentrant, and counts the bytes of the tensors the step makes (a
+checkpointing reentrant (and enable_input_require_grads, which it needs) and non-reentrant, and counts the bytes of the tensors the step makes (a
 dispatch mode that follows every new storage until it is freed; FSDP1's frozen flat parameters are
 beyond MemTracker). The difference of the two peaks is set against fsdp-plan's, with and without
 --ac-reentrant. Needs a transformers before 4.52 on PYTHONPATH (./fsdpkit test installs 4.48.1 in the
@@ -50,7 +50,8 @@ def run_rank(mode, model_path, out):
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-    model.enable_input_require_grads()
+    if mode == "reentrant":  # which reentrant checkpointing needs (the HF Trainer and TRL call it), as fsdp-plan --ac-reentrant
+        model.enable_input_require_grads()
     model = FullyShardedDataParallel(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), sharding_strategy=ShardingStrategy.FULL_SHARD,
                                      backward_prefetch=BackwardPrefetch.BACKWARD_PRE, limit_all_gathers=True, device_id=torch.device("cpu"))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)

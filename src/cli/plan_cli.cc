@@ -109,7 +109,7 @@ void PrintHeader(const Workload& w, std::ostream& out) {
   }
   if (c.ac_reentrant) {
     fmt::print(out, "reentrant checkpointing (transformers' gradient_checkpointing_enable){}\n",
-               ReentrantHoldsInputs(c) ? ": FSDP1's frozen units keep each layer's input and its gradient until the end of backward"
+               ReentrantHoldsInputs(c) ? ": FSDP1's frozen layer units (LoRA, QLoRA) keep each layer's input and its gradient until the end of backward"
                                        : ": nothing held beyond non-reentrant checkpointing (FSDP2, or transformers 4.52 on)");
   }
 }

@@ -297,6 +297,10 @@ static Status ValidateReentrant(const FsdpConfig& c) {
                                        CheckpointingName(c.checkpointing)));
   }
   if (IsTorchtitan(c.impl)) return Error::BadInput(fmt::format("--impl {} checkpoints with torchtitan's own (non-reentrant) wrapper; --ac-reentrant does not apply", ImplName(c.impl)));
+  if (c.ac_every != 1) {
+    return Error::BadInput(fmt::format("--ac-reentrant: transformers' gradient checkpointing checkpoints every decoder layer, not every {}", c.ac_every));
+  }
+  if (c.use_cache) return Error::BadInput("--ac-reentrant with --use-cache: transformers' gradient checkpointing sets use_cache=False in training");
   return {};
 }
 

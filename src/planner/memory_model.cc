@@ -314,7 +314,7 @@ class StepPlayer {
         mem_.Free(fsdp2_deferred_);
         for (BlockId& b : reentrant_held_) mem_.Free(b);  // _finalize_params removes the hooks
         reentrant_held_.clear();
-        reentrant_blocks_done_ = 0;
+        reentrant_above_held_ = false;
         mem_.ReleaseAllPending();
         break;
       case ActionKind::kOptimizer: OptimizerStep(); break;
@@ -407,8 +407,8 @@ class StepPlayer {
     for (bool mlp : {false, true}) {
       std::vector<int64_t> bytes;
       bytes.reserve(tensors.size());
-      for (const auto& t : tensors) {
-        if (t.mlp_sublayer == mlp) bytes.push_back(t.bytes);
+      for (const auto& t : tensors) {  // (the reentrant recomputation's output is the next block's input here)
+        if (t.mlp_sublayer == mlp && t.name != "checkpoint.reentrant_output") bytes.push_back(t.bytes);
       }
       mem_.AllocatorOnly(bytes);
     }
@@ -560,8 +560,16 @@ class StepPlayer {
   // torch 2.11 (FSDP1, peft LoRA under peft's wrap, llama-100m 2k vocab, 2 x 1024): each layer's
   // recomputation starts 2 c h T higher than the last (6 MiB), where non-reentrant
   // checkpointing's starts c h T lower, after a first step of c h T.
+  // Blocks run their backward from the last to the first: at block k's end the gradient of the
+  // block above's input (block k's incoming gradient, needed until now) stays held if that block's
+  // input is; the first block's own input gradient stays with it (the embedding's output, a leaf
+  // under enable_input_require_grads, keeps it as its .grad too).
   void HoldReentrantInput(int block_node) {
-    if (!ReentrantHoldsInputs(c_) || !BlockCheckpointed(c_, w_.nodes[block_node].block) || !UnitFrozen(OwningUnit(block_node))) return;
+    if (!ReentrantHoldsInputs(c_)) return;
+    const int64_t hidden_bytes = pb_ * w_.model.hidden_size * c_.micro_batch * c_.seq_len;
+    if (reentrant_above_held_) reentrant_held_.push_back(mem_.Alloc(Cat::kActivations, hidden_bytes));
+    reentrant_above_held_ = HoldsReentrantInput(block_node);
+    if (!reentrant_above_held_) return;
     const std::vector<SavedTensor>& kept = BlockProfile(block_node).kept;
     std::vector<BlockId>& saved = node_saved_[block_node];
     for (size_t i = 0; i < kept.size() && i < saved.size(); ++i) {
@@ -569,10 +577,18 @@ class StepPlayer {
       reentrant_held_.push_back(saved[i]);
       saved[i] = kNoBlock;
     }
-    if (reentrant_blocks_done_++ > 0) reentrant_held_.push_back(mem_.Alloc(Cat::kActivations, pb_ * w_.model.hidden_size * c_.micro_batch * c_.seq_len));
+    if (w_.nodes[block_node].block == 0) {
+      reentrant_held_.push_back(mem_.Alloc(Cat::kActivations, hidden_bytes));
+      reentrant_above_held_ = false;
+    }
   }
 
-  bool UnitFrozen(int unit) const {
+  // The block is an FSDP1 unit of its own whose flat parameter is frozen, and its checkpoint (run
+  // around the unit) recomputes it. (Frozen units inside a block, --wrap linear, register their
+  // hooks on tensors of the recomputed graph, not on its input: not modelled.)
+  bool HoldsReentrantInput(int block_node) const {
+    const int unit = w_.nodes[block_node].unit;
+    if (unit < 0 || !BlockCheckpointed(c_, w_.nodes[block_node].block)) return false;
     for (int t : w_.units[unit].tensors) {
       if (w_.model.tensors[t].trainable) return false;
     }
@@ -928,7 +944,7 @@ class StepPlayer {
   /// FsdpConfig::ac_reentrant under FSDP1: the inputs of the frozen blocks whose backward has run
   /// and the gradients computed for them, held by FSDP1's reshard-only hooks until backward ends
   std::vector<BlockId> reentrant_held_;
-  int reentrant_blocks_done_ = 0;
+  bool reentrant_above_held_ = false;  ///< the block whose backward ran last holds its input
 };
 
 int64_t CommunicatorCount(const Workload& w) {
