@@ -314,7 +314,7 @@ class StepPlayer {
         mem_.Free(fsdp2_deferred_);
         for (BlockId& b : reentrant_held_) mem_.Free(b);  // _finalize_params removes the hooks
         reentrant_held_.clear();
-        reentrant_above_held_ = false;
+        reentrant_above_grad_bytes_ = 0;
         mem_.ReleaseAllPending();
         break;
       case ActionKind::kOptimizer: OptimizerStep(); break;
@@ -566,20 +566,20 @@ class StepPlayer {
   // under enable_input_require_grads, keeps it as its .grad too).
   void HoldReentrantInput(int block_node) {
     if (!ReentrantHoldsInputs(c_)) return;
-    const int64_t hidden_bytes = pb_ * w_.model.hidden_size * c_.micro_batch * c_.seq_len;
-    if (reentrant_above_held_) reentrant_held_.push_back(mem_.Alloc(Cat::kActivations, hidden_bytes));
-    reentrant_above_held_ = HoldsReentrantInput(block_node);
-    if (!reentrant_above_held_) return;
+    if (reentrant_above_grad_bytes_ > 0) reentrant_held_.push_back(mem_.Alloc(Cat::kActivations, reentrant_above_grad_bytes_));
+    reentrant_above_grad_bytes_ = 0;
+    if (!HoldsReentrantInput(block_node)) return;
     const std::vector<SavedTensor>& kept = BlockProfile(block_node).kept;
     std::vector<BlockId>& saved = node_saved_[block_node];
     for (size_t i = 0; i < kept.size() && i < saved.size(); ++i) {
       if (kept[i].name != "checkpoint.block_input" || saved[i] == kNoBlock) continue;
       reentrant_held_.push_back(saved[i]);
       saved[i] = kNoBlock;
+      reentrant_above_grad_bytes_ = kept[i].bytes;  // its gradient has the input's shape
     }
-    if (w_.nodes[block_node].block == 0) {
-      reentrant_held_.push_back(mem_.Alloc(Cat::kActivations, hidden_bytes));
-      reentrant_above_held_ = false;
+    if (w_.nodes[block_node].block == 0 && reentrant_above_grad_bytes_ > 0) {
+      reentrant_held_.push_back(mem_.Alloc(Cat::kActivations, reentrant_above_grad_bytes_));
+      reentrant_above_grad_bytes_ = 0;
     }
   }
 
@@ -678,8 +678,7 @@ class StepPlayer {
           }
         }
         if (!BlockProfile(node_id).softmax_backward.empty()) {
-          softmax_block_ = SoftmaxBlock{node_id, ModuleUnder(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size(),
-                                        BlockProfile(node_id).backward_working.size()};
+          softmax_block_ = SoftmaxBlock{node_id, ModuleUnder(node_id, w_.model.arch.attention_output), transient_starts_.back(), transient.size()};
         }
         {
           // the working gradients held through the block, and the MLP's moment beyond them: right
@@ -744,12 +743,11 @@ class StepPlayer {
   struct SoftmaxBlock {
     int node = -1, output_projection = -1;  ///< the block, and its attention's output projection (-1: none)
     size_t saved_start = 0;                 ///< where its recomputed tensors begin in transients_
-    size_t working = 0;                     ///< where its working transients begin in transients_
-    size_t working_count = 0;               ///< and how many (BlockActivations::backward_working)
+    size_t working = 0;                     ///< where its working transients (BlockActivations::backward_working) begin in transients_
   };
   void SoftmaxBackward(const SoftmaxBlock& b) {
     const BlockActivations& profile = BlockProfile(b.node);
-    for (size_t i = b.working; i < b.working + b.working_count; ++i) mem_.Free(transients_[i]);
+    for (size_t i = 0; i < profile.backward_working.size(); ++i) mem_.Free(transients_[b.working + i]);
     mem_.Free(mlp_working_);  // routed experts' MLP moment, where the MLP's end has not freed it
     for (size_t i = 0; i < profile.recomputed.size(); ++i) {
       if (profile.recomputed[i].freed_by_softmax_backward) mem_.Free(transients_[b.saved_start + i]);
@@ -944,7 +942,7 @@ class StepPlayer {
   /// FsdpConfig::ac_reentrant under FSDP1: the inputs of the frozen blocks whose backward has run
   /// and the gradients computed for them, held by FSDP1's reshard-only hooks until backward ends
   std::vector<BlockId> reentrant_held_;
-  bool reentrant_above_held_ = false;  ///< the block whose backward ran last holds its input
+  int64_t reentrant_above_grad_bytes_ = 0;  ///< the held input's bytes of the block whose backward ran last (0: none held)
 };
 
 int64_t CommunicatorCount(const Workload& w) {

@@ -756,7 +756,7 @@ TEST_CASE("eager attention's softmax backward: its gradients as separate blocks 
   INFO((w.ok() ? std::string() : w.error().message));
   REQUIRE(w.ok());
   const MemoryEstimate e = EstimateMemory(w.value());
-  const BlockActivations& block = BlockActivationProfile(w.value().model, c);
+  const BlockActivations block = BlockActivationProfile(w.value().model, w.value().config);
   REQUIRE(block.softmax_backward.size() == 4);
   const int64_t scores_fp32 = 4LL * 4 * 32 * 2048 * 2048;  // B a s s, fp32: 2 GiB
   CHECK(block.softmax_backward[2].bytes == scores_fp32);
