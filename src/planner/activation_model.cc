@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <initializer_list>
+#include <limits>
 #include <set>
 #include <string>
 #include <utility>
@@ -14,6 +15,17 @@
 
 namespace fsdp {
 namespace {
+
+// No eager core's forward moment in a block (AddSplitAttention)
+constexpr size_t kNoMoment = std::numeric_limits<size_t>::max();
+
+// Whether BlockActivations::forward_moment is modelled for this block's eager core: split q, k,
+// v projections with a Llama-style fp32 softmax or gpt-oss's sink logits (not GPT-2's fused
+// core, MLA's, Gemma 2's soft-capping or attention dropout)
+bool EagerCoreMomentModelled(const ModelShape& m) {
+  return !m.arch.fused_qkv && !m.mla.enabled() && m.attn_logit_softcapping <= 0 && m.attention_dropout <= 0 &&
+         (m.arch.softmax_fp32 || m.attention_sinks);
+}
 
 std::string_view LastComponent(std::string_view path) {
   const size_t dot = path.rfind('.');
@@ -196,7 +208,11 @@ void AddAttentionCore(std::vector<SavedTensor>& out, const ModelShape& m, const 
 // [B, s, a, d] underneath, so HF's transpose(1, 2).contiguous() copies nothing and o_proj saves
 // that same tensor (counted once, as o_proj_in). Eager q k^T saves q for k's gradient and k for
 // q's; SDPA saves all of them once any requires grad.
-void AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
+//
+// Returns where in `out` an eager core's highest forward moment falls (EagerCoreMoment): before its
+// probabilities where the softmax itself is that moment (a bf16 softmax's fp32 copy; a
+// sink-joined core's subtraction), else after the core; kNoMoment for SDPA.
+size_t AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const FsdpConfig& cfg, const Dims& d, const BlockFlow& f) {
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
   const ParamOp* fused_qkv = FindOp(m, "qkv_proj");
   for (const char* name : {"q_proj", "k_proj", "v_proj", "qkv_proj"}) AddLoraSaved(out, FindOp(m, name), f.norm1, d);
@@ -237,12 +253,20 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const
   }
   if (m.nope && m.nope_temperature_tuning && f.q) out.push_back({"self_attn.attn_scales", 4 * d.seq});
   const bool eager = cfg.attention == Attention::kEager;
+  size_t moment_at = kNoMoment;
   if (eager ? f.k : f.attn_out) out.push_back({"self_attn.q_rope", d.c * q});
   if (eager) {
     const bool gqa = d.kv_heads < d.heads;
     if (f.q) out.push_back({"self_attn.k_repeated", d.c * q, gqa});
     if (f.scores) out.push_back({"self_attn.v_repeated", d.c * q, gqa});
+    const size_t core_begin = out.size();
     AddAttentionCore(out, m, cfg, d, f);
+    moment_at = out.size();
+    if (cfg.param_dtype == DType::kBf16 || m.attention_sinks) {
+      for (size_t i = core_begin; i < out.size(); ++i) {
+        if (out[i].name == "attn_core.probs") moment_at = i;
+      }
+    }
   } else if (f.attn_out && d.masked) {
     // With a mask transformers' use_gqa_in_sdpa is false: repeat_kv expands k and v to every head
     // (with as many kv heads as heads it returns them), and SDPA converts the boolean mask into
@@ -275,6 +299,7 @@ void AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, const
   const ParamOp* o = FindOp(m, "o_proj");
   if ((!eager && f.attn_out) || SavesInput(o)) out.push_back({"self_attn.o_proj_in", d.c * q});
   AddLoraSaved(out, o, f.attn_out, d);
+  return moment_at;
 }
 
 // DeepSeek's multi-head latent attention (DeepseekV3Attention, ModelShape::mla). q_a_proj and
@@ -621,12 +646,13 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
     out.push_back({"block.rope_cache_cast", d.c * d.seq * 2 * d.head_dim});
     out.back().block_argument = true;
   }
+  size_t moment_at = kNoMoment;
   if (m.arch.fused_qkv) {
     AddFusedAttention(out, m, cfg, d, f);
   } else if (m.mla.enabled()) {
     AddLatentAttention(out, m, cfg, d, f);
   } else {
-    AddSplitAttention(out, m, cfg, d, f);
+    moment_at = AddSplitAttention(out, m, cfg, d, f);
   }
   if (roles.post_attn >= 0) AddNorm(out, m.arch, norms.at(roles.post_attn), d, {f.attn_out || Trains(FindOp(m, "o_proj")), norm_weight(roles.post_attn)});
   if (m.residual_dropout > 0) out.push_back({"attn.resid_dropout_mask", d.h * d.tokens});
@@ -638,6 +664,9 @@ std::vector<SavedTensor> BlockSaved(const ModelShape& m, const FsdpConfig& cfg, 
   if (m.residual_dropout > 0) out.push_back({"mlp.dropout_mask", d.h * d.tokens});
   tag_releases(mlp_begin, m.arch.mlp_module);
   for (size_t i = mlp_begin; i < out.size(); ++i) out[i].mlp_sublayer = true;
+  if (EagerCoreMomentModelled(m)) {
+    for (size_t i = moment_at; i < out.size(); ++i) out[i].after_forward_moment = true;
+  }
   return out;
 }
 
@@ -827,25 +856,80 @@ std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedT
   return cache;
 }
 
-// A fully checkpointed block's forward at eager attention's softmax (eager_attention_forward of
-// 5.x; LlamaAttention.forward of 4.31 to 4.35 the same way): `attn_weights = softmax(attn_weights,
-// dtype=float32).to(query.dtype)` with the masked scores still bound to attn_weights. ATen's
-// softmax(input, dim, dtype) (aten/src/ATen/native/SoftMax.cpp) fuses the upcast only for fp16 on
-// CUDA (_softmax(half_to_float=true)); a bf16 input is first converted to a fp32 copy, alive while
+// The tensors alive at an eager core's highest forward moment that `kept` does not hold (a
+// block's forward allocates its kept tensors before the moment unless flagged
+// after_forward_moment). Llama-style (eager_attention_forward of 5.x; LlamaAttention.forward of
+// 4.31 to 4.35 the same way): `attn_weights = softmax(attn_weights, dtype=float32).to(query.dtype)`
+// with the masked scores still bound to attn_weights. ATen's softmax(input, dim, dtype)
+// (aten/src/ATen/native/SoftMax.cpp) fuses the upcast only for fp16 on CUDA
+// (_softmax(half_to_float=true)); a bf16 input is first converted to a fp32 copy, alive while
 // _softmax writes its fp32 output: scores + copy + output, 10 bytes a score. Otherwise the highest
 // moment is the cast back: scores + fp32 softmax + probabilities (fp16: 8 bytes; under fp32 the
-// copy and the cast return their inputs: 8). Alive beside them: the normed hidden states the
-// projections read (pre-norm blocks), q after RoPE, k and v (unless `cached`: the cache's, which a
-// checkpointed block keeps whole, allocated already) and, with GQA, repeat_kv's copies. The block's input
-// is the checkpoint's, kept already. Measured on the CPU (tools/peak_trace.py, transformers 4.31,
-// llama-24-layers-2k-vocab.json): the peak is at aten._softmax with the scores, the fp32 copy and
-// the output alive.
-std::vector<SavedTensor> EagerSoftmaxForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached) {
-  if (m.arch.fused_qkv || m.mla.enabled() || !m.arch.softmax_fp32 || m.attention_sinks || m.attn_logit_softcapping > 0 ||
-      m.attention_dropout > 0) {
-    return {};
-  }
+// copy and the cast return their inputs: 8). gpt-oss (GptOss eager_attention_forward): the masked
+// scores stay bound to attn_weights until the dropout line, and at the subtraction of the row
+// maximum its join with the sink logits (torch.cat, one more key) and the difference are alive
+// beside the maximum's values: c (s + (s + 1) + (s + 1) + 1) a score row; the softmax's moment
+// after it holds the same less the row maximum. Measured on the CPU (tools/peak_trace.py):
+// transformers 4.31's llama-24-layers-2k-vocab.json under --ac full peaks at aten._softmax with
+// the scores, the fp32 copy and the output alive; gpt-oss-tiny.json un-checkpointed at 2 x 2048
+// at aten.sub.Tensor in its last block's forward, with these and what the block saved before.
+std::vector<SavedTensor> EagerCoreMoment(const ModelShape& m, const Dims& d, bool bf16, const std::vector<SavedTensor>& kept) {
+  if (!EagerCoreMomentModelled(m)) return {};
   const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
+  auto held = [&](std::string_view name) {
+    return std::any_of(kept.begin(), kept.end(), [&](const SavedTensor& t) { return t.name == name; });
+  };
+  // `matmul(q, k^T) * scaling + mask`: the product, then its scaled copy, each freed once the
+  // next exists; the masked scores stay
+  std::vector<SavedTensor> moment = {{"moment.scores_product", d.c * scores}, {"moment.scores_scaled", d.c * scores}, {"moment.scores", d.c * scores}};
+  moment[0].freed_by_next_in_moment = moment[1].freed_by_next_in_moment = true;
+  if (m.attention_sinks) {
+    const int64_t joined = d.c * (scores + d.heads * d.tokens);  // one more key: the sink
+    moment.push_back({"moment.joined", joined});
+    moment.push_back({"moment.row_max", d.c * d.heads * d.tokens});
+    moment.push_back({"moment.shifted", joined});
+    return moment;
+  }
+  if (bf16) moment.push_back({"moment.scores_fp32", 4 * scores});
+  if (!held("attn_core.softmax_fp32")) moment.push_back({"moment.softmax", 4 * scores});
+  if (!bf16 && d.c != 4 && !held("attn_core.probs")) moment.push_back({"moment.probs", d.c * scores});  // fp16: the cast back
+  return moment;
+}
+
+// An un-checkpointed (or selectively checkpointed) block's forward at its eager core's moment:
+// the core's tensors it does not keep, and what the attention function holds unsaved beside
+// them: the block's input, bound as the residual (in fp32 the norm's upcast returns that very
+// tensor, kept already; a block whose projections read it saves it), and with GQA k after RoPE
+// and v at kv-head width, whose products save repeat_kv's copies instead (selective
+// checkpointing keeps them as the function's inputs; use_cache, `cached`, as the cache's).
+// tools/peak_trace.py, gpt-oss-tiny.json at 2 x 2048: the last block's forward holds these.
+std::vector<SavedTensor> UncheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached,
+                                                     const std::vector<SavedTensor>& kept) {
+  const std::vector<SavedTensor> core = EagerCoreMoment(m, d, bf16, kept);
+  if (core.empty()) return {};
+  auto kept_any = [&](auto&& pred) { return std::any_of(kept.begin(), kept.end(), pred); };
+  std::vector<SavedTensor> moment;
+  if (d.c != 4 && !kept_any([](const SavedTensor& t) { return t.is_block_input || t.name == "block.input"; })) {
+    moment.push_back({"moment.residual", d.c * d.h * d.tokens});
+  }
+  if (d.kv_heads < d.heads && !cached && !kept_any([](const SavedTensor& t) { return t.name == "attn_core.k_input"; })) {
+    const int64_t kv = d.kv_heads * d.head_dim * d.tokens;
+    moment.push_back({"moment.k_rope", d.c * kv});
+    moment.push_back({"moment.v", d.c * kv});
+  }
+  moment.insert(moment.end(), core.begin(), core.end());
+  return moment;
+}
+
+// A fully checkpointed block's forward (no_grad) at its eager core's moment: the core's tensors
+// (none kept) and the inputs it reads: the normed hidden states the projections read (pre-norm
+// blocks), q after RoPE, k and v (unless `cached`: the cache's, which a checkpointed block keeps
+// whole, allocated already) and, with GQA, repeat_kv's copies. The block's input is the
+// checkpoint's, kept already.
+std::vector<SavedTensor> CheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached,
+                                                   const std::vector<SavedTensor>& kept) {
+  std::vector<SavedTensor> core = EagerCoreMoment(m, d, bf16, kept);
+  if (core.empty()) return {};
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
   std::vector<SavedTensor> moment;
   if (RolesOf(m.arch.norm_placement).pre_attn >= 0) moment.push_back({"moment.normed", d.c * d.h * d.tokens});
@@ -858,10 +942,7 @@ std::vector<SavedTensor> EagerSoftmaxForwardMoment(const ModelShape& m, const Di
     moment.push_back({"moment.k_repeated", d.c * q});
     moment.push_back({"moment.v_repeated", d.c * q});
   }
-  moment.push_back({"moment.scores", d.c * scores});
-  if (bf16) moment.push_back({"moment.scores_fp32", 4 * scores});
-  moment.push_back({"moment.softmax", 4 * scores});
-  if (!bf16 && d.c != 4) moment.push_back({"moment.probs", d.c * scores});  // fp16: the cast back
+  moment.insert(moment.end(), core.begin(), core.end());
   return moment;
 }
 
@@ -899,6 +980,11 @@ int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
 int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
 int64_t BlockActivations::SoftmaxBackwardBytes() const { return SumBytes(softmax_backward); }
 int64_t BlockActivations::BackwardWorkingBytes() const { return SumBytes(backward_working); }
+int64_t BlockActivations::ForwardMomentBytes() const {
+  int64_t total = 0;
+  for (const auto& t : forward_moment) total += t.freed_by_next_in_moment ? 0 : t.bytes;
+  return total;
+}
 int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
@@ -956,7 +1042,11 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       break;
   }
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
-  if (cfg.checkpointing == Checkpointing::kFull && cfg.attention == Attention::kEager) a.forward_moment = EagerSoftmaxForwardMoment(m, d, cfg.param_dtype == DType::kBf16, !a.cache.empty());
+  if (cfg.attention == Attention::kEager) {
+    const bool bf16 = cfg.param_dtype == DType::kBf16;
+    if (cfg.checkpointing == Checkpointing::kFull) a.forward_moment = CheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
+    else if (cfg.checkpointing != Checkpointing::kSelectiveOp) a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
+  }
   BackwardWorking working = BackwardWorkingOf(m, cfg, d, !a.softmax_backward.empty());
   a.backward_working = std::move(working.held);
   a.mlp_working_bytes = working.mlp_moment;

@@ -32,6 +32,14 @@ struct SavedTensor {
   /// made by the block's MLP sub-layer (from the norm before it on), not by the attention
   /// sub-layer: a checkpointed forward, under no_grad, has freed the attention's by then
   bool mlp_sublayer = false;
+  /// made after the eager attention core's highest forward moment (BlockActivations::
+  /// forward_moment): the probabilities when the softmax's own moment is the higher (bf16, or a
+  /// sink-joined core), and everything the block makes after its core. An un-checkpointed or
+  /// selectively checkpointed forward allocates these once that moment's transients are gone.
+  bool after_forward_moment = false;
+  /// in BlockActivations::forward_moment: freed once the moment's next tensor is allocated (q k^T's
+  /// raw product and its scaled copy, each replaced by the next op's result)
+  bool freed_by_next_in_moment = false;
   /// The module (path inside the block: Architecture::attention_module, mlp_module, mlp_output, a
   /// norm's) whose backward's end releases the tensor: autograd frees an op's saved tensors once
   /// the op's backward has run (torch/csrc/autograd/engine.cpp, release_variables). Empty: the
@@ -71,14 +79,18 @@ struct BlockActivations {
   /// them unless it saves copies, repeat_kv's under GQA), alive from the block's forward until
   /// the loop drops the model's output. Empty without use_cache.
   std::vector<SavedTensor> cache;
-  /// A checkpointed block's forward at its highest moment, beyond `kept` and `cache`: eager
-  /// attention with an fp32 softmax making its output while the masked scores and their fp32 copy
-  /// (or, past it, the probabilities) are alive, beside the attention's inputs. Nothing of it is
-  /// saved, and its recomputation in backward keeps the softmax's saved tensors, counted there.
-  /// Empty: not modelled (an un-checkpointed block, whose softmax saves its output; SDPA, whose
-  /// kernels hold no scores; eager cores other than Llama-style ones: GPT-2's, soft-capped, with
-  /// sinks or dropout).
+  /// The tensors an eager attention core's forward holds at its highest moment beyond the kept
+  /// ones made before it (those not flagged after_forward_moment), allocated together and freed
+  /// together. Llama-style cores (an fp32 softmax): the masked scores, in bf16 their fp32 copy,
+  /// and whichever of the softmax's output and the probabilities are not kept; gpt-oss's
+  /// sink-joined core: the masked scores, their join with the sink logits, the row maximum and
+  /// the join less it. A fully checkpointed block's forward (no_grad) keeps none of the core's
+  /// tensors and holds its inputs too (the normed hidden states, q, k, v, repeat_kv's copies).
+  /// Empty: not modelled (SDPA, whose kernels hold no scores; op-level selective checkpointing;
+  /// eager cores other than these: GPT-2's, MLA's, soft-capped, with dropout).
   std::vector<SavedTensor> forward_moment;
+  /// forward_moment's bytes at its highest (those not freed_by_next_in_moment)
+  int64_t ForwardMomentBytes() const;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
 };

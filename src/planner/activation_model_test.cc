@@ -409,6 +409,25 @@ TEST_CASE("gpt-oss block, eager: the sink-joined softmax in c, a top-k-then-soft
   CHECK(SdpaRuledOut(m).find("sink logit per head") != std::string::npos);
 }
 
+TEST_CASE("gpt-oss block, eager, un-checkpointed: its forward's highest moment at the row maximum's subtraction, as PyTorch held it") {
+  // tools/peak_trace.py on gpt-oss-tiny.json, FSDP2 on 1 CPU rank, bf16, 2 x 2048 (torch 2.11,
+  // transformers 5.24): the step's peak is aten.sub.Tensor in the last block's forward, with
+  // 442,974,208 bytes of that block alive: the previous block's output (the residual) 4,194,304,
+  // the input norm's four tensors 20,987,904, q after RoPE 4,194,304, k after RoPE and v at the
+  // two kv heads' width 1,048,576 each, repeat_kv's two copies 4,194,304 each, max's int64
+  // indices 262,144, the masked scores 134,217,728, their join with the sinks and the join less
+  // its row maximum 134,283,264 each, the maximum's values 65,536.
+  FsdpConfig c = HookedConfig();
+  c.seq_len = 2048;
+  c.param_dtype = DType::kBf16;
+  const BlockActivations a = BlockActivationProfile(TestConfig("gpt-oss-tiny.json"), c);
+  int64_t before = 0;
+  for (const SavedTensor& t : a.kept) before += t.after_forward_moment ? 0 : t.bytes;
+  CHECK(before == 20'987'904 + 4'194'304 + 2 * 4'194'304 + 262'144);
+  CHECK(a.ForwardMomentBytes() == 4'194'304 + 2 * 1'048'576 + 134'217'728 + 2 * 134'283'264 + 65'536);
+  CHECK(before + a.ForwardMomentBytes() == 442'974'208);
+}
+
 TEST_CASE("Llama 4 blocks, eager: L2-normed q/k on RoPE layers, a temperature on NoPE ones, every token through every expert") {
   // llama4-text-tiny.json in bf16 at 2 x 256 tokens (h 512, 8 heads / 2 kv of 64, 4 experts of
   // 256 and a shared one, dense layers of 1024 on even indices, NoPE on the fourth):

@@ -419,12 +419,24 @@ class StepPlayer {
   void ForwardMoment(const std::vector<SavedTensor>& tensors) {
     std::vector<BlockId> live;
     live.reserve(tensors.size());
-    for (const auto& t : tensors) live.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      live.push_back(mem_.Alloc(Cat::kActivations, tensors[i].bytes));
+      if (i > 0 && tensors[i - 1].freed_by_next_in_moment) mem_.Free(live[i - 1]);
+    }
     for (BlockId& b : live) mem_.Free(b);
   }
 
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
     for (const auto& t : tensors) node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+  }
+  // a block's kept tensors made before its eager core's forward moment (the first call, which
+  // sizes the block's list), or after it: node_saved_ stays indexed as `tensors`
+  void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors, bool after_forward_moment) {
+    std::vector<BlockId>& saved = node_saved_[node_id];
+    if (!after_forward_moment) saved.assign(tensors.size(), kNoBlock);
+    for (size_t i = 0; i < tensors.size() && i < saved.size(); ++i) {
+      if (tensors[i].after_forward_moment == after_forward_moment) saved[i] = mem_.Alloc(Cat::kActivations, tensors[i].bytes);
+    }
   }
 
   void ForwardActivations(int node_id) {
@@ -449,10 +461,11 @@ class StepPlayer {
         }
         break;
       case ModuleNode::Role::kBlock:
-        AllocSaved(node_id, BlockProfile(node_id).kept);
+        AllocSaved(node_id, BlockProfile(node_id).kept, false);
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) ForwardIntermediates(BlockProfile(node_id).recomputed);
         for (const auto& t : BlockProfile(node_id).cache) cache_.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
         ForwardMoment(BlockProfile(node_id).forward_moment);
+        AllocSaved(node_id, BlockProfile(node_id).kept, true);
         // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
         // with all the block's saved tensors alive (an upper bound by the ones saved after it)
         if (nf4_.weight_bytes > 0) {

@@ -448,26 +448,64 @@ TEST_CASE("a checkpointed block's forward peaks at eager attention's softmax: sc
   // copy and its cast back are its input and output themselves) = 64; the normed input 4 x 8 x 2 =
   // 64, q 4 x 8 x 2 = 64, k and v 2 x 4 x 4 x 2 = 64, repeat_kv's copies 2 x 64 = 128: 384.
   Workload w = Build(c);
-  CHECK(SumBytes(BlockActivationProfile(w.model, w.config).forward_moment) == 384);
+  CHECK(BlockActivationProfile(w.model, w.config).ForwardMomentBytes() == 384);
   // bf16: the scores 2 + the fp32 copy 4 + the fp32 softmax 4 = 10 bytes each (80), the rest halved (160)
   FsdpConfig bf16 = c;
   bf16.param_dtype = DType::kBf16;
   w = Build(bf16);
-  CHECK(SumBytes(BlockActivationProfile(w.model, w.config).forward_moment) == 240);
+  CHECK(BlockActivationProfile(w.model, w.config).ForwardMomentBytes() == 240);
   // use_cache: k and v are the cache's, allocated already
   FsdpConfig cached = c;
   cached.transformers = {4, 31};
   cached.use_cache = true;
   w = Build(cached);
-  CHECK(SumBytes(BlockActivationProfile(w.model, w.config).forward_moment) == 320);
-  // not modelled: SDPA, an un-checkpointed block (its softmax saves the output)
+  CHECK(BlockActivationProfile(w.model, w.config).ForwardMomentBytes() == 320);
+  // q k^T's product and its scaled copy come and go before the masked scores: never all at once
+  const std::vector<SavedTensor> moment = BlockActivationProfile(w.model, w.config).forward_moment;
+  std::vector<std::string_view> early;
+  for (const SavedTensor& t : moment) {
+    if (t.freed_by_next_in_moment) early.push_back(t.name);
+  }
+  CHECK(early == std::vector<std::string_view>{"moment.scores_product", "moment.scores_scaled"});
+  // not modelled: SDPA, whose kernels hold no scores
   c.attention = Attention::kFlash;
   w = Build(c);
-  CHECK(SumBytes(BlockActivationProfile(w.model, w.config).forward_moment) == 0);
+  CHECK(BlockActivationProfile(w.model, w.config).ForwardMomentBytes() == 0);
+}
+
+TEST_CASE("an un-checkpointed block's forward at eager attention's softmax: beyond what it keeps, the scores and what the function holds unsaved") {
+  FsdpConfig c = HandConfig();
   c.attention = Attention::kEager;
-  c.checkpointing = Checkpointing::kNone;
-  w = Build(c);
-  CHECK(SumBytes(BlockActivationProfile(w.model, w.config).forward_moment) == 0);
+  // fp32: the masked scores 4 x 8 = 32 (the softmax's output is kept; no copy, no cast), k after
+  // RoPE and v at the one kv head's width (the products saved repeat_kv's copies) 2 x 4 x 4 x 2 =
+  // 64; the block's input is the norm's upcast itself, kept: 96
+  Workload w = Build(c);
+  BlockActivations a = BlockActivationProfile(w.model, w.config);
+  CHECK(a.ForwardMomentBytes() == 96);
+  // fp32 has no probabilities kept apart from the softmax: the moment follows the whole core
+  auto flagged = [](const BlockActivations& p, std::string_view name) {
+    for (const SavedTensor& t : p.kept) {
+      if (t.name == name) return t.after_forward_moment;
+    }
+    FAIL("no kept tensor " << name);
+    return false;
+  };
+  CHECK(!flagged(a, "attn_core.softmax_fp32"));
+  CHECK(flagged(a, "self_attn.o_proj_in"));
+  // bf16: the residual 2 x 8 x 2 = 32, k and v 2 x 8 each, the scores 2 x 8 and their fp32 copy
+  // 4 x 8 = 112; the fp32 softmax is kept before the moment, its bf16 probabilities after it
+  FsdpConfig bf16 = c;
+  bf16.param_dtype = DType::kBf16;
+  w = Build(bf16);
+  a = BlockActivationProfile(w.model, w.config);
+  CHECK(a.ForwardMomentBytes() == 112);
+  CHECK(!flagged(a, "attn_core.softmax_fp32"));
+  CHECK(flagged(a, "attn_core.probs"));
+  // selective checkpointing keeps none of the core: the fp32 softmax joins the moment (4 x 8),
+  // and k and v are the checkpointed function's kept inputs: 112 - 32 + 32
+  bf16.checkpointing = Checkpointing::kSelective;
+  w = Build(bf16);
+  CHECK(BlockActivationProfile(w.model, w.config).ForwardMomentBytes() == 112);
 }
 
 TEST_CASE("use_cache: the caches live until the loop drops the output, or through the step when it keeps it") {
