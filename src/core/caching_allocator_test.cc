@@ -1,4 +1,5 @@
 #include "core/caching_allocator.h"
+#include "core/allocator_history.h"
 
 #include <doctest/doctest.h>
 
@@ -280,42 +281,47 @@ TEST_CASE("PyTorch's allocator history replayed: the segments it added, to the b
   auto doc = LoadJsonFile(DataDir() + "/docs/data/gpu_h200_2026-12-04_history/hist_llama32_ac_mb8_s4k.json");
   REQUIRE(doc.ok());
   const Json& h = doc.value();
-  CountingDeviceMemory device(int64_t{1} << 40, 150 * GiB);
-  CachingAllocator a(AllocatorConfig{}, device);
-  std::map<uint64_t, CachingAllocator::Handle> live;  // by PyTorch's address
-  std::vector<CachingAllocator::Handle> inactive;
-  int64_t start_bytes = 0, end_bytes = 0, segments_added = 0;
-  for (const Json& seg : h["segments_at_start"]) {  // [address, bytes, stream, pool, [[bytes, state], ...]]
-    const int stream = seg[2].get<int64_t>() == 0 ? 0 : 1;
-    start_bytes += seg[1].get<int64_t>();
-    if (seg[3] == "large") a.Free(a.Malloc(seg[1].get<int64_t>(), stream));  // the segment, then its blocks
-    uint64_t address = seg[0].get<uint64_t>();
-    for (const Json& block : seg[4]) {
-      const CachingAllocator::Handle b = a.Malloc(block[0].get<int64_t>(), stream);
-      if (block[1] == "active_allocated") live[address] = b;
-      else inactive.push_back(b);
-      address += block[0].get<uint64_t>();
-    }
-  }
-  for (CachingAllocator::Handle b : inactive) a.Free(b);
+  int64_t start_bytes = 0, end_bytes = 0;
+  for (const Json& seg : h["segments_at_start"]) start_bytes += seg[1].get<int64_t>();
   for (const Json& seg : h["segments_at_end"]) end_bytes += seg[1].get<int64_t>();
-  const int64_t reserved_at_start = a.stats().reserved_bytes, device_allocs_at_start = a.stats().num_device_alloc;
-  for (const Json& e : h["events"]) {  // [action, address, bytes, stream]
-    const uint64_t address = e[1].get<uint64_t>();
-    if (e[0] == "alloc") {
-      live[address] = a.Malloc(e[2].get<int64_t>(), e[3].get<int64_t>() == 0 ? 0 : 1);
-    } else if (e[0] == "free_completed") {
-      REQUIRE(live.count(address) == 1);
-      a.Free(live[address]);
-      live.erase(address);
-    } else if (e[0] == "segment_alloc") {
-      ++segments_added;
-    }
+  CountingDeviceMemory device(int64_t{1} << 40, 150 * GiB);
+  auto replayed = ReplayAllocatorHistory(h, AllocatorConfig{}, device);
+  REQUIRE(replayed.ok());
+  const HistoryReplay& r = replayed.value();
+  CHECK(r.reserved_at_start_bytes - start_bytes == 4 * MiB);
+  CHECK(r.stats.reserved_bytes - r.reserved_at_start_bytes == end_bytes - start_bytes);  // 67,578,626,048 bytes
+  CHECK(r.stats.num_device_alloc - r.device_allocs_at_start == r.segments_recorded);     // 30 segments
+  CHECK(r.segments_recorded == 30);
+  CHECK(r.stats.num_alloc_retries == 0);
+  CHECK(r.unknown_frees == 0);
+}
+
+// The CPU's form of a history (tools/torch_reference.py --memory-history on --device cpu): the
+// storages alive when it began, then the profiler's allocs and frees. By hand: a 6 MiB storage
+// alive at the start takes a 20 MiB large segment (requests under 10 MiB); a 16 MiB alloc does
+// not fit the 14 MiB left there and gets a 16 MiB segment of its own; once it is freed, 8 MiB
+// goes to the best fit, the first segment's 14 MiB.
+TEST_CASE("a CPU-recorded request sequence replays from the storages alive at its start") {
+  const Json h = Json::parse(R"({"live_at_start": [[4096, 6291456]],
+    "events": [["alloc", 8192, 16777216, 0], ["free_completed", 8192, 16777216, 0], ["alloc", 8192, 8388608, 0],
+               ["free_completed", 77, 512, 0]]})");
+  CountingDeviceMemory device(int64_t{1} << 40, 150 * GiB);
+  auto replayed = ReplayAllocatorHistory(h, AllocatorConfig{}, device);
+  REQUIRE(replayed.ok());
+  const HistoryReplay& r = replayed.value();
+  CHECK(r.reserved_at_start_bytes == 20 * MiB);
+  CHECK(r.stats.reserved_peak_bytes == 36 * MiB);
+  CHECK(r.stats.num_device_alloc == 2);
+  CHECK(r.stats.allocated_bytes == 14 * MiB);
+  CHECK(r.events == 3);
+  CHECK(r.unknown_frees == 1);
+  // malformed input names what is wrong
+  for (const char* bad : {R"({})", R"({"events": [["alloc", 1, -5, 0]]})", R"({"events": [["alloc", "x", 5, 0]]})",
+                          R"({"events": [], "live_at_start": [[1]]})", R"({"events": [], "segments_at_start": [[1, 2]]})"}) {
+    auto p = ReplayAllocatorHistory(Json::parse(bad), AllocatorConfig{}, device);
+    CHECK_MESSAGE(!p.ok(), bad);
+    if (!p.ok()) CHECK(p.error().message.rfind("allocator history: ", 0) == 0);
   }
-  CHECK(reserved_at_start - start_bytes == 4 * MiB);
-  CHECK(a.stats().reserved_bytes - reserved_at_start == end_bytes - start_bytes);  // 67,578,626,048 bytes
-  CHECK(a.stats().num_device_alloc - device_allocs_at_start == segments_added);    // 30 segments
-  CHECK(a.stats().num_alloc_retries == 0);
 }
 
 TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {

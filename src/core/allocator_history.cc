@@ -1,0 +1,85 @@
+#include "core/allocator_history.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace fsdp {
+namespace {
+
+bool IsCount(const Json& j) { return j.is_number_integer() || j.is_number_unsigned(); }
+
+// [action, address, bytes, stream] with a non-negative size
+bool WellFormedEvent(const Json& e) {
+  return e.is_array() && e.size() >= 4 && e[0].is_string() && IsCount(e[1]) && IsCount(e[2]) && e[2].get<int64_t>() >= 0 &&
+         IsCount(e[3]);
+}
+
+int StreamOf(const Json& j) { return j.get<int64_t>() == 0 ? 0 : 1; }
+
+}  // namespace
+
+Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const AllocatorConfig& config, DeviceMemory& device) {
+  if (!history.is_object() || !history.contains("events") || !history["events"].is_array()) {
+    return Error::BadInput("allocator history: no \"events\" list");
+  }
+  CachingAllocator a(config, device);
+  std::map<uint64_t, CachingAllocator::Handle> live;  // by the recording's address
+  auto malloc_at = [&](uint64_t address, int64_t bytes, int stream) -> Status {
+    const CachingAllocator::Handle h = a.Malloc(bytes, stream);
+    if (h == CachingAllocator::kNoHandle) return Error::OutOfMemory(fmt::format("allocator history: out of memory at a {}-byte request", bytes));
+    live[address] = h;
+    return Status::Ok();
+  };
+  std::vector<CachingAllocator::Handle> inactive;
+  for (const Json& seg : history.value("segments_at_start", Json::array())) {
+    if (!seg.is_array() || seg.size() < 5 || !IsCount(seg[0]) || !IsCount(seg[1]) || !IsCount(seg[2]) || !seg[4].is_array()) {
+      return Error::BadInput(fmt::format("allocator history: malformed segment {}", seg.dump().substr(0, 80)));
+    }
+    const int stream = StreamOf(seg[2]);
+    if (seg[3] == "large") a.Free(a.Malloc(seg[1].get<int64_t>(), stream));  // the segment, then its blocks
+    uint64_t address = seg[0].get<uint64_t>();
+    for (const Json& block : seg[4]) {
+      if (!block.is_array() || block.size() < 2 || !IsCount(block[0])) return Error::BadInput("allocator history: malformed block in segments_at_start");
+      const CachingAllocator::Handle b = a.Malloc(block[0].get<int64_t>(), stream);
+      if (b == CachingAllocator::kNoHandle) return Error::OutOfMemory("allocator history: out of memory re-making the start layout");
+      if (block[1] == "active_allocated") live[address] = b;
+      else inactive.push_back(b);
+      address += block[0].get<uint64_t>();
+    }
+  }
+  for (CachingAllocator::Handle b : inactive) a.Free(b);
+  for (const Json& t : history.value("live_at_start", Json::array())) {
+    if (!t.is_array() || t.size() < 2 || !IsCount(t[0]) || !IsCount(t[1])) return Error::BadInput("allocator history: malformed live_at_start entry");
+    FSDP_TRY(malloc_at(t[0].get<uint64_t>(), t[1].get<int64_t>(), 0));
+  }
+  HistoryReplay r;
+  r.reserved_at_start_bytes = a.stats().reserved_bytes;
+  r.device_allocs_at_start = a.stats().num_device_alloc;
+  for (const Json& e : history["events"]) {
+    if (!WellFormedEvent(e)) return Error::BadInput(fmt::format("allocator history: malformed event {}", e.dump().substr(0, 80)));
+    const std::string& action = e[0].get_ref<const std::string&>();
+    const uint64_t address = e[1].get<uint64_t>();
+    if (action == "alloc") {
+      FSDP_TRY(malloc_at(address, e[2].get<int64_t>(), StreamOf(e[3])));
+      ++r.events;
+    } else if (action == "free_completed") {
+      const auto it = live.find(address);
+      if (it == live.end()) {
+        ++r.unknown_frees;
+        continue;
+      }
+      a.Free(it->second);
+      live.erase(it);
+      ++r.events;
+    } else if (action == "segment_alloc") {
+      ++r.segments_recorded;
+    }
+  }
+  r.stats = a.stats();
+  return r;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,37 @@
+// Replays a recorded allocation history on CachingAllocator: PyTorch's own on a GPU
+// (torch.cuda.memory._record_memory_history, written by tools/torch_reference.py
+// --memory-history), or the CPU's request sequence, which the same option writes on --device cpu
+// from torch.profiler's allocation events. The first checks the allocator's rules against
+// PyTorch's (caching_allocator_test); the second, without a GPU, the order and sizes of the
+// requests fsdp-plan's replay makes (bench/allocator_replay).
+#pragma once
+
+#include <cstdint>
+
+#include "core/caching_allocator.h"
+#include "core/json_io.h"
+#include "core/status.h"
+
+namespace fsdp {
+
+struct HistoryReplay {
+  AllocatorStats stats;                 ///< the allocator's, after the whole history
+  int64_t reserved_at_start_bytes = 0;  ///< after the start layout
+  int64_t device_allocs_at_start = 0;
+  int64_t events = 0;                   ///< allocs and completed frees replayed
+  int64_t segments_recorded = 0;        ///< segment_alloc events of the history (a GPU's; 0 from a CPU)
+  int64_t unknown_frees = 0;            ///< frees of addresses neither the start layout nor the history allocated
+};
+
+/// `history`: {"events": [[action, address, bytes, stream], ...]} with the layout at its start,
+/// either "segments_at_start" ([address, bytes, stream, "large" | "small", [[block bytes,
+/// state], ...]]: PyTorch's segments, re-made block by block, the "active_allocated" ones left
+/// allocated) or "live_at_start" ([[address, bytes], ...]: storages alive when the CPU's
+/// recording began, allocated in that order). Actions: "alloc" is a malloc, "free_completed" a
+/// block back in its pool (after its recorded streams' events: this allocator's Free), and
+/// "segment_alloc" is counted; the rest are skipped. Stream 0 is stream 0 here and every other
+/// stream is stream 1. Malformed input is an error naming the entry; an out-of-memory stops the
+/// replay with one.
+Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const AllocatorConfig& config, DeviceMemory& device);
+
+}  // namespace fsdp
