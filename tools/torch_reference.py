@@ -238,7 +238,9 @@ def build_parser():
     p.add_argument("--memory-history", default="",
                    help="CUDA: record the caching allocator's events from the first step on "
                         "(torch.cuda.memory._record_memory_history, no stacks) and write them, with the "
-                        "segments at the start and at the end, to this JSON file")
+                        "segments at the start and at the end, to this JSON file. CPU: the same steps' "
+                        "allocations and frees as torch.profiler records them, with the storages alive "
+                        "at the start (build/bench/allocator_replay replays either)")
     p.add_argument("--no-tracker", action="store_true",
                    help="skip the extra FSDPMemTracker step")
     p.add_argument("--out", required=True, help="output JSON path")
@@ -803,12 +805,66 @@ def segments_of(snapshot):
              [[b["size"], b["state"]] for b in seg["blocks"]]] for seg in snapshot["segments"]]
 
 
+def live_cpu_storages():
+    """[address, bytes] of every CPU storage a live tensor holds (parameters, DTensors' local
+    shards, buffers, inputs), once each, by address."""
+    import gc
+    import torch
+    live = {}
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        try:
+            st = obj.untyped_storage()
+            if st.device.type == "cpu" and st.nbytes() > 0:
+                live[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor) hold no storage
+            continue
+    return sorted([address, nbytes] for address, nbytes in live.items())
+
+
+def start_cpu_allocation_trace():
+    """Starts torch.profiler with profile_memory: every CPU allocation and free (c10's CPU
+    allocator reports each to the profiler: c10/core/CPUAllocator.cpp, reportMemoryUsageToProfiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    live = live_cpu_storages()
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False, with_stack=False)
+    prof.__enter__()
+    return {"profiler": prof, "live_at_start": live}
+
+
+def write_cpu_allocation_trace(path, trace):
+    """The profiler's allocation events in time order as [action, address, bytes, 0] ("alloc", or
+    "free_completed" for a free: the CPU frees at once), with the storages alive at the start."""
+    from torch._C._profiler import _EventType
+    prof = trace["profiler"]
+    prof.__exit__(None, None, None)
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu" and node.extra_fields.alloc_size != 0:
+            f = node.extra_fields
+            events.append((node.start_time_ns, "alloc" if f.alloc_size > 0 else "free_completed", f.ptr, abs(f.alloc_size)))
+    events.sort(key=lambda e: e[0])
+    doc = {"source": "torch.profiler(profile_memory=True) allocation events on the CPU; live_at_start from the live tensors' storages",
+           "device": "cpu", "events": [[action, ptr, nbytes, 0] for _, action, ptr, nbytes in events],
+           "live_at_start": trace["live_at_start"]}
+    with open(path, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+
+
 def start_memory_history(args, device):
     """Starts recording the caching allocator's events (torch/cuda/memory.py _record_memory_history:
     every alloc, free_requested, free_completed, segment_alloc, segment_free, segment_map and
-    segment_unmap with its address, size and stream); returns the segments held at the start."""
+    segment_unmap with its address, size and stream); returns the segments held at the start.
+    On the CPU, start_cpu_allocation_trace."""
     import torch
-    if not args.memory_history or device.type != "cuda":
+    if not args.memory_history:
+        return None
+    if device.type == "cpu":
+        return start_cpu_allocation_trace()
+    if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
     start = segments_of(torch.cuda.memory._snapshot())
@@ -820,6 +876,8 @@ def write_memory_history(path, start_segments, device):
     """The recorded events as [action, address, size, stream] (the trace of this rank's device) and
     the segments at the start and now."""
     import torch
+    if device.type == "cpu":
+        return write_cpu_allocation_trace(path, start_segments)
     torch.cuda.synchronize(device)
     snapshot = torch.cuda.memory._snapshot(device)
     torch.cuda.memory._record_memory_history(enabled=None)
