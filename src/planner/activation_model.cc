@@ -796,6 +796,21 @@ std::vector<SavedTensor> MarkSoftmaxBackward(const ModelShape& m, const FsdpConf
   // sum needs a segment of its own
   std::vector<SavedTensor> grads = {{"grad.hidden", d.c * d.h * d.tokens}};
   if (value_grad > 0) grads.push_back({"grad.v", value_grad});
+  if (m.attention_sinks && d.c < 4) {
+    // gpt-oss in 16 bits: the row maximum's backward is the higher moment. MaxBackward0 makes zeros
+    // of the joined scores' shape and scatter_s the maximum's gradient into them, and scatter_
+    // allocates a fp32 buffer of that whole shape for a 16-bit tensor (tools/torch_reference.py
+    // --memory-history on the CPU: aten::empty inside aten::scatter_, 4 bytes an element; none in
+    // fp32); the probabilities and their gradient are gone by then, the softmax input's gradient
+    // alive. The CPU's requests replayed peak there at 5,440,057,328 bytes (gpt-oss-tiny, 8 x
+    // 2048), and the H200's max_memory_allocated of that run is those plus its 64 MiB cuBLAS
+    // workspace to within 278,544 bytes.
+    block[softmax].freed_by_softmax_backward = true;
+    grads.push_back({"grad.softmax_input", block[softmax].bytes});
+    grads.push_back({"grad.row_max_zeros", block[softmax].bytes});
+    grads.push_back({"grad.row_max_scatter_fp32", 4 * block[softmax].bytes / d.c});
+    return grads;
+  }
   grads.push_back({"grad.softmax_output", block[softmax].bytes});
   grads.push_back({"grad.softmax_input", block[softmax].bytes});
   return grads;

@@ -426,6 +426,18 @@ TEST_CASE("gpt-oss block, eager, un-checkpointed: its forward's highest moment a
   CHECK(before == 20'987'904 + 4'194'304 + 2 * 4'194'304 + 262'144);
   CHECK(a.ForwardMomentBytes() == 4'194'304 + 2 * 1'048'576 + 134'217'728 + 2 * 134'283'264 + 65'536);
   CHECK(before + a.ForwardMomentBytes() == 442'974'208);
+  // its backward's highest moment is the row maximum's (MaxBackward0): the probabilities and their
+  // gradient gone, the softmax input's gradient, scatter_'s zeros of the joined shape and its
+  // fp32 buffer of that shape, beside the residual's and v's (repeated) gradients
+  CHECK(a.SoftmaxBackwardBytes() == 4'194'304 + 4'194'304 + 2 * 134'283'264 + 2 * 134'283'264);
+  for (const SavedTensor& t : a.kept) {
+    if (t.name == "attn_core.probs") CHECK(t.freed_by_softmax_backward);
+  }
+  // in fp32 scatter_ needs no buffer and the softmax's own moment (probabilities and both
+  // gradients) is the higher: three of the joined shape
+  c.param_dtype = DType::kFp32;
+  const BlockActivations fp32 = BlockActivationProfile(TestConfig("gpt-oss-tiny.json"), c);
+  CHECK(fp32.SoftmaxBackwardBytes() == 2 * 8'388'608 + 2 * 268'566'528);
 }
 
 TEST_CASE("Llama 4 blocks, eager: L2-normed q/k on RoPE layers, a temperature on NoPE ones, every token through every expert") {

@@ -803,6 +803,32 @@ TEST_CASE("eager attention's softmax backward: its gradients as separate blocks 
   CHECK(std::abs(error) < 0.05);
 }
 
+// The H200 sweep's gpt-oss row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_gptoss_mb8:
+// gpt-oss-tiny, FSDP2 on one GPU, bf16, eager, 8 x 2048): max_memory_allocated 5,507,444,736 and
+// max_memory_reserved 6,501,171,200. It guards two rules found on the CPU: the sink-joined core's
+// forward moment and the row maximum's backward with scatter_'s fp32 buffer, without which the
+// plan was -8.5% allocated (and -16.4% reserved with the first alone).
+TEST_CASE("gpt-oss's eager core on an H200: the published sweep row's allocated and reserved peaks") {
+  auto model = LoadModel(DataDir() + "/tests/data/hf_configs/gpt-oss-tiny.json");
+  REQUIRE(model.ok());
+  const ModelSpec& m = model.value();
+  auto hw = LoadHardware("h200-sxm");
+  REQUIRE(hw.ok());
+  FsdpConfig c;
+  c.gpus = 1;
+  c.gpus_per_node = 1;
+  c.framework = Framework::kFsdp2;
+  c.seq_len = 2048;
+  c.micro_batch = 8;
+  c.attention = Attention::kEager;
+  auto w = BuildWorkload(m, hw.value(), c);
+  INFO((w.ok() ? std::string() : w.error().message));
+  REQUIRE(w.ok());
+  const MemoryEstimate e = EstimateMemory(w.value());
+  CHECK(std::abs(static_cast<double>(e.allocated_peak_bytes) / 5'507'444'736.0 - 1) < 0.005);
+  CHECK(std::abs(static_cast<double>(e.reserved_peak_bytes) / 6'501'171'200.0 - 1) < 0.02);
+}
+
 TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {
   // 20,000 bytes hold the tensors (17,824 at the peak) but not one 2 MiB segment: PyTorch's malloc
   // fails, frees the (empty) cache, retries once and raises
