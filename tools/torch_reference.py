@@ -834,8 +834,9 @@ def start_cpu_allocation_trace():
 
 
 def write_cpu_allocation_trace(path, trace):
-    """The profiler's allocation events in time order as [action, address, bytes, 0] ("alloc", or
-    "free_completed" for a free: the CPU frees at once), with the storages alive at the start."""
+    """The profiler's allocation events in time order as [action, address, bytes, 0, op] ("alloc",
+    or "free_completed" for a free: the CPU frees at once; op: the innermost op it happened in),
+    with the storages alive at the start."""
     from torch._C._profiler import _EventType
     prof = trace["profiler"]
     prof.__exit__(None, None, None)
@@ -845,10 +846,22 @@ def write_cpu_allocation_trace(path, trace):
         stack.extend(node.children)
         if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu" and node.extra_fields.alloc_size != 0:
             f = node.extra_fields
-            events.append((node.start_time_ns, "alloc" if f.alloc_size > 0 else "free_completed", f.ptr, abs(f.alloc_size)))
+            op = node.parent.name if node.parent is not None else ""
+            events.append((node.start_time_ns, "alloc" if f.alloc_size > 0 else "free_completed", f.ptr, abs(f.alloc_size), op))
     events.sort(key=lambda e: e[0])
-    doc = {"source": "torch.profiler(profile_memory=True) allocation events on the CPU; live_at_start from the live tensors' storages",
-           "device": "cpu", "events": [[action, ptr, nbytes, 0] for _, action, ptr, nbytes in events],
+    sizes = dict(trace["live_at_start"])
+    live = peak = sum(sizes.values())
+    for _, action, ptr, nbytes, _ in events:
+        if action == "alloc":
+            sizes[ptr] = nbytes
+            live += nbytes
+            peak = max(peak, live)
+        elif ptr in sizes:
+            live -= sizes.pop(ptr)
+    trace["recorded_peak_bytes"] = peak
+    doc = {"source": "torch.profiler(profile_memory=True) allocation events on the CPU, each with the op it happened in; "
+                     "live_at_start from the live tensors' storages",
+           "device": "cpu", "events": [[action, ptr, nbytes, 0, op] for _, action, ptr, nbytes, op in events],
            "live_at_start": trace["live_at_start"]}
     with open(path, "w") as f:
         json.dump(doc, f, separators=(",", ":"))
@@ -1005,6 +1018,9 @@ def build_report(args, env, params, notes, run):
         **run["device_memory"],
         "categories_at_peak": run["categories"],
         "allocator_stats": run["allocator_stats"],
+        # CPU with --memory-history: the most bytes live at once in the recording, kernels' own
+        # buffers included (FSDPMemTracker's categories see tensors only); None otherwise
+        "recorded_peak_bytes": run.get("recorded_peak_bytes"),
     }
     if run["categories_error"]:
         memory["categories_error"] = run["categories_error"]
@@ -1108,6 +1124,10 @@ def run_training(args, model, device, rank, world):
     run["timed_peaks"] = peak_stats(device)
     if history is not None and rank == 0:  # every rank records its own device; rank 0's is written
         write_memory_history(args.memory_history, history, device)
+        if device.type == "cpu":
+            run["recorded_peak_bytes"] = history["recorded_peak_bytes"]
+    elif history is not None and device.type == "cpu":
+        history["profiler"].__exit__(None, None, None)
     if run["warm_peaks"] is None:
         run["warm_peaks"] = run["timed_peaks"]
     run["device_memory"] = device_memory(device)
