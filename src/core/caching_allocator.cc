@@ -415,6 +415,10 @@ static int64_t AllocationSize(int64_t size) {
 }
 
 CachingAllocator::Handle CachingAllocator::Malloc(int64_t orig_size, int stream) {
+  if (orig_size > kMaxRequestBytes) {  // no device holds it, and the rounding below would overflow
+    ++stats_.num_ooms;
+    return kNoHandle;
+  }
   const int64_t size = RoundSize(orig_size);
   Pool& pool = PoolFor(size);
   const int64_t alloc_size = AllocationSize(size);

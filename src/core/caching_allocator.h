@@ -145,6 +145,8 @@ class CachingAllocator {
   /// malloc(): a block of at least `bytes` usable on `stream`, or kNoHandle when even after freeing
   /// the cache the device is out of memory (PyTorch raises OutOfMemoryError; num_ooms counts it).
   Handle Malloc(int64_t bytes, int stream);
+  /// Requests above this (1 PiB: no device holds one) fail at once as an out-of-memory.
+  static constexpr int64_t kMaxRequestBytes = int64_t{1} << 50;
   /// recordStream(): the block is used on another stream too; its free waits for that stream.
   void RecordStream(Handle block, int stream);
   /// free(): a block with recorded streams waits for their events (EventsPassed), others go back

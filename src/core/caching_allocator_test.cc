@@ -315,6 +315,11 @@ TEST_CASE("a CPU-recorded request sequence replays from the storages alive at it
   CHECK(r.stats.allocated_bytes == 14 * MiB);
   CHECK(r.events == 3);
   CHECK(r.unknown_frees == 1);
+  // a request no device holds is an out-of-memory, not a wrapped-around size
+  const Json huge = Json::parse(R"({"events": [["alloc", 1, 9223372036854775807, 0]]})");
+  auto failed = ReplayAllocatorHistory(huge, AllocatorConfig{}, device);
+  REQUIRE(!failed.ok());
+  CHECK(failed.error().kind == Error::Kind::kOutOfMemory);
   // malformed input names what is wrong
   for (const char* bad : {R"({})", R"({"events": [["alloc", 1, -5, 0]]})", R"({"events": [["alloc", "x", 5, 0]]})",
                           R"({"events": [], "live_at_start": [[1]]})", R"({"events": [], "segments_at_start": [[1, 2]]})"}) {
