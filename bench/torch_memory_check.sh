@@ -194,12 +194,13 @@ family_quick_rows() {
   check "1 rank  Gemma 3 windows flash 1024 x 2"     1 FULL_SHARD none 2 1024 "$G3" fsdp2 "" flash
   check "1 rank  DeepSeek-V3 eager seq 1024 x 2"     1 FULL_SHARD none 2 1024 "$DS3"
   RECORDED=1 check "1 rank  gpt-oss eager seq 1024 x 2"  1 FULL_SHARD none 2 1024 "$GO"
-  RECORDED=1 check "1 rank  gpt-oss eager seq 2048 x 2"  1 FULL_SHARD none 2 2048 "$GO"  # the peak in a block's backward
   check "1 rank  Llama 4 flash seq 1024 x 2"         1 FULL_SHARD none 2 1024 "$L4" fsdp2 "" flash
   check "2 ranks Gemma 3 + vision flash 1024 x 2"    2 FULL_SHARD none 2 1024 "$G3V" fsdp2 "" flash
 }
 family_rows() {
   family_quick_rows
+  # the peak in a block's backward, scatter_'s buffer (CI's memory_model_test holds the H200 row)
+  RECORDED=1 check "1 rank  gpt-oss eager seq 2048 x 2"  1 FULL_SHARD none 2 2048 "$GO"
   check "1 rank  Qwen3 flash seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$Q3" fsdp2 "" flash
   check "2 ranks Qwen3 AC full seq 1024 x 2"         2 FULL_SHARD full 2 1024 "$Q3"
   check "1 rank  OLMo 2 flash seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$O2" fsdp2 "" flash
