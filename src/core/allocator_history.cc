@@ -10,11 +10,12 @@ namespace fsdp {
 namespace {
 
 bool IsCount(const Json& j) { return j.is_number_integer() || j.is_number_unsigned(); }
+// a byte count: an integer, not negative (every size of a history: events, segments, blocks, live storages)
+bool IsSize(const Json& j) { return IsCount(j) && j.get<int64_t>() >= 0; }
 
-// [action, address, bytes, stream] with a non-negative size
+// [action, address, bytes, stream]
 bool WellFormedEvent(const Json& e) {
-  return e.is_array() && e.size() >= 4 && e[0].is_string() && IsCount(e[1]) && IsCount(e[2]) && e[2].get<int64_t>() >= 0 &&
-         IsCount(e[3]);
+  return e.is_array() && e.size() >= 4 && e[0].is_string() && IsCount(e[1]) && IsSize(e[2]) && IsCount(e[3]);
 }
 
 int StreamOf(const Json& j) { return j.get<int64_t>() == 0 ? 0 : 1; }
@@ -35,14 +36,18 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
   };
   std::vector<CachingAllocator::Handle> inactive;
   for (const Json& seg : history.value("segments_at_start", Json::array())) {
-    if (!seg.is_array() || seg.size() < 5 || !IsCount(seg[0]) || !IsCount(seg[1]) || !IsCount(seg[2]) || !seg[4].is_array()) {
+    if (!seg.is_array() || seg.size() < 5 || !IsCount(seg[0]) || !IsSize(seg[1]) || !IsCount(seg[2]) || !seg[4].is_array()) {
       return Error::BadInput(fmt::format("allocator history: malformed segment {}", seg.dump().substr(0, 80)));
     }
     const int stream = StreamOf(seg[2]);
-    if (seg[3] == "large") a.Free(a.Malloc(seg[1].get<int64_t>(), stream));  // the segment, then its blocks
+    if (seg[3] == "large") {  // the segment, then its blocks
+      const CachingAllocator::Handle whole = a.Malloc(seg[1].get<int64_t>(), stream);
+      if (whole == CachingAllocator::kNoHandle) return Error::OutOfMemory("allocator history: out of memory re-making the start layout");
+      a.Free(whole);
+    }
     uint64_t address = seg[0].get<uint64_t>();
     for (const Json& block : seg[4]) {
-      if (!block.is_array() || block.size() < 2 || !IsCount(block[0])) return Error::BadInput("allocator history: malformed block in segments_at_start");
+      if (!block.is_array() || block.size() < 2 || !IsSize(block[0])) return Error::BadInput("allocator history: malformed block in segments_at_start");
       const CachingAllocator::Handle b = a.Malloc(block[0].get<int64_t>(), stream);
       if (b == CachingAllocator::kNoHandle) return Error::OutOfMemory("allocator history: out of memory re-making the start layout");
       if (block[1] == "active_allocated") live[address] = b;
@@ -52,7 +57,7 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
   }
   for (CachingAllocator::Handle b : inactive) a.Free(b);
   for (const Json& t : history.value("live_at_start", Json::array())) {
-    if (!t.is_array() || t.size() < 2 || !IsCount(t[0]) || !IsCount(t[1])) return Error::BadInput("allocator history: malformed live_at_start entry");
+    if (!t.is_array() || t.size() < 2 || !IsCount(t[0]) || !IsSize(t[1])) return Error::BadInput("allocator history: malformed live_at_start entry");
     FSDP_TRY(malloc_at(t[0].get<uint64_t>(), t[1].get<int64_t>(), 0));
   }
   HistoryReplay r;

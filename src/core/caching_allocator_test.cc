@@ -320,9 +320,16 @@ TEST_CASE("a CPU-recorded request sequence replays from the storages alive at it
   auto failed = ReplayAllocatorHistory(huge, AllocatorConfig{}, device);
   REQUIRE(!failed.ok());
   CHECK(failed.error().kind == Error::Kind::kOutOfMemory);
+  // so is a start segment no device holds, as its blocks are
+  const Json huge_segment = Json::parse(R"({"events": [], "segments_at_start": [[0, 9223372036854775807, 0, "large", []]]})");
+  auto unmade = ReplayAllocatorHistory(huge_segment, AllocatorConfig{}, device);
+  REQUIRE(!unmade.ok());
+  CHECK(unmade.error().kind == Error::Kind::kOutOfMemory);
   // malformed input names what is wrong
   for (const char* bad : {R"({})", R"({"events": [["alloc", 1, -5, 0]]})", R"({"events": [["alloc", "x", 5, 0]]})",
-                          R"({"events": [], "live_at_start": [[1]]})", R"({"events": [], "segments_at_start": [[1, 2]]})"}) {
+                          R"({"events": [], "live_at_start": [[1]]})", R"({"events": [], "segments_at_start": [[1, 2]]})",
+                          R"({"events": [], "live_at_start": [[1, -5]]})",
+                          R"({"events": [], "segments_at_start": [[0, 4194304, 0, "large", [[-512, "active_allocated"]]]]})"}) {
     auto p = ReplayAllocatorHistory(Json::parse(bad), AllocatorConfig{}, device);
     CHECK_MESSAGE(!p.ok(), bad);
     if (!p.ok()) CHECK(p.error().message.rfind("allocator history: ", 0) == 0);
