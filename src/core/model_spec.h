@@ -106,6 +106,10 @@ struct ModelShape {
   /// DeepSeek-V3's norm_topk_prob (Qwen3MoeTopKRouter, DeepseekV3MoE.route_tokens_to_experts),
   /// Mixtral's always (MixtralTopKRouter)
   bool router_norm_topk = false;
+  /// The top-k weights cast to the router logits' dtype (the compute dtype) before they weigh the
+  /// experts' outputs: Qwen3MoeTopKRouter's `router_top_value.to(router_logits.dtype)`; Mixtral's
+  /// stay fp32 (transformers 5.24, modeling_qwen3_moe.py, modeling_mixtral.py)
+  bool router_weights_in_compute_dtype = false;
   /// kGroupedSigmoid: the experts in this many groups (n_group), of which expert_groups_kept
   /// (topk_group) are searched for the top-k
   int64_t expert_groups = 0, expert_groups_kept = 0;

@@ -376,6 +376,24 @@ const ParamOp* RouterOf(const ModelShape& m) {
   return nullptr;
 }
 
+// Bytes of each (token, expert) pair's routing weight as the experts' outputs are weighed by it:
+// fp32 (Mixtral's, DeepSeek-V3's), or the compute dtype (gpt-oss's softmax in it; Qwen3-MoE's cast).
+int64_t PairWeightBytes(const ModelShape& m, const Dims& d) {
+  if (m.router == ModelShape::Router::kTopKThenSoftmax) return d.c;
+  if (m.router == ModelShape::Router::kSoftmaxThenTopK && m.router_weights_in_compute_dtype) return d.c;
+  return 4;
+}
+
+// norm_topk_prob's in-place division of the fp32 top-k weights by their sum (Qwen3MoeTopKRouter,
+// MixtralTopKRouter, DeepseekV3MoE.route_tokens_to_experts): DivBackward0 saves the denominator
+// and, the division being in place, a copy of the weights it overwrites (autograd's original_self),
+// allocated in that order.
+void AddTopKNormalisation(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d) {
+  if (!m.router_norm_topk) return;
+  out.push_back({"moe.topk_denominator", 4 * d.tokens});
+  out.push_back({"moe.topk_weights", 4 * d.top_k * d.tokens});
+}
+
 // DeepSeek-V3's router (DeepseekV3TopkRouter.forward): F.linear on fp32 copies of the input and
 // of the weight (each saved for the other's gradient), sigmoid's output, topk's int64 indices of
 // the best two scores of every group and of the kept groups, the bool mask of the kept groups'
@@ -390,8 +408,7 @@ void AddGroupedSigmoidRouter(std::vector<SavedTensor>& out, const ModelShape& m,
   out.push_back({"moe.kept_group_indices", 8 * m.expert_groups_kept * d.tokens});
   out.push_back({"moe.group_mask", d.experts * d.tokens});
   out.push_back({"moe.topk_indices", 8 * pairs});
-  out.push_back({"moe.topk_denominator", 4 * d.tokens});
-  out.push_back({"moe.topk_weights", 4 * pairs});
+  AddTopKNormalisation(out, m, d);
 }
 
 // Whether the routed experts' first and last projections train: their matmuls (grouped_mm, bmm,
@@ -476,19 +493,20 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
       // grouped_mm_experts_forward (the default on CUDA and on the CPU) then, per routed (token,
       // expert) pair: the gathered input (its grouped_mm's), gate_up's output (SiLU saves its gate
       // half, the product its up half), the activation, the product (down's input), down's output
-      // with the pair's routing weight (their product's), and three int64 index vectors (perm //
-      // top_k, perm and inv_perm, each saved by the gather it drives).
+      // with the pair's routing weight (their product's; fp32, or the compute dtype Qwen3-MoE casts
+      // it to), and three int64 index vectors (perm, perm // top_k and inv_perm, each saved by the
+      // gather it drives).
       const int64_t pairs = d.top_k * d.tokens;
-      int64_t weight_bytes = 4;  // each pair's routing weight: fp32 unless the router weighs in c
+      const int64_t weight_bytes = PairWeightBytes(m, d);
       switch (m.router) {
         case ModelShape::Router::kSoftmaxThenTopK:
           out.push_back({"moe.routing_fp32", 4 * d.experts * d.tokens});
           out.push_back({"moe.topk_indices", 8 * pairs});
+          AddTopKNormalisation(out, m, d);
           break;
         case ModelShape::Router::kTopKThenSoftmax:  // GptOssTopKRouter: topk's indices, softmax's output in c
           out.push_back({"moe.topk_indices", 8 * pairs});
           out.push_back({"moe.topk_softmax", d.c * pairs});
-          weight_bytes = d.c;
           break;
         case ModelShape::Router::kGroupedSigmoid: AddGroupedSigmoidRouter(out, m, d); break;
         case ModelShape::Router::kTopKThenSigmoid:  // Llama4Router: topk's indices (scatter's too), the fp32 sigmoid over every expert
@@ -500,8 +518,16 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
         AddDenseDispatchExperts(out, m, d, f.norm2);
         return;
       }
+      // in grouped_mm_experts_forward's order, one tensor each: sort's perm (the pair weights'
+      // gather saves it), perm // top_k (the tokens' gather's), the gathered tokens and pair
+      // weights, with expert biases the sorted expert ids (the biases' gathers'), ..., inv_perm
       const ExpertWeights w = ExpertWeightsOf(m);
+      out.push_back({"moe.perm", 8 * pairs});
+      out.push_back({"moe.perm_token", 8 * pairs});
       if (w.gate_up_trains) out.push_back({"moe.expert_in", d.c * d.h * pairs});
+      out.push_back({"moe.pair_weights", weight_bytes * pairs});
+      const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
+      if (experts != nullptr && experts->bias) out.push_back({"moe.expert_ids", 8 * pairs});
       out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * pairs});
       if (m.arch.experts_clamped_swiglu) {
         // gpt-oss's _apply_gate on gate_up's strided halves: the clamped gate, sigmoid's output,
@@ -513,11 +539,7 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
       }
       if (w.down_trains) out.push_back({"moe.down_in", d.c * d.inner * pairs});
       out.push_back({"moe.down_out", d.c * d.h * pairs});
-      out.push_back({"moe.pair_weights", weight_bytes * pairs});
-      // perm // top_k, perm and inv_perm, and with expert biases the expert of each pair that
-      // gathers them
-      const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
-      out.push_back({"moe.permutations", (experts != nullptr && experts->bias ? 4 : 3) * 8 * pairs});
+      out.push_back({"moe.inv_perm", 8 * pairs});
       AddSharedExpert(out, m, d, f.norm2);
       return;
     }
@@ -1014,6 +1036,38 @@ bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
   return false;
 }
 
+// BlockActivations::experts_forward_moment: what the routed experts' forward (transformers 5.24,
+// integrations/moe.py grouped_mm_experts_forward, and the sparse MoE block around it) holds at its
+// end beyond what it saves, in the order it makes them: the router's logits (F.linear's output in
+// the compute dtype, DeepSeek-V3's on fp32 copies) and the routing weights the block passes on
+// (gpt-oss's are its saved softmax), sort's sorted expert ids unless the biases' gathers save them,
+// histc's 4-byte copy of them, then the weighted outputs (the pair weight's dtype promotes them:
+// fp32 beside fp32 weights), their gather back to token order (the weighted outputs die with it),
+// the sum over each token's top-k (the gather dies with it), and its cast to the compute dtype
+// where the sum is fp32. One tensor each; the memory model frees them all at the moment's end.
+std::vector<SavedTensor> RoutedExpertsForwardMoment(const ModelShape& m, const Dims& d) {
+  if (m.arch.mlp != MlpKind::kMoe || m.arch.experts_dense_dispatch) return {};
+  const int64_t pairs = d.top_k * d.tokens;
+  const int64_t weight_bytes = PairWeightBytes(m, d);
+  const int64_t out_bytes = std::max(d.c, weight_bytes);
+  std::vector<SavedTensor> moment;
+  moment.push_back({"moe.router_logits", (m.router == ModelShape::Router::kGroupedSigmoid ? 4 : d.c) * d.experts * d.tokens});
+  if (m.router != ModelShape::Router::kTopKThenSoftmax) moment.push_back({"moe.routing_weights", weight_bytes * pairs});
+  const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
+  if (experts == nullptr || !experts->bias) moment.push_back({"moe.sorted_expert_ids", 8 * pairs});
+  moment.push_back({"moe.histc_input", 4 * pairs});
+  moment.push_back({"moe.weighted_out", out_bytes * d.h * pairs});
+  moment.back().freed_by_next_in_moment = true;
+  moment.push_back({"moe.weighted_out_token_order", out_bytes * d.h * pairs});
+  moment.back().freed_by_next_in_moment = true;
+  moment.push_back({"moe.token_sum", out_bytes * d.h * d.tokens});
+  if (out_bytes != d.c) {
+    moment.back().freed_by_next_in_moment = true;
+    moment.push_back({"moe.token_sum_cast", d.c * d.h * d.tokens});
+  }
+  return moment;
+}
+
 BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& cfg, bool input_requires_grad, int64_t window) {
   const Dims d = DimsOf(m, cfg, window);
   BlockActivations a;
@@ -1062,6 +1116,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
     if (cfg.checkpointing == Checkpointing::kFull) a.forward_moment = CheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
     else if (cfg.checkpointing != Checkpointing::kSelectiveOp) a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
   }
+  a.experts_forward_moment = RoutedExpertsForwardMoment(m, d);
   BackwardWorking working = BackwardWorkingOf(m, cfg, d, !a.softmax_backward.empty());
   a.backward_working = std::move(working.held);
   a.mlp_working_bytes = working.mlp_moment;

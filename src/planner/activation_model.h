@@ -91,6 +91,13 @@ struct BlockActivations {
   std::vector<SavedTensor> forward_moment;
   /// forward_moment's bytes at its highest (those not freed_by_next_in_moment)
   int64_t ForwardMomentBytes() const;
+  /// Routed experts (MlpKind::kMoe, not dense dispatch): what their forward holds at its end
+  /// beyond the tensors it saves (the router's logits, the routing weights, the sorted expert
+  /// ids and their histc copy, the weighted outputs, their gather to token order and each
+  /// token's sum), allocated in order after every kept tensor of the block, a tensor flagged
+  /// freed_by_next_in_moment freed once the next exists, all freed at the end. Under any
+  /// checkpointing: a no_grad forward makes them too. Empty for other blocks.
+  std::vector<SavedTensor> experts_forward_moment;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
 };

@@ -346,24 +346,77 @@ TEST_CASE("A sliding window shorter than the sequence gives SDPA a mask: k and v
 
 TEST_CASE("Routed experts save each token once per selected expert, as transformers 5.24's grouped_mm path does") {
   // mixtral-8x7b, one token: top-2 of 8 experts, h=4096, I=14336. Router: fp32 softmax 4E, int64
-  // top-k indices 8k; per pair: gathered input 2h, gate_up output 2*2I, activation 2I, product 2I,
-  // down output 2h, fp32 routing weight 4, three int64 index vectors 24.
+  // top-k indices 8k, the in-place division by the top-k's sum: its fp32 denominator 4 and its copy
+  // of the fp32 weights 4k; per pair: gathered input 2h, gate_up output 2*2I, activation 2I,
+  // product 2I, down output 2h, fp32 routing weight 4, three int64 index vectors 24.
   BlockActivations a = Profile("mixtral-8x7b", 1, Attention::kFlash);
   int64_t moe = 0;
   for (const auto& t : a.full) if (t.name.starts_with("moe.")) moe += t.bytes;
   const int64_t h = 4096, inner = 14336, e = 8, k = 2;
-  CHECK(moe == 4 * e + 8 * k + k * (2 * h + 4 * inner + 2 * inner + 2 * inner + 2 * h + 4 + 24));
+  CHECK(moe == 4 * e + 8 * k + 4 + 4 * k + k * (2 * h + 4 * inner + 2 * inner + 2 * inner + 2 * h + 4 + 24));
+  // the index vectors one tensor each, as the caching allocator gets them, in forward order
+  std::vector<std::string_view> order;
+  for (const auto& t : a.full) if (t.name.starts_with("moe.")) order.push_back(t.name);
+  CHECK(order == std::vector<std::string_view>{"moe.routing_fp32", "moe.topk_indices", "moe.topk_denominator", "moe.topk_weights", "moe.perm",
+                                               "moe.perm_token", "moe.expert_in", "moe.pair_weights", "moe.gate_up_out", "moe.act_out",
+                                               "moe.down_in", "moe.down_out", "moe.inv_perm"});
   // held through the block: 2 x 2h and the larger of SDPA's (dq, dk, dv: 2 x (32 + 2 x 8) x 128,
   // the fp32 dq accumulator 4 x 32 x 128) and the norms' 12h; the MLP's moment beyond it: the
   // incoming 2h and three 2I gradients per routed pair
   const int64_t held = 2 * 2 * h + std::max<int64_t>(2 * 48 * 128 + 4 * 32 * 128, 12 * h);
   CHECK(a.BackwardWorkingBytes() == held);
   CHECK(a.mlp_working_bytes == 2 * h + 3 * 2 * inner * k - held);
-  // qwen3-30b-a3b: top-8 of 128 experts of 768, h=2048, and Qwen3's per-head q/k norms
+  // qwen3-30b-a3b: top-8 of 128 experts of 768, h=2048, and Qwen3's per-head q/k norms;
+  // norm_topk_prob (the denominator 4, the copy 4k), and the weights cast to bf16 before they
+  // weigh the outputs: 2 per pair
   a = Profile("qwen3-30b-a3b", 1, Attention::kFlash);
   moe = 0;
   for (const auto& t : a.full) if (t.name.starts_with("moe.")) moe += t.bytes;
-  CHECK(moe == 4 * 128 + 8 * 8 + 8 * (2 * 2048 + 8 * 768 + 2 * 2048 + 28));
+  CHECK(moe == 4 * 128 + 8 * 8 + 4 + 4 * 8 + 8 * (2 * 2048 + 8 * 768 + 2 * 2048 + 2 + 24));
+}
+
+TEST_CASE("Routed experts' forward: the router's and the sparse block's tensors one each, and what the forward holds at its end") {
+  // qwen3-moe-mini.json (h 64, 8 experts of 32, top 2, norm_topk_prob) in bf16 at 16 x 4096 =
+  // 65,536 tokens, 131,072 pairs: the sizes torch.profiler's allocation events gave for the H200
+  // row's configuration run on the CPU (tools/torch_reference.py --device cpu --memory-history;
+  // docs/accuracy.md), each tensor one allocation.
+  FsdpConfig c;
+  c.micro_batch = 16;
+  c.seq_len = 4096;
+  c.attention = Attention::kFlash;
+  c.param_dtype = DType::kBf16;
+  const BlockActivations a = BlockActivationProfile(TestConfig("qwen3-moe-mini.json"), c);
+  std::vector<std::pair<std::string_view, int64_t>> saved, moment;
+  for (const auto& t : a.full) if (t.name.starts_with("moe.")) saved.emplace_back(t.name, t.bytes);
+  for (const auto& t : a.experts_forward_moment) moment.emplace_back(t.name, t.bytes);
+  using Named = std::vector<std::pair<std::string_view, int64_t>>;
+  CHECK(saved == Named{{"moe.routing_fp32", 2097152}, {"moe.topk_indices", 1048576}, {"moe.topk_denominator", 262144},
+                       {"moe.topk_weights", 524288}, {"moe.perm", 1048576}, {"moe.perm_token", 1048576},
+                       {"moe.expert_in", 16777216}, {"moe.pair_weights", 262144}, {"moe.gate_up_out", 16777216},
+                       {"moe.act_out", 8388608}, {"moe.down_in", 8388608}, {"moe.down_out", 16777216}, {"moe.inv_perm", 1048576}});
+  // the bf16 logits and routing weights, sort's ids and histc's copy, the weighted outputs, their
+  // gather, the sum over each token's two
+  CHECK(moment == Named{{"moe.router_logits", 1048576}, {"moe.routing_weights", 262144}, {"moe.sorted_expert_ids", 1048576},
+                        {"moe.histc_input", 524288}, {"moe.weighted_out", 16777216}, {"moe.weighted_out_token_order", 16777216},
+                        {"moe.token_sum", 8388608}});
+  CHECK(a.experts_forward_moment[4].freed_by_next_in_moment);
+  CHECK(a.experts_forward_moment[5].freed_by_next_in_moment);
+  CHECK_FALSE(a.experts_forward_moment[6].freed_by_next_in_moment);
+  // without norm_topk_prob the weights are topk's values cast: nothing of the division is saved
+  ModelSpec unnormalised = TestConfig("qwen3-moe-mini.json");
+  unnormalised.router_norm_topk = false;
+  const BlockActivations b = BlockActivationProfile(unnormalised, c);
+  CHECK(a.FullBytes() - b.FullBytes() == 262144 + 524288);
+  // Mixtral's fp32 weights promote the weighted outputs and their sum to fp32; the sum is cast
+  // back. mixtral-8x7b at one token of 4096 wide, top 2 of 8.
+  const BlockActivations x = Profile("mixtral-8x7b", 1, Attention::kFlash);
+  moment.clear();
+  for (const auto& t : x.experts_forward_moment) moment.emplace_back(t.name, t.bytes);
+  CHECK(moment == Named{{"moe.router_logits", 2 * 8}, {"moe.routing_weights", 4 * 2}, {"moe.sorted_expert_ids", 8 * 2},
+                        {"moe.histc_input", 4 * 2}, {"moe.weighted_out", 4 * 4096 * 2}, {"moe.weighted_out_token_order", 4 * 4096 * 2},
+                        {"moe.token_sum", 4 * 4096}, {"moe.token_sum_cast", 2 * 4096}});
+  // dense blocks have none
+  CHECK(Profile("llama-2-7b", 1, Attention::kFlash).experts_forward_moment.empty());
 }
 
 TEST_CASE("DeepSeek-V3 blocks, eager: latent attention's norms and copies, the grouped sigmoid router, the shared expert") {

@@ -466,6 +466,7 @@ class StepPlayer {
         for (const auto& t : BlockProfile(node_id).cache) cache_.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
         ForwardMoment(BlockProfile(node_id).forward_moment);
         AllocSaved(node_id, BlockProfile(node_id).kept, true);
+        ForwardMoment(BlockProfile(node_id).experts_forward_moment);
         // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
         // with all the block's saved tensors alive (an upper bound by the ones saved after it)
         if (nf4_.weight_bytes > 0) {

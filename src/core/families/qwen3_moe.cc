@@ -50,6 +50,7 @@ Status ReadQwen3Moe(const JsonReader& r, ModelSpec& m) {
     return r.KeyError("num_experts_per_tok", fmt::format("{} exceeds num_experts {}", m.experts_per_token, m.num_experts));
   }
   FSDP_ASSIGN(m.router_norm_topk, ReadFlag(r, "norm_topk_prob", false));
+  m.router_weights_in_compute_dtype = true;
   FSDP_TRY(ReadDenseLayers(r, m));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Qwen3MoeDecoderLayer";
