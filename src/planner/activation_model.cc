@@ -1013,6 +1013,29 @@ std::vector<int64_t> ModelBuffers(const ModelSpec& m, const FsdpConfig& cfg) {
   return buffers;
 }
 
+void MarkNormTransients(std::vector<SavedTensor>& tensors, const Architecture& arch, int64_t compute_bytes) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].name.ends_with(".x_fp32")) continue;
+    const std::string_view module = tensors[i].name.substr(0, tensors[i].name.size() - std::string_view(".x_fp32").size());
+    auto of_module = [&](size_t j, std::string_view what) {
+      return j < tensors.size() && tensors[j].name.size() == module.size() + 1 + what.size() && tensors[j].name.starts_with(module) &&
+             tensors[j].name.ends_with(what) && tensors[j].name[module.size()] == '.';
+    };
+    const int64_t fp32_bytes = tensors[i].bytes;
+    tensors[i].then_transient_bytes = fp32_bytes;  // pow(2)
+    if (compute_bytes == 4 || !of_module(i + 1, "rsqrt")) continue;
+    size_t anchor = i + 1;
+    if (arch.norm_weight_fp32) {
+      if (!of_module(i + 2, "x_normalized")) continue;  // frozen weight: its product is not kept apart
+      anchor = i + 2;
+    }
+    int spans = 0;
+    for (size_t j = anchor + 1; of_module(j, "x_normalized") || of_module(j, "out"); ++j) ++spans;
+    tensors[anchor].then_transient_bytes = fp32_bytes;
+    tensors[anchor].then_transient_spans = spans;
+  }
+}
+
 int64_t BlockActivations::FullBytes() const { return SumBytes(full); }
 int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
 int64_t BlockActivations::SoftmaxBackwardBytes() const { return SumBytes(softmax_backward); }
@@ -1072,6 +1095,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   const Dims d = DimsOf(m, cfg, window);
   BlockActivations a;
   a.full = BlockSaved(m, cfg, d, input_requires_grad);
+  MarkNormTransients(a.full, m.arch, d.c);
   a.softmax_backward = MarkSoftmaxBackward(m, cfg, d, FlowOf(m, input_requires_grad), a.full);
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;
@@ -1171,6 +1195,7 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
   } else {
     AddNormAndLinearInput(head.final_norm, m.arch, final_norm, d, grad, !m.arch.base_frozen);
   }
+  MarkNormTransients(head.final_norm, m.arch, d.c);
   // transformers' loss (HfLoss): cross_entropy = log_softmax (saves its fp32 output) + nll_loss,
   // over every position with the labels padded (4.49 on) or over logits[..., :-1, :] copied
   // contiguous (before 4.49: B (T - 1) rows). The logits the model returns stay referenced by its

@@ -45,6 +45,12 @@ struct SavedTensor {
   /// the op's backward has run (torch/csrc/autograd/engine.cpp, release_variables). Empty: the
   /// block's end (a block argument; the kept inputs checkpointing adds). Static text.
   std::string_view freed_after = {};
+  /// A tensor the forward makes right after this one and frees once `then_transient_spans` more
+  /// of the list's tensors are made (0: before the next): transformers' RMSNorm's `pow(2)` after
+  /// its fp32 input, its fp32 product `x * rsqrt(...)` (or, weighing in fp32, `weight * x`) while
+  /// the cast and the output are made (MarkNormTransients). Not saved: no byte total counts it.
+  int64_t then_transient_bytes = 0;
+  int then_transient_spans = 0;
 };
 
 /// Activation memory of one decoder block for one micro-batch.
@@ -163,6 +169,16 @@ bool BlockInputRequiresGrad(const ModelSpec& model, int block);
 HeadActivations HeadActivationProfile(const ModelSpec& model, const FsdpConfig& config);
 
 int64_t SumBytes(const std::vector<SavedTensor>& tensors);
+
+/// Sets then_transient_bytes on a list's transformers RMSNorm tensors (each module's
+/// "<norm>.x_fp32", "<norm>.rsqrt", "<norm>.x_normalized", "<norm>.out", in that order):
+/// LlamaRMSNorm.forward's `hidden_states.pow(2)` (4 bytes a feature, freed once `mean` has run)
+/// after the fp32 input, and its fp32 `hidden_states * torch.rsqrt(...)` (bound until the norm
+/// returns) after the rsqrt, alive while the cast and the weighted output are made; a norm that
+/// multiplies by its weight in fp32 (Architecture::norm_weight_fp32: Gemma's, OLMo 2's) saves
+/// that product and holds the weighted fp32 one instead, after it. In fp32 the casts are the
+/// tensors themselves: no second transient. Norms whose fp32 input is not saved are left alone.
+void MarkNormTransients(std::vector<SavedTensor>& tensors, const Architecture& arch, int64_t compute_bytes);
 
 /// The model's persistent buffers on each rank, bytes of each tensor (FSDP moves buffers to the
 /// device whole; they are not sharded): torchtitan's RoPE table freqs_cis, complex64 [seq_len, head_dim / 2]

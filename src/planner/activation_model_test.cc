@@ -375,6 +375,46 @@ TEST_CASE("Routed experts save each token once per selected expert, as transform
   CHECK(moe == 4 * 128 + 8 * 8 + 4 + 4 * 8 + 8 * (2 * 2048 + 8 * 768 + 2 * 2048 + 2 + 24));
 }
 
+TEST_CASE("RMSNorm's forward transients: pow(2) after the fp32 input, the fp32 product while the cast and output are made") {
+  // llama-2-7b, bf16, one token (F = h = 4096 features): LlamaRMSNorm makes pow(2) (4F, freed
+  // once mean has run: before the rsqrt) and `hidden_states * rsqrt` (4F, bound until it returns:
+  // through x.to(bf16) and weight * it, the next two saved tensors)
+  FsdpConfig c;
+  c.seq_len = 1;
+  c.attention = Attention::kFlash;
+  const BlockActivations a = BlockActivationProfile(Loaded("llama-2-7b"), c);
+  auto find = [](const std::vector<SavedTensor>& list, std::string_view name) -> const SavedTensor& {
+    for (const auto& t : list) if (t.name == name) return t;
+    FAIL("no " << name);
+    return list.front();
+  };
+  CHECK(find(a.full, "input_layernorm.x_fp32").then_transient_bytes == 4 * 4096);
+  CHECK(find(a.full, "input_layernorm.x_fp32").then_transient_spans == 0);
+  CHECK(find(a.full, "input_layernorm.rsqrt").then_transient_bytes == 4 * 4096);
+  CHECK(find(a.full, "input_layernorm.rsqrt").then_transient_spans == 2);
+  CHECK(find(a.full, "input_layernorm.x_normalized").then_transient_bytes == 0);
+  CHECK(find(a.full, "post_attention_layernorm.rsqrt").then_transient_spans == 2);
+  // not saved: the byte totals do not count them
+  int64_t saved = 0;
+  for (const auto& t : a.full) saved += t.bytes;
+  CHECK(a.FullBytes() == saved);
+  // the final norm's too
+  const HeadActivations head = HeadActivationProfile(Loaded("llama-2-7b"), c);
+  CHECK(find(head.final_norm, "norm.rsqrt").then_transient_spans == 2);
+  // fp32: the casts are the tensors themselves, only pow(2) is made apart
+  c.param_dtype = DType::kFp32;
+  const BlockActivations f = BlockActivationProfile(Loaded("llama-2-7b"), c);
+  CHECK(find(f.full, "input_layernorm.x_fp32").then_transient_bytes == 4 * 4096);
+  CHECK(find(f.full, "input_layernorm.rsqrt").then_transient_bytes == 0);
+  // OLMo 2 weighs in fp32: it saves the fp32 product x * rsqrt and holds weight * it (4F) while
+  // it is cast; the post-norms' outputs are saved by nothing, so it is freed before the next
+  c.param_dtype = DType::kBf16;
+  const BlockActivations o = BlockActivationProfile(Loaded("olmo-2-7b"), c);
+  CHECK(find(o.full, "post_attention_layernorm.rsqrt").then_transient_bytes == 0);
+  CHECK(find(o.full, "post_attention_layernorm.x_normalized").then_transient_bytes == 4 * 4096);
+  CHECK(find(o.full, "post_attention_layernorm.x_normalized").then_transient_spans == 0);
+}
+
 TEST_CASE("Routed experts' forward: the router's and the sparse block's tensors one each, and what the forward holds at its end") {
   // qwen3-moe-mini.json (h 64, 8 experts of 32, top 2, norm_topk_prob) in bf16 at 16 x 4096 =
   // 65,536 tokens, 131,072 pairs: the sizes torch.profiler's allocation events gave for the H200

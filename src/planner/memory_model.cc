@@ -426,16 +426,39 @@ class StepPlayer {
     for (BlockId& b : live) mem_.Free(b);
   }
 
+  // Saved tensors with the transients the forward makes between them (SavedTensor::
+  // then_transient_bytes): each freed before the tensor its span ends at, the rest at the end.
+  class TransientsBetween {
+   public:
+    explicit TransientsBetween(MemoryTracker& mem) : mem_(mem) {}
+    ~TransientsBetween() { for (Pending& p : pending_) mem_.Free(p.block); }
+    BlockId Alloc(const SavedTensor& t) {
+      for (Pending& p : pending_) {
+        if (p.left-- == 0) mem_.Free(p.block);
+      }
+      std::erase_if(pending_, [](const Pending& p) { return p.block == kNoBlock; });
+      const BlockId saved = mem_.Alloc(Cat::kActivations, t.bytes);
+      if (t.then_transient_bytes > 0) pending_.push_back({mem_.Alloc(Cat::kActivations, t.then_transient_bytes), t.then_transient_spans});
+      return saved;
+    }
+   private:
+    struct Pending { BlockId block; int left; };
+    MemoryTracker& mem_;
+    std::vector<Pending> pending_;
+  };
+
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
-    for (const auto& t : tensors) node_saved_[node_id].push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+    TransientsBetween between(mem_);
+    for (const auto& t : tensors) node_saved_[node_id].push_back(between.Alloc(t));
   }
   // a block's kept tensors made before its eager core's forward moment (the first call, which
   // sizes the block's list), or after it: node_saved_ stays indexed as `tensors`
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors, bool after_forward_moment) {
     std::vector<BlockId>& saved = node_saved_[node_id];
     if (!after_forward_moment) saved.assign(tensors.size(), kNoBlock);
+    TransientsBetween between(mem_);
     for (size_t i = 0; i < tensors.size() && i < saved.size(); ++i) {
-      if (tensors[i].after_forward_moment == after_forward_moment) saved[i] = mem_.Alloc(Cat::kActivations, tensors[i].bytes);
+      if (tensors[i].after_forward_moment == after_forward_moment) saved[i] = between.Alloc(tensors[i]);
     }
   }
 
