@@ -428,7 +428,8 @@ ExpertWeights ExpertWeightsOf(const ModelShape& m) {
 }
 
 // A SwiGLU MLP reading `input_rg` hidden states, `x` bytes per inner tensor: gate's output (SiLU's
-// input), SiLU's output, up's output and down's input, with peft's adapters. Under LoRA SiLU saves
+// input), SiLU's output, up's output and down's input, with peft's adapters; a fused gate_up
+// projection's output one tensor of 2x, as the allocator gets it. Under LoRA SiLU saves
 // its input when gate's output requires grad, act * up saves each factor for the other's gradient,
 // down saves its input as any linear (SavesInput).
 void AddSwiGlu(std::vector<SavedTensor>& out, std::string_view prefix, const ParamOp* gate, const ParamOp* up, const ParamOp* down, int64_t x,
@@ -436,9 +437,14 @@ void AddSwiGlu(std::vector<SavedTensor>& out, std::string_view prefix, const Par
   AddLoraSaved(out, gate, input_rg, d);
   if (up != gate) AddLoraSaved(out, up, input_rg, d);
   const bool gate_rg = input_rg || Trains(gate), up_rg = input_rg || Trains(up);
-  if (gate_rg) out.push_back({Name(prefix, "gate_out"), x});
-  if (up_rg) out.push_back({Name(prefix, "act_out"), x});
-  if (gate_rg) out.push_back({Name(prefix, "up_out"), x});
+  if (up == gate) {  // Phi-3's gate_up_proj: SiLU and the product save views of its one output
+    if (gate_rg) out.push_back({Name(prefix, "gate_up_out"), 2 * x});
+    if (up_rg) out.push_back({Name(prefix, "act_out"), x});
+  } else {
+    if (gate_rg) out.push_back({Name(prefix, "gate_out"), x});
+    if (up_rg) out.push_back({Name(prefix, "act_out"), x});
+    if (gate_rg) out.push_back({Name(prefix, "up_out"), x});
+  }
   if (SavesInput(down)) out.push_back({Name(prefix, "down_in"), x});
   AddLoraSaved(out, down, gate_rg || up_rg, d);
 }
