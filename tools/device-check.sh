@@ -30,6 +30,11 @@
 # "kernels pairs sweep hf_parity virtual calibrate memcheck"; also "sdpa": the FULL_SHARD pairs
 # again with PyTorch on SDPA, and "large": fsdp-run on LARGE_MODEL, default llama-3.1-8b, rank 0 of
 # a virtual world of 8 at seq 4096 with full AC); SWEEP_FILE replaces the sweep's table (same format).
+# HISTORY=1 also records each sweep run's allocator history (torch_reference.py --memory-history:
+# every alloc and free with its stream and the Python line that made it) and brings them back as
+# $OUT/histories.tar.gz, for build/bench/allocator_replay and a trace like docs/accuracy.md's of
+# Llama 3.2 1B. Without a part that needs fsdp-run (PARTS="sweep" alone) nothing is built:
+#   SWEEP_FILE=tools/device-sweep-outliers.txt HISTORY=1 PARTS=sweep tools/device-check.sh
 #
 # REHEARSE=1 runs the whole script on a machine without a GPU, to find what would break before a GPU
 # session: fsdp-run-emu and cuda_emu_test from $BUILD (default build; the GPU engine on cuda-emu,
@@ -74,10 +79,16 @@ fi
 BUDGET_S=${BUDGET_S:-480}
 PARTS=" ${PARTS:-kernels pairs sweep hf_parity virtual calibrate memcheck} "
 part() { [[ "$PARTS" == *" $1 "* ]]; }
+needs_engine() {  # any part that runs fsdp-run or cuda_test
+  local p
+  for p in kernels pairs sdpa large hf_parity virtual calibrate memcheck; do part "$p" && return 0; done
+  return 1
+}
 read -r -a cuda_test_args <<< "$CUDA_TEST_ARGS"  # words, not globbed
 RUNS=${RUNS:-${TMPDIR:-/tmp}/fsdpkit-device-runs}  # one JSON per run; only the merge goes to $OUT (8 files come back)
-[ -n "${MERGE_ONLY:-}" ] || rm -rf "$RUNS"
-mkdir -p "$RUNS" "$OUT"
+HIST=${RUNS}_histories  # HISTORY=1's allocator histories: apart from $RUNS, whose every file the merge reads
+[ -n "${MERGE_ONLY:-}" ] || rm -rf "$RUNS" "$HIST"
+mkdir -p "$RUNS" "$OUT" "$HIST"
 LOG=$OUT/device-check.log
 : > "$LOG"
 say() { echo "== $*" | tee -a "$LOG"; }
@@ -164,8 +175,12 @@ export FSDPKIT_DATA_DIR=$PWD
 if [ -n "$REHEARSE" ]; then
   say "rehearsal without a GPU: $FSDP_RUN, $CUDA_TEST, PyTorch on the CPU ($PYTHON); nothing here is a measurement"
   for f in "$FSDP_RUN" "$CUDA_TEST"; do
+    needs_engine || break
     [ -x "$f" ] || { echo "device-check: $f missing: build the cuda-emu targets (cmake --build $BUILD)" | tee -a "$LOG"; exit 2; }
   done
+elif ! needs_engine; then
+  say "machine (parts: $PARTS; no fsdp-run needed, nothing built)"
+  run timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 else
   say "machine"
   run timeout 30 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
@@ -286,6 +301,7 @@ reserved_sweep() {
       [ "$w" = "$wave" ] || continue
       [ -n "$REHEARSE" ] && { flags="--model models/$MODEL.json --seq-len $SEQ --micro-batch 1 --attention eager"; [ "$wave" = 1 ] || continue; }
       read -r -a flag_words <<< "$flags"
+      [ -n "${HISTORY:-}" ] && flag_words+=(--memory-history "$HIST/hist_$name.json")
       echo "\$ PYTORCH_CUDA_ALLOC_CONF=$conf torch_reference.py ${flags} (wave $wave)" | tee -a "$LOG"
       [ -n "${DRY_RUN:-}" ] && continue
       ( [ "$conf" = - ] || export PYTORCH_CUDA_ALLOC_CONF=$conf
@@ -303,6 +319,9 @@ reserved_sweep() {
     done | tee -a "$LOG"
     rm -f "$RUNS"/sweep_*.log
   done
+  if [ -n "${HISTORY:-}" ] && [ -z "${DRY_RUN:-}" ] && compgen -G "$HIST/hist_*.json" > /dev/null; then
+    tar -czf "$OUT/histories.tar.gz" -C "$HIST" . && say "allocator histories: $OUT/histories.tar.gz ($(du -h "$OUT/histories.tar.gz" | cut -f1))"
+  fi
   [ -n "${DRY_RUN:-}" ] || merge > /dev/null 2>&1 || true
 }
 # The pairs with PyTorch first (fsdp2 profiles against fully_shard; FSDP2 has no NO_SHARD, so that

@@ -885,6 +885,20 @@ def start_memory_history(args, device):
     return start
 
 
+def history_frame(event):
+    """The Python line behind an allocator event (stacks='python'): the innermost frame in
+    transformers', peft's or torchtitan's code ("modeling_olmo2.py:63 forward"), else the
+    innermost frame, else ""."""
+    frames = event.get("frames") or []
+    for f in frames:
+        name = f.get("filename", "")
+        if "/transformers/" in name or "/peft/" in name or "/torchtitan/" in name:
+            return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}"
+    if frames:
+        return f"{os.path.basename(frames[0].get('filename', ''))}:{frames[0].get('line')} {frames[0].get('name')}"
+    return ""
+
+
 def write_memory_history(path, start_segments, device):
     """The recorded events as [action, address, size, stream] (the trace of this rank's device) and
     the segments at the start and now."""
@@ -896,8 +910,9 @@ def write_memory_history(path, start_segments, device):
     torch.cuda.memory._record_memory_history(enabled=None)
     index = device.index or 0
     traces = snapshot["device_traces"][index] if len(snapshot["device_traces"]) > index else []
-    doc = {"source": "torch.cuda.memory._snapshot() with _record_memory_history(enabled='all', context=None)",
-           "events": [[e["action"], e["addr"], e["size"], e["stream"]] for e in traces],
+    doc = {"source": "torch.cuda.memory._snapshot() with _record_memory_history(enabled='all', context=None); "
+                     "an event's fifth field is the Python line that made it (history_frame)",
+           "events": [[e["action"], e["addr"], e["size"], e["stream"], history_frame(e)] for e in traces],
            "segments_at_start": start_segments, "segments_at_end": segments_of(snapshot)}
     with open(path, "w") as f:
         json.dump(doc, f, separators=(",", ":"))
