@@ -1,5 +1,6 @@
 #include "core/allocator_history.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -18,7 +19,20 @@ bool WellFormedEvent(const Json& e) {
   return e.is_array() && e.size() >= 4 && e[0].is_string() && IsCount(e[1]) && IsSize(e[2]) && IsCount(e[3]);
 }
 
-int StreamOf(const Json& j) { return j.get<int64_t>() == 0 ? 0 : 1; }
+// The allocator's stream for a recorded one: 0 stays 0, the others are numbered 1, 2, ... in the
+// order they first appear (CUDA's stream handles are addresses); past 63 they share the last.
+class StreamNumbers {
+ public:
+  int Of(const Json& j) {
+    const uint64_t recorded = j.get<uint64_t>();
+    if (recorded == 0) return 0;
+    auto [it, added] = numbers_.try_emplace(recorded, static_cast<int>(numbers_.size()) + 1);
+    return std::min(it->second, kMaxStream);
+  }
+ private:
+  static constexpr int kMaxStream = 63;
+  std::map<uint64_t, int> numbers_;
+};
 
 }  // namespace
 
@@ -27,6 +41,7 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
     return Error::BadInput("allocator history: no \"events\" list");
   }
   CachingAllocator a(config, device);
+  StreamNumbers streams;
   std::map<uint64_t, CachingAllocator::Handle> live;  // by the recording's address
   auto malloc_at = [&](uint64_t address, int64_t bytes, int stream) -> Status {
     const CachingAllocator::Handle h = a.Malloc(bytes, stream);
@@ -39,7 +54,7 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
     if (!seg.is_array() || seg.size() < 5 || !IsCount(seg[0]) || !IsSize(seg[1]) || !IsCount(seg[2]) || !seg[4].is_array()) {
       return Error::BadInput(fmt::format("allocator history: malformed segment {}", seg.dump().substr(0, 80)));
     }
-    const int stream = StreamOf(seg[2]);
+    const int stream = streams.Of(seg[2]);
     if (seg[3] == "large") {  // the segment, then its blocks
       const CachingAllocator::Handle whole = a.Malloc(seg[1].get<int64_t>(), stream);
       if (whole == CachingAllocator::kNoHandle) return Error::OutOfMemory("allocator history: out of memory re-making the start layout");
@@ -68,7 +83,7 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
     const std::string& action = e[0].get_ref<const std::string&>();
     const uint64_t address = e[1].get<uint64_t>();
     if (action == "alloc") {
-      FSDP_TRY(malloc_at(address, e[2].get<int64_t>(), StreamOf(e[3])));
+      FSDP_TRY(malloc_at(address, e[2].get<int64_t>(), streams.Of(e[3])));
       ++r.events;
     } else if (action == "free_completed") {
       const auto it = live.find(address);

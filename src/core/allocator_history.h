@@ -29,8 +29,8 @@ struct HistoryReplay {
 /// allocated) or "live_at_start" ([[address, bytes], ...]: storages alive when the CPU's
 /// recording began, allocated in that order). Actions: "alloc" is a malloc, "free_completed" a
 /// block back in its pool (after its recorded streams' events: this allocator's Free), and
-/// "segment_alloc" is counted; the rest are skipped. Stream 0 is stream 0 here and every other
-/// stream is stream 1. Malformed input is an error naming the entry; an out-of-memory stops the
+/// "segment_alloc" is counted; the rest are skipped. Stream 0 is stream 0 here and the others
+/// are numbered 1, 2, ... as they first appear (each its own pools, as on the GPU). Malformed input is an error naming the entry; an out-of-memory stops the
 /// replay with one.
 Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const AllocatorConfig& config, DeviceMemory& device);
 

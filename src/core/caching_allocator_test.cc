@@ -336,6 +336,19 @@ TEST_CASE("a CPU-recorded request sequence replays from the storages alive at it
   }
 }
 
+// Each recorded side stream keeps its own pools, as on the GPU (FSDP2's all-gather and
+// reduce-scatter streams are distinct handles). By hand: 12 MiB on stream A gets a 12 MiB
+// segment; freed, it is not reused by stream B's 12 MiB (a second segment), but is by A's again.
+TEST_CASE("a GPU history's side streams are replayed as streams of their own") {
+  const Json h = Json::parse(R"({"events": [["alloc", 1, 12582912, 93000], ["free_completed", 1, 12582912, 93000],
+    ["alloc", 2, 12582912, 94000], ["alloc", 3, 12582912, 93000]]})");
+  CountingDeviceMemory device(int64_t{1} << 40, 150 * GiB);
+  auto replayed = ReplayAllocatorHistory(h, AllocatorConfig{}, device);
+  REQUIRE(replayed.ok());
+  CHECK(replayed.value().stats.num_device_alloc == 2);
+  CHECK(replayed.value().stats.reserved_peak_bytes == 24 * MiB);
+}
+
 TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
   AllocatorConfig c = Conf("expandable_segments:True, max_split_size_mb:128,garbage_collection_threshold:0.6");
   CHECK(c.expandable_segments);
