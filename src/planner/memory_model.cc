@@ -426,27 +426,6 @@ class StepPlayer {
     for (BlockId& b : live) mem_.Free(b);
   }
 
-  // Saved tensors with the transients the forward makes between them (SavedTensor::
-  // then_transient_bytes): each freed before the tensor its span ends at, the rest at the end.
-  class TransientsBetween {
-   public:
-    explicit TransientsBetween(MemoryTracker& mem) : mem_(mem) {}
-    ~TransientsBetween() { for (Pending& p : pending_) mem_.Free(p.block); }
-    BlockId Alloc(const SavedTensor& t) {
-      for (Pending& p : pending_) {
-        if (p.left-- == 0) mem_.Free(p.block);
-      }
-      std::erase_if(pending_, [](const Pending& p) { return p.block == kNoBlock; });
-      const BlockId saved = mem_.Alloc(Cat::kActivations, t.bytes);
-      if (t.then_transient_bytes > 0) pending_.push_back({mem_.Alloc(Cat::kActivations, t.then_transient_bytes), t.then_transient_spans});
-      return saved;
-    }
-   private:
-    struct Pending { BlockId block; int left; };
-    MemoryTracker& mem_;
-    std::vector<Pending> pending_;
-  };
-
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors) {
     TransientsBetween between(mem_);
     for (const auto& t : tensors) node_saved_[node_id].push_back(between.Alloc(t));

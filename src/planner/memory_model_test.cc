@@ -1,4 +1,5 @@
 #include "planner/memory_model.h"
+#include "planner/memory_tracker.h"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -850,6 +851,32 @@ TEST_CASE("DeepSeek-V3's routed experts on an H200: the published sweep row's re
   REQUIRE(w.ok());
   const MemoryEstimate e = EstimateMemory(w.value());
   CHECK(std::abs(static_cast<double>(e.reserved_peak_bytes) / 6'708'789'248.0 - 1) < 0.045);
+}
+
+// The forward's transients between saved tensors (RMSNorm's pow(2) and fp32 product), by hand:
+// A (100 bytes, then a 1000-byte transient freed before the next tensor), B (10), C (20, then a
+// 500-byte transient held while one more tensor is made), D (30), E (40).
+TEST_CASE("TransientsBetween: each transient from right after its tensor to just before the tensor its span ends at") {
+  MemoryTracker mem(1, true);
+  const std::vector<SavedTensor> tensors = {{"a", 100}, {"b", 10}, {"c", 20}, {"d", 30}, {"e", 40}};
+  std::vector<SavedTensor> with = tensors;
+  with[0].then_transient_bytes = 1000;
+  with[2].then_transient_bytes = 500;
+  with[2].then_transient_spans = 1;
+  {
+    TransientsBetween between(mem);
+    for (const auto& t : with) between.Alloc(t);
+  }
+  std::vector<int64_t> totals;
+  for (const TrackedPoint& p : mem.TakeTimeline()) {
+    int64_t total = 0;
+    for (int64_t b : p.device) total += b;
+    totals.push_back(total);
+  }
+  // a, its transient, the transient freed, b, c, its transient, d, the transient freed, e; at the
+  // end only the saved tensors are left
+  CHECK(totals == std::vector<int64_t>{100, 1100, 100, 110, 130, 630, 660, 160, 200});
+  CHECK(mem.allocated_peak() == 1100);
 }
 
 TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {

@@ -1,6 +1,7 @@
 #include "planner/memory_tracker.h"
 
 #include "core/dtype.h"
+#include "planner/activation_model.h"
 
 namespace fsdp {
 
@@ -169,6 +170,22 @@ void MemoryTracker::Changed() {
     }
     if (record_) timeline_.push_back(TrackedPoint{phase_, device, ReservedNow(device)});
   }
+}
+
+TransientsBetween::~TransientsBetween() {
+  for (Pending& p : pending_) mem_.Free(p.block);
+}
+
+BlockId TransientsBetween::Alloc(const SavedTensor& tensor) {
+  for (Pending& p : pending_) {
+    if (p.left-- == 0) mem_.Free(p.block);
+  }
+  std::erase_if(pending_, [](const Pending& p) { return p.block == kNoBlock; });
+  const BlockId saved = mem_.Alloc(MemCategory::kActivations, tensor.bytes);
+  if (tensor.then_transient_bytes > 0) {
+    pending_.push_back({mem_.Alloc(MemCategory::kActivations, tensor.then_transient_bytes), tensor.then_transient_spans});
+  }
+  return saved;
 }
 
 }  // namespace fsdp

@@ -13,6 +13,7 @@
 #include "planner/memory_model.h"
 
 namespace fsdp {
+struct SavedTensor;
 
 /// Device bytes by category after one event, with the phase it happened in.
 struct TrackedPoint {
@@ -127,6 +128,28 @@ class MemoryTracker {
   bool reserved_peak_before_reset_ = false;
   bool oom_ = false;
   Phase oom_phase_;
+};
+
+/// A forward's saved tensors, in order, with the transients made between them
+/// (SavedTensor::then_transient_bytes, activations): each transient is allocated right after its
+/// tensor and freed just before the tensor that follows the `then_transient_spans` next ones (0:
+/// before the next); those still held are freed when this object ends. The saved tensors' blocks
+/// are the caller's.
+class TransientsBetween {
+ public:
+  explicit TransientsBetween(MemoryTracker& mem) : mem_(mem) {}
+  ~TransientsBetween();
+  TransientsBetween(const TransientsBetween&) = delete;
+  TransientsBetween& operator=(const TransientsBetween&) = delete;
+  BlockId Alloc(const SavedTensor& tensor);
+
+ private:
+  struct Pending {
+    BlockId block;
+    int left;  ///< saved tensors still to be made before it is freed
+  };
+  MemoryTracker& mem_;
+  std::vector<Pending> pending_;
 };
 
 }  // namespace fsdp
