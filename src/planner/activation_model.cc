@@ -1067,7 +1067,9 @@ bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
 
 // BlockActivations::experts_forward_moment: what the routed experts' forward (transformers 5.24,
 // integrations/moe.py grouped_mm_experts_forward, and the sparse MoE block around it) holds at its
-// end beyond what it saves, in the order it makes them: the router's logits (F.linear's output in
+// end beyond what it saves, in the order it makes them: the decoder layer's residual (the hidden
+// states after attention, bound as `residual` through the MLP; in fp32 the norm's upcast saves
+// that very tensor), the router's logits (F.linear's output in
 // the compute dtype, DeepSeek-V3's on fp32 copies) and the routing weights the block passes on
 // (gpt-oss's are its saved softmax), sort's sorted expert ids unless the biases' gathers save them,
 // histc's 4-byte copy of them, then the weighted outputs (the pair weight's dtype promotes them:
@@ -1080,6 +1082,7 @@ std::vector<SavedTensor> RoutedExpertsForwardMoment(const ModelShape& m, const D
   const int64_t weight_bytes = PairWeightBytes(m, d);
   const int64_t out_bytes = std::max(d.c, weight_bytes);
   std::vector<SavedTensor> moment;
+  if (d.c != 4) moment.push_back({"moe.residual", d.c * d.h * d.tokens});
   moment.push_back({"moe.router_logits", (m.router == ModelShape::Router::kGroupedSigmoid ? 4 : d.c) * d.experts * d.tokens});
   if (m.router != ModelShape::Router::kTopKThenSoftmax) moment.push_back({"moe.routing_weights", weight_bytes * pairs});
   const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
@@ -1147,6 +1150,16 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
     else if (cfg.checkpointing != Checkpointing::kSelectiveOp) a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
   }
   a.experts_forward_moment = RoutedExpertsForwardMoment(m, d);
+  if (cfg.checkpointing == Checkpointing::kFull) {
+    // the recomputation stops once the last saved tensor, inv_perm, is saved (torch.utils.checkpoint's
+    // early stop: the gather that saves it has not run); reentrant checkpointing reruns it all
+    a.experts_recompute_moment = a.experts_forward_moment;
+    if (!cfg.ac_reentrant) {
+      std::erase_if(a.experts_recompute_moment, [](const SavedTensor& t) {
+        return t.name == "moe.weighted_out_token_order" || t.name == "moe.token_sum" || t.name == "moe.token_sum_cast";
+      });
+    }
+  }
   BackwardWorking working = BackwardWorkingOf(m, cfg, d, !a.softmax_backward.empty());
   a.backward_working = std::move(working.held);
   a.mlp_working_bytes = working.mlp_moment;

@@ -100,10 +100,16 @@ struct BlockActivations {
   /// Routed experts (MlpKind::kMoe, not dense dispatch): what their forward holds at its end
   /// beyond the tensors it saves (the router's logits, the routing weights, the sorted expert
   /// ids and their histc copy, the weighted outputs, their gather to token order and each
-  /// token's sum), allocated in order after every kept tensor of the block, a tensor flagged
+  /// token's sum; before them the residual the decoder layer holds through its MLP), allocated in
+  /// order after every kept tensor of the block, a tensor flagged
   /// freed_by_next_in_moment freed once the next exists, all freed at the end. Under any
   /// checkpointing: a no_grad forward makes them too. Empty for other blocks.
   std::vector<SavedTensor> experts_forward_moment;
+  /// Under full checkpointing, what the block's recomputation holds at its end beyond the
+  /// recomputed tensors: non-reentrant checkpointing stops once the last saved tensor (inv_perm)
+  /// is saved, with experts_forward_moment up to the weighted outputs alive (CPU allocation events
+  /// of qwen3-moe-mini under --ac full); reentrant checkpointing reruns the whole forward.
+  std::vector<SavedTensor> experts_recompute_moment;
   int64_t FullBytes() const;
   int64_t KeptBytes() const;
 };

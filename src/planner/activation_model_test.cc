@@ -439,14 +439,27 @@ TEST_CASE("Routed experts' forward: the router's and the sparse block's tensors 
                        {"moe.topk_weights", 524288}, {"moe.perm", 1048576}, {"moe.perm_token", 1048576},
                        {"moe.expert_in", 16777216}, {"moe.pair_weights", 262144}, {"moe.gate_up_out", 16777216},
                        {"moe.act_out", 8388608}, {"moe.down_in", 8388608}, {"moe.down_out", 16777216}, {"moe.inv_perm", 1048576}});
-  // the bf16 logits and routing weights, sort's ids and histc's copy, the weighted outputs, their
-  // gather, the sum over each token's two
-  CHECK(moment == Named{{"moe.router_logits", 1048576}, {"moe.routing_weights", 262144}, {"moe.sorted_expert_ids", 1048576},
-                        {"moe.histc_input", 524288}, {"moe.weighted_out", 16777216}, {"moe.weighted_out_token_order", 16777216},
-                        {"moe.token_sum", 8388608}});
-  CHECK(a.experts_forward_moment[4].freed_by_next_in_moment);
+  // the residual after attention, the bf16 logits and routing weights, sort's ids and histc's
+  // copy, the weighted outputs, their gather, the sum over each token's two
+  CHECK(moment == Named{{"moe.residual", 8388608}, {"moe.router_logits", 1048576}, {"moe.routing_weights", 262144},
+                        {"moe.sorted_expert_ids", 1048576}, {"moe.histc_input", 524288}, {"moe.weighted_out", 16777216},
+                        {"moe.weighted_out_token_order", 16777216}, {"moe.token_sum", 8388608}});
   CHECK(a.experts_forward_moment[5].freed_by_next_in_moment);
-  CHECK_FALSE(a.experts_forward_moment[6].freed_by_next_in_moment);
+  CHECK(a.experts_forward_moment[6].freed_by_next_in_moment);
+  CHECK_FALSE(a.experts_forward_moment[7].freed_by_next_in_moment);
+  CHECK(a.experts_recompute_moment.empty());
+  // --ac full: the recomputation stops once inv_perm is saved (the CPU's events of the same run
+  // under --ac full: the weighted outputs made, then inv_perm, then all freed as it unwinds)
+  c.checkpointing = Checkpointing::kFull;
+  const BlockActivations r = BlockActivationProfile(TestConfig("qwen3-moe-mini.json"), c);
+  moment.clear();
+  for (const auto& t : r.experts_recompute_moment) moment.emplace_back(t.name, t.bytes);
+  CHECK(moment == Named{{"moe.residual", 8388608}, {"moe.router_logits", 1048576}, {"moe.routing_weights", 262144},
+                        {"moe.sorted_expert_ids", 1048576}, {"moe.histc_input", 524288}, {"moe.weighted_out", 16777216}});
+  c.ac_reentrant = true;  // reentrant checkpointing reruns the whole forward
+  CHECK(BlockActivationProfile(TestConfig("qwen3-moe-mini.json"), c).experts_recompute_moment.size() == 8);
+  c.ac_reentrant = false;
+  c.checkpointing = Checkpointing::kNone;
   // without norm_topk_prob the weights are topk's values cast: nothing of the division is saved
   ModelSpec unnormalised = TestConfig("qwen3-moe-mini.json");
   unnormalised.router_norm_topk = false;
@@ -457,7 +470,7 @@ TEST_CASE("Routed experts' forward: the router's and the sparse block's tensors 
   const BlockActivations x = Profile("mixtral-8x7b", 1, Attention::kFlash);
   moment.clear();
   for (const auto& t : x.experts_forward_moment) moment.emplace_back(t.name, t.bytes);
-  CHECK(moment == Named{{"moe.router_logits", 2 * 8}, {"moe.routing_weights", 4 * 2}, {"moe.sorted_expert_ids", 8 * 2},
+  CHECK(moment == Named{{"moe.residual", 2 * 4096}, {"moe.router_logits", 2 * 8}, {"moe.routing_weights", 4 * 2}, {"moe.sorted_expert_ids", 8 * 2},
                         {"moe.histc_input", 4 * 2}, {"moe.weighted_out", 4 * 4096 * 2}, {"moe.weighted_out_token_order", 4 * 4096 * 2},
                         {"moe.token_sum", 4 * 4096}, {"moe.token_sum_cast", 2 * 4096}});
   // dense blocks have none

@@ -688,6 +688,7 @@ class StepPlayer {
           // all but what it kept, after which the kept outputs only the recomputation read go
           const BlockActivations& profile = BlockProfile(node_id);
           for (const auto& t : profile.recomputed) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+          ForwardMoment(profile.experts_recompute_moment);
           const std::vector<SavedTensor>& kept = profile.kept;
           for (size_t i = 0; i < kept.size(); ++i) {
             if (kept[i].freed_after_recompute) mem_.Free(node_saved_[node_id][i]);
