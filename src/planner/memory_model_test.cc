@@ -804,28 +804,33 @@ TEST_CASE("eager attention's softmax backward: its gradients as separate blocks 
   CHECK(std::abs(error) < 0.05);
 }
 
-// The H200 sweep's gpt-oss row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_gptoss_mb8:
-// gpt-oss-tiny, FSDP2 on one GPU, bf16, eager, 8 x 2048): max_memory_allocated 5,507,444,736 and
-// max_memory_reserved 6,501,171,200. It guards two rules found on the CPU: the sink-joined core's
-// forward moment and the row maximum's backward with scatter_'s fp32 buffer, without which the
-// plan was -8.5% allocated (and -16.4% reserved with the first alone).
-TEST_CASE("gpt-oss's eager core on an H200: the published sweep row's allocated and reserved peaks") {
-  auto model = LoadModel(DataDir() + "/tests/data/hf_configs/gpt-oss-tiny.json");
+// A row of the H200 sweeps as tools/gpu_memory_check.py plans it: a tests/data/hf_configs/ model
+// under FSDP2 on one H200, bf16 parameters, fp32 reduction, no checkpointing.
+MemoryEstimate SweepRowOnH200(const std::string& config_file, int64_t seq_len, int64_t micro_batch, Attention attention) {
+  auto model = LoadModel(DataDir() + "/tests/data/hf_configs/" + config_file);
   REQUIRE(model.ok());
-  const ModelSpec& m = model.value();
   auto hw = LoadHardware("h200-sxm");
   REQUIRE(hw.ok());
   FsdpConfig c;
   c.gpus = 1;
   c.gpus_per_node = 1;
   c.framework = Framework::kFsdp2;
-  c.seq_len = 2048;
-  c.micro_batch = 8;
-  c.attention = Attention::kEager;
-  auto w = BuildWorkload(m, hw.value(), c);
+  c.seq_len = seq_len;
+  c.micro_batch = micro_batch;
+  c.attention = attention;
+  auto w = BuildWorkload(model.value(), hw.value(), c);
   INFO((w.ok() ? std::string() : w.error().message));
   REQUIRE(w.ok());
-  const MemoryEstimate e = EstimateMemory(w.value());
+  return EstimateMemory(w.value());
+}
+
+// The H200 sweep's gpt-oss row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_gptoss_mb8:
+// gpt-oss-tiny, FSDP2 on one GPU, bf16, eager, 8 x 2048): max_memory_allocated 5,507,444,736 and
+// max_memory_reserved 6,501,171,200. It guards two rules found on the CPU: the sink-joined core's
+// forward moment and the row maximum's backward with scatter_'s fp32 buffer, without which the
+// plan was -8.5% allocated (and -16.4% reserved with the first alone).
+TEST_CASE("gpt-oss's eager core on an H200: the published sweep row's allocated and reserved peaks") {
+  const MemoryEstimate e = SweepRowOnH200("gpt-oss-tiny.json", 2048, 8, Attention::kEager);
   CHECK(std::abs(static_cast<double>(e.allocated_peak_bytes) / 5'507'444'736.0 - 1) < 0.005);
   CHECK(std::abs(static_cast<double>(e.reserved_peak_bytes) / 6'501'171'200.0 - 1) < 0.02);
 }
@@ -835,21 +840,7 @@ TEST_CASE("gpt-oss's eager core on an H200: the published sweep row's allocated 
 // It guards the routed experts' tensors one by one and what the sparse block holds at its end
 // (docs/memory-model.md), without which the replay was -5.3% (-5.2% with the saved tensors alone).
 TEST_CASE("DeepSeek-V3's routed experts on an H200: the published sweep row's reserved peak") {
-  auto model = LoadModel(DataDir() + "/tests/data/hf_configs/deepseek-v3-tiny.json");
-  REQUIRE(model.ok());
-  auto hw = LoadHardware("h200-sxm");
-  REQUIRE(hw.ok());
-  FsdpConfig c;
-  c.gpus = 1;
-  c.gpus_per_node = 1;
-  c.framework = Framework::kFsdp2;
-  c.seq_len = 4096;
-  c.micro_batch = 8;
-  c.attention = Attention::kFlash;
-  auto w = BuildWorkload(model.value(), hw.value(), c);
-  INFO((w.ok() ? std::string() : w.error().message));
-  REQUIRE(w.ok());
-  const MemoryEstimate e = EstimateMemory(w.value());
+  const MemoryEstimate e = SweepRowOnH200("deepseek-v3-tiny.json", 4096, 8, Attention::kFlash);
   CHECK(std::abs(static_cast<double>(e.reserved_peak_bytes) / 6'708'789'248.0 - 1) < 0.045);
 }
 
