@@ -26,8 +26,7 @@ class StreamNumbers {
   int Of(const Json& j) {
     const uint64_t recorded = j.get<uint64_t>();
     if (recorded == 0) return 0;
-    auto [it, added] = numbers_.try_emplace(recorded, static_cast<int>(numbers_.size()) + 1);
-    return std::min(it->second, kMaxStream);
+    return std::min(numbers_.try_emplace(recorded, static_cast<int>(numbers_.size()) + 1).first->second, kMaxStream);
   }
  private:
   static constexpr int kMaxStream = 63;

@@ -30,8 +30,8 @@ struct HistoryReplay {
 /// recording began, allocated in that order). Actions: "alloc" is a malloc, "free_completed" a
 /// block back in its pool (after its recorded streams' events: this allocator's Free), and
 /// "segment_alloc" is counted; the rest are skipped. Stream 0 is stream 0 here and the others
-/// are numbered 1, 2, ... as they first appear (each its own pools, as on the GPU). Malformed input is an error naming the entry; an out-of-memory stops the
-/// replay with one.
+/// are numbered 1, 2, ... as they first appear (each its own pools, as on the GPU). Malformed
+/// input is an error naming the entry; an out-of-memory stops the replay with one.
 Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const AllocatorConfig& config, DeviceMemory& device);
 
 }  // namespace fsdp

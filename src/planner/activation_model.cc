@@ -376,6 +376,13 @@ const ParamOp* RouterOf(const ModelShape& m) {
   return nullptr;
 }
 
+// Whether the routed experts' projections have biases (gpt-oss): their gathers by the sorted
+// expert ids save those ids.
+bool ExpertsBiased(const ModelShape& m) {
+  const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
+  return experts != nullptr && experts->bias;
+}
+
 // Bytes of each (token, expert) pair's routing weight as the experts' outputs are weighed by it:
 // fp32 (Mixtral's, DeepSeek-V3's), or the compute dtype (gpt-oss's softmax in it; Qwen3-MoE's cast).
 int64_t PairWeightBytes(const ModelShape& m, const Dims& d) {
@@ -532,8 +539,7 @@ void AddMlp(std::vector<SavedTensor>& out, const ModelShape& m, const Dims& d, c
       out.push_back({"moe.perm_token", 8 * pairs});
       if (w.gate_up_trains) out.push_back({"moe.expert_in", d.c * d.h * pairs});
       out.push_back({"moe.pair_weights", weight_bytes * pairs});
-      const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
-      if (experts != nullptr && experts->bias) out.push_back({"moe.expert_ids", 8 * pairs});
+      if (ExpertsBiased(m)) out.push_back({"moe.expert_ids", 8 * pairs});
       out.push_back({"moe.gate_up_out", 2 * d.c * d.inner * pairs});
       if (m.arch.experts_clamped_swiglu) {
         // gpt-oss's _apply_gate on gate_up's strided halves: the clamped gate, sigmoid's output,
@@ -1085,8 +1091,7 @@ std::vector<SavedTensor> RoutedExpertsForwardMoment(const ModelShape& m, const D
   if (d.c != 4) moment.push_back({"moe.residual", d.c * d.h * d.tokens});
   moment.push_back({"moe.router_logits", (m.router == ModelShape::Router::kGroupedSigmoid ? 4 : d.c) * d.experts * d.tokens});
   if (m.router != ModelShape::Router::kTopKThenSoftmax) moment.push_back({"moe.routing_weights", weight_bytes * pairs});
-  const ParamOp* experts = FindOp(m, "experts.gate_up_proj");
-  if (experts == nullptr || !experts->bias) moment.push_back({"moe.sorted_expert_ids", 8 * pairs});
+  if (!ExpertsBiased(m)) moment.push_back({"moe.sorted_expert_ids", 8 * pairs});
   moment.push_back({"moe.histc_input", 4 * pairs});
   moment.push_back({"moe.weighted_out", out_bytes * d.h * pairs});
   moment.back().freed_by_next_in_moment = true;
