@@ -121,6 +121,11 @@ struct Architecture {
   /// [B * heads, s, d] for a micro-batch of more than one sequence (tools/peak_trace.py: OLMo 2);
   /// false where RoPE ends in torch.cat (gpt-oss), which leaves q and k contiguous
   bool qkv_transposed_views = true;
+  /// RoPE as transformers' Llama applies it (apply_rotary_pos_emb: `q * cos + rotate_half(q) *
+  /// sin`, rotate_half a torch.cat of `-x2` and `x1`; each op a new tensor of the compute dtype),
+  /// copied by Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo 2, Phi-3 and Gemma 2/3; false for
+  /// GPT-2 (no RoPE), gpt-oss (torch.chunk halves), Llama 4 (complex products) and DeepSeek's MLA
+  bool rope_rotate_half = false;
   std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
   /// A model whose `block` routes its MLP through experts may run a dense one in some layers
   /// (DeepSeek-V3's first first_k_dense_replace, Qwen3-MoE's mlp_only_layers): those layers'

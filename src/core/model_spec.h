@@ -87,6 +87,9 @@ struct ModelShape {
   double norm_eps = 1e-6;       ///< rms_norm_eps (GPT-2: layer_norm_epsilon)
   double rope_theta = 10000.0;  ///< RoPE base (0 for GPT-2's learned positions)
   RopeScaling rope_scaling;     ///< RoPE frequency scaling (type "default": none)
+  /// RoPE's share of each head's features (Phi-3's partial_rotary_factor: its apply_rotary_pos_emb
+  /// rotates q[..., :int(head_dim * f)] and joins the rest after by torch.cat); 1 elsewhere
+  double rotary_fraction = 1.0;
   int64_t sliding_window = 0;   ///< Mistral's attention window in tokens (0: full causal attention)
   /// Which layers attend through the window (layer_types "sliding_attention": Gemma's alternate
   /// with full ones); empty: every layer does when sliding_window > 0 (Mistral's)

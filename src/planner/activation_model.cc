@@ -286,13 +286,14 @@ size_t AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, con
     out.push_back({"self_attn.v_repeated", d.c * q});
     AddAttentionCore(out, m, cfg, d, f);
   } else if (f.attn_out) {
+    // v's projection runs before RoPE: made before q after RoPE (the last tensor), then k
+    out.insert(out.end() - 1, {"self_attn.v", d.c * (fused_qkv != nullptr ? q + 2 * kv : kv)});
     out.push_back({"self_attn.k_rope", d.c * kv});
     // v as a view of its projection's output: a fused qkv_proj's keeps all of q, k and v alive.
     // RoPE's output from a slice of that output (not dense) is contiguous as [B, a, s, d], and
     // the flash kernels allocate their output like q (empty_like in mha_fwd on CUDA, the CPU
     // kernel the same), so HF's transpose(1, 2).contiguous() copies it for o_proj: SDPA's own
     // output stays saved beside o_proj's input (measured on the CPU: phi3-100m.json).
-    out.push_back({"self_attn.v", d.c * (fused_qkv != nullptr ? q + 2 * kv : kv)});
     if (fused_qkv != nullptr) out.push_back({"self_attn.sdpa_out", d.c * q});
     AddAttentionCore(out, m, cfg, d, f);
   }
@@ -995,6 +996,125 @@ std::vector<SavedTensor> CheckpointedForwardMoment(const ModelShape& m, const Di
   return moment;
 }
 
+// A forward's unsaved tensors, written as PyTorch makes and frees them among a list's saved
+// tensors, turned into the SavedTensor::made_before lists TransientsBetween replays (`outlives`
+// counted as it counts). A step naming a tensor the list lacks spoils the script: Apply then
+// changes nothing.
+class TransientScript {
+ public:
+  explicit TransientScript(std::vector<SavedTensor>& list) : list_(list) {}
+  /// A transient made now, before the list's next tensor; returns its id.
+  int Make(int64_t bytes) {
+    if (next_ >= list_.size()) spoiled_ = true;
+    made_.push_back({next_, bytes, allocs_++, std::numeric_limits<int>::max()});
+    return static_cast<int>(made_.size()) - 1;
+  }
+  /// Transient `id` (none: -1) freed now, before the next allocation.
+  void Free(int id) {
+    if (id >= 0) made_[static_cast<size_t>(id)].outlives = allocs_ - made_[static_cast<size_t>(id)].at - 1;
+  }
+  /// The list's tensors up to the next one named `name` are made now.
+  void Saved(std::string_view name) {
+    size_t i = next_;
+    while (i < list_.size() && list_[i].name != name) ++i;
+    if (i == list_.size()) {
+      spoiled_ = true;
+      return;
+    }
+    MadeThrough(i + 1);
+  }
+  /// The list's tensors before the next one whose name starts with `prefix` are made now (all of
+  /// them when none does).
+  void SavedBefore(std::string_view prefix) {
+    size_t i = next_;
+    while (i < list_.size() && !list_[i].name.starts_with(prefix)) ++i;
+    MadeThrough(i);
+  }
+  /// The list's next tensors whose names start with `prefix`, if any, are made now.
+  void SavedWithin(std::string_view prefix) {
+    size_t i = next_;
+    while (i < list_.size() && list_[i].name.starts_with(prefix)) ++i;
+    MadeThrough(i);
+  }
+  void Apply() {
+    if (spoiled_) return;
+    for (const Made& t : made_) list_[t.holder].made_before.push_back({t.bytes, t.outlives});
+  }
+
+ private:
+  struct Made {
+    size_t holder;  // the list tensor it is made before
+    int64_t bytes;
+    int at;         // its allocation's number in the script
+    int outlives;
+  };
+  void MadeThrough(size_t end) {
+    allocs_ += static_cast<int>(end - next_);
+    next_ = end;
+  }
+  std::vector<SavedTensor>& list_;
+  std::vector<Made> made_;
+  size_t next_ = 0;
+  int allocs_ = 0;
+  bool spoiled_ = false;
+};
+
+// The unsaved tensors of transformers' Llama-style attention (Architecture::rope_rotate_half) up
+// to SDPA without a mask: q's projection output (where a q_norm reads it, alive through the norm,
+// whose own output RoPE reads instead), then k's, both alive until apply_rotary_pos_emb has
+// returned; v's projection (saved); for q, then k, RoPE's `x * cos`, rotate_half's `-x2` and its
+// torch.cat, that cat times sin, and their sum (q_embed; with Phi-3's partial rotary the sum of
+// the rotated features, joined to the rest by a new cat). A fused qkv_proj's q and k are views.
+// Each a tensor of the compute dtype. torch_reference.py --device cpu --memory-history, transformers
+// 5.24: phi3-100m.json at 8 x 2048 (fused, partial rotary), qwen3-100m.json at 8 x 2048 (per-head
+// q_norm); ModelShape::rotary_fraction's int(head_dim * f) features rotate.
+void MarkRopeTransients(std::vector<SavedTensor>& list, const ModelShape& m, const FsdpConfig& cfg, const Dims& d) {
+  if (!m.arch.rope_rotate_half || m.nope || m.mla.enabled() || cfg.impl != Impl::kTransformers || cfg.attention == Attention::kEager ||
+      d.masked) {
+    return;
+  }
+  const int64_t q = d.c * d.heads * d.head_dim * d.tokens, kv = d.c * d.kv_heads * d.head_dim * d.tokens;
+  const int64_t rotary_dim = static_cast<int64_t>(static_cast<double>(d.head_dim) * m.rotary_fraction);
+  const bool fused = FindOp(m, "qkv_proj") != nullptr;
+  TransientScript script(list);
+  script.SavedBefore(m.arch.attention_module + ".");
+  auto project = [&](int64_t bytes, std::string_view norm) {
+    if (fused) return -1;
+    const int projected = script.Make(bytes);
+    if (FindOp(m, norm) == nullptr) return projected;
+    script.SavedWithin(std::string(norm) + ".");
+    const int normed = script.Make(bytes);
+    script.Free(projected);
+    return normed;
+  };
+  auto rope = [&](int64_t bytes, std::string_view embedded) {
+    const int64_t rotated = bytes / d.head_dim * rotary_dim;
+    const bool partial = rotated != bytes;
+    const int cos_product = script.Make(rotated);
+    const int negated = script.Make(rotated / 2);
+    const int joined = script.Make(rotated);  // rotate_half's
+    script.Free(negated);
+    const int sin_product = script.Make(rotated);
+    script.Free(joined);
+    const int sum = partial ? script.Make(rotated) : -1;  // else the sum is the embedding itself
+    if (!partial) script.Saved(embedded);
+    script.Free(cos_product);
+    script.Free(sin_product);
+    if (partial) {
+      script.Saved(embedded);
+      script.Free(sum);
+    }
+  };
+  const int q_in = project(q, "self_attn.q_norm");
+  const int k_in = project(kv, "self_attn.k_norm");
+  script.Saved("self_attn.v");
+  rope(q, "self_attn.q_rope");
+  rope(kv, "self_attn.k_rope");
+  script.Free(q_in);
+  script.Free(k_in);
+  script.Apply();
+}
+
 }  // namespace
 
 int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
@@ -1110,6 +1230,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   BlockActivations a;
   a.full = BlockSaved(m, cfg, d, input_requires_grad);
   MarkNormTransients(a.full, m.arch, d.c);
+  MarkRopeTransients(a.full, m, cfg, d);
   a.softmax_backward = MarkSoftmaxBackward(m, cfg, d, FlowOf(m, input_requires_grad), a.full);
   switch (cfg.checkpointing) {
     case Checkpointing::kNone: a.kept = a.full; break;

@@ -46,11 +46,22 @@ struct SavedTensor {
   /// block's end (a block argument; the kept inputs checkpointing adds). Static text.
   std::string_view freed_after = {};
   /// A tensor the forward makes right after this one and frees once `then_transient_spans` more
-  /// of the list's tensors are made (0: before the next): transformers' RMSNorm's `pow(2)` after
-  /// its fp32 input, its fp32 product `x * rsqrt(...)` (or, weighing in fp32, `weight * x`) while
-  /// the cast and the output are made (MarkNormTransients). Not saved: no byte total counts it.
+  /// allocations of the list are made (0: before the next; counted as made_before's `outlives`):
+  /// transformers' RMSNorm's `pow(2)` after its fp32 input, its fp32 product `x * rsqrt(...)` (or,
+  /// weighing in fp32, `weight * x`) while the cast and the output are made (MarkNormTransients).
+  /// Not saved: no byte total counts it.
   int64_t then_transient_bytes = 0;
   int then_transient_spans = 0;
+  /// Tensors the forward makes before this one, in order, that nothing saves (MarkRopeTransients:
+  /// the projections' outputs RoPE reads, RoPE's own products). Each stays alive through
+  /// `outlives` further allocations of the list (of its tensors and of their made_before ones;
+  /// then_transient ones do not count) and is freed before the next; ones that outlive the list
+  /// are freed at its end. Not saved: no byte total counts them.
+  struct Transient {
+    int64_t bytes;
+    int outlives;
+  };
+  std::vector<Transient> made_before = {};
 };
 
 /// Activation memory of one decoder block for one micro-batch.

@@ -233,7 +233,7 @@ TEST_CASE("each saved tensor names the module whose backward's end releases it")
   const std::vector<P> llama = {
       {"input_layernorm.x_fp32", "input_layernorm"}, {"input_layernorm.rsqrt", "input_layernorm"},
       {"input_layernorm.x_normalized", "input_layernorm"}, {"input_layernorm.out", "self_attn"},
-      {"self_attn.q_rope", "self_attn"}, {"self_attn.k_rope", "self_attn"}, {"self_attn.v", "self_attn"},
+      {"self_attn.v", "self_attn"}, {"self_attn.q_rope", "self_attn"}, {"self_attn.k_rope", "self_attn"},
       {"self_attn.lse", "self_attn"}, {"self_attn.o_proj_in", "self_attn"},
       {"post_attention_layernorm.x_fp32", "post_attention_layernorm"}, {"post_attention_layernorm.rsqrt", "post_attention_layernorm"},
       {"post_attention_layernorm.x_normalized", "post_attention_layernorm"}, {"post_attention_layernorm.out", "mlp"},
@@ -418,6 +418,55 @@ TEST_CASE("RMSNorm's forward transients: pow(2) after the fp32 input, the fp32 p
   CHECK(find(o.full, "post_attention_layernorm.rsqrt").then_transient_bytes == 0);
   CHECK(find(o.full, "post_attention_layernorm.x_normalized").then_transient_bytes == 4 * 4096);
   CHECK(find(o.full, "post_attention_layernorm.x_normalized").then_transient_spans == 0);
+}
+
+// made_before as {bytes, outlives} pairs
+std::vector<std::pair<int64_t, int>> MadeBefore(const std::vector<SavedTensor>& list, std::string_view name) {
+  std::vector<std::pair<int64_t, int>> out;
+  for (const auto& t : list) {
+    if (t.name != name) continue;
+    for (const auto& m : t.made_before) out.emplace_back(m.bytes, m.outlives);
+    return out;
+  }
+  FAIL("no " << name);
+  return out;
+}
+
+TEST_CASE("RoPE's forward transients: the projections' outputs and rotate_half's products, in PyTorch's order") {
+  // Qwen3-8B, bf16, flash, one token: q 2 x 32 x 128 = 8192 bytes, k 2048. Counting allocations
+  // from q's projection output (#0): q_norm's three saved tensors (#1-3), its output (#4: the
+  // projection's freed, alive through 4); k's projection (#5) and norm (#6-9, its output #9, the
+  // projection alive through 4); v (#10); q's x * cos (#11, alive through 4), -x2 (#12, through
+  // the cat), the cat (#13, through the sin product), the sin product (#14, through q_embed),
+  // q_embed (#15); k's likewise (#16-20); the norms' outputs freed after k_embed (through 16 and 11)
+  FsdpConfig c;
+  c.seq_len = 1;
+  c.attention = Attention::kFlash;
+  const BlockActivations q3 = BlockActivationProfile(Loaded("qwen3-8b"), c);
+  using V = std::vector<std::pair<int64_t, int>>;
+  CHECK(MadeBefore(q3.full, "self_attn.q_norm.x_fp32") == V{{8192, 4}});
+  CHECK(MadeBefore(q3.full, "self_attn.k_norm.x_fp32") == V{{8192, 16}, {2048, 4}});
+  CHECK(MadeBefore(q3.full, "self_attn.v") == V{{2048, 11}});
+  CHECK(MadeBefore(q3.full, "self_attn.q_rope") == V{{8192, 4}, {4096, 1}, {8192, 1}, {8192, 1}});
+  CHECK(MadeBefore(q3.full, "self_attn.k_rope") == V{{2048, 4}, {1024, 1}, {2048, 1}, {2048, 1}});
+  CHECK(MadeBefore(q3.full, "self_attn.lse").empty());
+  // not saved: the byte totals do not count them
+  int64_t saved = 0;
+  for (const auto& t : q3.full) saved += t.bytes;
+  CHECK(q3.FullBytes() == saved);
+  // Phi-3 (phi3-100m.json: 12 heads of 64, 4 kv heads, partial_rotary_factor 0.75): q and k are
+  // views of the fused projection (saved as v, made first); 48 of each head's 64 features rotate,
+  // q's 1152 bytes of its 1536, and their sum (alive through the cat) joins the rest in a new cat
+  const BlockActivations phi = BlockActivationProfile(TestConfig("phi3-100m.json"), c);
+  CHECK(MadeBefore(phi.full, "self_attn.v").empty());
+  CHECK(MadeBefore(phi.full, "self_attn.q_rope") == V{{1152, 4}, {576, 1}, {1152, 1}, {1152, 1}, {1152, 1}});
+  CHECK(MadeBefore(phi.full, "self_attn.k_rope") == V{{384, 4}, {192, 1}, {384, 1}, {384, 1}, {384, 1}});
+  // eager attention's list and torchtitan's RoPE are not modelled so: none
+  c.attention = Attention::kEager;
+  for (const auto& t : BlockActivationProfile(Loaded("qwen3-8b"), c).full) CHECK(t.made_before.empty());
+  c.attention = Attention::kFlash;
+  c.impl = Impl::kTorchtitan;
+  for (const auto& t : BlockActivationProfile(Loaded("qwen3-8b"), c).full) CHECK(t.made_before.empty());
 }
 
 TEST_CASE("Routed experts' forward: the router's and the sparse block's tensors one each, and what the forward holds at its end") {

@@ -870,6 +870,31 @@ TEST_CASE("TransientsBetween: each transient from right after its tensor to just
   CHECK(mem.allocated_peak() == 1100);
 }
 
+// Transients made before their tensors (RoPE's), by hand: before B (10) two, of 1000 bytes
+// (alive through three allocations: the 300, B and C) and 300 (alive through none: freed before
+// B); before D (30) one of 7 bytes, alive past the list's end; C (20) then makes 500, freed before
+// the next allocation (D's transient), its own allocation not counted.
+TEST_CASE("TransientsBetween: made_before transients counted by allocations, then_transient ones among them") {
+  MemoryTracker mem(1, true);
+  std::vector<SavedTensor> with = {{"a", 100}, {"b", 10}, {"c", 20}, {"d", 30}};
+  with[1].made_before = {{1000, 3}, {300, 0}};
+  with[2].then_transient_bytes = 500;
+  with[3].made_before = {{7, 1000}};
+  {
+    TransientsBetween between(mem);
+    for (const auto& t : with) between.Alloc(t);
+  }
+  std::vector<int64_t> totals;
+  for (const TrackedPoint& p : mem.TakeTimeline()) {
+    int64_t total = 0;
+    for (int64_t b : p.device) total += b;
+    totals.push_back(total);
+  }
+  // a; 1000; 300; 300 freed, b; c, 500; 1000 and 500 freed, 7; d; at the end 7 freed
+  CHECK(totals == std::vector<int64_t>{100, 1100, 1400, 1100, 1110, 1130, 1630, 630, 130, 137, 167, 160});
+  CHECK(mem.allocated_peak() == 1630);
+}
+
 TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {
   // 20,000 bytes hold the tensors (17,824 at the peak) but not one 2 MiB segment: PyTorch's malloc
   // fails, frees the (empty) cache, retries once and raises
@@ -1203,7 +1228,7 @@ std::vector<std::pair<int64_t, int64_t>> ActivationAndGradientSteps(const Memory
 
 TEST_CASE("a block's backward releases each module's saved tensors as its backward ends, and has the MLP's moment after down's") {
   // Hand llama, fp32, flash, one rank, 2 tokens (saved per token: input norm 4h + 4 + 4h and its
-  // output 4h; q 32, k 16, v 16, lse 8, o's input 32; post-attention norm 4h + 4 + 4h and its
+  // output 4h; v 16, q 32, k 16, lse 8, o's input 32; post-attention norm 4h + 4 + 4h and its
   // output 4h; gate, act, up and down's input 4I each). Backward of model.layers.1, in order:
   FsdpConfig c = HandConfig();
   c.gpus = 1;
@@ -1220,7 +1245,7 @@ TEST_CASE("a block's backward releases each module's saved tensors as its backwa
       {-64, 0}, {-128, 0}, {-128, 0}, {-128, 0},           // the MLP's end: the norm's output, gate, act, up
       {0, 32}, {-64, 0}, {-8, 0}, {-64, 0},                // post_attention_layernorm: weight, its fp32 input, rsqrt, normalised
       {0, 256}, {0, 128}, {0, 128}, {0, 256},              // o, v, k, q
-      {-64, 0}, {-64, 0}, {-32, 0}, {-32, 0}, {-16, 0}, {-64, 0},  // self_attn's end: the norm's output, q, k, v, lse, o's input
+      {-64, 0}, {-32, 0}, {-64, 0}, {-32, 0}, {-16, 0}, {-64, 0},  // self_attn's end: the norm's output, v, q, k, lse, o's input
       {0, 32}, {-64, 0}, {-8, 0}, {-64, 0},                // input_layernorm
       {-64, 0}, {-64, 0}, {-64, 0}, {-64, 0}, {-64, 0}};   // the block's end
   CHECK(deltas == expected);

@@ -176,12 +176,17 @@ TransientsBetween::~TransientsBetween() {
   for (Pending& p : pending_) mem_.Free(p.block);
 }
 
-BlockId TransientsBetween::Alloc(const SavedTensor& tensor) {
+BlockId TransientsBetween::AllocAfterFrees(int64_t bytes) {
   for (Pending& p : pending_) {
     if (p.left-- == 0) mem_.Free(p.block);
   }
   std::erase_if(pending_, [](const Pending& p) { return p.block == kNoBlock; });
-  const BlockId saved = mem_.Alloc(MemCategory::kActivations, tensor.bytes);
+  return mem_.Alloc(MemCategory::kActivations, bytes);
+}
+
+BlockId TransientsBetween::Alloc(const SavedTensor& tensor) {
+  for (const SavedTensor::Transient& t : tensor.made_before) pending_.push_back({AllocAfterFrees(t.bytes), t.outlives});
+  const BlockId saved = AllocAfterFrees(tensor.bytes);
   if (tensor.then_transient_bytes > 0) {
     pending_.push_back({mem_.Alloc(MemCategory::kActivations, tensor.then_transient_bytes), tensor.then_transient_spans});
   }

@@ -130,11 +130,11 @@ class MemoryTracker {
   Phase oom_phase_;
 };
 
-/// A forward's saved tensors, in order, with the transients made between them
-/// (SavedTensor::then_transient_bytes, activations): each transient is allocated right after its
-/// tensor and freed just before the tensor that follows the `then_transient_spans` next ones (0:
-/// before the next); those still held are freed when this object ends. The saved tensors' blocks
-/// are the caller's.
+/// A forward's saved tensors, in order, with the transients made between them (activations):
+/// a tensor's SavedTensor::made_before ones are allocated before it, each freed just before the
+/// allocation that follows the `outlives` next ones; its then_transient_bytes one right after it,
+/// counted alike by `then_transient_spans` (then_transient allocations are not counted). Those
+/// still held are freed when this object ends. The saved tensors' blocks are the caller's.
 class TransientsBetween {
  public:
   explicit TransientsBetween(MemoryTracker& mem) : mem_(mem) {}
@@ -146,8 +146,9 @@ class TransientsBetween {
  private:
   struct Pending {
     BlockId block;
-    int left;  ///< saved tensors still to be made before it is freed
+    int left;  ///< allocations still to be made before it is freed
   };
+  BlockId AllocAfterFrees(int64_t bytes);
   MemoryTracker& mem_;
   std::vector<Pending> pending_;
 };

@@ -29,6 +29,7 @@ Status ReadGemmaBlock(const JsonReader& r, bool head_qk_norms, ModelSpec& m) {
   m.activation = act.value_or("gelu_pytorch_tanh");
   m.arch.norm_placement = NormPlacement::kSandwich;
   m.arch.norm_weight_fp32 = true;
+  m.arch.rope_rotate_half = true;
   const int64_t h = m.hidden_size;
   AddLlamaAttention(m, m.qkv_bias, m.qkv_bias, m.arch.block);  // ends with post_attention_layernorm
   if (head_qk_norms) AddHeadQkNorms(m, m.arch.block);

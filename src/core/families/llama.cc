@@ -11,6 +11,7 @@ Status ReadLlama(const JsonReader& r, ModelSpec& m) {
   FSDP_ASSIGN(m.mlp_bias, ReadFlag(r, "mlp_bias", false));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "LlamaDecoderLayer";
+  m.arch.rope_rotate_half = true;
   AddLlamaAttention(m, m.qkv_bias, m.o_bias, m.arch.block);
   AddGatedMlp(m, m.mlp_bias, m.arch.block);
   return {};

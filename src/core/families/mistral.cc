@@ -8,6 +8,7 @@ Status ReadMistral(const JsonReader& r, ModelSpec& m) {
   FSDP_ASSIGN(m.sliding_window, ReadSlidingWindow(r));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "MistralDecoderLayer";
+  m.arch.rope_rotate_half = true;
   AddLlamaAttention(m, false, false, m.arch.block);
   AddGatedMlp(m, false, m.arch.block);
   return {};

@@ -17,6 +17,7 @@ Status ReadMixtral(const JsonReader& r, ModelSpec& m) {
   }
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "MixtralDecoderLayer";
+  m.arch.rope_rotate_half = true;
   m.arch.mlp = MlpKind::kMoe;
   m.arch.mlp_module = "block_sparse_moe";
   AddLlamaAttention(m, false, false, m.arch.block);

@@ -13,6 +13,7 @@ Status ReadOlmo2(const JsonReader& r, ModelSpec& m) {
   m.o_bias = m.qkv_bias;
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Olmo2DecoderLayer";
+  m.arch.rope_rotate_half = true;
   m.arch.norm_placement = NormPlacement::kPost;
   m.arch.norm_weight_fp32 = true;
   m.arch.lora_default_targets = {};  // peft 0.21's TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING has no olmo2

@@ -1,7 +1,8 @@
 // Phi-3 and Phi-4 (configuration_phi3.py, modeling_phi3.py): Llama's pre-norm block with the
 // projections fused, one qkv_proj (hidden -> (heads + 2 kv_heads) x head_dim; q, k and v are views
 // of its output) and one gate_up_proj (hidden -> 2 x intermediate; gate and up its halves), RoPE
-// (a partial_rotary_factor changes no shape), resid_pdrop dropout on both sub-layers' outputs
+// on a partial_rotary_factor share of each head's features (the rest joined after by torch.cat),
+// resid_pdrop dropout on both sub-layers' outputs
 // before the residual adds. No biases. embd_pdrop is read by the config but applied nowhere in
 // transformers 5.24's Phi3Model.
 #include "core/families/family.h"
@@ -14,7 +15,9 @@ Status ReadPhi3(const JsonReader& r, ModelSpec& m) {
   const auto window = r.json().find("sliding_window");  // Phi3Config: None unless given
   if (window != r.json().end() && !window->is_null()) FSDP_ASSIGN(m.sliding_window, ReadSlidingWindow(r));
   FSDP_TRY(ReadActivation(r, m));
+  FSDP_ASSIGN(m.rotary_fraction, ReadPositive(r, "partial_rotary_factor", 1.0, 1.0));
   m.arch.decoder_layer_class = "Phi3DecoderLayer";
+  m.arch.rope_rotate_half = true;
   m.arch.lora_default_targets = {};  // peft 0.21's mapping has "phi" (Phi-1/2), not "phi3"
   const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim, kv = m.num_kv_heads * m.head_dim;
   auto& block = m.arch.block;

@@ -11,6 +11,7 @@ Status ReadQwen2(const JsonReader& r, ModelSpec& m) {
   if (use_window) FSDP_ASSIGN(m.sliding_window, ReadSlidingWindow(r));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Qwen2DecoderLayer";
+  m.arch.rope_rotate_half = true;
   AddLlamaAttention(m, true, false, m.arch.block);
   AddGatedMlp(m, false, m.arch.block);
   return {};

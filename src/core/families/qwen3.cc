@@ -17,6 +17,7 @@ Status ReadQwen3(const JsonReader& r, ModelSpec& m) {
   if (use_window) FSDP_ASSIGN(m.sliding_window, ReadSlidingWindow(r));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Qwen3DecoderLayer";
+  m.arch.rope_rotate_half = true;
   AddLlamaAttention(m, bias, bias, m.arch.block);
   AddHeadQkNorms(m, m.arch.block);
   AddGatedMlp(m, false, m.arch.block);

@@ -54,6 +54,7 @@ Status ReadQwen3Moe(const JsonReader& r, ModelSpec& m) {
   FSDP_TRY(ReadDenseLayers(r, m));
   FSDP_TRY(ReadActivation(r, m));
   m.arch.decoder_layer_class = "Qwen3MoeDecoderLayer";
+  m.arch.rope_rotate_half = true;
   m.arch.lora_default_targets = {};  // peft 0.21's mapping has "qwen3", not "qwen3_moe"
   if (!m.arch.dense_layers.empty()) {  // Qwen3MoeMLP over intermediate_size
     AddLlamaAttention(m, bias, bias, m.arch.dense_block);
