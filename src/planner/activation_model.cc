@@ -949,17 +949,18 @@ std::vector<SavedTensor> EagerCoreMoment(const ModelShape& m, const Dims& d, boo
 // An un-checkpointed (or selectively checkpointed) block's forward at its eager core's moment:
 // the core's tensors it does not keep, and what the attention function holds unsaved beside
 // them: the block's input, bound as the residual (in fp32 the norm's upcast returns that very
-// tensor, kept already; a block whose projections read it saves it), and with GQA k after RoPE
+// tensor, kept already; a block whose projections read it saves it; ResidualStreamApart: the
+// memory model holds it), and with GQA k after RoPE
 // and v at kv-head width, whose products save repeat_kv's copies instead (selective
 // checkpointing keeps them as the function's inputs; use_cache, `cached`, as the cache's).
 // tools/peak_trace.py, gpt-oss-tiny.json at 2 x 2048: the last block's forward holds these.
-std::vector<SavedTensor> UncheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached,
+std::vector<SavedTensor> UncheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached, bool stream_apart,
                                                      const std::vector<SavedTensor>& kept) {
   const std::vector<SavedTensor> core = EagerCoreMoment(m, d, bf16, kept);
   if (core.empty()) return {};
   auto kept_any = [&](auto&& pred) { return std::any_of(kept.begin(), kept.end(), pred); };
   std::vector<SavedTensor> moment;
-  if (d.c != 4 && !kept_any([](const SavedTensor& t) { return t.is_block_input || t.name == "block.input"; })) {
+  if (d.c != 4 && !stream_apart && !kept_any([](const SavedTensor& t) { return t.is_block_input || t.name == "block.input"; })) {
     moment.push_back({"moment.residual", d.c * d.h * d.tokens});
   }
   if (d.kv_heads < d.heads && !cached && !kept_any([](const SavedTensor& t) { return t.name == "attn_core.k_input"; })) {
@@ -1115,6 +1116,21 @@ void MarkRopeTransients(std::vector<SavedTensor>& list, const ModelShape& m, con
   script.Apply();
 }
 
+// ResidualStreamApart's tensors inside a block's list: the attention output projection's output
+// and its sum with the residual (the hidden states through the MLP), made before the MLP
+// sub-layer's first tensor (its norm's), the first freed once the second is made, the second at
+// the block's end (after its output: MemoryModel). Measured as MarkRopeTransients's.
+void MarkResidualTransients(std::vector<SavedTensor>& list, const Dims& d) {
+  const auto mlp = std::find_if(list.begin(), list.end(), [](const SavedTensor& t) { return t.mlp_sublayer; });
+  if (mlp == list.end()) return;
+  TransientScript script(list);
+  script.SavedBefore(mlp->name);
+  const int projected = script.Make(d.c * d.h * d.tokens);
+  script.Make(d.c * d.h * d.tokens);
+  script.Free(projected);
+  script.Apply();
+}
+
 }  // namespace
 
 int64_t SumBytes(const std::vector<SavedTensor>& tensors) {
@@ -1181,6 +1197,11 @@ int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
 
+bool ResidualStreamApart(const ModelShape& m, const FsdpConfig& cfg) {
+  return cfg.impl == Impl::kTransformers && BytesPerElement(cfg.param_dtype) != 4 && m.arch.norm == NormKind::kRms &&
+         m.arch.norm_placement == NormPlacement::kPre && (cfg.checkpointing == Checkpointing::kNone || cfg.checkpointing == Checkpointing::kSelective);
+}
+
 bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
   if (!m.arch.base_frozen) return true;
   for (int earlier = 0; earlier < block; ++earlier) {  // none: a frozen embedding's output
@@ -1195,20 +1216,21 @@ bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
 // integrations/moe.py grouped_mm_experts_forward, and the sparse MoE block around it) holds at its
 // end beyond what it saves, in the order it makes them: the decoder layer's residual (the hidden
 // states after attention, bound as `residual` through the MLP; in fp32 the norm's upcast saves
-// that very tensor), the router's logits (F.linear's output in
-// the compute dtype, DeepSeek-V3's on fp32 copies) and the routing weights the block passes on
-// (gpt-oss's are its saved softmax), sort's sorted expert ids unless the biases' gathers save them,
-// histc's 4-byte copy of them, then the weighted outputs (the pair weight's dtype promotes them:
-// fp32 beside fp32 weights), their gather back to token order (the weighted outputs die with it),
-// the sum over each token's top-k (the gather dies with it), and its cast to the compute dtype
-// where the sum is fp32. One tensor each; the memory model frees them all at the moment's end.
-std::vector<SavedTensor> RoutedExpertsForwardMoment(const ModelShape& m, const Dims& d) {
+// that very tensor; ResidualStreamApart: the block's transients hold it), the router's logits
+// (F.linear's output in the compute dtype, DeepSeek-V3's on fp32 copies) and the routing weights
+// the block passes on (gpt-oss's are its saved softmax), sort's sorted expert ids unless the
+// biases' gathers save them, histc's 4-byte copy of them, then the weighted outputs (the pair
+// weight's dtype promotes them: fp32 beside fp32 weights), their gather back to token order (the
+// weighted outputs die with it), the sum over each token's top-k (the gather dies with it), and
+// its cast to the compute dtype where the sum is fp32. One tensor each; the memory model frees
+// them all at the moment's end.
+std::vector<SavedTensor> RoutedExpertsForwardMoment(const ModelShape& m, const Dims& d, bool stream_apart) {
   if (m.arch.mlp != MlpKind::kMoe || m.arch.experts_dense_dispatch) return {};
   const int64_t pairs = d.top_k * d.tokens;
   const int64_t weight_bytes = PairWeightBytes(m, d);
   const int64_t out_bytes = std::max(d.c, weight_bytes);
   std::vector<SavedTensor> moment;
-  if (d.c != 4) moment.push_back({"moe.residual", d.c * d.h * d.tokens});
+  if (d.c != 4 && !stream_apart) moment.push_back({"moe.residual", d.c * d.h * d.tokens});
   moment.push_back({"moe.router_logits", (m.router == ModelShape::Router::kGroupedSigmoid ? 4 : d.c) * d.experts * d.tokens});
   if (m.router != ModelShape::Router::kTopKThenSoftmax) moment.push_back({"moe.routing_weights", weight_bytes * pairs});
   if (!ExpertsBiased(m)) moment.push_back({"moe.sorted_expert_ids", 8 * pairs});
@@ -1273,9 +1295,13 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   if (cfg.attention == Attention::kEager) {
     const bool bf16 = cfg.param_dtype == DType::kBf16;
     if (cfg.checkpointing == Checkpointing::kFull) a.forward_moment = CheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
-    else if (cfg.checkpointing != Checkpointing::kSelectiveOp) a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
+    else if (cfg.checkpointing != Checkpointing::kSelectiveOp) {
+      a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), ResidualStreamApart(m, cfg), a.kept);
+    }
   }
-  a.experts_forward_moment = RoutedExpertsForwardMoment(m, d);
+  const bool stream_apart = ResidualStreamApart(m, cfg);
+  if (stream_apart) MarkResidualTransients(a.kept, d);
+  a.experts_forward_moment = RoutedExpertsForwardMoment(m, d, stream_apart);
   if (cfg.checkpointing == Checkpointing::kFull) {
     // the recomputation stops once the last saved tensor, inv_perm, is saved (torch.utils.checkpoint's
     // early stop: the gather that saves it has not run); reentrant checkpointing reruns it all

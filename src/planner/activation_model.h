@@ -182,6 +182,18 @@ BlockProfiles BlockProfilesOf(const ModelSpec& model, const FsdpConfig& config);
 /// then once a block has trained anything.
 bool BlockInputRequiresGrad(const ModelSpec& model, int block);
 
+/// Whether transformers' residual stream is tensors apart from the saved ones, which the memory
+/// model then holds: the embedding's output (`inputs_embeds`, referenced until the decoder
+/// returns, after its final norm), each block's output (the model's loop holds it until the next
+/// block has returned) and, inside a block, the attention output projection's output, its sum with
+/// the residual (held through the MLP) and the down projection's output. So in a pre-norm
+/// RMSNorm model in bf16 or fp16, whose norms save fp32 copies (in fp32 the upcast returns the
+/// stream's tensor itself: saved), without or with selective checkpointing (full checkpointing
+/// keeps each block's input as the checkpoint's, OLMo 2's post-norms and torchtitan's fused norm
+/// save it). tools/torch_reference.py --memory-history, phi3-100m.json at 8 x 2048: the embedding's
+/// output freed after the final norm, each block's two blocks on.
+bool ResidualStreamApart(const ModelShape& model, const FsdpConfig& config);
+
 /// Saved tensors of the embedding, final norm and HF's ForCausalLMLoss.
 HeadActivations HeadActivationProfile(const ModelSpec& model, const FsdpConfig& config);
 

@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <limits>
 
 namespace fsdp {
 namespace {
@@ -488,17 +489,20 @@ TEST_CASE("Routed experts' forward: the router's and the sparse block's tensors 
                        {"moe.topk_weights", 524288}, {"moe.perm", 1048576}, {"moe.perm_token", 1048576},
                        {"moe.expert_in", 16777216}, {"moe.pair_weights", 262144}, {"moe.gate_up_out", 16777216},
                        {"moe.act_out", 8388608}, {"moe.down_in", 8388608}, {"moe.down_out", 16777216}, {"moe.inv_perm", 1048576}});
-  // the residual after attention, the bf16 logits and routing weights, sort's ids and histc's
-  // copy, the weighted outputs, their gather, the sum over each token's two
-  CHECK(moment == Named{{"moe.residual", 8388608}, {"moe.router_logits", 1048576}, {"moe.routing_weights", 262144},
+  // the bf16 logits and routing weights, sort's ids and histc's copy, the weighted outputs, their
+  // gather, the sum over each token's two; the residual after attention (8,388,608) is the block's
+  // transient here (ResidualStreamApart), made before the MLP's first tensor
+  CHECK(moment == Named{{"moe.router_logits", 1048576}, {"moe.routing_weights", 262144},
                         {"moe.sorted_expert_ids", 1048576}, {"moe.histc_input", 524288}, {"moe.weighted_out", 16777216},
                         {"moe.weighted_out_token_order", 16777216}, {"moe.token_sum", 8388608}});
+  CHECK(a.experts_forward_moment[4].freed_by_next_in_moment);
   CHECK(a.experts_forward_moment[5].freed_by_next_in_moment);
-  CHECK(a.experts_forward_moment[6].freed_by_next_in_moment);
-  CHECK_FALSE(a.experts_forward_moment[7].freed_by_next_in_moment);
+  CHECK_FALSE(a.experts_forward_moment[6].freed_by_next_in_moment);
+  CHECK(MadeBefore(a.kept, "post_attention_layernorm.x_fp32") == std::vector<std::pair<int64_t, int>>{{8388608, 1}, {8388608, std::numeric_limits<int>::max()}});
   CHECK(a.experts_recompute_moment.empty());
   // --ac full: the recomputation stops once inv_perm is saved (the CPU's events of the same run
-  // under --ac full: the weighted outputs made, then inv_perm, then all freed as it unwinds)
+  // under --ac full: the weighted outputs made, then inv_perm, then all freed as it unwinds); the
+  // residual is the moment's: the checkpointed forward's stream is not modelled apart
   c.checkpointing = Checkpointing::kFull;
   const BlockActivations r = BlockActivationProfile(TestConfig("qwen3-moe-mini.json"), c);
   moment.clear();
@@ -519,7 +523,7 @@ TEST_CASE("Routed experts' forward: the router's and the sparse block's tensors 
   const BlockActivations x = Profile("mixtral-8x7b", 1, Attention::kFlash);
   moment.clear();
   for (const auto& t : x.experts_forward_moment) moment.emplace_back(t.name, t.bytes);
-  CHECK(moment == Named{{"moe.residual", 2 * 4096}, {"moe.router_logits", 2 * 8}, {"moe.routing_weights", 4 * 2}, {"moe.sorted_expert_ids", 8 * 2},
+  CHECK(moment == Named{{"moe.router_logits", 2 * 8}, {"moe.routing_weights", 4 * 2}, {"moe.sorted_expert_ids", 8 * 2},
                         {"moe.histc_input", 4 * 2}, {"moe.weighted_out", 4 * 4096 * 2}, {"moe.weighted_out_token_order", 4 * 4096 * 2},
                         {"moe.token_sum", 4 * 4096}, {"moe.token_sum_cast", 2 * 4096}});
   // dense blocks have none
@@ -584,8 +588,10 @@ TEST_CASE("gpt-oss block, eager, un-checkpointed: its forward's highest moment a
   int64_t before = 0;
   for (const SavedTensor& t : a.kept) before += t.after_forward_moment ? 0 : t.bytes;
   CHECK(before == 20'987'904 + 4'194'304 + 2 * 4'194'304 + 262'144);
-  CHECK(a.ForwardMomentBytes() == 4'194'304 + 2 * 1'048'576 + 134'217'728 + 2 * 134'283'264 + 65'536);
-  CHECK(before + a.ForwardMomentBytes() == 442'974'208);
+  // the residual is the memory model's (ResidualStreamApart), the rest the moment's
+  CHECK(ResidualStreamApart(TestConfig("gpt-oss-tiny.json"), c));
+  CHECK(a.ForwardMomentBytes() == 2 * 1'048'576 + 134'217'728 + 2 * 134'283'264 + 65'536);
+  CHECK(before + 4'194'304 + a.ForwardMomentBytes() == 442'974'208);
   // its backward's highest moment is the row maximum's (MaxBackward0): the probabilities and their
   // gradient gone, the softmax input's gradient, scatter_'s zeros of the joined shape and its
   // fp32 buffer of that shape, beside the residual's and v's (repeated) gradients

@@ -65,6 +65,7 @@ class StepPlayer {
       if (holder == kNoMask) holder = kUnheldMask;
     }
     pb_ = BytesPerElement(c_.param_dtype);
+    if (ResidualStreamApart(w.model, c_)) hidden_bytes_ = pb_ * c_.micro_batch * c_.seq_len * w.model.hidden_size;
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
     for (int b = 0; b < w.model.num_layers; ++b) {
@@ -431,14 +432,24 @@ class StepPlayer {
     for (const auto& t : tensors) node_saved_[node_id].push_back(between.Alloc(t));
   }
   // a block's kept tensors made before its eager core's forward moment (the first call, which
-  // sizes the block's list), or after it: node_saved_ stays indexed as `tensors`
-  void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors, bool after_forward_moment) {
+  // sizes the block's list), or after it: node_saved_ stays indexed as `tensors`; the block's
+  // transients (`between`) live through both calls and its output
+  void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors, bool after_forward_moment, TransientsBetween& between) {
     std::vector<BlockId>& saved = node_saved_[node_id];
     if (!after_forward_moment) saved.assign(tensors.size(), kNoBlock);
-    TransientsBetween between(mem_);
     for (size_t i = 0; i < tensors.size() && i < saved.size(); ++i) {
       if (tensors[i].after_forward_moment == after_forward_moment) saved[i] = between.Alloc(tensors[i]);
     }
+  }
+
+  // ResidualStreamApart: the down projection's output (freed as the block returns, with the
+  // block's other transients) and its sum with the residual, the block's output; the hidden states
+  // the block read go once it has returned, unless they are inputs_embeds
+  void BlockOutput(TransientsBetween& between) {
+    between.AllocTransient(hidden_bytes_);
+    const BlockId output = mem_.Alloc(Cat::kActivations, hidden_bytes_);
+    if (stream_ != embedded_) mem_.Free(stream_);
+    stream_ = output;
   }
 
   void ForwardActivations(int node_id) {
@@ -446,6 +457,7 @@ class StepPlayer {
     switch (node.role) {
       case ModuleNode::Role::kEmbedding:
         AllocSaved(node_id, head_.embedding);
+        if (hidden_bytes_ > 0) stream_ = embedded_ = mem_.Alloc(Cat::kActivations, hidden_bytes_);
         if (c_.attention == Attention::kEager) {
           // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention, freed
           // after the last block's forward; any checkpointing keeps it (an input of every
@@ -462,12 +474,13 @@ class StepPlayer {
           }
         }
         break;
-      case ModuleNode::Role::kBlock:
-        AllocSaved(node_id, BlockProfile(node_id).kept, false);
+      case ModuleNode::Role::kBlock: {
+        TransientsBetween between(mem_);
+        AllocSaved(node_id, BlockProfile(node_id).kept, false, between);
         if (BlockCheckpointed(c_, w_.nodes[node_id].block)) ForwardIntermediates(BlockProfile(node_id).recomputed);
         for (const auto& t : BlockProfile(node_id).cache) cache_.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
         ForwardMoment(BlockProfile(node_id).forward_moment);
-        AllocSaved(node_id, BlockProfile(node_id).kept, true);
+        AllocSaved(node_id, BlockProfile(node_id).kept, true, between);
         ForwardMoment(BlockProfile(node_id).experts_forward_moment);
         // QLoRA: each weight is dequantized for its product and dropped after: the largest, taken
         // with all the block's saved tensors alive (an upper bound by the ones saved after it)
@@ -477,9 +490,15 @@ class StepPlayer {
           mem_.Free(casts);
           mem_.Free(dequantized);
         }
+        if (hidden_bytes_ > 0) BlockOutput(between);
         break;
+      }
       case ModuleNode::Role::kFinalNorm:
         AllocSaved(node_id, head_.final_norm);
+        // the decoder returns: its last output and inputs_embeds go
+        if (stream_ != embedded_) mem_.Free(stream_);
+        mem_.Free(embedded_);
+        stream_ = kNoBlock;
         for (int kind = 0; kind < 2; ++kind) {
           if (mask_holder_[kind] == kUnheldMask) mem_.Free(masks_[kind]);  // no checkpointed block reads it again
         }
@@ -912,6 +931,10 @@ class StepPlayer {
   BlockProfiles profiles_;
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
+  /// ResidualStreamApart: the hidden states' bytes (0: the stream is saved tensors), the embedding's
+  /// output and the hidden states the next block reads (the last block's output, or that same one)
+  int64_t hidden_bytes_ = 0;
+  BlockId embedded_ = kNoBlock, stream_ = kNoBlock;
   int64_t skipped_retries_ = 0;     // the allocator retries of the micro-batches PlayMicroBatches skipped
   Nf4Transient nf4_;  // QLoRA: the largest quantized weight's dequantization transient
   bool states_allocated_ = true;  ///< the optimizer states exist (false until the first step's optimizer.step())

@@ -493,20 +493,21 @@ TEST_CASE("an un-checkpointed block's forward at eager attention's softmax: beyo
   };
   CHECK(!flagged(a, "attn_core.softmax_fp32"));
   CHECK(flagged(a, "self_attn.o_proj_in"));
-  // bf16: the residual 2 x 8 x 2 = 32, k and v 2 x 8 each, the scores 2 x 8 and their fp32 copy
-  // 4 x 8 = 112; the fp32 softmax is kept before the moment, its bf16 probabilities after it
+  // bf16: k and v 2 x 8 each, the scores 2 x 8 and their fp32 copy 4 x 8 = 80 (the residual, the
+  // block's input, is the memory model's: ResidualStreamApart); the fp32 softmax is kept before
+  // the moment, its bf16 probabilities after it
   FsdpConfig bf16 = c;
   bf16.param_dtype = DType::kBf16;
   w = Build(bf16);
   a = BlockActivationProfile(w.model, w.config);
-  CHECK(a.ForwardMomentBytes() == 112);
+  CHECK(a.ForwardMomentBytes() == 80);
   CHECK(!flagged(a, "attn_core.softmax_fp32"));
   CHECK(flagged(a, "attn_core.probs"));
   // selective checkpointing keeps none of the core: the fp32 softmax joins the moment (4 x 8),
-  // and k and v are the checkpointed function's kept inputs: 112 - 32 + 32
+  // and k and v are the checkpointed function's kept inputs: 80 - 32 + 32
   bf16.checkpointing = Checkpointing::kSelective;
   w = Build(bf16);
-  CHECK(BlockActivationProfile(w.model, w.config).ForwardMomentBytes() == 112);
+  CHECK(BlockActivationProfile(w.model, w.config).ForwardMomentBytes() == 80);
 }
 
 TEST_CASE("use_cache: the caches live until the loop drops the output, or through the step when it keeps it") {
@@ -1249,6 +1250,51 @@ TEST_CASE("a block's backward releases each module's saved tensors as its backwa
       {0, 32}, {-64, 0}, {-8, 0}, {-64, 0},                // input_layernorm
       {-64, 0}, {-64, 0}, {-64, 0}, {-64, 0}, {-64, 0}};   // the block's end
   CHECK(deltas == expected);
+}
+
+// The activations' steps of one forward phase, in order.
+std::vector<int64_t> ForwardActivationSteps(const MemoryEstimate& m, std::string_view phase) {
+  std::vector<int64_t> steps;
+  int64_t act = 0;
+  for (const MemoryPoint& p : m.timeline) {
+    const int64_t a = p.device[static_cast<int>(MemCategory::kActivations)];
+    if (p.phase == phase && a != act) steps.push_back(a - act);
+    act = a;
+  }
+  return steps;
+}
+
+TEST_CASE("a bf16 forward's transients: RoPE's, the residual stream's, each block's output held until the next returns") {
+  // Hand llama in bf16, flash, one rank, 2 tokens: the hidden states c h T = 32 bytes, q 32, k and
+  // v 16, fp32 [T, h] 64. The embedding makes inputs_embeds (32), held until the final norm.
+  FsdpConfig c = HandConfig();
+  c.gpus = 1;
+  c.param_dtype = DType::kBf16;
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const MemoryEstimate e = EstimateMemory(Build(c), exact);
+  CHECK(ForwardActivationSteps(e, "forward: model.embed_tokens") == std::vector<int64_t>{32});
+  const std::vector<int64_t> block = {
+      64, 64, -64, 8, 64, 32, 32, -64,                 // input_layernorm: x_fp32, pow, rsqrt, the fp32 product, cast, out
+      32, 16, 16,                                      // q's and k's projection outputs, v
+      32, 16, 32, -16, 32, -32, 32, -32, -32,          // q: x * cos, -x2, the cat, the cat * sin, q_embed
+      16, 8, 16, -8, 16, -16, 16, -32, -16, -16, -16,  // k likewise; the projections' outputs go
+      16, 32,                                          // lse, o_proj's input
+      32, 32, -32,                                     // o_proj's output, the residual sum (held)
+      64, 64, -64, 8, 64, 32, 32, -64,                 // post_attention_layernorm
+      64, 64, 64, 64,                                  // gate, act, up, down's input
+      32, 32};                                         // down's output, the block's output
+  std::vector<int64_t> first = block, second = block;
+  for (int64_t freed : {-32, -32}) first.push_back(freed);          // the residual sum, down's output
+  for (int64_t freed : {-32, -32, -32}) second.push_back(freed);    // and block 0's output
+  CHECK(ForwardActivationSteps(e, "forward: model.layers.0") == first);
+  CHECK(ForwardActivationSteps(e, "forward: model.layers.1") == second);
+  // the final norm's tensors, then the last block's output and inputs_embeds
+  CHECK(ForwardActivationSteps(e, "forward: model.norm") == std::vector<int64_t>{64, 64, -64, 8, 64, 32, 32, -64, -32, -32});
+  // in fp32 the norms' upcasts are the stream's tensors, saved: nothing apart
+  CHECK_FALSE(ResidualStreamApart(Build(HandConfig()).model, HandConfig()));
+  c.checkpointing = Checkpointing::kFull;  // the checkpoints keep each block's input
+  CHECK_FALSE(ResidualStreamApart(Build(c).model, c));
 }
 
 TEST_CASE("routed experts, which have no down projection module, hold the MLP's moment through the MLP's backward") {

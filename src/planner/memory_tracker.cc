@@ -1,5 +1,7 @@
 #include "planner/memory_tracker.h"
 
+#include <limits>
+
 #include "core/dtype.h"
 #include "planner/activation_model.h"
 
@@ -183,6 +185,8 @@ BlockId TransientsBetween::AllocAfterFrees(int64_t bytes) {
   std::erase_if(pending_, [](const Pending& p) { return p.block == kNoBlock; });
   return mem_.Alloc(MemCategory::kActivations, bytes);
 }
+
+void TransientsBetween::AllocTransient(int64_t bytes) { pending_.push_back({AllocAfterFrees(bytes), std::numeric_limits<int>::max()}); }
 
 BlockId TransientsBetween::Alloc(const SavedTensor& tensor) {
   for (const SavedTensor::Transient& t : tensor.made_before) pending_.push_back({AllocAfterFrees(t.bytes), t.outlives});

@@ -142,6 +142,8 @@ class TransientsBetween {
   TransientsBetween(const TransientsBetween&) = delete;
   TransientsBetween& operator=(const TransientsBetween&) = delete;
   BlockId Alloc(const SavedTensor& tensor);
+  /// A transient of `bytes` made now (after the frees due), held until this object ends.
+  void AllocTransient(int64_t bytes);
 
  private:
   struct Pending {
