@@ -98,6 +98,13 @@ TEST_CASE("the norm epsilon and the RoPE base come from the config") {
   REQUIRE(gpt2.ok());
   CHECK(gpt2.value().rope_theta == 0.0);
   CHECK(gpt2.value().norm_eps == 1e-5);
+  // Phi-3's partial_rotary_factor (rotate_half on that share of each head); 1 where absent
+  auto phi3 = LoadModel(DataDir() + "/tests/data/hf_configs/phi3-100m.json");
+  REQUIRE(phi3.ok());
+  CHECK(phi3.value().rotary_fraction == 0.75);
+  CHECK(phi3.value().arch.rope_rotate_half);
+  CHECK(LoadModel("phi-4").value().rotary_fraction == 1.0);
+  CHECK_FALSE(gpt2.value().arch.rope_rotate_half);
 }
 
 TEST_CASE("RoPE scaling and Mistral's sliding window come from the config") {
@@ -385,6 +392,9 @@ TEST_CASE("bad model configs give one-line errors naming the problem") {
   auto eps = FromText(R"({"model_type":"mistral","rms_norm_eps":0.5})");
   REQUIRE_FALSE(eps.ok());
   CHECK(eps.error().message == "inline.json: key 'rms_norm_eps': must be positive and at most 0.1, got 0.5");
+  auto rotary = FromText(R"({"model_type":"phi3","partial_rotary_factor":1.5})");
+  REQUIRE_FALSE(rotary.ok());
+  CHECK(rotary.error().message == "inline.json: key 'partial_rotary_factor': must be positive and at most 1, got 1.5");
 
   auto not_object = FromText("[1, 2]");
   REQUIRE_FALSE(not_object.ok());
