@@ -1292,14 +1292,14 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       break;
   }
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
+  const bool stream_apart = ResidualStreamApart(m, cfg);
   if (cfg.attention == Attention::kEager) {
     const bool bf16 = cfg.param_dtype == DType::kBf16;
     if (cfg.checkpointing == Checkpointing::kFull) a.forward_moment = CheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
     else if (cfg.checkpointing != Checkpointing::kSelectiveOp) {
-      a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), ResidualStreamApart(m, cfg), a.kept);
+      a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), stream_apart, a.kept);
     }
   }
-  const bool stream_apart = ResidualStreamApart(m, cfg);
   if (stream_apart) MarkResidualTransients(a.kept, d);
   a.experts_forward_moment = RoutedExpertsForwardMoment(m, d, stream_apart);
   if (cfg.checkpointing == Checkpointing::kFull) {
