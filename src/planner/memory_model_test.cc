@@ -1252,14 +1252,11 @@ TEST_CASE("a block's backward releases each module's saved tensors as its backwa
   CHECK(deltas == expected);
 }
 
-// The activations' steps of one forward phase, in order.
+// The activations' steps of one phase, in order (ActivationAndGradientSteps's, gradients' left out).
 std::vector<int64_t> ForwardActivationSteps(const MemoryEstimate& m, std::string_view phase) {
   std::vector<int64_t> steps;
-  int64_t act = 0;
-  for (const MemoryPoint& p : m.timeline) {
-    const int64_t a = p.device[static_cast<int>(MemCategory::kActivations)];
-    if (p.phase == phase && a != act) steps.push_back(a - act);
-    act = a;
+  for (const auto& [activations, gradients] : ActivationAndGradientSteps(m, phase)) {
+    if (activations != 0) steps.push_back(activations);
   }
   return steps;
 }
