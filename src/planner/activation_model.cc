@@ -1010,6 +1010,15 @@ class TransientScript {
     made_.push_back({next_, bytes, allocs_++, std::numeric_limits<int>::max()});
     return static_cast<int>(made_.size()) - 1;
   }
+  /// The output of the norm whose tensors (names starting with `norm_prefix`) were made last, a
+  /// transient made now: the norm's fp32 product (MarkNormTransients's then_transient after its
+  /// rsqrt or x_normalized) is referenced until the norm returns, so it lives through this too.
+  int MakeNormOutput(int64_t bytes, std::string_view norm_prefix) {
+    for (size_t i = next_; i-- > 0 && list_[i].name.starts_with(norm_prefix);) {
+      if (list_[i].then_transient_bytes > 0 && !list_[i].name.ends_with(".x_fp32")) widened_.push_back(i);
+    }
+    return Make(bytes);
+  }
   /// Transient `id` (none: -1) freed now, before the next allocation.
   void Free(int id) {
     if (id >= 0) made_[static_cast<size_t>(id)].outlives = allocs_ - made_[static_cast<size_t>(id)].at - 1;
@@ -1031,15 +1040,24 @@ class TransientScript {
     while (i < list_.size() && !list_[i].name.starts_with(prefix)) ++i;
     MadeThrough(i);
   }
+  /// `count` allocations made after the list's last tensor, through the same TransientsBetween
+  /// (the memory model's, at a block's end); the list's tensors all made.
+  void AfterList(int count) {
+    MadeThrough(list_.size());
+    allocs_ += count;
+  }
   /// The list's next tensors whose names start with `prefix`, if any, are made now.
   void SavedWithin(std::string_view prefix) {
     size_t i = next_;
     while (i < list_.size() && list_[i].name.starts_with(prefix)) ++i;
     MadeThrough(i);
   }
-  void Apply() {
-    if (spoiled_) return;
+  /// Writes the made_before lists; false (nothing written) when a step named a missing tensor.
+  bool Apply() {
+    if (spoiled_) return false;
     for (const Made& t : made_) list_[t.holder].made_before.push_back({t.bytes, t.outlives});
+    for (size_t i : widened_) ++list_[i].then_transient_spans;
+    return true;
   }
 
  private:
@@ -1055,6 +1073,7 @@ class TransientScript {
   }
   std::vector<SavedTensor>& list_;
   std::vector<Made> made_;
+  std::vector<size_t> widened_;  // norms' products alive through one allocation more
   size_t next_ = 0;
   int allocs_ = 0;
   bool spoiled_ = false;
@@ -1083,8 +1102,9 @@ void MarkRopeTransients(std::vector<SavedTensor>& list, const ModelShape& m, con
     if (fused) return -1;
     const int projected = script.Make(bytes);
     if (FindOp(m, norm) == nullptr) return projected;
-    script.SavedWithin(std::string(norm) + ".");
-    const int normed = script.Make(bytes);
+    const std::string prefix = std::string(norm) + ".";
+    script.SavedWithin(prefix);
+    const int normed = script.MakeNormOutput(bytes, prefix);
     script.Free(projected);
     return normed;
   };
@@ -1129,6 +1149,41 @@ void MarkResidualTransients(std::vector<SavedTensor>& list, const Dims& d) {
   script.Make(d.c * d.h * d.tokens);
   script.Free(projected);
   script.Apply();
+}
+
+// ResidualStreamCarried's transients inside a block's list (Olmo2DecoderLayer, transformers
+// 5.24): o_proj's output, alive until its post-norm has made its output (the norm's fp32 product
+// `weight * x` until then too), which lives until its sum with the residual, "mlp.input", is made;
+// then down's output, alive through its post-norm and the norm's output, the memory model's first
+// allocation at the block's end (the second is the block's output). Measured as
+// MarkRopeTransients's.
+void MarkPostNormTransients(std::vector<SavedTensor>& list, const ModelShape& m, const Dims& d) {
+  const std::vector<std::string_view> norms = BlockNorms(m);
+  const NormRoles roles = RolesOf(m.arch.norm_placement);
+  if (list.empty() || list.front().name != "block.input" || roles.post_attn < 0 || roles.post_mlp < 0 ||
+      norms.size() <= static_cast<size_t>(std::max(roles.post_attn, roles.post_mlp))) {
+    return;
+  }
+  const std::string post_attn = std::string(norms[static_cast<size_t>(roles.post_attn)]) + ".";
+  const std::string post_mlp = std::string(norms[static_cast<size_t>(roles.post_mlp)]) + ".";
+  const int64_t hidden = d.c * d.h * d.tokens;
+  TransientScript script(list);
+  script.SavedBefore(post_attn);
+  const int projected = script.Make(hidden);
+  script.SavedWithin(post_attn);
+  const int normed = script.MakeNormOutput(hidden, post_attn);
+  script.Free(projected);
+  script.Saved("mlp.input");
+  script.Free(normed);
+  script.SavedBefore(post_mlp);
+  const int down = script.Make(hidden);
+  script.SavedWithin(post_mlp);
+  script.AfterList(1);  // the norm's output: its fp32 product lives through it
+  script.Free(down);
+  if (!script.Apply()) return;
+  for (SavedTensor& t : list) {
+    if (t.name.starts_with(post_mlp) && t.then_transient_bytes > 0 && !t.name.ends_with(".x_fp32")) ++t.then_transient_spans;
+  }
 }
 
 }  // namespace
@@ -1197,9 +1252,18 @@ int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;
 }
 
-bool ResidualStreamApart(const ModelShape& m, const FsdpConfig& cfg) {
+// transformers' RMSNorm upcasting a bf16 or fp16 stream, without or with selective checkpointing
+static bool StreamOfTransformersHalfRms(const ModelShape& m, const FsdpConfig& cfg) {
   return cfg.impl == Impl::kTransformers && BytesPerElement(cfg.param_dtype) != 4 && m.arch.norm == NormKind::kRms &&
-         m.arch.norm_placement == NormPlacement::kPre && (cfg.checkpointing == Checkpointing::kNone || cfg.checkpointing == Checkpointing::kSelective);
+         (cfg.checkpointing == Checkpointing::kNone || cfg.checkpointing == Checkpointing::kSelective);
+}
+
+bool ResidualStreamApart(const ModelShape& m, const FsdpConfig& cfg) {
+  return StreamOfTransformersHalfRms(m, cfg) && m.arch.norm_placement == NormPlacement::kPre;
+}
+
+bool ResidualStreamCarried(const ModelShape& m, const FsdpConfig& cfg) {
+  return StreamOfTransformersHalfRms(m, cfg) && m.arch.norm_placement == NormPlacement::kPost && !m.arch.base_frozen;
 }
 
 bool BlockInputRequiresGrad(const ModelSpec& m, int block) {
@@ -1301,6 +1365,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
     }
   }
   if (stream_apart) MarkResidualTransients(a.kept, d);
+  if (ResidualStreamCarried(m, cfg)) MarkPostNormTransients(a.kept, m, d);
   a.experts_forward_moment = RoutedExpertsForwardMoment(m, d, stream_apart);
   if (cfg.checkpointing == Checkpointing::kFull) {
     // the recomputation stops once the last saved tensor, inv_perm, is saved (torch.utils.checkpoint's

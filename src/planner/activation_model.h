@@ -194,6 +194,16 @@ bool BlockInputRequiresGrad(const ModelSpec& model, int block);
 /// output freed after the final norm, each block's two blocks on.
 bool ResidualStreamApart(const ModelShape& model, const FsdpConfig& config);
 
+/// OLMo 2's residual stream (Architecture::norm_placement kPost, under ResidualStreamApart's other
+/// conditions, the base trained): saved tensors made elsewhere than their list's place. Each
+/// block's input, which q, k and v save, is the previous block's output (its residual sum with
+/// the post-MLP norm's output, made as that block returns) or the embedding's: the memory model
+/// makes it there and hands it to the block's list as its first tensor ("block.input"). Inside a
+/// block, the attention output projection's output, the two post-norms' outputs and the down
+/// projection's output are transients; the sum after the attention is "mlp.input", which gate
+/// and up save. tools/torch_reference.py --memory-history, olmo2-100m.json at 8 x 2048.
+bool ResidualStreamCarried(const ModelShape& model, const FsdpConfig& config);
+
 /// Saved tensors of the embedding, final norm and HF's ForCausalLMLoss.
 HeadActivations HeadActivationProfile(const ModelSpec& model, const FsdpConfig& config);
 

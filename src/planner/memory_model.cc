@@ -65,7 +65,8 @@ class StepPlayer {
       if (holder == kNoMask) holder = kUnheldMask;
     }
     pb_ = BytesPerElement(c_.param_dtype);
-    if (ResidualStreamApart(w.model, c_)) hidden_bytes_ = pb_ * c_.micro_batch * c_.seq_len * w.model.hidden_size;
+    stream_carried_ = ResidualStreamCarried(w.model, c_);
+    if (ResidualStreamApart(w.model, c_) || stream_carried_) hidden_bytes_ = pb_ * c_.micro_batch * c_.seq_len * w.model.hidden_size;
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
     for (int b = 0; b < w.model.num_layers; ++b) {
@@ -437,7 +438,12 @@ class StepPlayer {
   void AllocSaved(int node_id, const std::vector<SavedTensor>& tensors, bool after_forward_moment, TransientsBetween& between) {
     std::vector<BlockId>& saved = node_saved_[node_id];
     if (!after_forward_moment) saved.assign(tensors.size(), kNoBlock);
-    for (size_t i = 0; i < tensors.size() && i < saved.size(); ++i) {
+    size_t first = 0;
+    if (stream_carried_ && !after_forward_moment && !tensors.empty() && tensors.front().name == "block.input") {
+      std::swap(saved.front(), stream_);  // made already: the previous block's output
+      first = 1;
+    }
+    for (size_t i = first; i < tensors.size() && i < saved.size(); ++i) {
       if (tensors[i].after_forward_moment == after_forward_moment) saved[i] = between.Alloc(tensors[i]);
     }
   }
@@ -445,7 +451,15 @@ class StepPlayer {
   // ResidualStreamApart: the down projection's output (freed as the block returns, with the
   // block's other transients) and its sum with the residual, the block's output; the hidden states
   // the block read go once it has returned, unless they are inputs_embeds
+  // ResidualStreamCarried: the post-MLP norm's output, then its sum with the residual, the
+  // block's output, made after the frees due (MarkPostNormTransients: down's output)
   void BlockOutput(TransientsBetween& between) {
+    if (stream_carried_) {
+      between.AllocTransient(hidden_bytes_);
+      mem_.Free(stream_);  // (none: the block's list took it)
+      stream_ = between.Alloc(SavedTensor{"block.output", hidden_bytes_});
+      return;
+    }
     between.AllocTransient(hidden_bytes_);
     const BlockId output = mem_.Alloc(Cat::kActivations, hidden_bytes_);
     if (stream_ != embedded_) mem_.Free(stream_);
@@ -457,7 +471,8 @@ class StepPlayer {
     switch (node.role) {
       case ModuleNode::Role::kEmbedding:
         AllocSaved(node_id, head_.embedding);
-        if (hidden_bytes_ > 0) stream_ = embedded_ = mem_.Alloc(Cat::kActivations, hidden_bytes_);
+        if (stream_carried_) stream_ = mem_.Alloc(Cat::kActivations, hidden_bytes_);
+        else if (hidden_bytes_ > 0) stream_ = embedded_ = mem_.Alloc(Cat::kActivations, hidden_bytes_);
         if (c_.attention == Attention::kEager) {
           // HF builds a 4D causal mask [B, 1, s, s] in the compute dtype for eager attention, freed
           // after the last block's forward; any checkpointing keeps it (an input of every
@@ -932,8 +947,11 @@ class StepPlayer {
   HeadActivations head_;
   int64_t pb_ = 2, rb_ = 4, mb_ = 4;
   /// ResidualStreamApart: the hidden states' bytes (0: the stream is saved tensors), the embedding's
-  /// output and the hidden states the next block reads (the last block's output, or that same one)
+  /// output and the hidden states the next block reads (the last block's output, or that same one).
+  /// ResidualStreamCarried: `stream_` alone, made by the embedding or a block's end and handed to
+  /// the next block's list (its "block.input"), or freed by the final norm
   int64_t hidden_bytes_ = 0;
+  bool stream_carried_ = false;
   BlockId embedded_ = kNoBlock, stream_ = kNoBlock;
   int64_t skipped_retries_ = 0;     // the allocator retries of the micro-batches PlayMicroBatches skipped
   Nf4Transient nf4_;  // QLoRA: the largest quantized weight's dequantization transient

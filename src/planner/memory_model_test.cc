@@ -393,17 +393,22 @@ TEST_CASE("a loop that keeps `outputs` holds the logits through the step and int
   CHECK(holds_accum == EstimateMemory(Build(c), o).allocated_peak_bytes + 128);
 }
 
-// The hand llama with as many kv heads as heads (no GQA).
-Workload BuildMha(FsdpConfig c) {
-  auto json = ParseJson(R"({"model_type":"llama","vocab_size":16,"hidden_size":8,"intermediate_size":16,"num_hidden_layers":2,)"
-                        R"("num_attention_heads":2,"num_key_value_heads":2,"max_position_embeddings":64})",
-                        "hand-mha.json");
-  auto m = ModelFromHfConfig(json.value(), "hand-mha", "hand-mha.json");
+// The hand llama's shape as another model_type, with `kv_heads` key/value heads, on Build's hardware.
+Workload BuildHandAs(const std::string& model_type, int kv_heads, const FsdpConfig& c) {
+  const std::string name = "hand-" + model_type + "-kv" + std::to_string(kv_heads) + ".json";
+  auto json = ParseJson(R"({"model_type":")" + model_type + R"(","vocab_size":16,"hidden_size":8,"intermediate_size":16,)" +
+                            R"("num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":)" + std::to_string(kv_heads) +
+                            R"(,"max_position_embeddings":64})",
+                        name);
+  auto m = ModelFromHfConfig(json.value(), name, name);
   REQUIRE(m.ok());
   auto w = BuildWorkload(m.value(), Build(HandConfig()).hardware, c);
   REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
   return w.value();
 }
+
+// The hand llama with as many kv heads as heads (no GQA).
+Workload BuildMha(FsdpConfig c) { return BuildHandAs("llama", 2, c); }
 
 TEST_CASE("use_cache: the keys and values a layer returns, less what its attention saves itself") {
   FsdpConfig c = HandConfig();
@@ -1292,6 +1297,49 @@ TEST_CASE("a bf16 forward's transients: RoPE's, the residual stream's, each bloc
   CHECK_FALSE(ResidualStreamApart(Build(HandConfig()).model, HandConfig()));
   c.checkpointing = Checkpointing::kFull;  // the checkpoints keep each block's input
   CHECK_FALSE(ResidualStreamApart(Build(c).model, c));
+}
+
+// The hand llama's shape as OLMo 2 (post-norms on the sub-layers' outputs, q_norm and k_norm
+// over the projections' whole width, each norm weighing in fp32).
+Workload BuildOlmo2(FsdpConfig c) { return BuildHandAs("olmo2", 1, c); }
+
+TEST_CASE("OLMo 2's forward: each block's input made by the block before, its post-norms' outputs and the sub-layers' transients") {
+  // Hand OLMo 2 in bf16, flash, one rank, 2 tokens: the hidden states c h T = 32 bytes, q 32, k
+  // and v 16, fp32 [T, h] 64 (q_norm's too), k_norm's fp32 32, rsqrt 8. Olmo2DecoderLayer:
+  // h = x + post_attention_layernorm(attn(x)); out = h + post_feedforward_layernorm(mlp(h)).
+  FsdpConfig c = HandConfig();
+  c.gpus = 1;
+  c.param_dtype = DType::kBf16;
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const MemoryEstimate e = EstimateMemory(BuildOlmo2(c), exact);
+  CHECK(ForwardActivationSteps(e, "forward: model.embed_tokens") == std::vector<int64_t>{32});  // block 0's input
+  const std::vector<int64_t> block = {
+      32, 64, 64, -64, 8, 64, 64, 32, -32, -64,        // q's projection; q_norm: x_fp32, pow, rsqrt, x_normalized,
+      16, 32, 32, -32, 8, 32, 32, 16, -16, -32,        // weight * x (alive through the norm's output), out; k's likewise
+      16,                                              // v
+      32, 16, 32, -16, 32, -32, 32, -32, -32,          // q's RoPE (as llama's)
+      16, 8, 16, -8, 16, -16, 16, -32, -16, -16, -16,  // k's; the norms' outputs go
+      16, 32,                                          // lse, o_proj's input
+      32,                                              // o_proj's output
+      64, 64, -64, 8, 64, 64, 32, -32, -64,            // post_attention_layernorm; o_proj's output goes with its product
+      32, -32,                                         // the residual sum (gate and up save it), the norm's output gone
+      64, 64, 64, 64,                                  // gate, act, up, down's input
+      32,                                              // down's output
+      64, 64, -64, 8, 64, 64, 32, -32, -64,            // post_feedforward_layernorm
+      32, -32};                                        // the block's output (the next one's input), the norm's output gone
+  // no block frees its input: q, k and v save it
+  CHECK(ForwardActivationSteps(e, "forward: model.layers.0") == block);
+  CHECK(ForwardActivationSteps(e, "forward: model.layers.1") == block);
+  // the final norm, its fp32 product alive through its output; then the last block's output goes
+  CHECK(ForwardActivationSteps(e, "forward: model.norm") == std::vector<int64_t>{64, 64, -64, 8, 64, 64, 32, -64, -32});
+  CHECK(ResidualStreamCarried(BuildOlmo2(c).model, c));
+  CHECK_FALSE(ResidualStreamApart(BuildOlmo2(c).model, c));
+  CHECK_FALSE(ResidualStreamCarried(Build(c).model, c));  // pre-norm: apart
+  FsdpConfig fp32 = HandConfig();
+  CHECK_FALSE(ResidualStreamCarried(BuildOlmo2(fp32).model, fp32));
+  c.checkpointing = Checkpointing::kFull;  // the checkpoints keep each block's input
+  CHECK_FALSE(ResidualStreamCarried(BuildOlmo2(c).model, c));
 }
 
 TEST_CASE("routed experts, which have no down projection module, hold the MLP's moment through the MLP's backward") {
