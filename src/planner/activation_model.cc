@@ -1151,17 +1151,18 @@ void MarkResidualTransients(std::vector<SavedTensor>& list, const Dims& d) {
   script.Apply();
 }
 
-// ResidualStreamCarried's transients inside a block's list (Olmo2DecoderLayer, transformers
-// 5.24): o_proj's output, alive until its post-norm has made its output (the norm's fp32 product
-// `weight * x` until then too), which lives until its sum with the residual, "mlp.input", is made;
-// then down's output, alive through its post-norm and the norm's output, the memory model's first
-// allocation at the block's end (the second is the block's output). Measured as
-// MarkRopeTransients's.
-void MarkPostNormTransients(std::vector<SavedTensor>& list, const ModelShape& m, const Dims& d) {
+// The transients of a block whose sub-layers' outputs are normed (Olmo2DecoderLayer, the
+// sandwich of Gemma2DecoderLayer and Gemma3DecoderLayer, transformers 5.24): o_proj's output,
+// alive until its post-norm has made its output (the norm's fp32 product until then too), which
+// lives until its sum with the residual is made; that sum is "mlp.input" where gate and up save it
+// (OLMo 2: `sum_saved`), else a transient held to the block's end (Gemma: the pre-MLP norm saves
+// an fp32 copy); then down's output, alive through its post-norm and the norm's output, the memory
+// model's first allocation at the block's end (the second is the block's output). Measured as
+// MarkRopeTransients's: olmo2-100m.json at 8 x 2048, gemma3-text-100m.json at 2 x 2048.
+void MarkPostNormTransients(std::vector<SavedTensor>& list, const ModelShape& m, const Dims& d, bool sum_saved) {
   const std::vector<std::string_view> norms = BlockNorms(m);
   const NormRoles roles = RolesOf(m.arch.norm_placement);
-  if (list.empty() || list.front().name != "block.input" || roles.post_attn < 0 || roles.post_mlp < 0 ||
-      norms.size() <= static_cast<size_t>(std::max(roles.post_attn, roles.post_mlp))) {
+  if (roles.post_attn < 0 || roles.post_mlp < 0 || norms.size() <= static_cast<size_t>(std::max(roles.post_attn, roles.post_mlp))) {
     return;
   }
   const std::string post_attn = std::string(norms[static_cast<size_t>(roles.post_attn)]) + ".";
@@ -1173,7 +1174,8 @@ void MarkPostNormTransients(std::vector<SavedTensor>& list, const ModelShape& m,
   script.SavedWithin(post_attn);
   const int normed = script.MakeNormOutput(hidden, post_attn);
   script.Free(projected);
-  script.Saved("mlp.input");
+  if (sum_saved) script.Saved("mlp.input");
+  else script.Make(hidden);
   script.Free(normed);
   script.SavedBefore(post_mlp);
   const int down = script.Make(hidden);
@@ -1259,7 +1261,7 @@ static bool StreamOfTransformersHalfRms(const ModelShape& m, const FsdpConfig& c
 }
 
 bool ResidualStreamApart(const ModelShape& m, const FsdpConfig& cfg) {
-  return StreamOfTransformersHalfRms(m, cfg) && m.arch.norm_placement == NormPlacement::kPre;
+  return StreamOfTransformersHalfRms(m, cfg) && m.arch.norm_placement != NormPlacement::kPost;
 }
 
 bool ResidualStreamCarried(const ModelShape& m, const FsdpConfig& cfg) {
@@ -1364,8 +1366,9 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
       a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), stream_apart, a.kept);
     }
   }
-  if (stream_apart) MarkResidualTransients(a.kept, d);
-  if (ResidualStreamCarried(m, cfg)) MarkPostNormTransients(a.kept, m, d);
+  if (stream_apart && m.arch.norm_placement == NormPlacement::kPre) MarkResidualTransients(a.kept, d);
+  if (stream_apart && m.arch.norm_placement == NormPlacement::kSandwich) MarkPostNormTransients(a.kept, m, d, false);
+  if (ResidualStreamCarried(m, cfg)) MarkPostNormTransients(a.kept, m, d, true);
   a.experts_forward_moment = RoutedExpertsForwardMoment(m, d, stream_apart);
   if (cfg.checkpointing == Checkpointing::kFull) {
     // the recomputation stops once the last saved tensor, inv_perm, is saved (torch.utils.checkpoint's

@@ -186,12 +186,14 @@ bool BlockInputRequiresGrad(const ModelSpec& model, int block);
 /// model then holds: the embedding's output (`inputs_embeds`, referenced until the decoder
 /// returns, after its final norm), each block's output (the model's loop holds it until the next
 /// block has returned) and, inside a block, the attention output projection's output, its sum with
-/// the residual (held through the MLP) and the down projection's output. So in a pre-norm
+/// the residual (held through the MLP) and the down projection's output (Gemma's sandwich: each of
+/// the two normed before its sum, the norms' outputs transients too). So in a pre-norm or sandwich
 /// RMSNorm model in bf16 or fp16, whose norms save fp32 copies (in fp32 the upcast returns the
 /// stream's tensor itself: saved), without or with selective checkpointing (full checkpointing
-/// keeps each block's input as the checkpoint's, OLMo 2's post-norms and torchtitan's fused norm
-/// save it). tools/torch_reference.py --memory-history, phi3-100m.json at 8 x 2048: the embedding's
-/// output freed after the final norm, each block's two blocks on.
+/// keeps each block's input as the checkpoint's, OLMo 2's post-norms (ResidualStreamCarried) and
+/// torchtitan's fused norm save it). tools/torch_reference.py --memory-history, phi3-100m.json at
+/// 8 x 2048: the embedding's output freed after the final norm, each block's two blocks on;
+/// gemma3-text-100m.json at 2 x 2048 the sandwich's order.
 bool ResidualStreamApart(const ModelShape& model, const FsdpConfig& config);
 
 /// OLMo 2's residual stream (Architecture::norm_placement kPost, under ResidualStreamApart's other

@@ -66,6 +66,7 @@ class StepPlayer {
     }
     pb_ = BytesPerElement(c_.param_dtype);
     stream_carried_ = ResidualStreamCarried(w.model, c_);
+    post_mlp_norm_ = w.model.arch.norm_placement != NormPlacement::kPre;
     if (ResidualStreamApart(w.model, c_) || stream_carried_) hidden_bytes_ = pb_ * c_.micro_batch * c_.seq_len * w.model.hidden_size;
     rb_ = BytesPerElement(c_.reduce_dtype);
     mb_ = BytesPerElement(c_.master_dtype);
@@ -448,21 +449,15 @@ class StepPlayer {
     }
   }
 
-  // ResidualStreamApart: the down projection's output (freed as the block returns, with the
-  // block's other transients) and its sum with the residual, the block's output; the hidden states
-  // the block read go once it has returned, unless they are inputs_embeds
-  // ResidualStreamCarried: the post-MLP norm's output, then its sum with the residual, the
-  // block's output, made after the frees due (MarkPostNormTransients: down's output)
+  // The block's last transient, freed as it returns with its others: down's output (pre-norm) or
+  // the post-MLP norm's (Gemma's sandwich, OLMo 2: made after the frees due, as is the output:
+  // MarkPostNormTransients); then its sum with the residual, the block's output. The hidden states
+  // the block read go once it has returned, unless they are inputs_embeds (ResidualStreamApart) or
+  // the block's list took them (ResidualStreamCarried)
   void BlockOutput(TransientsBetween& between) {
-    if (stream_carried_) {
-      between.AllocTransient(hidden_bytes_);
-      mem_.Free(stream_);  // (none: the block's list took it)
-      stream_ = between.Alloc(SavedTensor{"block.output", hidden_bytes_});
-      return;
-    }
     between.AllocTransient(hidden_bytes_);
-    const BlockId output = mem_.Alloc(Cat::kActivations, hidden_bytes_);
-    if (stream_ != embedded_) mem_.Free(stream_);
+    const BlockId output = post_mlp_norm_ ? between.Alloc(SavedTensor{"block.output", hidden_bytes_}) : mem_.Alloc(Cat::kActivations, hidden_bytes_);
+    if (stream_ != embedded_) mem_.Free(stream_);  // (carried: none, the block's list took it)
     stream_ = output;
   }
 
@@ -952,6 +947,7 @@ class StepPlayer {
   /// the next block's list (its "block.input"), or freed by the final norm
   int64_t hidden_bytes_ = 0;
   bool stream_carried_ = false;
+  bool post_mlp_norm_ = false;  ///< the block's last tensor before its output is its post-MLP norm's output (else down's)
   BlockId embedded_ = kNoBlock, stream_ = kNoBlock;
   int64_t skipped_retries_ = 0;     // the allocator retries of the micro-batches PlayMicroBatches skipped
   Nf4Transient nf4_;  // QLoRA: the largest quantized weight's dequantization transient

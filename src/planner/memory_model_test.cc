@@ -393,12 +393,13 @@ TEST_CASE("a loop that keeps `outputs` holds the logits through the step and int
   CHECK(holds_accum == EstimateMemory(Build(c), o).allocated_peak_bytes + 128);
 }
 
-// The hand llama's shape as another model_type, with `kv_heads` key/value heads, on Build's hardware.
-Workload BuildHandAs(const std::string& model_type, int kv_heads, const FsdpConfig& c) {
+// The hand llama's shape as another model_type, with `kv_heads` key/value heads and the config
+// keys `extra` (",\"key\":value..."), on Build's hardware.
+Workload BuildHandAs(const std::string& model_type, int kv_heads, const FsdpConfig& c, const std::string& extra = "") {
   const std::string name = "hand-" + model_type + "-kv" + std::to_string(kv_heads) + ".json";
   auto json = ParseJson(R"({"model_type":")" + model_type + R"(","vocab_size":16,"hidden_size":8,"intermediate_size":16,)" +
                             R"("num_hidden_layers":2,"num_attention_heads":2,"num_key_value_heads":)" + std::to_string(kv_heads) +
-                            R"(,"max_position_embeddings":64})",
+                            R"(,"max_position_embeddings":64)" + extra + "}",
                         name);
   auto m = ModelFromHfConfig(json.value(), name, name);
   REQUIRE(m.ok());
@@ -1342,6 +1343,45 @@ TEST_CASE("OLMo 2's forward: each block's input made by the block before, its po
   CHECK_FALSE(ResidualStreamCarried(BuildOlmo2(c).model, c));
 }
 
+TEST_CASE("Gemma 3's sandwich: the residual stream apart, each sub-layer's output normed before its sum") {
+  // Hand Gemma 3 (text) in bf16, SDPA without a window, one rank, 2 tokens: the hidden states
+  // 32 bytes, fp32 [T, h] 64, q 32 (its per-head q_norm: fp32 64, rsqrt 16), k and v 16 (k_norm:
+  // fp32 32, rsqrt 8). Gemma3DecoderLayer: h = x + post_attention_layernorm(attn(input_layernorm(x)));
+  // out = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))); each norm weighs in fp32.
+  FsdpConfig c = HandConfig();
+  c.gpus = 1;
+  c.param_dtype = DType::kBf16;
+  MemoryOptions exact = Exact();
+  exact.record_timeline = true;
+  const Workload w = BuildHandAs("gemma3_text", 1, c, R"(,"head_dim":4,"sliding_window":null)");
+  const MemoryEstimate e = EstimateMemory(w, exact);
+  CHECK(ForwardActivationSteps(e, "forward: model.embed_tokens") == std::vector<int64_t>{32});  // inputs_embeds
+  const std::vector<int64_t> block = {
+      64, 64, -64, 8, 64, 64, 32, -64,                 // input_layernorm (its output saved)
+      32, 64, 64, -64, 16, 64, 64, 32, -32, -64,       // q's projection, q_norm per head, its output
+      16, 32, 32, -32, 8, 32, 32, 16, -16, -32,        // k's likewise
+      16,                                              // v
+      32, 16, 32, -16, 32, -32, 32, -32, -32,          // q's RoPE (as llama's)
+      16, 8, 16, -8, 16, -16, 16, -32, -16, -16, -16,  // k's; the norms' outputs go
+      16, 32,                                          // lse, o_proj's input
+      32,                                              // o_proj's output
+      64, 64, -64, 8, 64, 64, 32, -32, -64,            // post_attention_layernorm, its output; o_proj's goes
+      32, -32,                                         // the residual sum (held to the block's end), the norm's output gone
+      64, 64, -64, 8, 64, 64, 32, -64,                 // pre_feedforward_layernorm (its output saved)
+      64, 64, 64, 64,                                  // gate, act, up, down's input
+      32,                                              // down's output
+      64, 64, -64, 8, 64, 64, 32, -32, -64,            // post_feedforward_layernorm
+      32, -32, -32};                                   // the block's output; the norm's output and the residual sum go
+  std::vector<int64_t> second = block;
+  second.push_back(-32);  // block 0's output, once block 1 has returned
+  CHECK(ForwardActivationSteps(e, "forward: model.layers.0") == block);
+  CHECK(ForwardActivationSteps(e, "forward: model.layers.1") == second);
+  // the final norm, then the last block's output and inputs_embeds
+  CHECK(ForwardActivationSteps(e, "forward: model.norm") == std::vector<int64_t>{64, 64, -64, 8, 64, 64, 32, -64, -32, -32});
+  CHECK(ResidualStreamApart(w.model, c));
+  CHECK_FALSE(ResidualStreamCarried(w.model, c));
+}
+
 TEST_CASE("routed experts, which have no down projection module, hold the MLP's moment through the MLP's backward") {
   // qwen3-moe-tiny (h 512, 16 experts of 256) routing each token to 8, bf16, one GPU, 64 tokens (a
   // moment of 2h + 3 x 2 x 256 x 8 a token, above the held 2 x 2h + 12h). Backward of its last
@@ -1377,3 +1417,4 @@ TEST_CASE("routed experts, which have no down projection module, hold the MLP's 
 
 }  // namespace
 }  // namespace fsdp
+
