@@ -126,6 +126,10 @@ struct Architecture {
   /// copied by Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo 2, Phi-3 and Gemma 2/3; false for
   /// GPT-2 (no RoPE), gpt-oss (torch.chunk halves), Llama 4 (complex products) and DeepSeek's MLA
   bool rope_rotate_half = false;
+  /// q_norm and k_norm run once q's, k's and v's projections all exist (Gemma3Attention.forward);
+  /// false: each right after its own projection, v's projection after both (Qwen3Attention,
+  /// Olmo2Attention)
+  bool qk_norms_after_projections = false;
   std::vector<ParamOp> block;       ///< a decoder block's parameter-owning modules in forward order
   /// A model whose `block` routes its MLP through experts may run a dense one in some layers
   /// (DeepSeek-V3's first first_k_dense_replace, Qwen3-MoE's mlp_only_layers): those layers'

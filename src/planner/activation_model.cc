@@ -287,7 +287,14 @@ size_t AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, con
     AddAttentionCore(out, m, cfg, d, f);
   } else if (f.attn_out) {
     // v's projection runs before RoPE: made before q after RoPE (the last tensor), then k
-    out.insert(out.end() - 1, {"self_attn.v", d.c * (fused_qkv != nullptr ? q + 2 * kv : kv)});
+    // (Gemma 3: before q_norm's and k_norm's tensors too)
+    auto v_at = out.end() - 1;
+    if (m.arch.qk_norms_after_projections) {
+      v_at = std::find_if(out.begin(), out.end(), [](const SavedTensor& t) {
+        return t.name.starts_with("self_attn.q_norm.") || t.name.starts_with("self_attn.k_norm.");
+      });
+    }
+    out.insert(v_at, {"self_attn.v", d.c * (fused_qkv != nullptr ? q + 2 * kv : kv)});
     out.push_back({"self_attn.k_rope", d.c * kv});
     // v as a view of its projection's output: a fused qkv_proj's keeps all of q, k and v alive.
     // RoPE's output from a slice of that output (not dense) is contiguous as [B, a, s, d], and
@@ -1098,15 +1105,14 @@ void MarkRopeTransients(std::vector<SavedTensor>& list, const ModelShape& m, con
   const bool fused = FindOp(m, "qkv_proj") != nullptr;
   TransientScript script(list);
   script.SavedBefore(m.arch.attention_module + ".");
-  auto project = [&](int64_t bytes, std::string_view norm) {
-    if (fused) return -1;
-    const int projected = script.Make(bytes);
+  // a projection's output, or its q_norm/k_norm's (the projection's then freed): what RoPE reads
+  auto normed = [&](int projected, int64_t bytes, std::string_view norm) {
     if (FindOp(m, norm) == nullptr) return projected;
     const std::string prefix = std::string(norm) + ".";
     script.SavedWithin(prefix);
-    const int normed = script.MakeNormOutput(bytes, prefix);
+    const int output = script.MakeNormOutput(bytes, prefix);
     script.Free(projected);
-    return normed;
+    return output;
   };
   auto rope = [&](int64_t bytes, std::string_view embedded) {
     const int64_t rotated = bytes / d.head_dim * rotary_dim;
@@ -1126,9 +1132,19 @@ void MarkRopeTransients(std::vector<SavedTensor>& list, const ModelShape& m, con
       script.Free(sum);
     }
   };
-  const int q_in = project(q, "self_attn.q_norm");
-  const int k_in = project(kv, "self_attn.k_norm");
-  script.Saved("self_attn.v");
+  int q_in = -1, k_in = -1;  // (a fused qkv_proj's q and k are views)
+  if (fused) {
+    script.Saved("self_attn.v");
+  } else if (m.arch.qk_norms_after_projections) {  // Gemma 3: the three projections, then the norms
+    const int q_projected = script.Make(q), k_projected = script.Make(kv);
+    script.Saved("self_attn.v");
+    q_in = normed(q_projected, q, "self_attn.q_norm");
+    k_in = normed(k_projected, kv, "self_attn.k_norm");
+  } else {  // Qwen3, OLMo 2: each norm on its projection's output as it is made, v's after both
+    q_in = normed(script.Make(q), q, "self_attn.q_norm");
+    k_in = normed(script.Make(kv), kv, "self_attn.k_norm");
+    script.Saved("self_attn.v");
+  }
   rope(q, "self_attn.q_rope");
   rope(kv, "self_attn.k_rope");
   script.Free(q_in);

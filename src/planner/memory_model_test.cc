@@ -1358,9 +1358,9 @@ TEST_CASE("Gemma 3's sandwich: the residual stream apart, each sub-layer's outpu
   CHECK(ForwardActivationSteps(e, "forward: model.embed_tokens") == std::vector<int64_t>{32});  // inputs_embeds
   const std::vector<int64_t> block = {
       64, 64, -64, 8, 64, 64, 32, -64,                 // input_layernorm (its output saved)
-      32, 64, 64, -64, 16, 64, 64, 32, -32, -64,       // q's projection, q_norm per head, its output
-      16, 32, 32, -32, 8, 32, 32, 16, -16, -32,        // k's likewise
-      16,                                              // v
+      32, 16, 16,                                      // q's, k's and v's projections (Gemma3Attention)
+      64, 64, -64, 16, 64, 64, 32, -32, -64,           // q_norm per head, its output; q's projection goes
+      32, 32, -32, 8, 32, 32, 16, -16, -32,            // k_norm likewise
       32, 16, 32, -16, 32, -32, 32, -32, -32,          // q's RoPE (as llama's)
       16, 8, 16, -8, 16, -16, 16, -32, -16, -16, -16,  // k's; the norms' outputs go
       16, 32,                                          // lse, o_proj's input

@@ -33,6 +33,7 @@ Status ReadGemmaBlock(const JsonReader& r, bool head_qk_norms, ModelSpec& m) {
   const int64_t h = m.hidden_size;
   AddLlamaAttention(m, m.qkv_bias, m.qkv_bias, m.arch.block);  // ends with post_attention_layernorm
   if (head_qk_norms) AddHeadQkNorms(m, m.arch.block);
+  m.arch.qk_norms_after_projections = head_qk_norms;
   m.arch.block.push_back({ParamOp::Kind::kNorm, "pre_feedforward_layernorm", 0, h});
   AddGatedMlp(m, false, m.arch.block);
   m.arch.block.push_back({ParamOp::Kind::kNorm, "post_feedforward_layernorm", 0, h});
