@@ -1047,6 +1047,9 @@ class TransientScript {
     while (i < list_.size() && !list_[i].name.starts_with(prefix)) ++i;
     MadeThrough(i);
   }
+  /// `count` allocations another script adds here, before the list's next tensor (o_proj's output:
+  /// MarkResidualTransients, MarkPostNormTransients)
+  void Skip(int count) { allocs_ += count; }
   /// `count` allocations made after the list's last tensor, through the same TransientsBetween
   /// (the memory model's, at a block's end); the list's tensors all made.
   void AfterList(int count) {
@@ -1087,22 +1090,27 @@ class TransientScript {
 };
 
 // The unsaved tensors of transformers' Llama-style attention (Architecture::rope_rotate_half) up
-// to SDPA without a mask: q's projection output (where a q_norm reads it, alive through the norm,
-// whose own output RoPE reads instead), then k's, both alive until apply_rotary_pos_emb has
-// returned; v's projection (saved); for q, then k, RoPE's `x * cos`, rotate_half's `-x2` and its
-// torch.cat, that cat times sin, and their sum (q_embed; with Phi-3's partial rotary the sum of
-// the rotated features, joined to the rest by a new cat). A fused qkv_proj's q and k are views.
-// Each a tensor of the compute dtype. torch_reference.py --device cpu --memory-history, transformers
-// 5.24: phi3-100m.json at 8 x 2048 (fused, partial rotary), qwen3-100m.json at 8 x 2048 (per-head
-// q_norm); ModelShape::rotary_fraction's int(head_dim * f) features rotate.
+// to SDPA: q's projection output (where a q_norm reads it, alive through the norm, whose own
+// output RoPE reads instead), then k's, both alive until apply_rotary_pos_emb has returned; v's
+// projection (saved); for q, then k, RoPE's `x * cos`, rotate_half's `-x2` and its torch.cat,
+// that cat times sin, and their sum (q_embed; with Phi-3's partial rotary the sum of the rotated
+// features, joined to the rest by a new cat). A fused qkv_proj's q and k are views. SDPA with a
+// mask and GQA (Dims::masked: repeat_kv's copies of k and v are what SDPA saves): k's embedding and
+// v's projection are transients, alive until the attention returns, after o_proj's output (made
+// by the residual stream's scripts where it is apart). Each a tensor of the compute dtype.
+// torch_reference.py --device cpu --memory-history, transformers 5.24: phi3-100m.json at 8 x 2048
+// (fused, partial rotary), qwen3-100m.json at 8 x 2048 (per-head q_norm), gemma3-text-100m.json at
+// 2 x 2048 (sliding-window layers: masked); ModelShape::rotary_fraction's int(head_dim * f)
+// features rotate.
 void MarkRopeTransients(std::vector<SavedTensor>& list, const ModelShape& m, const FsdpConfig& cfg, const Dims& d) {
-  if (!m.arch.rope_rotate_half || m.nope || m.mla.enabled() || cfg.impl != Impl::kTransformers || cfg.attention == Attention::kEager ||
-      d.masked) {
+  if (!m.arch.rope_rotate_half || m.nope || m.mla.enabled() || cfg.impl != Impl::kTransformers || cfg.attention == Attention::kEager) {
     return;
   }
+  const bool fused = FindOp(m, "qkv_proj") != nullptr;
+  const bool repeated = d.masked;  // repeat_kv's copies saved
+  if (repeated && (fused || d.kv_heads >= d.heads)) return;  // (without GQA the list's order is not PyTorch's)
   const int64_t q = d.c * d.heads * d.head_dim * d.tokens, kv = d.c * d.kv_heads * d.head_dim * d.tokens;
   const int64_t rotary_dim = static_cast<int64_t>(static_cast<double>(d.head_dim) * m.rotary_fraction);
-  const bool fused = FindOp(m, "qkv_proj") != nullptr;
   TransientScript script(list);
   script.SavedBefore(m.arch.attention_module + ".");
   // a projection's output, or its q_norm/k_norm's (the projection's then freed): what RoPE reads
@@ -1123,32 +1131,49 @@ void MarkRopeTransients(std::vector<SavedTensor>& list, const ModelShape& m, con
     script.Free(negated);
     const int sin_product = script.Make(rotated);
     script.Free(joined);
-    const int sum = partial ? script.Make(rotated) : -1;  // else the sum is the embedding itself
-    if (!partial) script.Saved(embedded);
+    // the sum (the embedding itself unless partial rotary joins it to the rest); a transient
+    // where `embedded` is empty, whose id is returned
+    const int sum = partial || embedded.empty() ? script.Make(rotated) : -1;
+    if (!partial && !embedded.empty()) script.Saved(embedded);
     script.Free(cos_product);
     script.Free(sin_product);
-    if (partial) {
-      script.Saved(embedded);
+    if (partial) {  // the cat of the rotated and unrotated features is the embedding
+      const int joined_all = embedded.empty() ? script.Make(bytes) : -1;
+      if (!embedded.empty()) script.Saved(embedded);
       script.Free(sum);
+      return joined_all;
     }
+    return sum;
+  };
+  // v's projection: the saved v, or (repeated) a transient
+  int v_projected = -1;
+  auto project_v = [&] {
+    if (repeated) v_projected = script.Make(kv);
+    else script.Saved("self_attn.v");
   };
   int q_in = -1, k_in = -1;  // (a fused qkv_proj's q and k are views)
   if (fused) {
-    script.Saved("self_attn.v");
+    project_v();
   } else if (m.arch.qk_norms_after_projections) {  // Gemma 3: the three projections, then the norms
     const int q_projected = script.Make(q), k_projected = script.Make(kv);
-    script.Saved("self_attn.v");
+    project_v();
     q_in = normed(q_projected, q, "self_attn.q_norm");
     k_in = normed(k_projected, kv, "self_attn.k_norm");
   } else {  // Qwen3, OLMo 2: each norm on its projection's output as it is made, v's after both
     q_in = normed(script.Make(q), q, "self_attn.q_norm");
     k_in = normed(script.Make(kv), kv, "self_attn.k_norm");
-    script.Saved("self_attn.v");
+    project_v();
   }
   rope(q, "self_attn.q_rope");
-  rope(kv, "self_attn.k_rope");
+  const int k_embedded = rope(kv, repeated ? "" : "self_attn.k_rope");
   script.Free(q_in);
   script.Free(k_in);
+  if (repeated) {  // repeat_kv's copies, the mask, SDPA; freed once o_proj's output exists
+    script.Saved("self_attn.o_proj_in");
+    if (ResidualStreamApart(m, cfg) || ResidualStreamCarried(m, cfg)) script.Skip(1);
+    script.Free(k_embedded);
+    script.Free(v_projected);
+  }
   script.Apply();
 }
 

@@ -1380,6 +1380,24 @@ TEST_CASE("Gemma 3's sandwich: the residual stream apart, each sub-layer's outpu
   CHECK(ForwardActivationSteps(e, "forward: model.norm") == std::vector<int64_t>{64, 64, -64, 8, 64, 64, 32, -64, -32, -32});
   CHECK(ResidualStreamApart(w.model, c));
   CHECK_FALSE(ResidualStreamCarried(w.model, c));
+  // A sliding window of 1 token: SDPA with a mask, which with GQA reads repeat_kv's copies of k
+  // and v (saved) and the mask in the compute dtype; k's embedding and v's projection are then
+  // transients, alive until o_proj's output exists
+  const Workload windowed = BuildHandAs("gemma3_text", 1, c, R"(,"head_dim":4,"sliding_window":1)");
+  REQUIRE(windowed.model.WindowOf(0) == 1);
+  const std::vector<int64_t> attention = {
+      32, 16, 16,                                      // q's, k's and v's projections
+      64, 64, -64, 16, 64, 64, 32, -32, -64,           // q_norm
+      32, 32, -32, 8, 32, 32, 16, -16, -32,            // k_norm
+      32, 16, 32, -16, 32, -32, 32, -32, -32,          // q's RoPE, q_embed saved
+      16, 8, 16, -8, 16, -16, 16, -32, -16, -16, -16,  // k's, k_embed a transient; the norms' outputs go
+      32, 32, 8,                                       // repeat_kv's k and v (every head), the mask
+      16, 32,                                          // lse, o_proj's input
+      32, -16, -16};                                   // o_proj's output; k_embed and v's projection go
+  std::vector<int64_t> masked_block = {64, 64, -64, 8, 64, 64, 32, -64};  // input_layernorm
+  masked_block.insert(masked_block.end(), attention.begin(), attention.end());
+  masked_block.insert(masked_block.end(), block.end() - 36, block.end());  // from post_attention_layernorm on, as above
+  CHECK(ForwardActivationSteps(EstimateMemory(windowed, exact), "forward: model.layers.0") == masked_block);
 }
 
 TEST_CASE("routed experts, which have no down projection module, hold the MLP's moment through the MLP's backward") {
