@@ -1021,9 +1021,7 @@ class TransientScript {
   /// transient made now: the norm's fp32 product (MarkNormTransients's then_transient after its
   /// rsqrt or x_normalized) is referenced until the norm returns, so it lives through this too.
   int MakeNormOutput(int64_t bytes, std::string_view norm_prefix) {
-    for (size_t i = next_; i-- > 0 && list_[i].name.starts_with(norm_prefix);) {
-      if (list_[i].then_transient_bytes > 0 && !list_[i].name.ends_with(".x_fp32")) widened_.push_back(i);
-    }
+    WidenNormProduct(norm_prefix);
     return Make(bytes);
   }
   /// Transient `id` (none: -1) freed now, before the next allocation.
@@ -1050,11 +1048,13 @@ class TransientScript {
   /// `count` allocations another script adds here, before the list's next tensor (o_proj's output:
   /// MarkResidualTransients, MarkPostNormTransients)
   void Skip(int count) { allocs_ += count; }
-  /// `count` allocations made after the list's last tensor, through the same TransientsBetween
-  /// (the memory model's, at a block's end); the list's tensors all made.
-  void AfterList(int count) {
+  /// The list's tensors all made, the last made so far a norm's (names starting with `norm_prefix`),
+  /// whose output the memory model makes next, at a block's end, through the same
+  /// TransientsBetween: one allocation after the list, which the norm's fp32 product outlives.
+  void NormOutputAfterList(std::string_view norm_prefix) {
+    WidenNormProduct(norm_prefix);
     MadeThrough(list_.size());
-    allocs_ += count;
+    ++allocs_;
   }
   /// The list's next tensors whose names start with `prefix`, if any, are made now.
   void SavedWithin(std::string_view prefix) {
@@ -1062,12 +1062,11 @@ class TransientScript {
     while (i < list_.size() && list_[i].name.starts_with(prefix)) ++i;
     MadeThrough(i);
   }
-  /// Writes the made_before lists; false (nothing written) when a step named a missing tensor.
-  bool Apply() {
-    if (spoiled_) return false;
+  /// Writes the made_before lists and the widened spans; nothing when a step named a missing tensor.
+  void Apply() {
+    if (spoiled_) return;
     for (const Made& t : made_) list_[t.holder].made_before.push_back({t.bytes, t.outlives});
     for (size_t i : widened_) ++list_[i].then_transient_spans;
-    return true;
   }
 
  private:
@@ -1077,6 +1076,13 @@ class TransientScript {
     int at;         // its allocation's number in the script
     int outlives;
   };
+  // the norm whose tensors were made last: its fp32 product (MarkNormTransients's then_transient
+  // after its rsqrt or x_normalized) lives through one allocation more
+  void WidenNormProduct(std::string_view norm_prefix) {
+    for (size_t i = next_; i-- > 0 && list_[i].name.starts_with(norm_prefix);) {
+      if (list_[i].then_transient_bytes > 0 && !list_[i].name.ends_with(".x_fp32")) widened_.push_back(i);
+    }
+  }
   void MadeThrough(size_t end) {
     allocs_ += static_cast<int>(end - next_);
     next_ = end;
@@ -1221,12 +1227,9 @@ void MarkPostNormTransients(std::vector<SavedTensor>& list, const ModelShape& m,
   script.SavedBefore(post_mlp);
   const int down = script.Make(hidden);
   script.SavedWithin(post_mlp);
-  script.AfterList(1);  // the norm's output: its fp32 product lives through it
+  script.NormOutputAfterList(post_mlp);
   script.Free(down);
-  if (!script.Apply()) return;
-  for (SavedTensor& t : list) {
-    if (t.name.starts_with(post_mlp) && t.then_transient_bytes > 0 && !t.name.ends_with(".x_fp32")) ++t.then_transient_spans;
-  }
+  script.Apply();
 }
 
 }  // namespace

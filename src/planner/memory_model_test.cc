@@ -1435,4 +1435,3 @@ TEST_CASE("routed experts, which have no down projection module, hold the MLP's 
 
 }  // namespace
 }  // namespace fsdp
-
