@@ -4,7 +4,8 @@
 # categories at the peak; fsdp-plan predicts the same configuration (--framework fsdp2, eager
 # attention). Compared: the tensors at the peak (fsdp-plan's categories without the framework term,
 # the tracker's Total). Needs torch and transformers: PYTHON=/path/to/python (default
-# $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them.
+# $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them, and on a CPU
+# where PyTorch has no fast bf16 matrix multiply (tools/cpu_bf16_gemm.py; FSDPKIT_SLOW_BF16=1 runs anyway).
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
 # the one-rank configurations of the first, third and fifth rows, the first FSDP1 row, one
@@ -44,6 +45,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 plan_only=${FSDP_PLAN_ONLY:-}
 [ -n "$plan_only" ] || "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
+[ -n "$plan_only" ] || "$python" "$root/tools/cpu_bf16_gemm.py" torch_memory_check || exit 77  # its rows train bf16 models
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
 check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash] [param dtype, default bf16] [reduce dtype, default fp32]
   local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}

@@ -18,6 +18,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 python=${FSDPKIT_PYTHON:-python3}
 "$python" -c "import torch, transformers" 2> /dev/null || { echo "cpu_alloc_history_check: $python has no torch/transformers"; exit 77; }
+"$python" "$root/tools/cpu_bf16_gemm.py" cpu_alloc_history_check || exit 77  # its recordings train bf16 models
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 check() {  # name limit_pct fsdp-plan and torch_reference flags...

@@ -121,6 +121,10 @@ def main():
     if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (4, 52):
         print(f"reentrant_check: skipped: transformers {transformers.__version__} checkpoints inside the layer (4.52 on); put 4.48.1 on PYTHONPATH")
         return 77
+    from cpu_bf16_gemm import skip_reason  # tools/, beside this file
+    if reason := skip_reason("reentrant_check"):  # it trains pure bf16
+        print(reason)
+        return 77
     measured = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in ("reentrant", "non-reentrant"):
