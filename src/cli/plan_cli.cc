@@ -48,6 +48,7 @@ Result<FrameworkOverheads> OverheadsFromFlags(const PlanFlags& f, const Workload
     }
     o.fragmentation_fraction = *f.fragmentation;
   }
+  o.one_stream = f.one_stream;
   return o;
 }
 
@@ -123,9 +124,10 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
   fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_allocated, {})\n", "tensors only", Gib(m.allocated_peak_bytes),
              Percent(m.allocated_peak_bytes, m.capacity_bytes), m.allocated_peak_phase);
   if (m.overheads.caching_allocator) {
-    fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_reserved, {}{})\n", "reserved", Gib(m.reserved_peak_bytes),
+    fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_reserved, {}{}{})\n", "reserved", Gib(m.reserved_peak_bytes),
                Percent(m.reserved_peak_bytes, m.capacity_bytes), m.reserved_peak_phase,
-               m.overheads.allocator.text.empty() ? "" : "; PYTORCH_CUDA_ALLOC_CONF=" + m.overheads.allocator.text);
+               m.overheads.allocator.text.empty() ? "" : "; PYTORCH_CUDA_ALLOC_CONF=" + m.overheads.allocator.text,
+               m.overheads.one_stream ? "; --one-stream: every request on one stream, as on a CPU device" : "");
     fmt::print(out, "  {:<24}{:>10}{:>11}   (reserved - the most allocated at that peak; allocator retries: {})\n", "fragmentation",
                Gib(m.fragmentation_bytes), Percent(m.fragmentation_bytes, m.capacity_bytes), m.alloc_retries);
   }
@@ -338,6 +340,12 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_flag("--json", f.json, "print one JSON object (schema: docs/cli.md)");
   app.add_flag("--timeline", f.timeline, "also print the memory after each phase of the step");
   app.add_option("--export", f.export_format, "print the configuration as code: pytorch (FSDP1) | fsdp2 | accelerate | lightning");
+}
+
+void AddOneStreamFlag(CLI::App& app, PlanFlags& f) {
+  app.add_flag("--one-stream", f.one_stream,
+               "replay every allocation on one stream, as PyTorch makes them on a CPU device: to compare with a CPU recording "
+               "(tools/torch_reference.py --device cpu --memory-history); not a GPU's reserved figure");
 }
 
 void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {

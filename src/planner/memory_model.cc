@@ -1090,6 +1090,7 @@ ReplayOptions ReplayOptionsFor(const FrameworkOverheads& o, bool record_timeline
   r.record_timeline = record_timeline;
   r.allocator = o.allocator;
   r.caching_allocator = o.caching_allocator;
+  r.one_stream = o.one_stream;
   r.cublas_workspace_blocks = o.cublas_workspace_blocks;
   return r;
 }
@@ -1102,7 +1103,7 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
   MemoryEstimate e;
   std::unique_ptr<MemoryTracker> tracker =
       options.caching_allocator ? std::make_unique<MemoryTracker>(options.rounding_bytes, options.record_timeline, options.allocator,
-                                                                  options.reserve_limit_bytes, options.device_bytes)
+                                                                  options.reserve_limit_bytes, options.device_bytes, options.one_stream)
                                 : std::make_unique<MemoryTracker>(options.rounding_bytes, options.record_timeline);
   MemoryTracker& mem = *tracker;
   StepPlayer player(w, schedule, mem, options.skip_repeated_micro_batches);

@@ -31,6 +31,9 @@ struct FrameworkOverheads {
   /// false: no caching allocator, the tensors alone are the peak (PYTORCH_NO_CUDA_MEMORY_CACHING=1,
   /// at 512-byte rounding); the hand-counted tests of the tensor replay use it.
   bool caching_allocator = true;
+  /// true: every request on one stream, as PyTorch makes them on a CPU device (fsdp-plan
+  /// --one-stream), to compare with a CPU recording of the same step; not a GPU's figure.
+  bool one_stream = false;
 };
 
 /// Defaults for a workload: context from the hardware file, NCCL buffers from NCCL's default
@@ -106,6 +109,7 @@ struct ReplayOptions {
   bool record_timeline = false;
   AllocatorConfig allocator;
   bool caching_allocator = true;                 ///< FrameworkOverheads::caching_allocator
+  bool one_stream = false;                       ///< FrameworkOverheads::one_stream
   std::vector<int64_t> cublas_workspace_blocks;  ///< held by the allocator from the first GEMM on
   /// What the allocator may reserve; unlimited, the replay does not depend on the card (a search
   /// reuses it across GPU types of one BLAS workspace size).

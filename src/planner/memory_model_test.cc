@@ -902,6 +902,29 @@ TEST_CASE("TransientsBetween: made_before transients counted by allocations, the
   CHECK(mem.allocated_peak() == 1630);
 }
 
+// --one-stream, by hand (20 MiB requests: the large pool, one 20 MiB segment each). FSDP2's
+// all-gather output is made on the all-gather stream and freed to the pending pool (FSDP1's
+// record_stream to the compute stream); the compute stream then asks for 20 MiB. On the GPU's
+// streams the freed block is the other stream's and still in use: a second segment. On one stream,
+// as on a CPU device, the same block serves: one segment. Then the pool drains (the event passed)
+// and nothing more moves on either.
+TEST_CASE("MemoryTracker one_stream: every request on the compute stream, a freed block reusable at once") {
+  constexpr int64_t kMiB = 1 << 20;
+  for (const bool one_stream : {false, true}) {
+    MemoryTracker mem(512, false, AllocatorConfig{}, int64_t{1} << 40, int64_t{1} << 40, one_stream);
+    BlockId gathered = mem.Alloc(MemCategory::kUnshardedParams, 20 * kMiB, Stream::kUnshard);
+    mem.FreeToPending(gathered, MemoryTracker::Pool::kAllGather);
+    BlockId activation = mem.Alloc(MemCategory::kActivations, 20 * kMiB, Stream::kCompute);
+    const AllocatorStats& a = mem.allocator()->stats();
+    CHECK(a.reserved_bytes == (one_stream ? 20 : 40) * kMiB);
+    CHECK(a.num_device_alloc == (one_stream ? 1 : 2));
+    mem.ReleaseAllPending();
+    mem.Free(activation);
+    CHECK(mem.allocator()->stats().reserved_bytes == (one_stream ? 20 : 40) * kMiB);
+    CHECK(mem.allocated_peak() == 20 * kMiB);  // the tensors' view is the same either way
+  }
+}
+
 TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {
   // 20,000 bytes hold the tensors (17,824 at the peak) but not one 2 MiB segment: PyTorch's malloc
   // fails, frees the (empty) cache, retries once and raises

@@ -13,8 +13,9 @@ MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline)
 }
 
 MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline, const AllocatorConfig& config, int64_t limit_bytes,
-                             int64_t device_bytes)
+                             int64_t device_bytes, bool one_stream)
     : MemoryTracker(rounding_bytes, record_timeline) {
+  one_stream_ = one_stream;
   device_memory_ = std::make_unique<CountingDeviceMemory>(limit_bytes, device_bytes);
   allocator_ = std::make_unique<CachingAllocator>(config, *device_memory_);
 }
@@ -34,7 +35,7 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
   int64_t reserved_peak_before = 0;
   if (allocator_ && !oom_) {  // PyTorch raises at the first failed malloc: the replay stops there
     reserved_peak_before = allocator_->stats().reserved_peak_bytes;
-    handle = allocator_->Malloc(bytes, static_cast<int>(stream));
+    handle = allocator_->Malloc(bytes, AllocatorStream(stream));
     if (handle == CachingAllocator::kNoHandle && !oom_) {
       oom_ = true;
       oom_phase_ = phase_;
@@ -60,7 +61,7 @@ void MemoryTracker::AllocatorOnly(const std::vector<int64_t>& bytes, Stream stre
   handles.reserve(bytes.size());
   for (int64_t b : bytes) {
     if (b <= 0) continue;
-    const CachingAllocator::Handle h = allocator_->Malloc(b, static_cast<int>(stream));
+    const CachingAllocator::Handle h = allocator_->Malloc(b, AllocatorStream(stream));
     if (h == CachingAllocator::kNoHandle) {  // PyTorch would raise here as at any malloc
       oom_ = true;
       oom_phase_ = phase_;
@@ -98,7 +99,7 @@ void MemoryTracker::Free(BlockId& block) {
 void MemoryTracker::FreeToPending(BlockId& block, Pool pool) {
   if (block == kNoBlock) return;
   const Block& b = blocks_[block];
-  if (allocator_ && b.handle != CachingAllocator::kNoHandle) allocator_->RecordStream(b.handle, static_cast<int>(UserOf(pool)));
+  if (allocator_ && b.handle != CachingAllocator::kNoHandle) allocator_->RecordStream(b.handle, AllocatorStream(UserOf(pool)));
   pending_[static_cast<int>(pool)].push_back(b);
   pending_bytes_[static_cast<int>(b.category)] += b.bytes;
   pending_total_ += b.bytes;

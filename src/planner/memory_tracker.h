@@ -40,8 +40,11 @@ class MemoryTracker {
   MemoryTracker(int64_t rounding_bytes, bool record_timeline);
   /// The same, each allocation also replayed on PyTorch's caching allocator with `config`, which may
   /// reserve at most `limit_bytes` (the card less what lives outside the allocator) of a device of
-  /// `device_bytes`.
-  MemoryTracker(int64_t rounding_bytes, bool record_timeline, const AllocatorConfig& config, int64_t limit_bytes, int64_t device_bytes);
+  /// `device_bytes`. `one_stream`: every request on the compute stream, as PyTorch makes them on a
+  /// CPU device (one stream, no record_stream: a freed block is reusable at once), for comparing the
+  /// replay with a CPU recording; not what a GPU does.
+  MemoryTracker(int64_t rounding_bytes, bool record_timeline, const AllocatorConfig& config, int64_t limit_bytes, int64_t device_bytes,
+                bool one_stream = false);
   ~MemoryTracker();
 
   /// Names what the step is doing; peaks report the phase they happened in.
@@ -104,10 +107,12 @@ class MemoryTracker {
   };
   void Release(Pool pool, const Block& block);
   void Changed();
+  int AllocatorStream(Stream stream) const { return one_stream_ ? static_cast<int>(Stream::kCompute) : static_cast<int>(stream); }
   int64_t ReservedNow(const CategoryBytes& device) const;
 
   int64_t rounding_;
   bool record_;
+  bool one_stream_ = false;
   Phase phase_;
   std::vector<Block> blocks_;
   CategoryBytes live_{};

@@ -161,7 +161,8 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
                     {"large_pool_reserved_peak_bytes", m.large_pool.reserved_peak_bytes},
                     {"small_pool_segments_peak", m.small_pool.segments_peak},
                     {"large_pool_segments_peak", m.large_pool.segments_peak},
-                    {"device_allocs", m.device_allocs}}},
+                    {"device_allocs", m.device_allocs},
+                    {"one_stream", m.overheads.one_stream}}},
                   {"categories", CategoriesToJson(m.peak)}};
   Json host = {{"total_bytes", m.host_bytes}, {"categories", CategoriesToJson(m.host)}};
   const Nf4Bytes nf4 = Nf4ModelBytes(w.model, w.config.lora, w.config.param_dtype);
