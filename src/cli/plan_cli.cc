@@ -130,6 +130,9 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
                m.overheads.one_stream ? "; --one-stream: every request on one stream, as on a CPU device" : "");
     fmt::print(out, "  {:<24}{:>10}{:>11}   (reserved - the most allocated at that peak; allocator retries: {})\n", "fragmentation",
                Gib(m.fragmentation_bytes), Percent(m.fragmentation_bytes, m.capacity_bytes), m.alloc_retries);
+    const int64_t over = ReservedOverAllocatedPeakBytes(m);
+    fmt::print(out, "  {:<24}{:>10}{:>11}   (the reserved peak - the allocated peak: what the cache holds over the tensors)\n", "cache over tensors",
+               Gib(over), Percent(over, m.capacity_bytes));
   }
   if (m.host_bytes > 0) fmt::print(out, "  {:<24}{:>10}            (pinned host memory per GPU; x{} per node)\n", "host (CPU offload)", Gib(m.host_bytes), w.config.gpus_per_node);
   if (m.allocator_out_of_memory) {

@@ -287,13 +287,14 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   if (flags.json) {
     out << DumpJson(Json{{"model", model.value().id}, {"gpu", hw.value().id}, {"gpus", config.value().gpus}, {"peak_bytes", m.peak_bytes},
                          {"capacity_bytes", m.capacity_bytes}, {"fits", m.fits}, {"fragmentation_bytes", m.fragmentation_bytes},
-                         {"changes", to_json(advice)}, {"allocator_changes", to_json(allocator)},
+                         {"reserved_over_allocated_peak_bytes", ReservedOverAllocatedPeakBytes(m)}, {"changes", to_json(advice)}, {"allocator_changes", to_json(allocator)},
                          {"fine_tuning_changes", to_json(fine_tuning)}}, 2) << "\n";
     return {};
   }
   if (cache_is_over) {
-    fmt::print(out, "The tensors fit ({} GiB allocated); the caching allocator's reserve does not ({} GiB of fragmentation). Its settings, "
-                    "by the bytes each saves:\n", Gib(m.allocated_peak_bytes), Gib(m.fragmentation_bytes));
+    fmt::print(out, "The tensors fit ({} GiB allocated); the caching allocator's reserve does not ({} GiB over the tensors' peak; {} GiB "
+                    "unallocated when reserved peaks). Its settings, by the bytes each saves:\n", Gib(m.allocated_peak_bytes),
+               Gib(ReservedOverAllocatedPeakBytes(m)), Gib(m.fragmentation_bytes));
     for (const Advice& a : allocator) {
       fmt::print(out, "  {:<44} peak {:>7} GiB  saves {:>6} GiB  {}\n", a.change, Gib(a.peak_bytes), Gib(a.saves_bytes), a.fits ? "fits" : "does not fit");
     }

@@ -94,6 +94,12 @@ struct MemoryEstimate {
   std::vector<MemoryPoint> timeline; ///< filled when requested
 };
 
+/// What the caching allocator holds over the tensors: the reserved peak minus the allocated peak
+/// (max_memory_reserved - max_memory_allocated; the two peaks may fall at different moments).
+/// fragmentation_bytes, reserved minus allocated at the reserved peak, is larger wherever little is
+/// allocated when reserved peaks (FSDP1's post-backward stream at the backward's end).
+inline int64_t ReservedOverAllocatedPeakBytes(const MemoryEstimate& m) { return m.reserved_peak_bytes - m.allocated_peak_bytes; }
+
 struct MemoryOptions {
   FrameworkOverheads overheads;
   bool record_timeline = false;

@@ -155,6 +155,7 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
                   {"reserved_peak_bytes", m.reserved_peak_bytes},
                   {"reserved_peak_phase", m.reserved_peak_phase},
                   {"fragmentation_bytes", m.fragmentation_bytes},
+                  {"reserved_over_allocated_peak_bytes", ReservedOverAllocatedPeakBytes(m)},
                   {"alloc_retries", m.alloc_retries},
                   {"allocator",
                    {{"small_pool_reserved_peak_bytes", m.small_pool.reserved_peak_bytes},
