@@ -57,6 +57,13 @@ MemoryOptions Exact() {
   return o;
 }
 
+// Exact() with the timeline recorded: what the step-by-step tests read.
+MemoryOptions ExactWithTimeline() {
+  MemoryOptions o = Exact();
+  o.record_timeline = true;
+  return o;
+}
+
 int64_t Cat(const MemoryEstimate& m, MemCategory c) { return m.peak[static_cast<int>(c)]; }
 
 TEST_CASE("activation profile of the hand llama (fp32, flash, 2 tokens)") {
@@ -144,8 +151,7 @@ TEST_CASE("a frozen parameter has no gradient and, under FSDP2, no optimizer sta
   ModelSpec frozen_embedding = all.model;
   for (TensorSpec& t : frozen_embedding.tensors) t.trainable = t.name != "model.embed_tokens.weight";
   const Workload w = BuildWorkload(frozen_embedding, all.hardware, c).value();
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const MemoryEstimate m = EstimateMemory(w, exact), reference = EstimateMemory(all, exact);
   // AdamW's 8 bytes per element of the trainable shards (FSDP2's per-parameter padding, workload_test):
   // the root's 51 of its 99 and the blocks' 230 each
@@ -180,8 +186,7 @@ TEST_CASE("a tied lm_head's gradient exists from lm_head's backward; the embeddi
   REQUIRE(m.ok());
   const Workload untied = Build(HandConfig());
   const Workload tied = BuildWorkload(m.value(), untied.hardware, HandConfig()).value();
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const auto grads_added = [&](const Workload& w, const std::string& phase) {
     const MemoryEstimate e = EstimateMemory(w, exact);
     const auto grads = [](const MemoryPoint& p) { return p.device[static_cast<int>(MemCategory::kGradients)]; };
@@ -216,8 +221,7 @@ TEST_CASE("eager attention holds one mask per kind of layer, until its first che
   const ModelSpec two_kinds = gemma("1"), one_kind = gemma("null");
   REQUIRE(two_kinds.WindowOf(0) == 1);
   REQUIRE(one_kind.WindowOf(0) == 0);
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const auto act = [](const MemoryPoint& p) { return p.device[static_cast<int>(MemCategory::kActivations)]; };
   for (Checkpointing ac : {Checkpointing::kNone, Checkpointing::kFull}) {
     CAPTURE(static_cast<int>(ac));
@@ -352,8 +356,7 @@ int64_t PhaseMax(const MemoryEstimate& m, const std::string& phase) {
 TEST_CASE("FSDP2 holds the previous all-gather output until the next copy-out") {
   FsdpConfig c = HandConfig();
   c.framework = Framework::kFsdp2;
-  MemoryOptions o = Exact();
-  o.record_timeline = true;
+  MemoryOptions o = ExactWithTimeline();
   MemoryEstimate m = EstimateMemory(Build(c), o);
   CHECK(m.pending_free_bytes_at_peak == 0);  // FSDP2 does not use record_stream
   // FSDP2 pads each parameter's dim 0 to a multiple of 3: root 144 + 9 + 144 = 297 (shard 99),
@@ -369,8 +372,7 @@ TEST_CASE("FSDP2 holds the previous all-gather output until the next copy-out") 
 
 TEST_CASE("a loop that keeps `outputs` holds the logits through the step and into the next forward") {
   FsdpConfig c = HandConfig();
-  MemoryOptions o = Exact();
-  o.record_timeline = true;
+  MemoryOptions o = ExactWithTimeline();
   const MemoryEstimate drops = EstimateMemory(Build(c), o);
   c.loop_holds_outputs = true;
   const MemoryEstimate holds = EstimateMemory(Build(c), o);
@@ -522,8 +524,7 @@ TEST_CASE("use_cache: the caches live until the loop drops the output, or throug
   c.checkpointing = Checkpointing::kFull;
   c.transformers = {4, 31};
   c.optimizer = Optimizer::kAdamW;  // so that the optimizer step records a point
-  MemoryOptions o = Exact();
-  o.record_timeline = true;
+  MemoryOptions o = ExactWithTimeline();
   const MemoryEstimate off = EstimateMemory(Build(c), o);
   c.use_cache = true;
   const MemoryEstimate on = EstimateMemory(Build(c), o);
@@ -580,8 +581,7 @@ TEST_CASE("releases whose layers each hold RoPE tables: cos and sin of every pos
   c.master_dtype = DType::kBf16;  // a model loaded in bf16 made them in bf16
   CHECK(BufferBytes(c) == 1028 * 2);
   // on every rank whole, through the step: the sharded-parameter category carries them
-  MemoryOptions o = Exact();
-  o.record_timeline = true;
+  MemoryOptions o = ExactWithTimeline();
   const MemoryEstimate with = EstimateMemory(Build(c), o);
   c.transformers = {4, 41};
   const MemoryEstimate without = EstimateMemory(Build(c), o);
@@ -594,8 +594,7 @@ TEST_CASE("FSDP2 on one rank has no all-gather: no flat output, and a prefetch h
   FsdpConfig c = HandConfig();
   c.gpus = 1;
   c.framework = Framework::kFsdp2;
-  MemoryOptions o = Exact();
-  o.record_timeline = true;
+  MemoryOptions o = ExactWithTimeline();
   const MemoryEstimate m = EstimateMemory(Build(c), o);
   // Unpadded on one rank: sharded (264 + 592 + 592) * 4 = 5792, the root's unsharded copy 1056 and
   // layers.0's 2368 (cast into place, fp32: no temporary), its activations 1120; no flat output.
@@ -620,8 +619,7 @@ int64_t PhaseCategoryMax(const MemoryEstimate& m, const std::string& phase, MemC
 
 TEST_CASE("--ac-every 2 checkpoints every second block: the saved bytes fall by one block's, not two") {
   FsdpConfig c = HandConfig();
-  MemoryOptions o = Exact();
-  o.record_timeline = true;
+  MemoryOptions o = ExactWithTimeline();
   const Workload plain = Build(c);
   const int64_t none = PhaseCategoryMax(EstimateMemory(plain, o), "forward: lm_head + loss", MemCategory::kActivations);
   c.checkpointing = Checkpointing::kFull;
@@ -986,8 +984,7 @@ TEST_CASE("the first step's optimizer states are allocated once: the second step
 // The most the optimizer's states category holds, at the start of the step (the timeline's first
 // point) or over the whole step.
 int64_t MostStates(const Workload& w, bool at_start) {
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   int64_t most = 0;
   for (const MemoryPoint& p : EstimateMemory(w, exact).timeline) {
     if (!at_start || p.phase == "start of step") most = std::max(most, p.device[static_cast<int>(MemCategory::kOptimizerStates)]);
@@ -1057,8 +1054,7 @@ TEST_CASE("reentrant checkpointing under FSDP1: frozen units hold each layer's i
   c.checkpointing = Checkpointing::kFull;
   c.ac_reentrant = true;
   c.optimizer = Optimizer::kAdamW;  // so that the optimizer step records a point
-  MemoryOptions o = Exact();
-  o.record_timeline = true;
+  MemoryOptions o = ExactWithTimeline();
   const auto estimate = [&](TransformersVersion v) {
     c.transformers = v;
     auto w = BuildWorkload(model.value(), hw, c);
@@ -1194,8 +1190,7 @@ TEST_CASE("each transformers release's loss, allocation by allocation (hand llam
   c.micro_batch = 2;
   c.param_dtype = DType::kBf16;
   c.gpus = 1;
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const auto timeline = [&](TransformersVersion v, bool holds, int micro_batch) {
     FsdpConfig cv = c;
     cv.transformers = v;
@@ -1262,8 +1257,7 @@ TEST_CASE("a block's backward releases each module's saved tensors as its backwa
   // output 4h; gate, act, up and down's input 4I each). Backward of model.layers.1, in order:
   FsdpConfig c = HandConfig();
   c.gpus = 1;
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const auto deltas = ActivationAndGradientSteps(EstimateMemory(Build(c), exact), "backward: model.layers.1");
   using D = std::pair<int64_t, int64_t>;
   const std::vector<D> expected = {
@@ -1296,8 +1290,7 @@ TEST_CASE("a bf16 forward's transients: RoPE's, the residual stream's, each bloc
   FsdpConfig c = HandConfig();
   c.gpus = 1;
   c.param_dtype = DType::kBf16;
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const MemoryEstimate e = EstimateMemory(Build(c), exact);
   CHECK(ForwardActivationSteps(e, "forward: model.embed_tokens") == std::vector<int64_t>{32});
   const std::vector<int64_t> block = {
@@ -1334,8 +1327,7 @@ TEST_CASE("OLMo 2's forward: each block's input made by the block before, its po
   FsdpConfig c = HandConfig();
   c.gpus = 1;
   c.param_dtype = DType::kBf16;
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const MemoryEstimate e = EstimateMemory(BuildOlmo2(c), exact);
   CHECK(ForwardActivationSteps(e, "forward: model.embed_tokens") == std::vector<int64_t>{32});  // block 0's input
   const std::vector<int64_t> block = {
@@ -1374,8 +1366,7 @@ TEST_CASE("Gemma 3's sandwich: the residual stream apart, each sub-layer's outpu
   FsdpConfig c = HandConfig();
   c.gpus = 1;
   c.param_dtype = DType::kBf16;
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const Workload w = BuildHandAs("gemma3_text", 1, c, R"(,"head_dim":4,"sliding_window":null)");
   const MemoryEstimate e = EstimateMemory(w, exact);
   CHECK(ForwardActivationSteps(e, "forward: model.embed_tokens") == std::vector<int64_t>{32});  // inputs_embeds
@@ -1439,8 +1430,7 @@ TEST_CASE("routed experts, which have no down projection module, hold the MLP's 
   const Workload w = BuildWorkload(model.value(), LoadHardware("h100-sxm").value(), c).value();
   const BlockActivations profile = BlockActivationProfile(w.model, w.config);
   CHECK(profile.mlp_working_bytes == (2 * 512 + 3 * 2 * 256 * 8 - (2 * 2 * 512 + 12 * 512)) * 64);
-  MemoryOptions exact = Exact();
-  exact.record_timeline = true;
+  MemoryOptions exact = ExactWithTimeline();
   const auto deltas = ActivationAndGradientSteps(EstimateMemory(w, exact), "backward: model.layers.3");
   REQUIRE(deltas.size() > 2);
   const size_t held = profile.backward_working.size();
