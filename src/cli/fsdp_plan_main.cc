@@ -11,7 +11,7 @@ int main(int argc, char** argv) {
                "With no --model it answers the DDP-vs-FSDP question for 7B/13B/34B/70B models on 4 GPUs."};
   fsdp::PlanFlags flags;
   fsdp::AddPlanFlags(app, flags);
-  fsdp::AddOneStreamFlag(app, flags);
+  fsdp::AddReplayFlags(app, flags);
   fsdp::RecommendFlags recommend_flags;
   CLI::App* recommend = app.add_subcommand("recommend", "search GPU type x count x strategy x checkpointing x micro-batch x offload x wrap");
   fsdp::AddRecommendFlags(*recommend, recommend_flags);

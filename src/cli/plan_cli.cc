@@ -14,6 +14,7 @@
 #include "planner/export.h"
 #include "planner/plan_report.h"
 #include "planner/step_model.h"
+#include "sim/sim_report.h"
 
 #include <algorithm>
 #include <cmath>
@@ -345,10 +346,13 @@ void AddPlanFlags(CLI::App& app, PlanFlags& f) {
   app.add_option("--export", f.export_format, "print the configuration as code: pytorch (FSDP1) | fsdp2 | accelerate | lightning");
 }
 
-void AddOneStreamFlag(CLI::App& app, PlanFlags& f) {
+void AddReplayFlags(CLI::App& app, PlanFlags& f) {
   app.add_flag("--one-stream", f.one_stream,
                "replay every allocation on one stream, as PyTorch makes them on a CPU device: to compare with a CPU recording "
                "(tools/torch_reference.py --device cpu --memory-history); not a GPU's reserved figure");
+  app.add_option("--alloc-trace", f.alloc_trace_path,
+                 "write every allocator request of the replay (both steps, each with its phase and category) to this file, as an allocator "
+                 "history (the format tools/torch_reference.py --memory-history writes; bench/allocator_replay replays it)");
 }
 
 void FinishPlanFlags(const CLI::App& app, PlanFlags& flags) {
@@ -406,10 +410,27 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   return c;
 }
 
+// --alloc-trace: the requests of the plan's replay (the unlimited one, before any replay on the
+// card), every micro-batch played.
+Status WriteAllocTrace(const Workload& w, const FrameworkOverheads& overheads, const std::string& path) {
+  ReplayOptions options = ReplayOptionsFor(overheads, /*record_timeline=*/false);
+  options.record_requests = true;
+  const MemoryEstimate replay = EstimateTensorMemory(w, options);
+  const std::string source = fmt::format("fsdp-plan {} on {}: its caching-allocator replay's requests, two steps{}", w.model.id, w.hardware.id,
+                                         overheads.one_stream ? ", on one stream (--one-stream)" : "");
+  return sim::WriteText(path, DumpJson(AllocatorHistoryJson(replay.requests, source)) + "\n");
+}
+
 Status RunPlan(const PlanFlags& flags, std::ostream& out) {
+  if (!flags.alloc_trace_path.empty() && !flags.export_format.empty()) {
+    return Error::BadInput("--alloc-trace writes the replay of a plan; --export prints code instead of one: give one of them");
+  }
   auto result = Evaluate(flags, flags.model, flags.timeline);
   if (!result.ok()) return result.error();
   const auto& [w, m] = result.value();
+  if (!flags.alloc_trace_path.empty()) {
+    if (Status s = WriteAllocTrace(w, m.overheads, flags.alloc_trace_path); !s.ok()) return s;
+  }
   if (!flags.export_format.empty()) {
     auto format = ParseExportFormat(flags.export_format);
     if (!format.ok()) return format.error();

@@ -30,7 +30,8 @@ struct PlanFlags {
   bool no_limit_all_gathers = false;
   std::optional<int64_t> cuda_context_bytes, nccl_bytes, cublas_workspace_bytes;
   std::optional<double> fragmentation;
-  bool one_stream = false;       ///< --one-stream (fsdp-plan's own command only: AddOneStreamFlag)
+  bool one_stream = false;       ///< --one-stream (fsdp-plan's own command only: AddReplayFlags)
+  std::string alloc_trace_path;  ///< --alloc-trace (fsdp-plan's own command only: AddReplayFlags)
   bool json = false;
   bool timeline = false;
   std::string export_format;     ///< pytorch | fsdp2 | accelerate | lightning: print code instead of the report
@@ -42,8 +43,10 @@ struct PlanFlags {
 /// Registers every fsdp-plan flag on `app`, bound to `flags`.
 void AddPlanFlags(CLI::App& app, PlanFlags& flags);
 
-/// --one-stream, on fsdp-plan's own command: the replay as a CPU device makes it (FrameworkOverheads::one_stream).
-void AddOneStreamFlag(CLI::App& app, PlanFlags& flags);
+/// The flags that inspect the allocator's replay, on fsdp-plan's own command: --one-stream (the
+/// replay as a CPU device makes it: FrameworkOverheads::one_stream) and --alloc-trace FILE (its
+/// requests written as an allocator history: core/allocator_history.h).
+void AddReplayFlags(CLI::App& app, PlanFlags& flags);
 
 /// Records which flags were given explicitly (a cluster only fills in what was not). Call after parsing.
 void FinishPlanFlags(const CLI::App& app, PlanFlags& flags);

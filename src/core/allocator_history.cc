@@ -77,12 +77,20 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
   HistoryReplay r;
   r.reserved_at_start_bytes = a.stats().reserved_bytes;
   r.device_allocs_at_start = a.stats().num_device_alloc;
+  int64_t index = -1;
   for (const Json& e : history["events"]) {
+    ++index;
     if (!WellFormedEvent(e)) return Error::BadInput(fmt::format("allocator history: malformed event {}", e.dump().substr(0, 80)));
     const std::string& action = e[0].get_ref<const std::string&>();
     const uint64_t address = e[1].get<uint64_t>();
     if (action == "alloc") {
-      FSDP_TRY(malloc_at(address, e[2].get<int64_t>(), streams.Of(e[3])));
+      const int64_t reserved_before = a.stats().reserved_bytes;
+      const int stream = streams.Of(e[3]);
+      FSDP_TRY(malloc_at(address, e[2].get<int64_t>(), stream));
+      if (a.stats().reserved_bytes > reserved_before) {
+        const std::string context = e.size() > 4 && e[4].is_string() ? e[4].get<std::string>() : "";
+        r.growth.push_back({index, e[2].get<int64_t>(), stream, a.stats().reserved_bytes, context});
+      }
       ++r.events;
     } else if (action == "free_completed") {
       const auto it = live.find(address);
@@ -99,6 +107,17 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
   }
   r.stats = a.stats();
   return r;
+}
+
+Json AllocatorHistoryJson(const std::vector<HistoryEvent>& events, const std::string& source) {
+  Json list = Json::array();
+  for (const HistoryEvent& e : events) {
+    const char* action = e.action == HistoryEvent::Action::kAlloc           ? "alloc"
+                         : e.action == HistoryEvent::Action::kFreeRequested ? "free_requested"
+                                                                            : "free_completed";
+    list.push_back(Json::array({action, e.address, e.bytes, e.stream, e.context}));
+  }
+  return Json{{"source", source}, {"events", std::move(list)}, {"live_at_start", Json::array()}};
 }
 
 }  // namespace fsdp

@@ -349,6 +349,40 @@ TEST_CASE("a GPU history's side streams are replayed as streams of their own") {
   CHECK(replayed.value().stats.reserved_peak_bytes == 24 * MiB);
 }
 
+// AllocatorHistoryJson writes what ReplayAllocatorHistory reads (fsdp-plan --alloc-trace), and the
+// replay lists the requests that grew the reserve. By hand: 1 MiB takes a 2 MiB small-pool
+// segment, 512 bytes fit beside it; 12 MiB takes a 12 MiB segment; while it awaits its events
+// ("free_requested") another 12 MiB needs a third segment; once it is back ("free_completed"), a
+// 12 MiB request reuses it.
+TEST_CASE("a written history replays, with the requests that grew the reserve") {
+  using A = HistoryEvent::Action;
+  const std::vector<HistoryEvent> events = {
+      {A::kAlloc, 1, MiB, 0, "a"},           {A::kAlloc, 2, 512, 0, "b"},           {A::kAlloc, 3, 12 * MiB, 0, "c"},
+      {A::kFreeRequested, 3, 12 * MiB, 0, "c"}, {A::kAlloc, 4, 12 * MiB, 0, "d"}, {A::kFreeCompleted, 3, 12 * MiB, 0, "c"},
+      {A::kAlloc, 5, 12 * MiB, 0, "e"},
+  };
+  const Json h = AllocatorHistoryJson(events, "by hand");
+  CHECK(h["source"] == "by hand");
+  CHECK(h["events"][3] == Json::array({"free_requested", 3, 12 * MiB, 0, "c"}));
+  CountingDeviceMemory device(int64_t{1} << 40, 150 * GiB);
+  auto replayed = ReplayAllocatorHistory(h, AllocatorConfig{}, device);
+  REQUIRE(replayed.ok());
+  const HistoryReplay& r = replayed.value();
+  CHECK(r.events == 6);  // free_requested is not a free
+  CHECK(r.stats.reserved_peak_bytes == 26 * MiB);
+  REQUIRE(r.growth.size() == 3);
+  const int64_t event[] = {0, 2, 4}, request[] = {MiB, 12 * MiB, 12 * MiB}, reserved[] = {2 * MiB, 14 * MiB, 26 * MiB};
+  const char* context[] = {"a", "c", "d"};
+  for (size_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    CHECK(r.growth[i].event == event[i]);
+    CHECK(r.growth[i].request_bytes == request[i]);
+    CHECK(r.growth[i].stream == 0);
+    CHECK(r.growth[i].reserved_after_bytes == reserved[i]);
+    CHECK(r.growth[i].context == context[i]);
+  }
+}
+
 TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
   AllocatorConfig c = Conf("expandable_segments:True, max_split_size_mb:128,garbage_collection_threshold:0.6");
   CHECK(c.expandable_segments);

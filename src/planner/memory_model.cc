@@ -1106,8 +1106,14 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
                                                                   options.reserve_limit_bytes, options.device_bytes, options.one_stream)
                                 : std::make_unique<MemoryTracker>(options.rounding_bytes, options.record_timeline);
   MemoryTracker& mem = *tracker;
-  StepPlayer player(w, schedule, mem, options.skip_repeated_micro_batches);
+  std::vector<TrackedRequest> requests;
+  if (options.record_requests) mem.RecordRequests(&requests);
+  StepPlayer player(w, schedule, mem, options.skip_repeated_micro_batches && !options.record_requests);
   player.Play(e.host, options.cublas_workspace_blocks);
+  e.requests.reserve(requests.size());
+  for (const TrackedRequest& r : requests) {
+    e.requests.push_back(HistoryEvent{r.action, r.address, r.bytes, r.stream, PhaseName(w, r.phase) + " / " + std::string(MemCategoryKey(r.category))});
+  }
   e.allocated_peak_bytes = mem.allocated_peak();
   e.allocated_peak_phase = PhaseName(w, mem.allocated_peak_phase());
   e.pending_free_bytes_at_peak = mem.pending_at_peak();

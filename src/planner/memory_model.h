@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/allocator_history.h"
 #include "core/caching_allocator.h"
 #include "core/phase.h"
 #include "core/schedule.h"
@@ -92,6 +93,9 @@ struct MemoryEstimate {
   FrameworkOverheads overheads;
   CheckpointMemory checkpoint;
   std::vector<MemoryPoint> timeline; ///< filled when requested
+  /// Every allocator request of the replay, both steps, each named "phase / category"
+  /// (ReplayOptions::record_requests); AllocatorHistoryJson writes them.
+  std::vector<HistoryEvent> requests;
 };
 
 /// What the caching allocator holds over the tensors: the reserved peak minus the allocated peak
@@ -127,6 +131,8 @@ struct ReplayOptions {
   /// Skip the micro-batches that repeat a cycle of states (StepPlayer::PlayMicroBatches); false
   /// plays every one (what tests compare the skipping with)
   bool skip_repeated_micro_batches = true;
+  /// Fill MemoryEstimate::requests (every micro-batch played: skip_repeated_micro_batches is ignored)
+  bool record_requests = false;
 };
 
 /// The tensors and the allocator (no outside-allocator terms; capacity and fits not set).

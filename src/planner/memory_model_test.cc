@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 #include <fmt/format.h>
 
+#include "core/allocator_history.h"
 #include "core/catalog.h"
 #include "core/hardware_spec.h"
 #include "planner/activation_model.h"
@@ -11,7 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
+#include <tuple>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -920,6 +923,118 @@ TEST_CASE("MemoryTracker one_stream: every request on the compute stream, a free
     mem.Free(activation);
     CHECK(mem.allocator()->stats().reserved_bytes == (one_stream ? 20 : 40) * kMiB);
     CHECK(mem.allocated_peak() == 20 * kMiB);  // the tensors' view is the same either way
+  }
+}
+
+// RecordRequests by hand: a block freed at once, one freed to a pool and released later
+// (record_stream: "free_requested" when the tensor is dropped, "free_completed" when its events
+// pass), and AllocatorOnly's pair, numbered apart from the blocks.
+TEST_CASE("MemoryTracker RecordRequests: every request in order, with its stream, category and phase") {
+  using A = HistoryEvent::Action;
+  MemoryTracker mem(512, false, AllocatorConfig{}, int64_t{1} << 40, int64_t{1} << 40);
+  std::vector<TrackedRequest> log;
+  mem.RecordRequests(&log);
+  const Phase forward{StepPhase::kForward, 3, 0, -1};
+  mem.SetPhase(forward);
+  BlockId gathered = mem.Alloc(MemCategory::kUnshardedParams, 1000, Stream::kUnshard);
+  BlockId saved = mem.Alloc(MemCategory::kActivations, 3000);
+  mem.FreeToPending(gathered, MemoryTracker::Pool::kAllGather);
+  mem.Free(saved);
+  mem.AllocatorOnly({4096, 8192});
+  mem.ReleaseAllPending();
+  REQUIRE(log.size() == 9);
+  const std::vector<std::tuple<A, int64_t, int64_t, int, MemCategory>> expected = {
+      {A::kAlloc, 0, 1000, 1, MemCategory::kUnshardedParams},        {A::kAlloc, 1, 3000, 0, MemCategory::kActivations},
+      {A::kFreeRequested, 0, 1024, 1, MemCategory::kUnshardedParams}, {A::kFreeCompleted, 1, 3072, 0, MemCategory::kActivations},
+      {A::kAlloc, kAllocatorOnlyAddress, 4096, 0, MemCategory::kFramework},
+      {A::kAlloc, kAllocatorOnlyAddress + 1, 8192, 0, MemCategory::kFramework},
+      {A::kFreeCompleted, kAllocatorOnlyAddress, 0, 0, MemCategory::kFramework},
+      {A::kFreeCompleted, kAllocatorOnlyAddress + 1, 0, 0, MemCategory::kFramework},
+      {A::kFreeCompleted, 0, 1024, 1, MemCategory::kUnshardedParams},  // the pool drained: the all-gather output's events passed
+  };
+  for (size_t i = 0; i < expected.size(); ++i) {
+    CAPTURE(i);
+    const auto& [action, address, bytes, stream, category] = expected[i];
+    CHECK(log[i].action == action);
+    CHECK(log[i].address == address);
+    CHECK(log[i].bytes == bytes);
+    CHECK(log[i].stream == stream);
+    CHECK(log[i].category == category);
+    CHECK(log[i].phase == forward);
+  }
+  // stopped: nothing more is logged
+  mem.RecordRequests(nullptr);
+  BlockId after = mem.Alloc(MemCategory::kActivations, 512);
+  mem.Free(after);
+  CHECK(log.size() == 9);
+}
+
+// What --alloc-trace writes is the replay itself: its requests, replayed as an allocator history,
+// reserve what the replay reserved, to the byte and segment for segment, on the GPU's four streams
+// (FSDP1 with bf16: record_stream'd all-gather outputs and gradients), FSDP2's three, one stream,
+// expandable segments and accumulated micro-batches (every one played: the trace skips none).
+TEST_CASE("the replay's requests, replayed as an allocator history, reserve what the replay did") {
+  auto m = LoadModel("llama-2-7b");
+  auto hw = LoadHardware("h100-sxm");
+  REQUIRE(m.ok());
+  REQUIRE(hw.ok());
+  struct Row {
+    const char* name;
+    Framework framework;
+    bool one_stream;
+    const char* alloc_conf;
+    int64_t grad_accum;
+  };
+  for (const Row& row : {Row{"FSDP1", Framework::kFsdp1, false, "", 1}, Row{"FSDP2", Framework::kFsdp2, false, "", 1},
+                         Row{"FSDP1 one stream", Framework::kFsdp1, true, "", 1},
+                         Row{"FSDP2 expandable", Framework::kFsdp2, false, "expandable_segments:True", 1},
+                         Row{"FSDP1 accumulating 3", Framework::kFsdp1, false, "", 3}}) {
+    const std::string name = row.name;
+    CAPTURE(name);
+    FsdpConfig c;
+    c.gpus = 8;
+    c.seq_len = 2048;
+    c.framework = row.framework;
+    c.grad_accum = row.grad_accum;
+    auto w = BuildWorkload(m.value(), hw.value(), c);
+    REQUIRE(w.ok());
+    FrameworkOverheads o = MemoryOptions{}.overheads;
+    o.one_stream = row.one_stream;
+    o.allocator = ParseAllocatorConfig(row.alloc_conf).value();
+    ReplayOptions options = ReplayOptionsFor(o, false);
+    options.record_requests = true;
+    const MemoryEstimate planned = EstimateTensorMemory(w.value(), options);
+    REQUIRE(!planned.requests.empty());
+    CountingDeviceMemory device(int64_t{1} << 50, int64_t{1} << 50);
+    auto replayed = ReplayAllocatorHistory(AllocatorHistoryJson(planned.requests, row.name), o.allocator, device);
+    REQUIRE(replayed.ok());
+    const HistoryReplay& r = replayed.value();
+    CHECK(r.stats.reserved_peak_bytes == planned.reserved_peak_bytes);
+    CHECK(r.stats.num_device_alloc == planned.device_allocs);
+    CHECK(r.stats.large_pool.reserved_peak_bytes == planned.large_pool.reserved_peak_bytes);
+    CHECK(r.stats.small_pool.reserved_peak_bytes == planned.small_pool.reserved_peak_bytes);
+    CHECK(r.unknown_frees == 0);
+    // without the trace the same replay: recording changes no figure
+    ReplayOptions plain = options;
+    plain.record_requests = false;
+    plain.skip_repeated_micro_batches = false;
+    const MemoryEstimate untraced = EstimateTensorMemory(w.value(), plain);
+    CHECK(untraced.reserved_peak_bytes == planned.reserved_peak_bytes);
+    CHECK(untraced.allocated_peak_bytes == planned.allocated_peak_bytes);
+    CHECK(untraced.requests.empty());
+    // each "free_requested" block comes back once, later; every context names phase and category
+    std::map<int64_t, int> requested;
+    int64_t unnamed = 0;
+    for (const HistoryEvent& e : planned.requests) {
+      unnamed += e.context.find(" / ") == std::string::npos;
+      if (e.action == HistoryEvent::Action::kFreeRequested) ++requested[e.address];
+      if (e.action == HistoryEvent::Action::kFreeCompleted && requested.count(e.address)) --requested[e.address];
+    }
+    CHECK(unnamed == 0);
+    int64_t still_requested = 0;
+    for (const auto& [address, open] : requested) still_requested += open != 0;
+    CHECK(still_requested == 0);
+    if (row.framework == Framework::kFsdp1 && !row.one_stream) CHECK(!requested.empty());  // record_stream'd blocks exist
   }
 }
 

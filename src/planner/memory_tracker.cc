@@ -43,7 +43,9 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
   }
   // ids are never reused: the replay compares handles to tell whether a reduction returned the
   // block it was given (MemoryModel's Reduce), which a reused id would fake
-  blocks_.push_back(Block{category, rounded, handle});
+  const auto id = static_cast<BlockId>(blocks_.size());
+  blocks_.push_back(Block{category, rounded, handle, id, stream});
+  Log(HistoryEvent::Action::kAlloc, id, bytes, stream, category);
   live_[static_cast<int>(category)] += rounded;
   allocated_total_ += rounded;
   Changed();
@@ -51,7 +53,7 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
     reserved_peak_phase_ = phase_;
     reserved_peak_before_reset_ = false;
   }
-  return static_cast<BlockId>(blocks_.size() - 1);
+  return id;
 }
 
 void MemoryTracker::AllocatorOnly(const std::vector<int64_t>& bytes, Stream stream) {
@@ -59,8 +61,10 @@ void MemoryTracker::AllocatorOnly(const std::vector<int64_t>& bytes, Stream stre
   const int64_t reserved_peak_before = allocator_->stats().reserved_peak_bytes;
   std::vector<CachingAllocator::Handle> handles;
   handles.reserve(bytes.size());
+  const int64_t first_address = kAllocatorOnlyAddress + allocator_only_blocks_;
   for (int64_t b : bytes) {
     if (b <= 0) continue;
+    Log(HistoryEvent::Action::kAlloc, kAllocatorOnlyAddress + allocator_only_blocks_++, b, stream, MemCategory::kFramework);
     const CachingAllocator::Handle h = allocator_->Malloc(b, AllocatorStream(stream));
     if (h == CachingAllocator::kNoHandle) {  // PyTorch would raise here as at any malloc
       oom_ = true;
@@ -70,6 +74,9 @@ void MemoryTracker::AllocatorOnly(const std::vector<int64_t>& bytes, Stream stre
     handles.push_back(h);
   }
   for (CachingAllocator::Handle h : handles) allocator_->Free(h);
+  for (int64_t a = first_address; a < kAllocatorOnlyAddress + allocator_only_blocks_; ++a) {
+    Log(HistoryEvent::Action::kFreeCompleted, a, 0, stream, MemCategory::kFramework);
+  }
   if (allocator_->stats().reserved_peak_bytes > reserved_peak_before) {
     reserved_peak_phase_ = phase_;
     reserved_peak_before_reset_ = false;
@@ -88,22 +95,31 @@ void MemoryTracker::Recategorize(BlockId block, MemCategory category) {
 void MemoryTracker::Free(BlockId& block) {
   if (block == kNoBlock) return;
   Block& b = blocks_[block];
+  Log(HistoryEvent::Action::kFreeCompleted, b.id, b.bytes, b.stream, b.category);
+  FreeBlock(b);
+  block = kNoBlock;
+}
+
+void MemoryTracker::FreeBlock(Block& b) {
   live_[static_cast<int>(b.category)] -= b.bytes;
   allocated_total_ -= b.bytes;
   b.bytes = 0;
   if (allocator_ && b.handle != CachingAllocator::kNoHandle) allocator_->Free(b.handle);
-  block = kNoBlock;
   Changed();
 }
 
 void MemoryTracker::FreeToPending(BlockId& block, Pool pool) {
   if (block == kNoBlock) return;
-  const Block& b = blocks_[block];
+  Block& b = blocks_[block];
   if (allocator_ && b.handle != CachingAllocator::kNoHandle) allocator_->RecordStream(b.handle, AllocatorStream(UserOf(pool)));
+  // a use on its own stream needs no event (one_stream; an all-gather output the compute stream
+  // made): the block is back in its pool at once, as after Free
+  Log(Deferred(pool, b) ? HistoryEvent::Action::kFreeRequested : HistoryEvent::Action::kFreeCompleted, b.id, b.bytes, b.stream, b.category);
   pending_[static_cast<int>(pool)].push_back(b);
   pending_bytes_[static_cast<int>(b.category)] += b.bytes;
   pending_total_ += b.bytes;
-  Free(block);
+  FreeBlock(b);
+  block = kNoBlock;
 }
 
 CategoryBytes MemoryTracker::DeviceNow() const {
@@ -112,7 +128,10 @@ CategoryBytes MemoryTracker::DeviceNow() const {
   return now;
 }
 
-void MemoryTracker::Release(Pool, const Block& block) {
+bool MemoryTracker::Deferred(Pool pool, const Block& block) const { return AllocatorStream(UserOf(pool)) != AllocatorStream(block.stream); }
+
+void MemoryTracker::Release(Pool pool, const Block& block) {
+  if (Deferred(pool, block)) Log(HistoryEvent::Action::kFreeCompleted, block.id, block.bytes, block.stream, block.category);
   pending_bytes_[static_cast<int>(block.category)] -= block.bytes;
   pending_total_ -= block.bytes;
   if (allocator_) allocator_->EventsPassed(block.handle);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator_history.h"
 #include "core/caching_allocator.h"
 #include "core/phase.h"
 #include "planner/memory_model.h"
@@ -34,6 +35,18 @@ enum class Stream {
   kReduce = 3,      ///< FSDP1's post-backward stream; FSDP2's reduce-scatter stream (outputs and upcasts)
 };
 
+/// One request the tracker passed on (MemoryTracker::RecordRequests): a HistoryEvent before its
+/// context is named.
+struct TrackedRequest {
+  HistoryEvent::Action action;
+  int64_t address;  ///< a block's id; AllocatorOnly's blocks numbered from kAllocatorOnlyAddress
+  int64_t bytes;    ///< as requested
+  int stream;       ///< the allocator's stream (every one the compute stream under one_stream)
+  MemCategory category;
+  Phase phase;
+};
+constexpr int64_t kAllocatorOnlyAddress = int64_t{1} << 40;
+
 class MemoryTracker {
  public:
   /// `rounding_bytes`: every allocation is rounded up to a multiple (PyTorch: 512).
@@ -46,6 +59,12 @@ class MemoryTracker {
   MemoryTracker(int64_t rounding_bytes, bool record_timeline, const AllocatorConfig& config, int64_t limit_bytes, int64_t device_bytes,
                 bool one_stream = false);
   ~MemoryTracker();
+
+  /// From now on appends every request to `log` (null stops): each Alloc and AllocatorOnly block
+  /// an "alloc", each Free a "free_completed", FreeToPending a "free_requested" and its release
+  /// the "free_completed". Replayed by ReplayAllocatorHistory, the log gives this tracker's
+  /// reserved bytes, segment for segment.
+  void RecordRequests(std::vector<TrackedRequest>* log) { log_ = log; }
 
   /// Names what the step is doing; peaks report the phase they happened in.
   void SetPhase(Phase phase) { phase_ = phase; }
@@ -104,7 +123,15 @@ class MemoryTracker {
     MemCategory category;
     int64_t bytes;
     CachingAllocator::Handle handle = CachingAllocator::kNoHandle;
+    BlockId id = kNoBlock;
+    Stream stream = Stream::kCompute;
   };
+  void Log(HistoryEvent::Action action, int64_t address, int64_t bytes, Stream stream, MemCategory category) {
+    if (log_) log_->push_back(TrackedRequest{action, address, bytes, AllocatorStream(stream), category, phase_});
+  }
+  void FreeBlock(Block& b);
+  /// The pool's user stream is not the block's: record_stream defers its return to the pool.
+  bool Deferred(Pool pool, const Block& block) const;
   void Release(Pool pool, const Block& block);
   void Changed();
   int AllocatorStream(Stream stream) const { return one_stream_ ? static_cast<int>(Stream::kCompute) : static_cast<int>(stream); }
@@ -133,6 +160,8 @@ class MemoryTracker {
   bool reserved_peak_before_reset_ = false;
   bool oom_ = false;
   Phase oom_phase_;
+  std::vector<TrackedRequest>* log_ = nullptr;
+  int64_t allocator_only_blocks_ = 0;
 };
 
 /// A forward's saved tensors, in order, with the transients made between them (activations):
