@@ -9,7 +9,8 @@ a 512 x 768 x 3,072 product took 3.2 s in bf16 against 29 ms in fp32 on a 2-core
 AVX2 (torch 2.11), and one bf16 step of llama-100m at 512 tokens 152 s. The checks that train bf16
 models on PyTorch (bench/torch_memory_check.sh, tools/cpu_alloc_history_check.sh,
 tools/reentrant_check.py) then run for hours, so on such a CPU they skip (exit 77) saying why,
-unless FSDPKIT_SLOW_BF16=1 asks for them anyway.
+unless FSDPKIT_SLOW_BF16=1 asks for them anyway; their fp32 rows, which this CPU runs fast, still
+run (torch_memory_check.sh QUICK=fp32 or ROWS=fp32, cpu_alloc_history_check.sh's first row).
 
   python3 tools/cpu_bf16_gemm.py NAME    # exit 0: run; 77: skip (one line on stdout naming why)
 """

@@ -49,14 +49,14 @@ class StepPlayer {
       : w_(w), c_(w.config), schedule_(schedule), mem_(mem), skip_repeats_(skip_repeats), profiles_(BlockProfilesOf(w.model, w.config)),
         head_(HeadActivationProfile(w.model, w.config)), phases_(w) {
     const size_t n = w.units.size();
-    unsharded_.assign(n, kNoBlock);
+    unsharded_.assign(n, {});
     unit_grad_pieces_.assign(n, {});
     for (const WrapUnit& u : w.units) {  // a sharded gradient per unit, or per hook site of a group
       site_slot_.push_back(static_cast<int>(sharded_grad_.size()));
       sharded_grad_.resize(sharded_grad_.size() + static_cast<size_t>(u.HookSites()), kNoBlock);
     }
-    kept_grad_.assign(n, kNoBlock);
-    reduce_grad_.assign(n, kNoBlock);
+    kept_grad_.assign(n, {});
+    reduce_grad_.assign(n, {});
     node_saved_.assign(w.nodes.size(), {});
     if (w.model.tie_word_embeddings) embedding_node_ = w.EmbeddingNode();
     for (int b = 0; b < w.model.num_layers; ++b) {
@@ -175,24 +175,34 @@ class StepPlayer {
   // exp_avg_sq of each parameter), and the shard each one has: FSDP1 a unit's flat gradient shard,
   // FSDP2 each trainable parameter's.
   std::vector<int64_t> StateShardNumels() const {
+    if (Fsdp2()) return Fsdp2StateShardNumels();
     std::vector<int64_t> numels;
-    const int64_t rank = Fsdp2() ? 0 : OrigParamStateRank();
+    const int64_t rank = OrigParamStateRank();
     for (const auto& u : w_.units) {
       if (u.grad_shard_numel == 0) continue;
-      if (!Fsdp2() && u.trainable_numel != u.numel) {
+      if (u.trainable_numel != u.numel) {
         // use_orig_params with frozen parameters: the optimizer holds the trainable original
         // parameters, each a view of its part of this rank's flat shard (FlatParamHandle's
         // _use_sharded_views), so it has states for those parts only
         for (const auto& [t, numel] : TrainableShardParts(u, rank)) numels.push_back(numel);
         continue;
       }
-      if (!Fsdp2()) {
-        numels.push_back(u.grad_shard_numel);
-        continue;
-      }
-      for (int t : u.tensors) {
-        if (w_.model.tensors[t].trainable) numels.push_back(Fsdp2ShardNumel(w_.model.tensors[t], w_.shard_world));
-      }
+      numels.push_back(u.grad_shard_numel);
+    }
+    return numels;
+  }
+
+  // FSDP2 leaves the parameters in the model, so the optimizer (AdamW(model.parameters())) holds
+  // them in the model's order, not the units': the embedding's states first, the head's last.
+  std::vector<int64_t> Fsdp2StateShardNumels() const {
+    std::vector<bool> sharded(w_.model.tensors.size(), false);
+    for (const auto& u : w_.units) {
+      if (u.grad_shard_numel == 0) continue;
+      for (int t : u.tensors) sharded[static_cast<size_t>(t)] = true;
+    }
+    std::vector<int64_t> numels;
+    for (size_t t = 0; t < w_.model.tensors.size(); ++t) {
+      if (sharded[t] && w_.model.tensors[t].trainable) numels.push_back(Fsdp2ShardNumel(w_.model.tensors[t], w_.shard_world));
     }
     return numels;
   }
@@ -335,7 +345,7 @@ class StepPlayer {
     if (Fsdp2WorldOfOne()) return;  // no all-gather: the copy-out casts the shards (WaitUnshard)
     if (!Sharded()) {
       // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard).
-      if (unit.casts_for_compute || c_.cpu_offload) unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard);
+      if (unit.casts_for_compute || c_.cpu_offload) unsharded_[u] = {mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard)};
       return;
     }
     // All-gather input: the param_dtype copy of the shard (and an fp32 staging copy under offload).
@@ -357,36 +367,47 @@ class StepPlayer {
       BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_, Stream::kUnshard);
       mem_.Free(input);
       if (fsdp2_deferred_ != kNoBlock && a.forward) mem_.Free(fsdp2_deferred_);
-      unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_);
+      unsharded_[u].clear();
+      for (int t : unit.tensors) unsharded_[u].push_back(mem_.Alloc(Cat::kUnshardedParams, Fsdp2UnshardedNumel(t) * pb_));
       if (a.forward) fsdp2_deferred_ = flat; else mem_.Free(flat);
       return;
     }
-    unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_, Stream::kUnshard);
+    unsharded_[u] = {mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_, Stream::kUnshard)};
     mem_.Free(input);
   }
 
-  // FSDP2 on a shard group of one (_fsdp_param_group.py unshard / wait_for_unshard): no all-gather
-  // and no flat output; the copy-out, when the unit itself runs, casts each sharded parameter into
-  // its unsharded storage. A prefetch therefore holds nothing, and nothing is kept for the next
-  // copy-out.
+  // FSDP2's unsharded parameters are one storage per parameter (FSDPParam.all_gather_outputs,
+  // each alloc_storage'd by foreach_all_gather_copy_out in the group's parameter order, freed in
+  // the same order by free_unsharded_param), of its dim-0 padded shard times the world.
+  int64_t Fsdp2UnshardedNumel(int tensor) const { return Fsdp2ShardNumel(w_.model.tensors[tensor], w_.shard_world) * w_.shard_world; }
+
+  // FSDP2 on a shard group of one (_fsdp_param_group.py wait_for_unshard, world_size == 1): no
+  // all-gather and no flat output; when the unit itself runs, each parameter in turn has its
+  // all-gather input made (the shard cast to param_dtype: a new tensor when the dtypes differ) and
+  // its unsharded storage allocated and copied into. The loop's variable holds each input until the
+  // next one replaces it, the last until the hook returns. A prefetch therefore holds nothing, and
+  // nothing is kept for the next copy-out.
   void WaitUnshard(int u) {
     if (!Fsdp2WorldOfOne()) return;
-    int64_t largest_numel = 0;  // the casts are made one parameter at a time
+    BlockId input = kNoBlock;
+    unsharded_[u].clear();
     for (int t : w_.units[u].tensors) {
-      if (StorageDtype(c_, w_.model.tensors[t]) != c_.param_dtype) largest_numel = std::max(largest_numel, w_.model.tensors[t].numel());
+      const TensorSpec& tensor = w_.model.tensors[t];
+      BlockId next = StorageDtype(c_, tensor) != c_.param_dtype ? mem_.Alloc(Cat::kCommBuffers, tensor.numel() * pb_) : kNoBlock;
+      mem_.Free(input);
+      input = next;
+      unsharded_[u].push_back(mem_.Alloc(Cat::kUnshardedParams, Fsdp2UnshardedNumel(t) * pb_));
     }
-    BlockId cast = largest_numel > 0 ? mem_.Alloc(Cat::kCommBuffers, largest_numel * pb_) : kNoBlock;
-    unsharded_[u] = mem_.Alloc(Cat::kUnshardedParams, w_.units[u].padded_numel * pb_);
-    mem_.Free(cast);
+    mem_.Free(input);
   }
 
   void Reshard(const Action& a) {
-    BlockId& buffer = unsharded_[a.unit];
-    if (Fsdp2() || !Sharded()) {
-      mem_.Free(buffer);
-      return;
+    std::vector<BlockId>& buffers = unsharded_[a.unit];
+    for (BlockId& buffer : buffers) {
+      if (Fsdp2() || !Sharded()) mem_.Free(buffer);
+      else mem_.FreeToPending(buffer, Pool::kAllGather);
     }
-    mem_.FreeToPending(buffer, Pool::kAllGather);
+    buffers.clear();
   }
 
   // ---- forward -----------------------------------------------------------------------------
@@ -807,25 +828,32 @@ class StepPlayer {
     for (BlockId& g : grads) mem_.Free(g);
   }
 
-  // The post-backward hook: the unit's gradient as one tensor, kept unsharded under no_sync.
+  // The post-backward hook: the unit's gradient (FSDP1's one tensor, FSDP2's one per parameter),
+  // kept unsharded under no_sync.
   void PostBackward(const Action& a) {
     const int u = a.unit;
     if (!Fsdp2()) mem_.ReleaseAllPending(Pool::kPostBackward);  // the previous unit's reduction has run
-    BlockId grad = GatherUnitGrad(u, a.site);
+    std::vector<BlockId> grad = GatherUnitGrad(u);
     if (!a.reduces) {
-      KeepUnsyncedGrad(u, grad);
+      KeepUnsyncedGrad(u, std::move(grad));
       return;
     }
-    if (kept_grad_[u] != kNoBlock) mem_.Free(kept_grad_[u]);  // accumulated in place, then reduced
-    reduce_grad_[u] = grad;
+    FreeAll(kept_grad_[u]);  // accumulated in place, then reduced
+    reduce_grad_[u] = std::move(grad);
+  }
+
+  void FreeAll(std::vector<BlockId>& blocks) {
+    for (BlockId& b : blocks) mem_.Free(b);
+    blocks.clear();
   }
 
   void Reduce(int u, int site) {
     const WrapUnit& unit = w_.units[u];
     // FSDP1 keeps autograd's gradient (autograd_computed_grad) until the hook returns, then
     // record_stream()s it to the post-backward stream.
-    const BlockId computed = std::exchange(reduce_grad_[u], kNoBlock);
-    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, site, computed) : ReduceFsdp1(unit, computed);
+    std::vector<BlockId> grads = std::exchange(reduce_grad_[u], {});
+    const BlockId computed = Fsdp2() || grads.empty() ? kNoBlock : grads.front();  // FSDP1's one tensor
+    BlockId shard = Fsdp2() ? ReduceFsdp2(unit, site, grads) : ReduceFsdp1(unit, computed);
     if (rb_ != mb_) {
       BlockId upcast = mem_.Alloc(Cat::kGradients, unit.SiteGradShardNumel(site) * mb_, Stream::kReduce);
       if (shard != computed) mem_.Free(shard);
@@ -838,41 +866,22 @@ class StepPlayer {
     AccumulateShard(site_slot_[u] + site, shard);
   }
 
-  // The unit's gradient as one tensor: FSDP1 concatenates the views' gradients into the flat
-  // parameter's gradient (split_with_sizes backward); FSDP2 keeps per-parameter gradients.
-  BlockId GatherUnitGrad(int u, int site) {
-    auto& pieces = unit_grad_pieces_[u];
+  // The unit's gradient: FSDP1 concatenates the views' gradients into the flat parameter's
+  // gradient (split_with_sizes backward), whole-size even when part of it is frozen
+  // (use_orig_params): one tensor. FSDP2 keeps autograd's per-parameter gradients, which
+  // foreach_reduce copies into its reduce-scatter input.
+  std::vector<BlockId> GatherUnitGrad(int u) {
+    std::vector<BlockId> pieces = std::exchange(unit_grad_pieces_[u], {});
     const WrapUnit& unit = w_.units[u];
-    BlockId grad = kNoBlock;
-    if (pieces.size() == 1 && (Fsdp2() || unit.tensors.size() == 1)) {
-      grad = pieces.front();  // one parameter: its gradient is the unit's
-    } else if (!pieces.empty()) {
-      // FSDP1 concatenates the views' gradients into the flat parameter's, whole-size even when
-      // part of it is frozen (use_orig_params); FSDP2's per-parameter gradients are accounted as
-      // one block (they are freed together)
-      const int64_t numel = Fsdp2() ? SiteTrainableNumel(unit, site) : unit.numel;
-      if (Fsdp2()) for (BlockId& b : pieces) mem_.Free(b);
-      grad = mem_.Alloc(Cat::kGradients, numel * pb_);
-      if (!Fsdp2()) for (BlockId& b : pieces) mem_.Free(b);
-    }
-    pieces.clear();
-    return grad;
+    if (Fsdp2() || pieces.empty() || (pieces.size() == 1 && unit.tensors.size() == 1)) return pieces;  // one parameter: its gradient is the unit's
+    const BlockId flat = mem_.Alloc(Cat::kGradients, unit.numel * pb_);
+    FreeAll(pieces);
+    return {flat};
   }
 
-  // The trainable elements whose gradients the post-backward at a hook site takes: the unit's,
-  // or those of the site's module in a group hooked at several (WrapUnit::hook_nodes).
-  int64_t SiteTrainableNumel(const WrapUnit& unit, int site) const {
-    if (unit.hook_nodes.empty()) return unit.trainable_numel;
-    int64_t numel = 0;
-    for (int t : w_.nodes[unit.hook_nodes.at(static_cast<size_t>(site))].tensors) {
-      if (w_.model.tensors[t].trainable) numel += w_.model.tensors[t].numel();
-    }
-    return numel;
-  }
-
-  void KeepUnsyncedGrad(int u, BlockId grad) {
-    if (kept_grad_[u] == kNoBlock) kept_grad_[u] = grad;
-    else mem_.Free(grad);  // added into the kept unsharded gradient
+  void KeepUnsyncedGrad(int u, std::vector<BlockId> grad) {
+    if (kept_grad_[u].empty()) kept_grad_[u] = std::move(grad);
+    else FreeAll(grad);  // added into the kept unsharded gradient
   }
 
   // FSDP1 _reduce_grad: cast to reduce_dtype, pad to the shard group, reduce-scatter into a new
@@ -895,10 +904,10 @@ class StepPlayer {
   // FSDP2 post_backward: the previous reduce-scatter input (reduce_scatter_state) is released, then
   // foreach_reduce copies the gradients into a reduce_dtype buffer of the padded size and
   // reduce-scatters it into a shard; the input is kept until the next post_backward.
-  BlockId ReduceFsdp2(const WrapUnit& unit, int site, BlockId grad) {
+  BlockId ReduceFsdp2(const WrapUnit& unit, int site, std::vector<BlockId>& grads) {
     mem_.Free(fsdp2_rs_deferred_);
     BlockId input = mem_.Alloc(Cat::kCommBuffers, unit.SiteGradPaddedNumel(site) * rb_);
-    mem_.Free(grad);
+    FreeAll(grads);
     BlockId shard = mem_.Alloc(Cat::kCommBuffers, unit.SiteGradShardNumel(site) * rb_, Stream::kReduce);
     fsdp2_rs_deferred_ = input;
     return shard;
@@ -930,7 +939,10 @@ class StepPlayer {
     phases_.Enter(StepPhase::kAfterZeroGrad);
     mem_.SetPhase(phases_.phase());
     for (BlockId& b : sharded_grad_) mem_.Free(b);
-    for (BlockId& b : unsharded_) mem_.Free(b);
+    for (std::vector<BlockId>& unit : unsharded_) {
+      for (BlockId& b : unit) mem_.Free(b);
+      unit.clear();
+    }
   }
 
   const Workload& w_;
@@ -953,9 +965,11 @@ class StepPlayer {
   Nf4Transient nf4_;  // QLoRA: the largest quantized weight's dequantization transient
   bool states_allocated_ = true;  ///< the optimizer states exist (false until the first step's optimizer.step())
   PhaseTracker phases_;
-  std::vector<BlockId> unsharded_, sharded_grad_, kept_grad_;
+  std::vector<std::vector<BlockId>> unsharded_;  // FSDP1: the flat parameter; FSDP2: one per parameter
+  std::vector<BlockId> sharded_grad_;
+  std::vector<std::vector<BlockId>> kept_grad_;  ///< per unit: the unsharded gradient kept under no_sync
   std::vector<int> site_slot_;  // per unit: its first slot in sharded_grad_ (one per hook site)
-  std::vector<BlockId> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
+  std::vector<std::vector<BlockId>> reduce_grad_;  ///< per unit: the gradient its post-backward hands to the reduction
   std::vector<std::vector<BlockId>> unit_grad_pieces_;
   std::vector<std::vector<BlockId>> node_saved_;
   std::vector<BlockId> transients_;       ///< backward transients of the nodes entered and not yet left

@@ -1038,6 +1038,51 @@ TEST_CASE("the replay's requests, replayed as an allocator history, reserve what
   }
 }
 
+// FSDP2's unsharded parameters, gradients and optimizer states are one tensor per parameter, as
+// FSDPParam makes them (all_gather_outputs, autograd's .grad, AdamW's state), not one per unit.
+// The hand llama on 3 ranks in fp32: each block parameter's all-gather output is its dim-0 padded
+// shard times 3 (q 8x8: ceil(8/3) = 3 rows of 8 = 24 a shard, 72 in all; k and v 4x8: 2 rows,
+// 48; o 72; the norms 3 x 3 = 9; gate and up 16x8: 6 rows, 144; down 8x16: 3 rows of 16, 144),
+// 690 elements in nine blocks; the gradients are the parameters' own sizes (592 in nine); the
+// optimizer states follow the model's order (the embedding's first, the head's last).
+TEST_CASE("FSDP2 allocates per parameter: unsharded parameters, gradients and optimizer states") {
+  FsdpConfig c = HandConfig();
+  c.framework = Framework::kFsdp2;
+  c.optimizer = Optimizer::kAdamW;
+  ReplayOptions options = ReplayOptionsFor(WithAllocator().overheads, false);  // two steps, the first making the states
+  options.record_requests = true;
+  const MemoryEstimate m = EstimateTensorMemory(Build(c), options);
+  auto allocs = [&](std::string_view context) {
+    std::vector<int64_t> bytes;
+    for (const HistoryEvent& e : m.requests) {
+      if (e.action == HistoryEvent::Action::kAlloc && e.context == context) bytes.push_back(e.bytes);
+    }
+    return bytes;
+  };
+  std::vector<int64_t> unsharded = allocs("forward: unshard model.layers.0 / unsharded_params");
+  REQUIRE(unsharded.size() == 2 * 9);  // both steps
+  unsharded.resize(9);
+  std::sort(unsharded.begin(), unsharded.end());
+  CHECK(unsharded == std::vector<int64_t>{36, 36, 192, 192, 288, 288, 576, 576, 576});
+  std::vector<int64_t> grads = allocs("backward: model.layers.0 / gradients");
+  REQUIRE(grads.size() == 2 * 9);
+  grads.resize(9);
+  std::sort(grads.begin(), grads.end());
+  CHECK(grads == std::vector<int64_t>{32, 32, 128, 128, 256, 256, 512, 512, 512});
+  // the first step's states, exp_avg and exp_avg_sq of each of the 21 parameters' shards in the
+  // model's order (42), then foreach_sqrt's temporary of each in both steps (21 + 21): the
+  // embedding's (16 x 8: 6 rows a shard, 48 elements, 192 bytes) first, the final norm's (3
+  // elements) and the head's (as the embedding's) last; by units, the root's three would lead
+  const std::vector<int64_t> states = allocs("optimizer step / optimizer_states");
+  REQUIRE(states.size() == 84);
+  CHECK(states[0] == 192);
+  CHECK(states[1] == 192);
+  CHECK(states[38] == 12);
+  CHECK(states[39] == 12);
+  CHECK(states[40] == 192);
+  CHECK(states[41] == 192);
+}
+
 TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {
   // 20,000 bytes hold the tensors (17,824 at the peak) but not one 2 MiB segment: PyTorch's malloc
   // fails, frees the (empty) cache, retries once and raises
