@@ -5,14 +5,16 @@
 # attention). Compared: the tensors at the peak (fsdp-plan's categories without the framework term,
 # the tracker's Total). Needs torch and transformers: PYTHON=/path/to/python (default
 # $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them, and on a CPU
-# where PyTorch has no fast bf16 matrix multiply (tools/cpu_bf16_gemm.py; FSDPKIT_SLOW_BF16=1 runs anyway).
+# where PyTorch has no fast bf16 matrix multiply (tools/cpu_bf16_gemm.py; FSDPKIT_SLOW_BF16=1 runs anyway),
+# but for the fp32 rows.
 #   bench/torch_memory_check.sh [build dir]
 # MAX_ERROR_PCT=P makes it exit 1 when a configuration's |error| exceeds P percent; QUICK=1 runs
 # the one-rank configurations of the first, third and fifth rows, the first FSDP1 row, one
 # Llama and one GPT-2 block-backward row and the first op-SAC row, then one row of each newer
 # family, LoRA, QLoRA and torchtitan; QUICK=llama the first part, QUICK=others the second (the
 # CTest checks torch_memory_agreement and torch_memory_agreement_others, one each, with MAX_ERROR_PCT). ROWS=lora runs the LoRA, QLoRA and pure-bf16
-# rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only, ROWS=families
+# rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only, ROWS=fp32
+# (QUICK=fp32: two of them) the fp32-training rows, which run on any CPU, ROWS=families
 # the rows of the newer model families (Qwen3, OLMo 2, ...) only, ROWS=transformers-versions the
 # older transformers releases' loss paths only, ROWS=torchtitan fsdp-plan
 # --impl torchtitan against torchtitan's own model (QUICK runs its AC full row).
@@ -45,7 +47,9 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 plan_only=${FSDP_PLAN_ONLY:-}
 [ -n "$plan_only" ] || "$python" -c "import torch, transformers" 2> /dev/null || { echo "torch_memory_check: $python has no torch/transformers"; exit 77; }
-[ -n "$plan_only" ] || "$python" "$root/tools/cpu_bf16_gemm.py" torch_memory_check || exit 77  # its rows train bf16 models
+fp32_only=
+if [ "${ROWS:-}" = fp32 ] || [ "${QUICK:-}" = fp32 ]; then fp32_only=1; fi
+[ -n "$plan_only" ] || [ -n "$fp32_only" ] || "$python" "$root/tools/cpu_bf16_gemm.py" torch_memory_check || exit 77  # its rows train bf16 models
 printf "%-44s %14s %14s %8s  %s\n" configuration "PyTorch bytes" "fsdp-plan" error "fsdp-plan's peak phase"
 check() {  # name ranks strategy ac micro seq [model config, default models/llama-100m.json] [framework, default fsdp2] [flag both take] [attention: eager (default) | flash] [param dtype, default bf16] [reduce dtype, default fp32]
   local name=$1 ranks=$2 strategy=$3 ac=$4 micro=$5 seq=$6 model=${7:-$root/models/llama-100m.json} framework=${8:-fsdp2}
@@ -91,7 +95,7 @@ if abs(error) > limit:
     sys.exit(1)
 PY
 }
-[ -n "${ROWS:-}" ] || check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
+[ -n "${ROWS:-}" ] || [ -n "$fp32_only" ] || check "1 rank  FULL_SHARD     seq 512  x 1"      1 FULL_SHARD    none 1 512
 fsdp1_row() { check "2 ranks FSDP1 FULL_SHARD seq 1024 x 2"   2 FULL_SHARD none 2 1024 "$root/models/llama-100m.json" fsdp1; }
 llama_block_row() { check "1 rank  llama 2k vocab AC seq 2048 x 1"     1 FULL_SHARD full 1 2048 "$root/tests/data/hf_configs/llama-100m-2k-vocab.json"; }
 gpt2_block_row() { check "1 rank  GPT-2 2k ctx 2k vocab seq 2048 x 1" 1 FULL_SHARD none 1 2048 "$root/tests/data/hf_configs/gpt2-2k-context-2k-vocab.json"; }
@@ -310,6 +314,36 @@ titan_rows() {
   titan_qwen3_check "1 rank  tt Qwen3 2k op-SAC seq 2048 x 1" 1 selective-op 1 2048 2048
   titan_qwen3_check "1 rank  tt Qwen3 2k AC  seq 2048 x 1" 1 full 1 2048 2048
 }
+# fp32 training (--param-dtype fp32 --reduce-dtype fp32 on both sides: no casts, the model's own
+# fp32 parameters gathered): the norms' and the eager softmax's upcasts are the tensors themselves,
+# the loss's upcast of the logits too. PyTorch's CPU runs fp32 matrix products fast on any x86, so
+# these rows run where the bf16 ones cannot (tools/cpu_bf16_gemm.py): QUICK=fp32 (CTest
+# torch_memory_agreement_fp32) runs the first two (a block's backward peak under FSDP2, the loss's
+# under FSDP1 on two ranks), ROWS=fp32 all eleven.
+fp32_quick_rows() {
+  check "1 rank  fp32 2k vocab seq 2048 x 1"         1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "" eager fp32 fp32
+  check "2 ranks fp32 FSDP1 seq 1024 x 2"            2 FULL_SHARD none 2 1024 "$L" fsdp1 "" eager fp32 fp32
+}
+fp32_rows() {
+  fp32_quick_rows
+  check "1 rank  fp32 Gemma 2 seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$G2" fsdp2 "" eager fp32 fp32
+  check "1 rank  fp32 FULL_SHARD seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$L" fsdp2 "" eager fp32 fp32
+  check "1 rank  fp32 AC full seq 1024 x 2"          1 FULL_SHARD full 2 1024 "$L" fsdp2 "" eager fp32 fp32
+  check "1 rank  fp32 flash seq 1024 x 2"            1 FULL_SHARD none 2 1024 "$L" fsdp2 "" flash fp32 fp32
+  check "1 rank  fp32 Qwen3 seq 1024 x 2"            1 FULL_SHARD none 2 1024 "$Q3" fsdp2 "" eager fp32 fp32
+  check "1 rank  fp32 OLMo 2 seq 1024 x 2"           1 FULL_SHARD none 2 1024 "$O2" fsdp2 "" eager fp32 fp32
+  check "1 rank  fp32 Phi-3 flash seq 1024 x 2"      1 FULL_SHARD none 2 1024 "$P3" fsdp2 "" flash fp32 fp32
+  check "1 rank  fp32 Qwen3-MoE flash 1024 x 2"      1 FULL_SHARD none 2 1024 "$Q3M" fsdp2 "" flash fp32 fp32
+  check "1 rank  fp32 LoRA q,v r8 seq 1024 x 2"      1 FULL_SHARD none 2 1024 "$L" fsdp2 "--lora-rank 8" eager fp32 fp32
+}
+if [ "${ROWS:-}" = fp32 ]; then
+  fp32_rows
+  exit 0
+fi
+if [ "${QUICK:-}" = fp32 ]; then
+  fp32_quick_rows
+  exit 0
+fi
 if [ "${ROWS:-}" = torchtitan ]; then
   [ -n "$plan_only" ] || "$python" -c "import torchtitan.models.llama3.infra.parallelize" 2> /dev/null || { echo "torch_memory_check: $python has no torchtitan"; exit 77; }
   titan_rows
