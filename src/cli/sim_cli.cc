@@ -43,6 +43,7 @@ void PrintSummary(const Workload& w, const sim::SimResult& r, std::ostream& out)
   for (size_t s = 0; s < r.stream_names.size(); ++s) fmt::print(out, "  {:<24} {:5.1f}% busy\n", r.stream_names[s], 100 * r.stream_utilization[s]);
   fmt::print(out, "  peak memory {:.2f} GiB of {:.2f} GiB (reserved + context + NCCL); tensors {:.2f} GiB at {:.2f} ms ({})\n",
              r.peak_bytes / kGiB, r.capacity_bytes / kGiB, r.allocated_peak_bytes / kGiB, r.peak_time_s * 1e3, r.peak_phase);
+  fmt::print(out, "  caching allocator: {}\n", sim::AllocatorSummary(r));
   fmt::print(out, "  {} events in {:.1f} ms\n", r.events, r.wall_s * 1e3);
 }
 

@@ -97,6 +97,13 @@ std::string MemoryChart(const SimResult& r, double width) {
 
 }  // namespace
 
+std::string AllocatorSummary(const SimResult& r) {
+  const SimResult::Allocator& a = r.allocator;
+  return fmt::format("allocated peak {:.2f} GiB, reserved peak {:.2f} GiB ({}), fragmentation {:.2f} GiB, cache over tensors {:.2f} GiB, {} {}",
+                     a.allocated_peak_bytes / kGiB, a.reserved_peak_bytes / kGiB, a.reserved_peak_phase, a.fragmentation_bytes / kGiB,
+                     a.reserved_over_allocated_peak_bytes / kGiB, a.alloc_retries, a.alloc_retries == 1 ? "retry" : "retries");
+}
+
 Json SimResultToJson(const Workload& w, const SimResult& r) {
   Json streams = Json::object();
   for (size_t s = 0; s < r.stream_names.size(); ++s) streams[r.stream_names[s]] = {{"utilization", r.stream_utilization[s]}};
@@ -112,7 +119,13 @@ Json SimResultToJson(const Workload& w, const SimResult& r) {
             {"overlap_pct", r.overlap_pct},
             {"cpu_blocked_s", r.cpu_blocked_s}}},
           {"memory", {{"peak_bytes", r.peak_bytes}, {"allocated_peak_bytes", r.allocated_peak_bytes}, {"peak_time_s", r.peak_time_s},
-                      {"peak_phase", r.peak_phase}, {"capacity_bytes", r.capacity_bytes}}},
+                      {"peak_phase", r.peak_phase}, {"capacity_bytes", r.capacity_bytes},
+                      {"allocator", {{"allocated_peak_bytes", r.allocator.allocated_peak_bytes},
+                                     {"reserved_peak_bytes", r.allocator.reserved_peak_bytes},
+                                     {"reserved_peak_phase", r.allocator.reserved_peak_phase},
+                                     {"fragmentation_bytes", r.allocator.fragmentation_bytes},
+                                     {"reserved_over_allocated_peak_bytes", r.allocator.reserved_over_allocated_peak_bytes},
+                                     {"alloc_retries", r.allocator.alloc_retries}}}}},
           {"streams", streams},
           {"simulation", {{"events", r.events}, {"wall_s", r.wall_s}, {"ops", r.ops.size()}}}};
 }
@@ -152,6 +165,7 @@ std::string HtmlReport(const Workload& w, const SimResult& r) {
   row("exposed communication", fmt::format("{:.2f} ms", r.exposed_comm_s * 1e3));
   row("overlap", fmt::format("{:.1f}%", r.overlap_pct));
   row("peak memory", fmt::format("{:.2f} GiB at {:.2f} ms ({})", r.peak_bytes / kGiB, r.peak_time_s * 1e3, Escape(r.peak_phase)));
+  row("caching allocator", Escape(AllocatorSummary(r)));
   for (size_t s = 0; s < r.stream_names.size(); ++s) row(Escape(r.stream_names[s]) + " utilisation", fmt::format("{:.1f}%", 100 * r.stream_utilization[s]));
   return fmt::format("<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>fsdp-sim report</title>\n"
                      "<style>body{{font-family:sans-serif;margin:20px}} td{{padding:2px 12px}} table{{border-collapse:collapse}} "

@@ -12,8 +12,13 @@
 namespace fsdp::sim {
 
 /// {"time": {"step_s", "compute_s", "comm_s", "exposed_comm_s", "overlap_pct", "cpu_blocked_s"},
-///  "memory": {"peak_bytes", "peak_time_s", "peak_phase", "capacity_bytes"}, "streams": {...}, ...}
+///  "memory": {"peak_bytes", "peak_time_s", "peak_phase", "capacity_bytes", "allocator": {...}},
+///  "streams": {...}, ...}
 Json SimResultToJson(const Workload& workload, const SimResult& result);
+
+/// One line of the caching allocator's figures: "allocated peak 35.83 GiB, reserved peak 44.69
+/// GiB (phase), fragmentation 1.20 GiB, cache over tensors 8.86 GiB, 0 retries".
+std::string AllocatorSummary(const SimResult& result);
 
 /// Chrome trace event format: one track per stream (complete "X" events named after their unit,
 /// e.g. "AG model.layers.12") and a "memory" counter track.

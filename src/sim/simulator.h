@@ -66,6 +66,16 @@ struct SimResult {
   std::vector<double> stream_utilization;
   int64_t peak_bytes = 0;                ///< reserved + outside-allocator terms at the steady-state peak (fsdp-plan's peak)
   int64_t allocated_peak_bytes = 0;      ///< the highest `bytes` sample
+  /// The caching allocator's figures of the same replay, as fsdp-plan reports them
+  /// (MemoryEstimate): tensors only, reserved, fragmentation, cache over the tensors, retries.
+  struct Allocator {
+    int64_t allocated_peak_bytes = 0;
+    int64_t reserved_peak_bytes = 0;
+    std::string reserved_peak_phase;
+    int64_t fragmentation_bytes = 0;
+    int64_t reserved_over_allocated_peak_bytes = 0;
+    int64_t alloc_retries = 0;
+  } allocator;
   double peak_time_s = 0;
   std::string peak_phase;
   int64_t capacity_bytes = 0;

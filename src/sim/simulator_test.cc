@@ -312,6 +312,15 @@ TEST_CASE("memory on the clock: reserved over allocated, the same peak as fsdp-p
   }
   CHECK(highest_reserved == plan.peak_bytes);  // reserved + the terms outside the allocator
   CHECK(r.value().allocated_peak_bytes < plan.peak_bytes);
+  // the allocator's figures are fsdp-plan's
+  const SimResult::Allocator& a = r.value().allocator;
+  CHECK(a.allocated_peak_bytes == plan.allocated_peak_bytes);
+  CHECK(a.reserved_peak_bytes == plan.reserved_peak_bytes);
+  CHECK(a.reserved_peak_phase == plan.reserved_peak_phase);
+  CHECK(a.fragmentation_bytes == plan.fragmentation_bytes);
+  CHECK(a.reserved_over_allocated_peak_bytes == plan.reserved_peak_bytes - plan.allocated_peak_bytes);
+  CHECK(a.alloc_retries == plan.alloc_retries);
+  CHECK(a.reserved_peak_bytes > a.allocated_peak_bytes);
   int launches = 0, waits = 0;
   double last_end = 0;
   for (const CpuRecord& span : r.value().cpu) {
