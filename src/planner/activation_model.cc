@@ -863,6 +863,15 @@ std::vector<SavedTensor> MarkSoftmaxBackward(const ModelShape& m, const FsdpConf
 // the MLP) and the MLP's moment beyond them (BlockActivations::backward_working,
 // mlp_working_bytes). `softmax_moment`: the attention core's backward is MarkSoftmaxBackward's
 // moment, not a term here.
+// transformers' RMSNorm backward runs in fp32 over the whole [T, h], three such tensors at
+// once (12 bytes a element); the fused CUDA kernel writes only the input's gradient (one of the
+// hidden-state gradients its caller counts). (GPT-2's LayerNorm rows were measured with the same
+// three: activation_model_test.)
+std::vector<SavedTensor> NormBackwardWorking(const Dims& d) {
+  if (d.fused_rms_norm) return {};
+  return std::vector<SavedTensor>(3, SavedTensor{"grad.norm_fp32", 4 * d.h * d.tokens});
+}
+
 struct BackwardWorking {
   std::vector<SavedTensor> held;
   int64_t mlp_moment = 0;
@@ -881,11 +890,7 @@ BackwardWorking BackwardWorkingOf(const ModelShape& m, const FsdpConfig& cfg, co
   // rows per token through the experts: top-k, or every expert (Llama 4's dense dispatch)
   const int64_t mlp_factor = d.experts == 0 ? 1 : m.arch.experts_dense_dispatch ? d.experts : d.top_k;
   const int64_t mlp = (m.arch.mlp == MlpKind::kPlain ? 4 : 3) * d.c * d.inner * d.tokens * mlp_factor;
-  // transformers' RMSNorm backward runs in fp32 over the whole [T, h], three such tensors at
-  // once (12 bytes a element); the fused CUDA kernel writes only the input's gradient (one of the
-  // two hidden-state gradients counted below)
-  std::vector<SavedTensor> norm;
-  if (!d.fused_rms_norm) norm.assign(3, SavedTensor{"grad.norm_fp32", 4 * hT});
+  const std::vector<SavedTensor> norm = NormBackwardWorking(d);
   BackwardWorking w;
   w.held = {{"grad.hidden_in", d.c * hT}, {"grad.hidden_out", d.c * hT}};
   const std::vector<SavedTensor>& larger = SumBytes(attention) > SumBytes(norm) ? attention : norm;
@@ -1479,6 +1484,7 @@ HeadActivations HeadActivationProfile(const ModelSpec& m, const FsdpConfig& cfg)
     AddNormAndLinearInput(head.final_norm, m.arch, final_norm, d, grad, !m.arch.base_frozen);
   }
   MarkNormTransients(head.final_norm, m.arch, d.c);
+  if (grad.input) head.final_norm_backward = NormBackwardWorking(d);
   // transformers' loss (HfLoss): cross_entropy = log_softmax (saves its fp32 output) + nll_loss,
   // over every position with the labels padded (4.49 on) or over logits[..., :-1, :] copied
   // contiguous (before 4.49: B (T - 1) rows). The logits the model returns stay referenced by its

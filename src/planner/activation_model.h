@@ -130,6 +130,9 @@ struct BlockActivations {
 struct HeadActivations {
   std::vector<SavedTensor> embedding;     ///< kept from embedding forward to its backward
   std::vector<SavedTensor> final_norm;    ///< kept from final norm forward to its backward
+  /// held during the final norm's backward (its input's gradient in fp32: the blocks' rule,
+  /// BlockActivations::backward_working); none when its input needs no gradient
+  std::vector<SavedTensor> final_norm_backward;
   /// the logits the model returns (lm_head's output, or under HfLoss::kFp32Logits its fp32
   /// upcast), alive from forward to the end of the loss backward, or longer in a loop that keeps them
   int64_t logits_bytes = 0;

@@ -792,6 +792,9 @@ class StepPlayer {
         }
         break;
       }
+      case ModuleNode::Role::kFinalNorm:
+        for (const SavedTensor& t : head_.final_norm_backward) transient.push_back(mem_.Alloc(Cat::kActivations, t.bytes));
+        break;
       default: break;
     }
   }

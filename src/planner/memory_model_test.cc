@@ -1083,6 +1083,28 @@ TEST_CASE("FSDP2 allocates per parameter: unsharded parameters, gradients and op
   CHECK(states[41] == 192);
 }
 
+// The final norm's backward makes what a block's norm backward makes (transformers' RMSNorm in
+// fp32: three [T, h] fp32 tensors at once, NormBackwardWorking), then its weight's gradient: on
+// the hand llama (h 8, 2 tokens) three of 64 bytes whatever the param dtype, and the weight's
+// gradient in it (8 elements: 32 bytes in fp32, 16 in bf16).
+TEST_CASE("the final norm's backward: its fp32 working gradients, then its weight's") {
+  for (const DType dtype : {DType::kFp32, DType::kBf16}) {
+    CAPTURE(DTypeName(dtype));
+    FsdpConfig c = HandConfig();
+    c.param_dtype = dtype;
+    ReplayOptions options = ReplayOptionsFor(Exact().overheads, false);
+    options.record_requests = true;
+    const MemoryEstimate m = EstimateTensorMemory(Build(c), options);
+    std::vector<std::pair<int64_t, std::string>> allocs;
+    for (const HistoryEvent& e : m.requests) {
+      if (e.action == HistoryEvent::Action::kAlloc && e.context.rfind("backward: model.norm / ", 0) == 0) allocs.emplace_back(e.bytes, e.context);
+    }
+    std::vector<std::pair<int64_t, std::string>> expected(3, {64, "backward: model.norm / activations"});
+    expected.emplace_back(dtype == DType::kFp32 ? 32 : 16, "backward: model.norm / gradients");
+    CHECK(allocs == expected);
+  }
+}
+
 TEST_CASE("fits is judged on reserved memory: freeing the cache and retrying, then out of memory") {
   // 20,000 bytes hold the tensors (17,824 at the peak) but not one 2 MiB segment: PyTorch's malloc
   // fails, frees the (empty) cache, retries once and raises
