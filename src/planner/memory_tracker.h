@@ -62,8 +62,9 @@ class MemoryTracker {
 
   /// From now on appends every request to `log` (null stops): each Alloc and AllocatorOnly block
   /// an "alloc", each Free a "free_completed", FreeToPending a "free_requested" and its release
-  /// the "free_completed". Replayed by ReplayAllocatorHistory, the log gives this tracker's
-  /// reserved bytes, segment for segment.
+  /// the "free_completed" (or at once a "free_completed" where the pool's user is the block's own
+  /// stream, as under one_stream: record_stream then records nothing). Replayed by
+  /// ReplayAllocatorHistory, the log gives this tracker's reserved bytes, segment for segment.
   void RecordRequests(std::vector<TrackedRequest>* log) { log_ = log; }
 
   /// Names what the step is doing; peaks report the phase they happened in.
