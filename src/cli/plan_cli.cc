@@ -14,7 +14,6 @@
 #include "planner/export.h"
 #include "planner/plan_report.h"
 #include "planner/step_model.h"
-#include "sim/sim_report.h"
 
 #include <algorithm>
 #include <cmath>
@@ -418,7 +417,7 @@ Status WriteAllocTrace(const Workload& w, const FrameworkOverheads& overheads, c
   const MemoryEstimate replay = EstimateTensorMemory(w, options);
   const std::string source = fmt::format("fsdp-plan {} on {}: its caching-allocator replay's requests, two steps{}", w.model.id, w.hardware.id,
                                          overheads.one_stream ? ", on one stream (--one-stream)" : "");
-  return sim::WriteText(path, DumpJson(AllocatorHistoryJson(replay.requests, source)) + "\n");
+  return WriteTextFile(path, DumpJson(AllocatorHistoryJson(replay.requests, source)) + "\n");
 }
 
 Status RunPlan(const PlanFlags& flags, std::ostream& out) {

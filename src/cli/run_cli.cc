@@ -403,7 +403,7 @@ Status RunTraining(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
   SetPredictedComm(fp32, m, f.steps, p);
   PrintRunReport(r, out);
   if (f.json_path.empty()) return {};
-  return sim::WriteText(f.json_path, DumpJson(RunReportJson(r), 2) + "\n");
+  return WriteTextFile(f.json_path, DumpJson(RunReportJson(r), 2) + "\n");
 }
 
 Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
@@ -432,7 +432,7 @@ Status RunCalibrate(const RunFlags& f, runtime::Comm& comm, std::ostream& out) {
              j["peak_flops"]["fp32"].get<double>() / 1e9, j["memory_bandwidth_bytes_per_s"].get<double>() / kGB,
              j["intra_node_link"]["bandwidth_bytes_per_s"].get<double>() * 0.8 / kGB, comm.size());
   const std::string path = f.json_path.empty() ? "calibrated-cpu.json" : f.json_path;
-  if (Status s = sim::WriteText(path, DumpJson(j, 2) + "\n"); !s.ok()) return s;
+  if (Status s = WriteTextFile(path, DumpJson(j, 2) + "\n"); !s.ok()) return s;
   fmt::print(out, "wrote {} (use it with --gpu {})\n", path, path);
   return {};
 }

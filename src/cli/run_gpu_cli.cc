@@ -168,7 +168,7 @@ Status RunCalibrateGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out
              j["efficiency"].value("matmul", 0.0), j["efficiency"].value("attention", 0.0), j["efficiency"].value("memory_bandwidth", 0.0),
              j.contains("measured_collectives") ? fmt::format(", NCCL over {} ranks", comm.size()) : "");
   const std::string out_path = f.json_path.empty() ? "calibrated-" + std::filesystem::path(gpu).stem().string() + ".json" : f.json_path;
-  if (Status s = sim::WriteText(out_path, DumpJson(j, 2) + "\n"); !s.ok()) return s;
+  if (Status s = WriteTextFile(out_path, DumpJson(j, 2) + "\n"); !s.ok()) return s;
   fmt::print(out, "wrote {} (use it with --gpu {})\n", out_path, out_path);
   return {};
 }
@@ -219,7 +219,7 @@ Status RunTrainingGpu(const RunFlags& f, runtime::Comm& comm, std::ostream& out)
   const RunReport report = GpuRunReport(f, w, *engine.value(), log.value(), predicted, largest_peak.value(), comm.size());
   PrintRunReport(report, out);
   if (f.json_path.empty()) return {};
-  return sim::WriteText(f.json_path, DumpJson(RunReportJson(report), 2) + "\n");
+  return WriteTextFile(f.json_path, DumpJson(RunReportJson(report), 2) + "\n");
 }
 
 }  // namespace fsdp

@@ -109,10 +109,10 @@ Status RunSim(SimFlags f, std::ostream& out) {
   auto r = SimulateFlags(f);
   if (!r.ok()) return r.error();
   if (!f.trace_path.empty()) {
-    if (Status s = sim::WriteText(f.trace_path, DumpJson(sim::ChromeTrace(r.value()))); !s.ok()) return s;
+    if (Status s = WriteTextFile(f.trace_path, DumpJson(sim::ChromeTrace(r.value()))); !s.ok()) return s;
   }
   if (!f.report_path.empty()) {
-    if (Status s = sim::WriteText(f.report_path, sim::HtmlReport(w.value(), r.value())); !s.ok()) return s;
+    if (Status s = WriteTextFile(f.report_path, sim::HtmlReport(w.value(), r.value())); !s.ok()) return s;
   }
   if (f.plan.json) {
     out << DumpJson(sim::SimResultToJson(w.value(), r.value()), 2) << "\n";
@@ -157,7 +157,7 @@ Status RunWhatIf(SimFlags f, std::ostream& out) {
   } else {
     out << sim::WhatIfTable(params, rows);
   }
-  if (!f.chart_path.empty()) return sim::WriteText(f.chart_path, sim::WhatIfHtml(params, rows));
+  if (!f.chart_path.empty()) return WriteTextFile(f.chart_path, sim::WhatIfHtml(params, rows));
   return {};
 }
 

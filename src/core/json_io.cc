@@ -1,6 +1,8 @@
 #include "core/json_io.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -40,6 +42,15 @@ int64_t TooDeepAt(const std::string& text, int max_depth) {
 }
 
 }  // namespace
+
+Status WriteTextFile(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  if (!out) return Error::BadInput(fmt::format("cannot write '{}': {}", path, std::strerror(errno)));
+  out << text;
+  out.close();
+  if (!out) return Error::BadInput(fmt::format("cannot write '{}'", path));
+  return {};
+}
 
 std::string DumpJson(const Json& json, int indent) {
   return json.dump(indent, ' ', false, Json::error_handler_t::replace);

@@ -29,6 +29,10 @@ Result<Json> ParseJson(const std::string& text, const std::string& origin);
 /// kMaxJsonFileBytes or cannot be parsed).
 Result<Json> LoadJsonFile(const std::string& path);
 
+/// Writes `text` to `path` (a report, a trace, a JSON document); BadInput naming the path when it
+/// cannot be written.
+Status WriteTextFile(const std::string& path, const std::string& text);
+
 /// Serialises `json` (indent < 0: one line). Strings that are not valid UTF-8 (a path given on
 /// the command line) have their bad bytes replaced by U+FFFD instead of throwing.
 std::string DumpJson(const Json& json, int indent = -1);

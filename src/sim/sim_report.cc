@@ -2,9 +2,6 @@
 #include "core/vocabulary.h"
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
 
 #include <fmt/format.h>
 
@@ -247,15 +244,6 @@ std::string CompareTable(const std::string& name_a, const SimSummary& a, const s
   row("overlap_pct", a.overlap_pct, b.overlap_pct, 1, "%");
   row("peak memory", a.peak_bytes, b.peak_bytes, 1 / kGiB, "Gi");
   return out;
-}
-
-Status WriteText(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  if (!out) return Error::BadInput(fmt::format("cannot write '{}': {}", path, std::strerror(errno)));
-  out << text;
-  out.close();
-  if (!out) return Error::BadInput(fmt::format("cannot write '{}'", path));
-  return {};
 }
 
 }  // namespace fsdp::sim

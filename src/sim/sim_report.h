@@ -47,7 +47,4 @@ Result<SimSummary> SimSummaryFromJson(const Json& document, const std::string& o
 /// The comparison table: one row per figure, the two values and b's change relative to a.
 std::string CompareTable(const std::string& name_a, const SimSummary& a, const std::string& name_b, const SimSummary& b);
 
-/// Writes `text` to `path`; BadInput naming the path when it cannot be written.
-Status WriteText(const std::string& path, const std::string& text);
-
 }  // namespace fsdp::sim
