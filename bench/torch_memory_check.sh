@@ -14,7 +14,7 @@
 # family, LoRA, QLoRA and torchtitan; QUICK=llama the first part, QUICK=others the second (the
 # CTest checks torch_memory_agreement and torch_memory_agreement_others, one each, with MAX_ERROR_PCT). ROWS=lora runs the LoRA, QLoRA and pure-bf16
 # rows only, ROWS=qlora the QLoRA rows only, ROWS=pure-bf16 the pure-bf16 rows only, ROWS=fp32
-# (QUICK=fp32: two of them) the fp32-training rows, which run on any CPU, ROWS=families
+# (QUICK=fp32: the first of them) the fp32-training rows, which run on any CPU, ROWS=families
 # the rows of the newer model families (Qwen3, OLMo 2, ...) only, ROWS=transformers-versions the
 # older transformers releases' loss paths only, ROWS=torchtitan fsdp-plan
 # --impl torchtitan against torchtitan's own model (QUICK runs its AC full row).
@@ -318,14 +318,13 @@ titan_rows() {
 # fp32 parameters gathered): the norms' and the eager softmax's upcasts are the tensors themselves,
 # the loss's upcast of the logits too. PyTorch's CPU runs fp32 matrix products fast on any x86, so
 # these rows run where the bf16 ones cannot (tools/cpu_bf16_gemm.py): QUICK=fp32 (CTest
-# torch_memory_agreement_fp32) runs the first two (a block's backward peak under FSDP2, the loss's
-# under FSDP1 on two ranks), ROWS=fp32 all eleven.
+# torch_memory_agreement_fp32) runs the first (a block's backward peak), ROWS=fp32 all eleven.
 fp32_quick_rows() {
   check "1 rank  fp32 2k vocab seq 2048 x 1"         1 FULL_SHARD none 1 2048 "$V2K" fsdp2 "" eager fp32 fp32
-  check "2 ranks fp32 FSDP1 seq 1024 x 2"            2 FULL_SHARD none 2 1024 "$L" fsdp1 "" eager fp32 fp32
 }
 fp32_rows() {
   fp32_quick_rows
+  check "2 ranks fp32 FSDP1 seq 1024 x 2"            2 FULL_SHARD none 2 1024 "$L" fsdp1 "" eager fp32 fp32
   check "1 rank  fp32 Gemma 2 seq 1024 x 2"          1 FULL_SHARD none 2 1024 "$G2" fsdp2 "" eager fp32 fp32
   check "1 rank  fp32 FULL_SHARD seq 1024 x 2"       1 FULL_SHARD none 2 1024 "$L" fsdp2 "" eager fp32 fp32
   check "1 rank  fp32 AC full seq 1024 x 2"          1 FULL_SHARD full 2 1024 "$L" fsdp2 "" eager fp32 fp32
