@@ -403,10 +403,11 @@ class StepPlayer {
 
   void Reshard(const Action& a) {
     std::vector<BlockId>& buffers = unsharded_[a.unit];
-    for (BlockId& buffer : buffers) {
-      if (Fsdp2() || !Sharded()) mem_.Free(buffer);
-      else mem_.FreeToPending(buffer, Pool::kAllGather);
+    if (Fsdp2() || !Sharded()) {
+      FreeAll(buffers);
+      return;
     }
+    for (BlockId& buffer : buffers) mem_.FreeToPending(buffer, Pool::kAllGather);
     buffers.clear();
   }
 
@@ -942,10 +943,7 @@ class StepPlayer {
     phases_.Enter(StepPhase::kAfterZeroGrad);
     mem_.SetPhase(phases_.phase());
     for (BlockId& b : sharded_grad_) mem_.Free(b);
-    for (std::vector<BlockId>& unit : unsharded_) {
-      for (BlockId& b : unit) mem_.Free(b);
-      unit.clear();
-    }
+    for (std::vector<BlockId>& unit : unsharded_) FreeAll(unit);
   }
 
   const Workload& w_;
