@@ -261,11 +261,14 @@ size_t AddSplitAttention(std::vector<SavedTensor>& out, const ModelShape& m, con
     if (f.scores) out.push_back({"self_attn.v_repeated", d.c * q, gqa});
     const size_t core_begin = out.size();
     AddAttentionCore(out, m, cfg, d, f);
+    // The core's kept tensors made after its forward moment (EagerCoreMoment): in 16 bits the
+    // probabilities cast back from the fp32 softmax, which is made at the moment; in fp32 the
+    // softmax itself, which `softmax(scores, dtype=float32)` writes from the masked scores with
+    // no copy (the moment is the product and its scaled copy)
     moment_at = out.size();
-    if (cfg.param_dtype == DType::kBf16 || m.attention_sinks) {
-      for (size_t i = core_begin; i < out.size(); ++i) {
-        if (out[i].name == "attn_core.probs") moment_at = i;
-      }
+    for (size_t i = core_begin; i < out.size(); ++i) {
+      const bool made_after = d.c == 4 && !m.attention_sinks ? out[i].name == "attn_core.softmax_fp32" : out[i].name == "attn_core.probs";
+      if (made_after) moment_at = i;
     }
   } else if (f.attn_out && d.masked) {
     // With a mask transformers' use_gqa_in_sdpa is false: repeat_kv expands k and v to every head
@@ -927,7 +930,8 @@ std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedT
 // (_softmax(half_to_float=true)); a bf16 input is first converted to a fp32 copy, alive while
 // _softmax writes its fp32 output: scores + copy + output, 10 bytes a score. Otherwise the highest
 // moment is the cast back: scores + fp32 softmax + probabilities (fp16: 8 bytes; under fp32 the
-// copy and the cast return their inputs: 8). gpt-oss (GptOss eager_attention_forward): the masked
+// copy and the cast return their inputs: the product and its scaled copy, then the masked scores
+// and the softmax, 8; AddSplitAttention makes the kept softmax after the moment). gpt-oss (GptOss eager_attention_forward): the masked
 // scores stay bound to attn_weights until the dropout line, and at the subtraction of the row
 // maximum its join with the sink logits (torch.cat, one more key) and the difference are alive
 // beside the maximum's values: c (s + (s + 1) + (s + 1) + 1) a score row; the softmax's moment
@@ -1295,9 +1299,13 @@ int64_t BlockActivations::KeptBytes() const { return SumBytes(kept); }
 int64_t BlockActivations::SoftmaxBackwardBytes() const { return SumBytes(softmax_backward); }
 int64_t BlockActivations::BackwardWorkingBytes() const { return SumBytes(backward_working); }
 int64_t BlockActivations::ForwardMomentBytes() const {
-  int64_t total = 0;
-  for (const auto& t : forward_moment) total += t.freed_by_next_in_moment ? 0 : t.bytes;
-  return total;
+  int64_t live = 0, highest = 0;
+  for (size_t i = 0; i < forward_moment.size(); ++i) {
+    live += forward_moment[i].bytes;
+    highest = std::max(highest, live);
+    if (i > 0 && forward_moment[i - 1].freed_by_next_in_moment) live -= forward_moment[i - 1].bytes;
+  }
+  return highest;
 }
 int64_t HeadActivations::SavedBytes() const {
   return SumBytes(embedding) + SumBytes(final_norm) + logits_bytes + loss_saved_bytes;

@@ -33,8 +33,8 @@ struct SavedTensor {
   /// sub-layer: a checkpointed forward, under no_grad, has freed the attention's by then
   bool mlp_sublayer = false;
   /// made after the eager attention core's highest forward moment (BlockActivations::
-  /// forward_moment): the probabilities when the softmax's own moment is the higher (bf16, or a
-  /// sink-joined core), and everything the block makes after its core. An un-checkpointed or
+  /// forward_moment): the probabilities cast back from the fp32 softmax (16 bits) or from a
+  /// sink-joined core's, the softmax itself in fp32, and everything the block makes after its core. An un-checkpointed or
   /// selectively checkpointed forward allocates these once that moment's transients are gone.
   bool after_forward_moment = false;
   /// in BlockActivations::forward_moment: freed once the moment's next tensor is allocated (q k^T's
@@ -106,7 +106,8 @@ struct BlockActivations {
   /// Empty: not modelled (SDPA, whose kernels hold no scores; op-level selective checkpointing;
   /// eager cores other than these: GPT-2's, MLA's, soft-capped, with dropout).
   std::vector<SavedTensor> forward_moment;
-  /// forward_moment's bytes at its highest (those not freed_by_next_in_moment)
+  /// forward_moment's bytes at its highest, as the memory model makes it: each tensor allocated
+  /// in turn, one freed_by_next_in_moment gone once the next exists
   int64_t ForwardMomentBytes() const;
   /// Routed experts (MlpKind::kMoe, not dense dispatch): what their forward holds at its end
   /// beyond the tensors it saves (the router's logits, the routing weights, the sorted expert

@@ -606,6 +606,39 @@ TEST_CASE("gpt-oss block, eager, un-checkpointed: its forward's highest moment a
   CHECK(fp32.SoftmaxBackwardBytes() == 2 * 8'388'608 + 2 * 268'566'528);
 }
 
+TEST_CASE("Llama-style eager core in fp32: the softmax made after the forward moment, the product and its scaled copy the moment") {
+  // PyTorch's CPU requests (tools/torch_reference.py --device cpu --memory-history), FSDP2 on one
+  // rank, qwen3-moe-mini.json in fp32 at 2 x 1024: each block's forward makes aten::bmm's product,
+  // aten::mul's scaled copy (the product freed), aten::add's masked scores (the copy freed), then
+  // aten::_softmax's output (the masked scores freed): never more than two [2, 4, 1024, 1024] fp32
+  // tensors, 33,554,432 bytes each. softmax(dtype=float32) of fp32 scores makes no copy, so the
+  // kept softmax comes after the moment; in bf16 it is made at the moment (beside the masked
+  // scores and their fp32 copy) and the probabilities cast back come after.
+  FsdpConfig c = HookedConfig();
+  c.seq_len = 1024;
+  c.param_dtype = DType::kFp32;
+  const ModelSpec m = TestConfig("qwen3-moe-mini.json");
+  const int64_t scores = 2 * 4 * 1024 * 1024 * 4, kv = 2 * 16 * 2048 * 4;  // k after RoPE and v, 2 kv heads of 16
+  auto after_moment = [](const BlockActivations& a, std::string_view name) {
+    for (const SavedTensor& t : a.kept) {
+      if (t.name == name) return t.after_forward_moment;
+    }
+    FAIL("no kept tensor " << name);
+    return false;
+  };
+  const BlockActivations fp32 = BlockActivationProfile(m, c);
+  CHECK(after_moment(fp32, "attn_core.softmax_fp32"));
+  CHECK(fp32.ForwardMomentBytes() == 2 * kv + 2 * scores);
+  c.param_dtype = DType::kBf16;
+  const BlockActivations bf16 = BlockActivationProfile(m, c);
+  CHECK_FALSE(after_moment(bf16, "attn_core.softmax_fp32"));
+  CHECK(after_moment(bf16, "attn_core.probs"));
+  // k and v in bf16, the masked scores and their fp32 copy (the softmax is kept; the residual is
+  // the memory model's, ResidualStreamApart)
+  CHECK(ResidualStreamApart(m, c));
+  CHECK(bf16.ForwardMomentBytes() == 2 * kv / 2 + scores / 2 + scores);
+}
+
 TEST_CASE("Llama 4 blocks, eager: L2-normed q/k on RoPE layers, a temperature on NoPE ones, every token through every expert") {
   // llama4-text-tiny.json in bf16 at 2 x 256 tokens (h 512, 8 heads / 2 kv of 64, 4 experts of
   // 256 and a shared one, dense layers of 1024 on even indices, NoPE on the fourth):
