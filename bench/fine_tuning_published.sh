@@ -31,7 +31,7 @@ while IFS='|' read -r name pub kind flags tps; do
 import json,sys
 j=json.load(sys.stdin); p=j['memory']['per_gpu']
 kind='$kind'; pub=float('$pub')
-v=p['allocated_peak_bytes'] if kind=='allocated' else p['reserved_peak_bytes']
+v=p['allocator']['allocated_blocks_peak_bytes'] if kind=='allocated' else p['reserved_peak_bytes']
 t=j['time']['tokens_per_s_per_gpu']; tp='$tps'
 speed=f'tokens/s/GPU published {float(tp):6.0f} fsdp-plan {t:6.0f} {100*(t-float(tp))/float(tp):+5.1f}%' if tp else f'tokens/s/GPU fsdp-plan {t:6.0f}'
 print(f'{\"$name\":36s} {kind:9s} published {pub/2**30:6.2f} GiB  fsdp-plan {v/2**30:6.2f} GiB {100*(v-pub)/pub:+6.1f}%  {speed}')

@@ -4,6 +4,9 @@ allocator_replay's output) against fsdp-plan's JSON, planned as on a GPU and wit
 
   cpu_alloc_history_compare.py NAME ALLOCATED_LIMIT_PCT ONE_STREAM_RESERVED_LIMIT_PCT|- REPLAY_TXT PLAN_JSON ONE_STREAM_JSON
 
+The allocated peaks compared are the allocator's blocks at their peak, both replayed on one stream
+(torch.cuda.max_memory_allocated's figure: a block counted whole where the rest of its segment was
+too small to split off), the replay's and fsdp-plan's --one-stream allocated_blocks_peak_bytes.
 Prints one line; exits 1 naming what failed: a free of a storage the recording never saw, the
 allocated peaks apart by more than ALLOCATED_LIMIT_PCT, or (unless the limit is -) the one-stream
 reserved peak apart from the recording's by more than ONE_STREAM_RESERVED_LIMIT_PCT.
@@ -33,10 +36,11 @@ def main(argv):
         return f"cpu_alloc_history_check: {name}: fsdp-plan's one_stream keys are not what --one-stream asked"
     unknown = int(re.search(r"made before the recording (\d+)", replay).group(1))
     allocated, reserved = replay_number(replay, "allocated_peak_bytes"), replay_number(replay, "reserved_peak_bytes")
-    allocated_error = error_pct(plan["allocated_peak_bytes"], allocated)
+    planned = one["allocator"]["allocated_blocks_peak_bytes"]
+    allocated_error = error_pct(planned, allocated)
     one_error = error_pct(one["reserved_peak_bytes"], reserved)
     print(f"{name}: PyTorch's CPU requests replayed: allocated {allocated} reserved {reserved}; fsdp-plan allocated "
-          f"{plan['allocated_peak_bytes']} ({allocated_error:+.2f}%), reserved on one stream {one['reserved_peak_bytes']} "
+          f"{planned} ({allocated_error:+.2f}%), reserved on one stream {one['reserved_peak_bytes']} "
           f"({one_error:+.2f}%), on the GPU's streams {plan['reserved_peak_bytes']} "
           f"({error_pct(plan['reserved_peak_bytes'], reserved):+.1f}%)")
     if unknown:

@@ -9,7 +9,9 @@ tools/torch_reference.py run on CUDA in it (the pairs' PyTorch side, "torch_*", 
 reserved-memory sweep, "sweep_*") it runs fsdp-plan on the same configuration (model file,
 world size, strategy, framework, checkpointing, micro-batch, sequence, attention, dtypes, LoRA,
 PYTORCH_CUDA_ALLOC_CONF) and prints, per run:
-  * torch.cuda.max_memory_allocated against fsdp-plan's allocated peak (the tensors);
+  * torch.cuda.max_memory_allocated against fsdp-plan's allocated blocks at their peak (the
+    replay's allocated_bytes.all.peak: the tensors, each block counted whole where the rest of its
+    segment was too small to split off);
   * torch.cuda.max_memory_reserved against fsdp-plan's caching-allocator replay;
   * the device memory outside the allocator (mem_get_info's used minus reserved, at the end:
     CUDA context, cuBLAS handles, NCCL) against fsdp-plan's CUDA context + NCCL terms;
@@ -79,11 +81,16 @@ def compare(name, run, fsdp_plan, gpu):
     outside = None if name.startswith("sweep_") else memory.get("context_overhead_bytes")
     stats = memory.get("allocator_stats") or {}
     replay = per_gpu.get("allocator", {})
+    # max_memory_allocated counts the allocator's blocks (a block's unsplit remainder in): the
+    # replay's figure of that, where this fsdp-plan has it; the tensors' figure before
+    allocated = replay.get("allocated_blocks_peak_bytes", per_gpu["allocated_peak_bytes"])
     return {
         "run": name, "alloc_conf": config.get("alloc_conf"),
         "torch_allocated_bytes": memory["max_allocated_bytes"],
-        "plan_allocated_bytes": per_gpu["allocated_peak_bytes"],
-        "allocated_error_pct": error_pct(memory["max_allocated_bytes"], per_gpu["allocated_peak_bytes"]),
+        "plan_allocated_bytes": allocated,
+        "allocated_error_pct": error_pct(memory["max_allocated_bytes"], allocated),
+        "torch_requested_bytes": stats.get("requested_bytes.all.peak"),
+        "plan_tensors_bytes": per_gpu["allocated_peak_bytes"],
         "torch_reserved_bytes": memory["max_reserved_bytes"],
         "plan_reserved_bytes": per_gpu["reserved_peak_bytes"],
         "reserved_error_pct": error_pct(memory["max_reserved_bytes"], per_gpu["reserved_peak_bytes"]),

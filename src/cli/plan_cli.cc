@@ -121,9 +121,11 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
     fmt::print(out, "  {:<24}{:>10}{:>11}\n", MemCategoryLabel(c), Gib(At(m.peak, c)), Percent(At(m.peak, c), m.capacity_bytes));
   }
   fmt::print(out, "  {:<24}{:>10}{:>11}   ({})\n", "peak", Gib(m.peak_bytes), Percent(m.peak_bytes, m.capacity_bytes), m.peak_phase);
-  fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_allocated, {})\n", "tensors only", Gib(m.allocated_peak_bytes),
+  fmt::print(out, "  {:<24}{:>10}{:>11}   (the tensors, as FSDPMemTracker counts them; {})\n", "tensors only", Gib(m.allocated_peak_bytes),
              Percent(m.allocated_peak_bytes, m.capacity_bytes), m.allocated_peak_phase);
   if (m.overheads.caching_allocator) {
+    fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_allocated: the allocator's blocks, unsplit remainders in)\n",
+               "allocated blocks", Gib(m.allocated_blocks_peak_bytes), Percent(m.allocated_blocks_peak_bytes, m.capacity_bytes));
     fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_reserved, {}{}{})\n", "reserved", Gib(m.reserved_peak_bytes),
                Percent(m.reserved_peak_bytes, m.capacity_bytes), m.reserved_peak_phase,
                m.overheads.allocator.text.empty() ? "" : "; PYTORCH_CUDA_ALLOC_CONF=" + m.overheads.allocator.text,

@@ -41,7 +41,8 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
   }
   CachingAllocator a(config, device);
   StreamNumbers streams;
-  std::map<uint64_t, CachingAllocator::Handle> live;  // by the recording's address
+  std::map<uint64_t, CachingAllocator::Handle> live;      // by the recording's address
+  std::map<uint64_t, CachingAllocator::Handle> awaiting;  // "free_requested", not yet completed
   auto malloc_at = [&](uint64_t address, int64_t bytes, int stream) -> Status {
     const CachingAllocator::Handle h = a.Malloc(bytes, stream);
     if (h == CachingAllocator::kNoHandle) return Error::OutOfMemory(fmt::format("allocator history: out of memory at a {}-byte request", bytes));
@@ -92,7 +93,26 @@ Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const Allocato
         r.growth.push_back({index, e[2].get<int64_t>(), stream, a.stats().reserved_bytes, context});
       }
       ++r.events;
+    } else if (action == "free_requested") {
+      // free() of a block used on other streams: no longer allocated (allocated_bytes falls), back
+      // in its pool at its "free_completed" (PyTorch records both for every free; fsdp-plan's
+      // trace this one only where record_stream defers the return)
+      const auto it = live.find(address);
+      if (it == live.end()) {
+        ++r.unknown_frees;
+        continue;
+      }
+      a.RecordStream(it->second, streams.Of(e[3]) == 0 ? 1 : 0);
+      a.Free(it->second);
+      awaiting[address] = it->second;
+      live.erase(it);
     } else if (action == "free_completed") {
+      if (const auto waited = awaiting.find(address); waited != awaiting.end()) {
+        a.EventsPassed(waited->second);
+        awaiting.erase(waited);
+        ++r.events;
+        continue;
+      }
       const auto it = live.find(address);
       if (it == live.end()) {
         ++r.unknown_frees;

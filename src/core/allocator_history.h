@@ -39,9 +39,10 @@ struct HistoryReplay {
 /// either "segments_at_start" ([address, bytes, stream, "large" | "small", [[block bytes,
 /// state], ...]]: PyTorch's segments, re-made block by block, the "active_allocated" ones left
 /// allocated) or "live_at_start" ([[address, bytes], ...]: storages alive when the CPU's
-/// recording began, allocated in that order). Actions: "alloc" is a malloc, "free_completed" a
-/// block back in its pool (after its recorded streams' events: this allocator's Free), and
-/// "segment_alloc" is counted; the rest are skipped. Stream 0 is stream 0 here and the others
+/// recording began, allocated in that order). Actions: "alloc" is a malloc, "free_requested" a
+/// free() whose block waits for other streams (allocated no more, not yet reusable),
+/// "free_completed" the block back in its pool (after a "free_requested": its events passed;
+/// alone: this allocator's Free), and "segment_alloc" is counted; the rest are skipped. Stream 0 is stream 0 here and the others
 /// are numbered 1, 2, ... as they first appear (each its own pools, as on the GPU). Malformed
 /// input is an error naming the entry; an out-of-memory stops the replay with one.
 Result<HistoryReplay> ReplayAllocatorHistory(const Json& history, const AllocatorConfig& config, DeviceMemory& device);

@@ -275,8 +275,8 @@ TEST_CASE("expandable segments: a request past a whole range fails as an out-of-
 // recording started with: the segments the two steps added are PyTorch's, to the byte and in
 // number. The start layout is re-made block by block, so blocks under 1 MiB of a large segment
 // land in the small pool (4 MiB more at the start); what the steps add is what is compared.
-// free_completed is when PyTorch returned a block to its pool (after its recorded streams'
-// events), so it is this allocator's Free; other streams are one stream here.
+// free_requested is PyTorch's free() (allocated no more), free_completed the block back in its
+// pool after its recorded streams' events.
 TEST_CASE("PyTorch's allocator history replayed: the segments it added, to the byte") {
   auto doc = LoadJsonFile(DataDir() + "/docs/data/gpu_h200_2026-12-04_history/hist_llama32_ac_mb8_s4k.json");
   REQUIRE(doc.ok());
@@ -292,6 +292,9 @@ TEST_CASE("PyTorch's allocator history replayed: the segments it added, to the b
   CHECK(r.stats.reserved_bytes - r.reserved_at_start_bytes == end_bytes - start_bytes);  // 67,578,626,048 bytes
   CHECK(r.stats.num_device_alloc - r.device_allocs_at_start == r.segments_recorded);     // 30 segments
   CHECK(r.segments_recorded == 30);
+  // and its blocks at their peak are the run's torch.cuda.max_memory_allocated
+  // (run_llama32_ac_mb8_s4k.json: 68,540,626,944; the tensors' requested_bytes peak is 1,784 less)
+  CHECK(r.stats.allocated_peak_bytes == 68'540'626'944);
   CHECK(r.stats.num_alloc_retries == 0);
   CHECK(r.unknown_frees == 0);
 }

@@ -69,8 +69,15 @@ struct MemoryEstimate {
   CategoryBytes peak{};              ///< device bytes by category at the peak (framework included)
   int64_t peak_bytes = 0;            ///< sum of `peak`: what the GPU must hold
   std::string peak_phase;            ///< when the peak happens
-  int64_t allocated_peak_bytes = 0;  ///< tensors only: torch.cuda.max_memory_allocated()
+  /// The tensors at their peak, each rounded to the allocator's 512 bytes: PyTorch's
+  /// requested_bytes.all.peak, rounded (FSDPMemTracker's figure)
+  int64_t allocated_peak_bytes = 0;
   std::string allocated_peak_phase;
+  /// torch.cuda.max_memory_allocated() itself, allocated_bytes.all.peak: the allocator's blocks at
+  /// their peak, where a block cut from a segment is counted whole when the rest was too small to
+  /// split off (CUDACachingAllocator.cpp, malloc: `stats.allocated_bytes[...].increase(
+  /// block->size)` after should_split). The replay's; without the allocator, allocated_peak_bytes.
+  int64_t allocated_blocks_peak_bytes = 0;
   /// The caching allocator's replay (docs/memory-model.md, "The caching allocator"): the steady-state
   /// step's torch.cuda.max_memory_reserved(), when it is reached, reserved minus the allocated blocks
   /// then, and the mallocs that had to free the cache and retry on this card (num_alloc_retries).

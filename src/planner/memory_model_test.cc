@@ -928,6 +928,19 @@ TEST_CASE("MemoryTracker one_stream: every request on the compute stream, a free
   }
 }
 
+// torch.cuda.max_memory_allocated counts blocks, not tensors (CUDACachingAllocator.cpp, malloc:
+// allocated_bytes grows by block->size once should_split has decided). By hand: 3 MiB, 7 MiB and
+// 9.5 MiB from one 20 MiB segment; the last leaves 0.5 MiB, not over kSmallSize, so its block is
+// the whole 10 MiB: blocks 20 MiB, tensors 19.5 MiB.
+TEST_CASE("MemoryTracker: the allocator's blocks at their peak count an unsplit remainder, the tensors do not") {
+  constexpr int64_t kMiB = 1 << 20;
+  MemoryTracker mem(512, false, AllocatorConfig{}, int64_t{1} << 40, int64_t{1} << 40);
+  for (const int64_t bytes : {3 * kMiB, 7 * kMiB, 9 * kMiB + kMiB / 2}) mem.Alloc(MemCategory::kActivations, bytes);
+  CHECK(mem.allocator()->stats().reserved_bytes == 20 * kMiB);
+  CHECK(mem.allocated_peak() == 19 * kMiB + kMiB / 2);
+  CHECK(mem.allocator()->stats().allocated_peak_bytes == 20 * kMiB);
+}
+
 // RecordRequests by hand: a block freed at once, one freed to a pool and released later
 // (record_stream: "free_requested" when the tensor is dropped, "free_completed" when its events
 // pass), and AllocatorOnly's pair, numbered apart from the blocks.
@@ -1012,6 +1025,9 @@ TEST_CASE("the replay's requests, replayed as an allocator history, reserve what
     REQUIRE(replayed.ok());
     const HistoryReplay& r = replayed.value();
     CHECK(r.stats.reserved_peak_bytes == planned.reserved_peak_bytes);
+    // (the history's replay keeps both steps' peak; the second step's, the plan's, is the higher)
+    CHECK(r.stats.allocated_peak_bytes == planned.allocated_blocks_peak_bytes);
+    CHECK(planned.allocated_blocks_peak_bytes >= planned.allocated_peak_bytes);
     CHECK(r.stats.num_device_alloc == planned.device_allocs);
     CHECK(r.stats.large_pool.reserved_peak_bytes == planned.large_pool.reserved_peak_bytes);
     CHECK(r.stats.small_pool.reserved_peak_bytes == planned.small_pool.reserved_peak_bytes);

@@ -67,9 +67,11 @@ struct SimResult {
   int64_t peak_bytes = 0;                ///< reserved + outside-allocator terms at the steady-state peak (fsdp-plan's peak)
   int64_t allocated_peak_bytes = 0;      ///< the highest `bytes` sample
   /// The caching allocator's figures of the same replay, as fsdp-plan reports them
-  /// (MemoryEstimate): tensors only, reserved, fragmentation, cache over the tensors, retries.
+  /// (MemoryEstimate): tensors only, the allocator's blocks (torch.cuda.max_memory_allocated),
+  /// reserved, fragmentation, cache over the tensors, retries.
   struct Allocator {
     int64_t allocated_peak_bytes = 0;
+    int64_t allocated_blocks_peak_bytes = 0;
     int64_t reserved_peak_bytes = 0;
     std::string reserved_peak_phase;
     int64_t fragmentation_bytes = 0;

@@ -315,6 +315,8 @@ TEST_CASE("memory on the clock: reserved over allocated, the same peak as fsdp-p
   // the allocator's figures are fsdp-plan's
   const SimResult::Allocator& a = r.value().allocator;
   CHECK(a.allocated_peak_bytes == plan.allocated_peak_bytes);
+  CHECK(a.allocated_blocks_peak_bytes == plan.allocated_blocks_peak_bytes);
+  CHECK(a.allocated_blocks_peak_bytes >= a.allocated_peak_bytes);
   CHECK(a.reserved_peak_bytes == plan.reserved_peak_bytes);
   CHECK(a.reserved_peak_phase == plan.reserved_peak_phase);
   CHECK(a.fragmentation_bytes == plan.fragmentation_bytes);
