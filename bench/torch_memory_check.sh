@@ -2,7 +2,7 @@
 # fsdp-plan's PyTorch FSDP2 (and FSDP1) memory profile against PyTorch itself, on CPU ranks (gloo):
 # tools/torch_reference.py runs llama-100m under fully_shard and records FSDPMemTracker's
 # categories at the peak; fsdp-plan predicts the same configuration (--framework fsdp2, eager
-# attention). Compared: the tensors at the peak (fsdp-plan's categories without the framework term,
+# attention, --torch-device cpu: PyTorch's CPU kernels, without CUDA's softmax-backward product). Compared: the tensors at the peak (fsdp-plan's categories without the framework term,
 # the tracker's Total). Needs torch and transformers: PYTHON=/path/to/python (default
 # $FSDPKIT_PYTHON, which ./fsdpkit test sets up, else python3); exits 77 without them, and on a CPU
 # where PyTorch has no fast bf16 matrix multiply (tools/cpu_bf16_gemm.py; FSDPKIT_SLOW_BF16=1 runs anyway),
@@ -69,7 +69,7 @@ check() {  # name ranks strategy ac micro seq [model config, default models/llam
     "$python" "$root/tools/torch_reference.py" "${args[@]}" > /dev/null 2>&1
   fi
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework "$framework" --strategy "$strategy" \
-    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype "$param" --reduce-dtype "$reduce" --cublas-workspace-bytes 0 \
+    --ac "$ac" --micro-batch "$micro" --seq-len "$seq" --attention "$attention" --param-dtype "$param" --reduce-dtype "$reduce" --cublas-workspace-bytes 0 --torch-device cpu \
     ${both[@]+"${both[@]}"} ${PLAN_ONLY:-} --json > "$out/$name.plan.json"
   compare "$name" "$out/$name.json" "$out/$name.plan.json"
 }
@@ -282,7 +282,7 @@ titan_run() {  # name ranks ac micro seq vocab [version] -- model.json torchtita
     python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); json.dump({"measured": {"memory": {"categories_at_peak": r["categories_at_peak"]}}}, open(sys.argv[1], "w"))' "$out/$name.json"
   fi
   "$build/fsdp-plan" --model "$model" --gpu h100-sxm --gpus "$ranks" --gpus-per-node "$ranks" --framework fsdp2 --impl "$impl" --ac "$ac" \
-    --micro-batch "$micro" --seq-len "$seq" --attention flash --cublas-workspace-bytes 0 --json > "$out/$name.plan.json"
+    --micro-batch "$micro" --seq-len "$seq" --attention flash --cublas-workspace-bytes 0 --torch-device cpu --json > "$out/$name.plan.json"
   compare "$name" "$out/$name.json" "$out/$name.plan.json"
 }
 titan_rows() {

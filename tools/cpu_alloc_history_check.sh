@@ -44,8 +44,8 @@ check() {  # name allocated_limit_pct one_stream_reserved_limit_pct|- fsdp-plan 
   FSDPKIT_DATA_DIR=$root "$python" "$root/tools/torch_reference.py" --device cpu "$@" --steps 2 --warmup 0 --no-tracker \
     --memory-history "$out/$name.json" --out "$out/$name.run.json" > "$out/$name.log" 2>&1 || { tail -5 "$out/$name.log"; exit 1; }
   "$build/bench/allocator_replay" "$out/$name.json" > "$out/$name.replay.txt"
-  "$build/fsdp-plan" "$@" --gpu h200-sxm --gpus 1 --gpus-per-node 1 --cublas-workspace-bytes 0 --json > "$out/$name.plan.json"
-  "$build/fsdp-plan" "$@" --gpu h200-sxm --gpus 1 --gpus-per-node 1 --cublas-workspace-bytes 0 --one-stream --json > "$out/$name.one.json"
+  "$build/fsdp-plan" "$@" --gpu h200-sxm --gpus 1 --gpus-per-node 1 --cublas-workspace-bytes 0 --torch-device cpu --json > "$out/$name.plan.json"
+  "$build/fsdp-plan" "$@" --gpu h200-sxm --gpus 1 --gpus-per-node 1 --cublas-workspace-bytes 0 --torch-device cpu --one-stream --json > "$out/$name.one.json"
   python3 "$root/tools/cpu_alloc_history_compare.py" "$name" "$limit" "$reserved_limit" "$out/$name.replay.txt" "$out/$name.plan.json" "$out/$name.one.json"
 }
 if [ "${ROWS:-}" = h200 ]; then

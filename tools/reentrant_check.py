@@ -97,7 +97,7 @@ def run_rank(mode, model_path, out):
 def plan_peak(fsdp_plan, model_path, reentrant):
     args = [fsdp_plan, "--model", model_path, "--gpu", "h100-sxm", "--gpus", str(RANKS), "--framework", "fsdp1", "--ac", "full",
             "--micro-batch", str(MICRO), "--seq-len", str(SEQ), "--attention", "flash", "--lora-rank", "8", "--lora-targets", "q_proj,v_proj",
-            "--master-dtype", "bf16", "--reduce-dtype", "bf16", "--transformers-version", "4.48", "--cublas-workspace-bytes", "0", "--json"]
+            "--master-dtype", "bf16", "--reduce-dtype", "bf16", "--transformers-version", "4.48", "--cublas-workspace-bytes", "0", "--torch-device", "cpu", "--json"]
     out = subprocess.run(args + (["--ac-reentrant"] if reentrant else []), check=True, capture_output=True, text=True).stdout
     return json.loads(out)["memory"]["per_gpu"]["allocated_peak_bytes"]
 

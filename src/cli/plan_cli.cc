@@ -351,6 +351,10 @@ void AddReplayFlags(CLI::App& app, PlanFlags& f) {
   app.add_flag("--one-stream", f.one_stream,
                "replay every allocation on one stream, as PyTorch makes them on a CPU device: to compare with a CPU recording "
                "(tools/torch_reference.py --device cpu --memory-history); not a GPU's reserved figure");
+  app.add_option("--torch-device", f.torch_device,
+                 "the device PyTorch's kernels run on: cuda (the GPU planned) | cpu (to compare with PyTorch on CPU ranks: no CUDA-only "
+                 "working buffers, such as the eager softmax backward's grad * output)")
+      ->capture_default_str();
   app.add_option("--alloc-trace", f.alloc_trace_path,
                  "write every allocator request of the replay (both steps, each with its phase and category) to this file, as an allocator "
                  "history (the format tools/torch_reference.py --memory-history writes; bench/allocator_replay replays it)");
@@ -401,6 +405,7 @@ Result<FsdpConfig> ConfigFromFlags(const PlanFlags& f) {
   if (!(s = Assign(c.optimizer, ParseOptimizer(f.optimizer))).ok()) return s.error();
   if (!(s = Assign(c.framework, ParseFramework(f.framework))).ok()) return s.error();
   if (!(s = Assign(c.impl, ParseImpl(f.impl))).ok()) return s.error();
+  if (!(s = Assign(c.torch_device, ParseTorchDevice(f.torch_device))).ok()) return s.error();
   if (!(s = Assign(c.transformers, ParseTransformersVersion(f.transformers_version))).ok()) return s.error();
   if (!(s = Assign(c.backward_prefetch, ParseBackwardPrefetch(f.backward_prefetch))).ok()) return s.error();
   if (auto alloc = ParseAllocatorConfig(c.alloc_conf); !alloc.ok()) return alloc.error();

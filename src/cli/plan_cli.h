@@ -31,6 +31,7 @@ struct PlanFlags {
   std::optional<int64_t> cuda_context_bytes, nccl_bytes, cublas_workspace_bytes;
   std::optional<double> fragmentation;
   bool one_stream = false;       ///< --one-stream (fsdp-plan's own command only: AddReplayFlags)
+  std::string torch_device = "cuda";  ///< --torch-device (fsdp-plan's own command only: AddReplayFlags)
   std::string alloc_trace_path;  ///< --alloc-trace (fsdp-plan's own command only: AddReplayFlags)
   bool json = false;
   bool timeline = false;
@@ -44,8 +45,9 @@ struct PlanFlags {
 void AddPlanFlags(CLI::App& app, PlanFlags& flags);
 
 /// The flags that inspect the allocator's replay, on fsdp-plan's own command: --one-stream (the
-/// replay as a CPU device makes it: FrameworkOverheads::one_stream) and --alloc-trace FILE (its
-/// requests written as an allocator history: core/allocator_history.h).
+/// replay as a CPU device makes it: FrameworkOverheads::one_stream), --torch-device cpu (PyTorch's
+/// CPU kernels' working buffers: FsdpConfig::torch_device) and --alloc-trace FILE (its requests
+/// written as an allocator history: core/allocator_history.h).
 void AddReplayFlags(CLI::App& app, PlanFlags& flags);
 
 /// Records which flags were given explicitly (a cluster only fills in what was not). Call after parsing.

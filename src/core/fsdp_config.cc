@@ -96,6 +96,14 @@ Result<Impl> ParseImpl(std::string_view t) {
   return Unknown("--impl", t, "transformers, torchtitan (0.2.2) or torchtitan-2025-01");
 }
 
+std::string_view TorchDeviceName(TorchDevice d) { return d == TorchDevice::kCpu ? "cpu" : "cuda"; }
+
+Result<TorchDevice> ParseTorchDevice(std::string_view t) {
+  if (t == "cuda") return TorchDevice::kCuda;
+  if (t == "cpu") return TorchDevice::kCpu;
+  return Unknown("--torch-device", t, "cuda or cpu");
+}
+
 HfLoss HfLossOf(TransformersVersion v, std::string_view model_type) {
   if (v >= TransformersVersion{4, 49}) return HfLoss::kPaddedLabels;
   const families::Family* f = families::FindFamily(model_type);

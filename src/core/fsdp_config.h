@@ -38,6 +38,12 @@ enum class Impl { kTransformers, kTorchtitan, kTorchtitan202501 };
 /// Either torchtitan profile: its Llama 3 model, FSDP2 and SDPA (TorchtitanRuledOut, ResolveAndValidate).
 inline bool IsTorchtitan(Impl i) { return i != Impl::kTransformers; }
 
+/// The device PyTorch's kernels run on (`--torch-device`): the GPU being planned, or a CPU, for
+/// comparing with PyTorch on CPU ranks. The kernels' working buffers differ: CUDA's softmax
+/// backward makes `grad * output` before its kernel (aten/src/ATen/native/cuda/SoftMax.cu,
+/// softmax_backward_cuda_out), the CPU's does not (activation_model.cc, MarkSoftmaxBackward).
+enum class TorchDevice { kCuda, kCpu };
+
 /// A transformers release, major.minor (`--transformers-version`; a patch number is read and
 /// dropped). The default is the release fsdpkit's checks run against.
 struct TransformersVersion {
@@ -158,6 +164,7 @@ struct FsdpConfig {
   std::string alloc_conf;
   LoraConfig lora;                 ///< rank 0: full fine-tuning
   Impl impl = Impl::kTransformers;
+  TorchDevice torch_device = TorchDevice::kCuda;
   TransformersVersion transformers;  ///< the release under Impl::kTransformers (its loss path: HfLossOf)
 };
 
@@ -174,6 +181,7 @@ std::string_view OptimizerName(Optimizer o);
 std::string_view FrameworkName(Framework f);
 std::string_view BackwardPrefetchName(BackwardPrefetch p);
 std::string_view ImplName(Impl i);  ///< "transformers", "torchtitan", "torchtitan-2025-01"
+std::string_view TorchDeviceName(TorchDevice d);  ///< "cuda", "cpu"
 
 Result<Strategy> ParseStrategy(std::string_view text);
 /// "block", "none", "linear", "peft" or "size:N" (N parameters, e.g. size:1e8 or size:100000000).
@@ -184,6 +192,7 @@ Result<Optimizer> ParseOptimizer(std::string_view text);
 Result<Framework> ParseFramework(std::string_view text);
 Result<BackwardPrefetch> ParseBackwardPrefetch(std::string_view text);
 Result<Impl> ParseImpl(std::string_view text);
+Result<TorchDevice> ParseTorchDevice(std::string_view text);  ///< "cuda" or "cpu"
 /// "4.44", "4.44.2", "4.57.0rc1" or "5.0.0.dev0" (MAJOR.MINOR[.PATCH][aN|bN|rcN|.devN|.postN]).
 /// Refused: releases before 4.31, which computed the loss in the logits' own dtype, and any but
 /// 4.31 to 4.57 and 5.x.

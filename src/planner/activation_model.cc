@@ -858,6 +858,13 @@ std::vector<SavedTensor> MarkSoftmaxBackward(const ModelShape& m, const FsdpConf
   }
   grads.push_back({"grad.softmax_output", block[softmax].bytes});
   grads.push_back({"grad.softmax_input", block[softmax].bytes});
+  // CUDA's softmax backward (SoftMax.cu, softmax_backward_cuda_out) computes `tmp = grad *
+  // output` into a tensor of the gradient's shape before its kernel, after the structured op has
+  // allocated grad_input: a fourth [B, a, s, s] tensor there, freed as the op returns. The
+  // CPU's kernel makes none (PyTorch's CPU requests: _softmax_backward_data's output alone). On
+  // the H200 it is what the un-checkpointed eager TinyLlama rows lacked: max_memory_allocated
+  // 512.5 MiB over fsdp-plan's (one [1, 32, 2048, 2048] fp32), +0.00% with it.
+  if (cfg.torch_device == TorchDevice::kCuda) grads.push_back({"grad.softmax_product", block[softmax].bytes});
   return grads;
 }
 

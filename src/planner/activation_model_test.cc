@@ -202,15 +202,23 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   const BlockActivations a = Profile("llama-2-7b", 4096, Attention::kEager);
   CHECK(a.BackwardWorkingBytes() == (2 * 2 * 4096 + 12 * 4096) * 4096);
   CHECK(a.mlp_working_bytes == (2 * 4096 + 3 * 2 * 11008 - (2 * 2 * 4096 + 12 * 4096)) * 4096);
-  // The softmax's moment: the residual gradient 2h, v's gradient 2h (32 x 128 = h), and two fp32
-  // gradients of the fp32 softmax's output, 2 x 4as.
-  CHECK(a.SoftmaxBackwardBytes() == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
-  // one tensor each, in the order autograd makes them (the caching allocator sees four blocks)
-  REQUIRE(a.softmax_backward.size() == 4);
+  // The softmax's moment: the residual gradient 2h, v's gradient 2h (32 x 128 = h), two fp32
+  // gradients of the fp32 softmax's output, 2 x 4as, and on CUDA the kernel's grad * output, 4as.
+  CHECK(a.SoftmaxBackwardBytes() == (2 * 4096 + 2 * 4096 + 3 * 4LL * 32 * 4096) * 4096);
+  // one tensor each, in the order autograd makes them (the caching allocator sees five blocks)
+  REQUIRE(a.softmax_backward.size() == 5);
   CHECK(a.softmax_backward[0].bytes == 2LL * 4096 * 4096);
   CHECK(a.softmax_backward[1].bytes == 2LL * 4096 * 4096);
   CHECK(a.softmax_backward[2].bytes == 4LL * 32 * 4096 * 4096);
   CHECK(a.softmax_backward[3].bytes == 4LL * 32 * 4096 * 4096);
+  CHECK(a.softmax_backward[4].name == "grad.softmax_product");
+  CHECK(a.softmax_backward[4].bytes == 4LL * 32 * 4096 * 4096);
+  // a CPU's softmax backward makes no product: the four others
+  FsdpConfig cpu;
+  cpu.seq_len = 4096;
+  cpu.attention = Attention::kEager;
+  cpu.torch_device = TorchDevice::kCpu;
+  CHECK(BlockActivationProfile(Loaded("llama-2-7b"), cpu).SoftmaxBackwardBytes() == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
   // Freed by then: v's saved copy, the bf16 probabilities (after the softmax in the core), and
   // everything after the core; the softmax's output, q, k and the first norm's still saved.
   int64_t freed = 0, kept = 0;
@@ -257,13 +265,14 @@ TEST_CASE("GPT-2 eager backward: the MLP's moment, then the softmax's with the r
   // gpt2 at 1024 tokens (micro-batch 1), dropout 0.1, bf16. Held through the block: the two
   // hidden-state gradients 2 x 2h and the norms' 12h a token; the MLP's moment (the incoming 2h and
   // its 4 x 2I) beyond them; the softmax's moment (the held set gone): the residual's gradient 2h,
-  // v's 2h (GPT-2's v is c_attn's output, h wide) and two of the probabilities' shape, 2 x 2as.
+  // v's 2h (GPT-2's v is c_attn's output, h wide) and two of the probabilities' shape, 2 x 2as,
+  // and CUDA's grad * output, one more.
   const int64_t h = 768, inner = 3072, as1k = 12 * 1024;
   const BlockActivations a = Profile("gpt2", 1024, Attention::kEager);
   const int64_t held = (2 * 2 * h + 12 * h) * 1024;
   CHECK(a.BackwardWorkingBytes() == held);
   CHECK(a.mlp_working_bytes == 2 * h * 1024 + 4 * 2 * inner * 1024 - held);
-  CHECK(a.SoftmaxBackwardBytes() == (2 * h + 2 * h + 2 * 2 * as1k) * 1024);
+  CHECK(a.SoftmaxBackwardBytes() == (2 * h + 2 * h + 3 * 2 * as1k) * 1024);
   // what has gone by then: dropout's mask as and output 2as, c_proj's input 2h and its dropout
   // mask h, ln_2 2h + 8, c_fc's input 2h, NewGELU 4 x 2 x inner, c_proj's input 2 x inner, the
   // MLP's dropout mask h
@@ -282,7 +291,7 @@ TEST_CASE("GPT-2 eager backward: the MLP's moment, then the softmax's with the r
   const BlockActivations b = BlockActivationProfile(m.value(), c);
   CHECK(b.BackwardWorkingBytes() == (2 * 2 * h + 12 * h) * 4096);
   CHECK(b.mlp_working_bytes == (2 * h + 4 * 2 * inner - (2 * 2 * h + 12 * h)) * 4096);
-  CHECK(b.SoftmaxBackwardBytes() == (2 * h + 2 * h + 2 * 2 * as4k) * 4096);
+  CHECK(b.SoftmaxBackwardBytes() == (2 * h + 2 * h + 3 * 2 * as4k) * 4096);
 }
 
 TEST_CASE("Qwen3-8B block, flash: Llama's tensors plus the per-head q/k norms") {
@@ -600,10 +609,13 @@ TEST_CASE("gpt-oss block, eager, un-checkpointed: its forward's highest moment a
     if (t.name == "attn_core.probs") CHECK(t.freed_by_softmax_backward);
   }
   // in fp32 scatter_ needs no buffer and the softmax's own moment (probabilities and both
-  // gradients) is the higher: three of the joined shape
+  // gradients; on CUDA also the kernel's grad * output) is the higher: three of the joined shape
+  // on a CPU, four on CUDA
   c.param_dtype = DType::kFp32;
   const BlockActivations fp32 = BlockActivationProfile(TestConfig("gpt-oss-tiny.json"), c);
-  CHECK(fp32.SoftmaxBackwardBytes() == 2 * 8'388'608 + 2 * 268'566'528);
+  CHECK(fp32.SoftmaxBackwardBytes() == 2 * 8'388'608 + 3 * 268'566'528);
+  c.torch_device = TorchDevice::kCpu;
+  CHECK(BlockActivationProfile(TestConfig("gpt-oss-tiny.json"), c).SoftmaxBackwardBytes() == 2 * 8'388'608 + 2 * 268'566'528);
 }
 
 TEST_CASE("Llama-style eager core in fp32: the softmax made after the forward moment, the product and its scaled copy the moment") {

@@ -143,6 +143,7 @@ Json ConfigToJson(const FsdpConfig& c) {
           {"loop_holds_outputs", c.loop_holds_outputs},
           {"use_cache", c.use_cache},
           {"ac_reentrant", c.ac_reentrant},
+          {"torch_device", TorchDeviceName(c.torch_device)},
           {"alloc_conf", c.alloc_conf}};
 }
 
