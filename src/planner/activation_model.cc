@@ -20,11 +20,10 @@ namespace {
 constexpr size_t kNoMoment = std::numeric_limits<size_t>::max();
 
 // Whether BlockActivations::forward_moment is modelled for this block's eager core: split q, k,
-// v projections with a Llama-style fp32 softmax or gpt-oss's sink logits (not GPT-2's fused
-// core, MLA's, Gemma 2's soft-capping or attention dropout)
+// v projections with a Llama-style fp32 softmax (Gemma 2's soft-capping too) or gpt-oss's sink
+// logits (not GPT-2's fused core, MLA's or attention dropout)
 bool EagerCoreMomentModelled(const ModelShape& m) {
-  return !m.arch.fused_qkv && !m.mla.enabled() && m.attn_logit_softcapping <= 0 && m.attention_dropout <= 0 &&
-         (m.arch.softmax_fp32 || m.attention_sinks);
+  return !m.arch.fused_qkv && !m.mla.enabled() && m.attention_dropout <= 0 && (m.arch.softmax_fp32 || m.attention_sinks);
 }
 
 std::string_view LastComponent(std::string_view path) {
@@ -953,9 +952,17 @@ std::vector<SavedTensor> EagerCoreMoment(const ModelShape& m, const Dims& d, boo
     return std::any_of(kept.begin(), kept.end(), [&](const SavedTensor& t) { return t.name == name; });
   };
   // `matmul(q, k^T) * scaling + mask`: the product, then its scaled copy, each freed once the
-  // next exists; the masked scores stay
-  std::vector<SavedTensor> moment = {{"moment.scores_product", d.c * scores}, {"moment.scores_scaled", d.c * scores}, {"moment.scores", d.c * scores}};
-  moment[0].freed_by_next_in_moment = moment[1].freed_by_next_in_moment = true;
+  // next exists; the masked scores stay. Gemma 2's soft-capping (its eager_attention_forward:
+  // `/ softcap`, tanh, `* softcap` before the mask) adds three more of the same, each gone once
+  // the next exists, tanh's output among them where it is not kept (a checkpointed forward)
+  std::vector<SavedTensor> moment = {{"moment.scores_product", d.c * scores}, {"moment.scores_scaled", d.c * scores}};
+  if (m.attn_logit_softcapping > 0) {
+    moment.push_back({"moment.scores_divided", d.c * scores});
+    if (!held("self_attn.softcap_tanh")) moment.push_back({"moment.scores_tanh", d.c * scores});
+    moment.push_back({"moment.scores_capped", d.c * scores});
+  }
+  for (SavedTensor& t : moment) t.freed_by_next_in_moment = true;
+  moment.push_back({"moment.scores", d.c * scores});
   if (m.attention_sinks) {
     const int64_t joined = d.c * (scores + d.heads * d.tokens);  // one more key: the sink
     moment.push_back({"moment.joined", joined});

@@ -618,6 +618,31 @@ TEST_CASE("gpt-oss block, eager, un-checkpointed: its forward's highest moment a
   CHECK(BlockActivationProfile(TestConfig("gpt-oss-tiny.json"), c).SoftmaxBackwardBytes() == 2 * 8'388'608 + 2 * 268'566'528);
 }
 
+TEST_CASE("Gemma 2's soft-capped eager core: its forward moment, divided, tanh'd and capped copies in turn") {
+  // gemma2-100m.json in bf16 at 2 x 256 (8 heads, 4 kv heads of 128): eager_attention_forward
+  // makes the product, its scaled copy, `/ softcap`, tanh (saved for its backward), `* softcap`,
+  // the masked scores, then the fp32 copy the softmax reads: each [2, 8, 256, 256] copy 2 MiB in
+  // bf16, one alive at a time until the masked scores, which stay beside the 4 MiB fp32 copy.
+  const ModelSpec m = TestConfig("gemma2-100m.json");
+  FsdpConfig c = HookedConfig();
+  const BlockActivations a = BlockActivationProfile(m, c);
+  std::vector<std::string_view> names;
+  for (const SavedTensor& t : a.forward_moment) names.push_back(t.name);
+  CHECK(names == std::vector<std::string_view>{"moment.k_rope", "moment.v", "moment.scores_product", "moment.scores_scaled", "moment.scores_divided",
+                                               "moment.scores_capped", "moment.scores", "moment.scores_fp32"});
+  const int64_t scores = 2 * 8 * 256 * 256, kv = 4 * 128 * 512;
+  CHECK(a.ForwardMomentBytes() == 2 * 2 * kv + 2 * scores + 4 * scores);
+  // tanh's output is kept (made before the moment), as the softmax's fp32 output is
+  for (const SavedTensor& t : a.kept) {
+    if (t.name == "self_attn.softcap_tanh" || t.name == "attn_core.softmax_fp32") CHECK_FALSE(t.after_forward_moment);
+  }
+  // a checkpointed forward keeps nothing: tanh's output comes and goes in the moment
+  c.checkpointing = Checkpointing::kFull;
+  bool tanh = false;
+  for (const SavedTensor& t : BlockActivationProfile(m, c).forward_moment) tanh = tanh || (t.name == "moment.scores_tanh" && t.freed_by_next_in_moment);
+  CHECK(tanh);
+}
+
 TEST_CASE("Llama-style eager core in fp32: the softmax made after the forward moment, the product and its scaled copy the moment") {
   // PyTorch's CPU requests (tools/torch_reference.py --device cpu --memory-history), FSDP2 on one
   // rank, qwen3-moe-mini.json in fp32 at 2 x 1024: each block's forward makes aten::bmm's product,

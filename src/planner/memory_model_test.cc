@@ -851,6 +851,43 @@ TEST_CASE("gpt-oss's eager core on an H200: the published sweep row's allocated 
   CHECK(std::abs(static_cast<double>(e.reserved_peak_bytes) / 6'501'171'200.0 - 1) < 0.02);
 }
 
+// The H200 sweep's Gemma 2 row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_gemma2_mb4:
+// gemma2-100m, FSDP2 on one GPU, bf16, eager, 4 x 2048): max_memory_allocated 7,592,460,800,
+// max_memory_reserved 8,669,626,368 in 48 cudaMallocs. It guards the soft-capped core's forward
+// moment (whose freed score-sized copies the block's saved tensors are carved from: without it
+// the replay made 116 segments and was +7.5% reserved) and CUDA's softmax-backward product
+// (-1.0% allocated without it).
+TEST_CASE("Gemma 2's soft-capped eager core on an H200: the sweep row's allocated and reserved peaks, its cudaMallocs") {
+  const MemoryEstimate e = SweepRowOnH200("gemma2-100m.json", 2048, 4, Attention::kEager);
+  CHECK(std::abs(static_cast<double>(e.allocated_blocks_peak_bytes) / 7'592'460'800.0 - 1) < 0.005);
+  CHECK(std::abs(static_cast<double>(e.reserved_peak_bytes) / 8'669'626'368.0 - 1) < 0.02);
+  CHECK(std::abs(e.device_allocs - 48) <= 4);
+}
+
+// The H200's un-checkpointed eager TinyLlama (docs/data/gpu_h200_2026-12-04.json, torch_full_shard:
+// FSDP2 FULL_SHARD on one GPU, bf16, 1 x 2048): max_memory_allocated 37,007,333,376, at layer 21's
+// softmax backward. Without CUDA's grad * output there (SoftMax.cu) the plan was 512.5 MiB under.
+TEST_CASE("TinyLlama's eager softmax backward on an H200: the product CUDA's kernel makes, to 0.1%") {
+  auto model = LoadModel("tinyllama-1.1b");
+  REQUIRE(model.ok());
+  auto hw = LoadHardware("h200-sxm");
+  REQUIRE(hw.ok());
+  FsdpConfig c;
+  c.gpus = 1;
+  c.gpus_per_node = 1;
+  c.framework = Framework::kFsdp2;
+  c.seq_len = 2048;
+  c.attention = Attention::kEager;
+  auto w = BuildWorkload(model.value(), hw.value(), c);
+  REQUIRE(w.ok());
+  const MemoryEstimate e = EstimateMemory(w.value());
+  CHECK(std::abs(static_cast<double>(e.allocated_blocks_peak_bytes) / 37'007'333'376.0 - 1) < 0.001);
+  c.torch_device = TorchDevice::kCpu;  // a CPU's kernel: one [1, 32, 2048, 2048] fp32 tensor less
+  auto cpu = BuildWorkload(model.value(), hw.value(), c);
+  REQUIRE(cpu.ok());
+  CHECK(e.allocated_peak_bytes - EstimateMemory(cpu.value()).allocated_peak_bytes == 4LL * 32 * 2048 * 2048);
+}
+
 // The H200 sweep's DeepSeek-V3 row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_dsv3_mb8_s4k:
 // deepseek-v3-tiny, FSDP2 on one GPU, bf16, SDPA, 8 x 4096): max_memory_reserved 6,708,789,248.
 // It guards the routed experts' tensors one by one and what the sparse block holds at its end
