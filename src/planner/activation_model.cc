@@ -856,7 +856,11 @@ std::vector<SavedTensor> MarkSoftmaxBackward(const ModelShape& m, const FsdpConf
     return grads;
   }
   grads.push_back({"grad.softmax_output", block[softmax].bytes});
-  grads.push_back({"grad.softmax_input", block[softmax].bytes});
+  // fp16 on CUDA: the forward fused the upcast (_softmax(half_to_float=true) of the fp16 scores),
+  // so its backward writes the input's gradient in fp16 (derivatives.yaml: _softmax_backward_data(
+  // grad, result, dim, self.scalar_type())); elsewhere the input was the fp32 copy or the scores
+  const bool half_to_float = cfg.torch_device == TorchDevice::kCuda && cfg.param_dtype == DType::kFp16 && softmax_output == "attn_core.softmax_fp32";
+  grads.push_back({"grad.softmax_input", half_to_float ? d.c * block[softmax].bytes / 4 : block[softmax].bytes});
   // CUDA's softmax backward (SoftMax.cu, softmax_backward_cuda_out) computes `tmp = grad *
   // output` into a tensor of the gradient's shape before its kernel, after the structured op has
   // allocated grad_input: a fourth [B, a, s, s] tensor there, freed as the op returns. The
@@ -933,7 +937,8 @@ std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedT
 // 4.31 to 4.35 the same way): `attn_weights = softmax(attn_weights, dtype=float32).to(query.dtype)`
 // with the masked scores still bound to attn_weights. ATen's softmax(input, dim, dtype)
 // (aten/src/ATen/native/SoftMax.cpp) fuses the upcast only for fp16 on CUDA
-// (_softmax(half_to_float=true)); a bf16 input is first converted to a fp32 copy, alive while
+// (_softmax(half_to_float=true)); a bf16 input (and fp16 on a CPU: `upcast_copy`) is first
+// converted to a fp32 copy, alive while
 // _softmax writes its fp32 output: scores + copy + output, 10 bytes a score. Otherwise the highest
 // moment is the cast back: scores + fp32 softmax + probabilities (fp16: 8 bytes; under fp32 the
 // copy and the cast return their inputs: the product and its scaled copy, then the masked scores
@@ -945,7 +950,7 @@ std::vector<SavedTensor> CacheBeyondKept(const Dims& d, const std::vector<SavedT
 // transformers 4.31's llama-24-layers-2k-vocab.json under --ac full peaks at aten._softmax with
 // the scores, the fp32 copy and the output alive; gpt-oss-tiny.json un-checkpointed at 2 x 2048
 // at aten.sub.Tensor in its last block's forward, with these and what the block saved before.
-std::vector<SavedTensor> EagerCoreMoment(const ModelShape& m, const Dims& d, bool bf16, const std::vector<SavedTensor>& kept) {
+std::vector<SavedTensor> EagerCoreMoment(const ModelShape& m, const Dims& d, bool upcast_copy, const std::vector<SavedTensor>& kept) {
   if (!EagerCoreMomentModelled(m)) return {};
   const int64_t scores = d.heads * d.seq * d.tokens;  // B * a * s * s
   auto held = [&](std::string_view name) {
@@ -970,9 +975,9 @@ std::vector<SavedTensor> EagerCoreMoment(const ModelShape& m, const Dims& d, boo
     moment.push_back({"moment.shifted", joined});
     return moment;
   }
-  if (bf16) moment.push_back({"moment.scores_fp32", 4 * scores});
+  if (upcast_copy) moment.push_back({"moment.scores_fp32", 4 * scores});
   if (!held("attn_core.softmax_fp32")) moment.push_back({"moment.softmax", 4 * scores});
-  if (!bf16 && d.c != 4 && !held("attn_core.probs")) moment.push_back({"moment.probs", d.c * scores});  // fp16: the cast back
+  if (!upcast_copy && d.c != 4 && !held("attn_core.probs")) moment.push_back({"moment.probs", d.c * scores});  // fp16: the cast back
   return moment;
 }
 
@@ -984,9 +989,9 @@ std::vector<SavedTensor> EagerCoreMoment(const ModelShape& m, const Dims& d, boo
 // and v at kv-head width, whose products save repeat_kv's copies instead (selective
 // checkpointing keeps them as the function's inputs; use_cache, `cached`, as the cache's).
 // tools/peak_trace.py, gpt-oss-tiny.json at 2 x 2048: the last block's forward holds these.
-std::vector<SavedTensor> UncheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached, bool stream_apart,
+std::vector<SavedTensor> UncheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool upcast_copy, bool cached, bool stream_apart,
                                                      const std::vector<SavedTensor>& kept) {
-  const std::vector<SavedTensor> core = EagerCoreMoment(m, d, bf16, kept);
+  const std::vector<SavedTensor> core = EagerCoreMoment(m, d, upcast_copy, kept);
   if (core.empty()) return {};
   auto kept_any = [&](auto&& pred) { return std::any_of(kept.begin(), kept.end(), pred); };
   std::vector<SavedTensor> moment;
@@ -1007,9 +1012,9 @@ std::vector<SavedTensor> UncheckpointedForwardMoment(const ModelShape& m, const 
 // blocks), q after RoPE, k and v (unless `cached`: the cache's, which a checkpointed block keeps
 // whole, allocated already) and, with GQA, repeat_kv's copies. The block's input is the
 // checkpoint's, kept already.
-std::vector<SavedTensor> CheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool bf16, bool cached,
+std::vector<SavedTensor> CheckpointedForwardMoment(const ModelShape& m, const Dims& d, bool upcast_copy, bool cached,
                                                    const std::vector<SavedTensor>& kept) {
-  std::vector<SavedTensor> core = EagerCoreMoment(m, d, bf16, kept);
+  std::vector<SavedTensor> core = EagerCoreMoment(m, d, upcast_copy, kept);
   if (core.empty()) return {};
   const int64_t q = d.heads * d.head_dim * d.tokens, kv = d.kv_heads * d.head_dim * d.tokens;
   std::vector<SavedTensor> moment;
@@ -1431,10 +1436,12 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
   const bool stream_apart = ResidualStreamApart(m, cfg);
   if (cfg.attention == Attention::kEager) {
-    const bool bf16 = cfg.param_dtype == DType::kBf16;
-    if (cfg.checkpointing == Checkpointing::kFull) a.forward_moment = CheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), a.kept);
+    // softmax(x, dtype=float32) of 16-bit scores converts them to a fp32 copy first, except fp16
+    // on CUDA, which it fuses (_softmax(half_to_float=true); ATen's SoftMax.cpp, softmax)
+    const bool upcast_copy = cfg.param_dtype == DType::kBf16 || (cfg.param_dtype == DType::kFp16 && cfg.torch_device == TorchDevice::kCpu);
+    if (cfg.checkpointing == Checkpointing::kFull) a.forward_moment = CheckpointedForwardMoment(m, d, upcast_copy, !a.cache.empty(), a.kept);
     else if (cfg.checkpointing != Checkpointing::kSelectiveOp) {
-      a.forward_moment = UncheckpointedForwardMoment(m, d, bf16, !a.cache.empty(), stream_apart, a.kept);
+      a.forward_moment = UncheckpointedForwardMoment(m, d, upcast_copy, !a.cache.empty(), stream_apart, a.kept);
     }
   }
   if (stream_apart && m.arch.norm_placement == NormPlacement::kPre) MarkResidualTransients(a.kept, d);

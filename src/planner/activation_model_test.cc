@@ -219,6 +219,19 @@ TEST_CASE("Llama eager backward: the MLP's working gradients, then the softmax's
   cpu.attention = Attention::kEager;
   cpu.torch_device = TorchDevice::kCpu;
   CHECK(BlockActivationProfile(Loaded("llama-2-7b"), cpu).SoftmaxBackwardBytes() == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
+  // fp16: CUDA fuses the forward's upcast (_softmax(half_to_float)), so the input's gradient is
+  // fp16, 2as, and the forward makes no fp32 copy; a CPU converts first, as in bf16
+  FsdpConfig fp16 = cpu;
+  fp16.param_dtype = DType::kFp16;
+  fp16.torch_device = TorchDevice::kCuda;
+  const BlockActivations cuda16 = BlockActivationProfile(Loaded("llama-2-7b"), fp16);
+  CHECK(cuda16.SoftmaxBackwardBytes() == (2 * 4096 + 2 * 4096 + (4 + 2 + 4) * 32LL * 4096) * 4096);
+  fp16.torch_device = TorchDevice::kCpu;
+  const BlockActivations cpu16 = BlockActivationProfile(Loaded("llama-2-7b"), fp16);
+  CHECK(cpu16.SoftmaxBackwardBytes() == (2 * 4096 + 2 * 4096 + 2 * 4LL * 32 * 4096) * 4096);
+  // the CPU's highest forward moment is the masked scores and their fp32 copy (2 + 4 bytes a
+  // score), CUDA's the product and its scaled copy (2 + 2)
+  CHECK(cpu16.ForwardMomentBytes() - cuda16.ForwardMomentBytes() == 2LL * 32 * 4096 * 4096);
   // Freed by then: v's saved copy, the bf16 probabilities (after the softmax in the core), and
   // everything after the core; the softmax's output, q, k and the first norm's still saved.
   int64_t freed = 0, kept = 0;
