@@ -820,10 +820,12 @@ TEST_CASE("eager attention's softmax backward: its gradients as separate blocks 
   CHECK(error < 0.11);
 }
 
-// A row of the H200 sweeps as tools/gpu_memory_check.py plans it: a tests/data/hf_configs/ model
-// under FSDP2 on one H200, bf16 parameters, fp32 reduction, no checkpointing.
-MemoryEstimate SweepRowOnH200(const std::string& config_file, int64_t seq_len, int64_t micro_batch, Attention attention) {
-  auto model = LoadModel(DataDir() + "/tests/data/hf_configs/" + config_file);
+// An H200 run as tools/gpu_memory_check.py plans it: `model` (a catalog id or a config path)
+// under FSDP2 on one H200, bf16 parameters, fp32 reduction, no checkpointing, PyTorch's kernels
+// on `device`.
+MemoryEstimate PlanOnOneH200(const std::string& model_id, int64_t seq_len, int64_t micro_batch, Attention attention,
+                             TorchDevice device = TorchDevice::kCuda) {
+  auto model = LoadModel(model_id);
   REQUIRE(model.ok());
   auto hw = LoadHardware("h200-sxm");
   REQUIRE(hw.ok());
@@ -834,10 +836,16 @@ MemoryEstimate SweepRowOnH200(const std::string& config_file, int64_t seq_len, i
   c.seq_len = seq_len;
   c.micro_batch = micro_batch;
   c.attention = attention;
+  c.torch_device = device;
   auto w = BuildWorkload(model.value(), hw.value(), c);
   INFO((w.ok() ? std::string() : w.error().message));
   REQUIRE(w.ok());
   return EstimateMemory(w.value());
+}
+
+// A row of the H200 sweeps: a tests/data/hf_configs/ model, planned as PlanOnOneH200 does.
+MemoryEstimate SweepRowOnH200(const std::string& config_file, int64_t seq_len, int64_t micro_batch, Attention attention) {
+  return PlanOnOneH200(DataDir() + "/tests/data/hf_configs/" + config_file, seq_len, micro_batch, attention);
 }
 
 // The H200 sweep's gpt-oss row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_gptoss_mb8:
@@ -868,24 +876,11 @@ TEST_CASE("Gemma 2's soft-capped eager core on an H200: the sweep row's allocate
 // FSDP2 FULL_SHARD on one GPU, bf16, 1 x 2048): max_memory_allocated 37,007,333,376, at layer 21's
 // softmax backward. Without CUDA's grad * output there (SoftMax.cu) the plan was 512.5 MiB under.
 TEST_CASE("TinyLlama's eager softmax backward on an H200: the product CUDA's kernel makes, to 0.1%") {
-  auto model = LoadModel("tinyllama-1.1b");
-  REQUIRE(model.ok());
-  auto hw = LoadHardware("h200-sxm");
-  REQUIRE(hw.ok());
-  FsdpConfig c;
-  c.gpus = 1;
-  c.gpus_per_node = 1;
-  c.framework = Framework::kFsdp2;
-  c.seq_len = 2048;
-  c.attention = Attention::kEager;
-  auto w = BuildWorkload(model.value(), hw.value(), c);
-  REQUIRE(w.ok());
-  const MemoryEstimate e = EstimateMemory(w.value());
+  const MemoryEstimate e = PlanOnOneH200("tinyllama-1.1b", 2048, 1, Attention::kEager);
   CHECK(std::abs(static_cast<double>(e.allocated_blocks_peak_bytes) / 37'007'333'376.0 - 1) < 0.001);
-  c.torch_device = TorchDevice::kCpu;  // a CPU's kernel: one [1, 32, 2048, 2048] fp32 tensor less
-  auto cpu = BuildWorkload(model.value(), hw.value(), c);
-  REQUIRE(cpu.ok());
-  CHECK(e.allocated_peak_bytes - EstimateMemory(cpu.value()).allocated_peak_bytes == 4LL * 32 * 2048 * 2048);
+  // a CPU's kernel: one [1, 32, 2048, 2048] fp32 tensor less
+  const MemoryEstimate cpu = PlanOnOneH200("tinyllama-1.1b", 2048, 1, Attention::kEager, TorchDevice::kCpu);
+  CHECK(e.allocated_peak_bytes - cpu.allocated_peak_bytes == 4LL * 32 * 2048 * 2048);
 }
 
 // The H200 sweep's DeepSeek-V3 row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_dsv3_mb8_s4k:
