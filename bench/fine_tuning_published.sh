@@ -31,10 +31,11 @@ while IFS='|' read -r name pub kind flags tps; do
 import json,sys
 j=json.load(sys.stdin); p=j['memory']['per_gpu']
 kind='$kind'; pub=float('$pub')
-v=p['allocator']['allocated_blocks_peak_bytes'] if kind=='allocated' else p['reserved_peak_bytes']
+v={'allocated': p['allocator']['allocated_blocks_peak_bytes'], 'active': p['allocator']['active_peak_bytes'], 'reserved': p['reserved_peak_bytes']}[kind]
 t=j['time']['tokens_per_s_per_gpu']; tp='$tps'
 speed=f'tokens/s/GPU published {float(tp):6.0f} fsdp-plan {t:6.0f} {100*(t-float(tp))/float(tp):+5.1f}%' if tp else f'tokens/s/GPU fsdp-plan {t:6.0f}'
-print(f'{\"$name\":36s} {kind:9s} published {pub/2**30:6.2f} GiB  fsdp-plan {v/2**30:6.2f} GiB {100*(v-pub)/pub:+6.1f}%  {speed}')
+retries=f'  allocator retries {p[\"alloc_retries\"]}' if p['alloc_retries'] else ''
+print(f'{\"$name\":36s} {kind:9s} published {pub/2**30:6.2f} GiB  fsdp-plan {v/2**30:6.2f} GiB {100*(v-pub)/pub:+6.1f}%  {speed}{retries}')
 "
 done <<'ROWS'
 #20 fms mistral7b lora 2xA100|15144870400|allocated|--model mistral-7b --gpu a100-80gb-sxm --gpus 2 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj --lora-dropout 0.1 --master-dtype bf16 --reduce-dtype bf16 --seq-len 4096 --micro-batch 2 --ac full --transformers-version 4.48 --ac-reentrant|2946.3
@@ -48,5 +49,9 @@ done <<'ROWS'
 #12 answerai llama7b lora 4090 mb6|22924573573|reserved|--model llama-2-7b --gpu rtx-4090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --seq-len 2048 --micro-batch 6 --ac full --transformers-version 4.38 --loop-holds-outputs
 #13 answerai 70b qlora offload 4090|16020422328|reserved|--model llama-2-70b --gpu rtx-4090 --gpus 2 --lora-rank 64 --lora-alpha 16 --lora-targets k_proj,q_proj,v_proj,up_proj,down_proj,gate_proj --lora-dropout 0.1 --master-dtype bf16 --qlora --qlora-double-quant --seq-len 2048 --micro-batch 2 --ac full --cpu-offload --transformers-version 4.38 --loop-holds-outputs
 #25 llama-recipes 7b lora bf16 reserved|19360000000|reserved|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache
-#25 llama-recipes 7b lora bf16 active|15220000000|allocated|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache
+#25 llama-recipes 7b lora bf16 active|15220000000|active|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache
+#25 llama-recipes holds outputs reserved|27360000000|reserved|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache --loop-holds-outputs
+#25 llama-recipes holds outputs active|20200000000|active|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache --loop-holds-outputs
+#25 llama-recipes no limit reserved|32670000000|reserved|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache --loop-holds-outputs --no-limit-all-gathers
+#25 llama-recipes no limit active|25860000000|active|--model llama-2-7b --gpu a100-40gb-sxm --gpus 4 --lora-rank 8 --lora-alpha 32 --lora-targets q_proj,v_proj --lora-dropout 0.05 --master-dtype bf16 --reduce-dtype bf16 --seq-len 2048 --micro-batch 4 --ac full --attention eager --transformers-version 4.31 --use-cache --loop-holds-outputs --no-limit-all-gathers
 ROWS

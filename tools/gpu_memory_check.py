@@ -84,11 +84,18 @@ def compare(name, run, fsdp_plan, gpu):
     # max_memory_allocated counts the allocator's blocks (a block's unsplit remainder in): the
     # replay's figure of that, where this fsdp-plan has it; the tensors' figure before
     allocated = replay.get("allocated_blocks_peak_bytes", per_gpu["allocated_peak_bytes"])
+    # active_bytes.all.peak: the blocks and the freed ones still awaiting another stream's event
+    # (FSDP1's record_stream); the replay's, where this fsdp-plan has it
+    torch_active = stats.get("active_bytes.all.peak")
+    plan_active = replay.get("active_peak_bytes")
     return {
         "run": name, "alloc_conf": config.get("alloc_conf"),
         "torch_allocated_bytes": memory["max_allocated_bytes"],
         "plan_allocated_bytes": allocated,
         "allocated_error_pct": error_pct(memory["max_allocated_bytes"], allocated),
+        "torch_active_bytes": torch_active,
+        "plan_active_bytes": plan_active,
+        "active_error_pct": error_pct(torch_active, plan_active) if torch_active and plan_active else None,
         "torch_requested_bytes": stats.get("requested_bytes.all.peak"),
         "plan_tensors_bytes": per_gpu["allocated_peak_bytes"],
         "torch_reserved_bytes": memory["max_reserved_bytes"],
@@ -155,6 +162,12 @@ def main():
               f"{gib(r['torch_outside_allocator_bytes'])} {gib(r['plan_context_nccl_bytes'])}")
     print(f"allocated: {summary(rows, 'allocated_error_pct')}")
     print(f"reserved:  {summary(rows, 'reserved_error_pct')}")
+    # the runs where a block waited on another stream at PyTorch's peak (active above allocated)
+    waited = [r for r in rows if r["active_error_pct"] is not None and r["torch_active_bytes"] > r["torch_allocated_bytes"]]
+    for r in waited:
+        print(f"active ({r['run']}): {gib(r['torch_active_bytes']).strip()} GiB, plan {gib(r['plan_active_bytes']).strip()} "
+              f"({pct(r['active_error_pct']).strip()}%); over allocated {(r['torch_active_bytes'] - r['torch_allocated_bytes']) / 2**20:.0f} MiB, "
+              f"plan {(r['plan_active_bytes'] - r['plan_allocated_bytes']) / 2**20:.0f} MiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -126,6 +126,10 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
   if (m.overheads.caching_allocator) {
     fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_allocated: the allocator's blocks, unsplit remainders in)\n",
                "allocated blocks", Gib(m.allocated_blocks_peak_bytes), Percent(m.allocated_blocks_peak_bytes, m.capacity_bytes));
+    if (m.active_peak_bytes != m.allocated_blocks_peak_bytes) {  // blocks awaiting another stream's event (FSDP1's record_stream)
+      fmt::print(out, "  {:<24}{:>10}{:>11}   (active_bytes.all.peak: the blocks and the freed ones another stream still uses)\n", "active blocks",
+                 Gib(m.active_peak_bytes), Percent(m.active_peak_bytes, m.capacity_bytes));
+    }
     fmt::print(out, "  {:<24}{:>10}{:>11}   (torch.cuda.max_memory_reserved, {}{}{})\n", "reserved", Gib(m.reserved_peak_bytes),
                Percent(m.reserved_peak_bytes, m.capacity_bytes), m.reserved_peak_phase,
                m.overheads.allocator.text.empty() ? "" : "; PYTORCH_CUDA_ALLOC_CONF=" + m.overheads.allocator.text,

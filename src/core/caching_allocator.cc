@@ -381,6 +381,8 @@ void CachingAllocator::AddReserved(const Pool& pool, int64_t bytes, int segments
 void CachingAllocator::AddAllocated(int64_t bytes) {
   stats_.allocated_bytes += bytes;
   stats_.allocated_peak_bytes = std::max(stats_.allocated_peak_bytes, stats_.allocated_bytes);
+  stats_.active_bytes += bytes;
+  stats_.active_peak_bytes = std::max(stats_.active_peak_bytes, stats_.active_bytes);
   if (stats_.reserved_bytes == stats_.reserved_peak_bytes) {
     stats_.allocated_at_reserved_peak_bytes = std::max(stats_.allocated_at_reserved_peak_bytes, stats_.allocated_bytes);
   }
@@ -656,8 +658,10 @@ void CachingAllocator::EventsPassed(Handle id) {
   FreeBlock(id);
 }
 
-// free_block: merges with free neighbours and returns the block to its pool.
+// free_block: the block stops being active (its size before merging: original_block_size),
+// merges with free neighbours and returns to its pool.
 void CachingAllocator::FreeBlock(int id) {
+  stats_.active_bytes -= blocks_[id].size;
   Pool& pool = *blocks_[id].pool;
   TryMerge(id, blocks_[id].prev, pool);
   TryMerge(id, blocks_[id].next, pool);
@@ -766,6 +770,7 @@ void CachingAllocator::EmptyCache() {
 
 void CachingAllocator::ResetPeaks() {
   stats_.allocated_peak_bytes = stats_.allocated_bytes;
+  stats_.active_peak_bytes = stats_.active_bytes;
   stats_.reserved_peak_bytes = stats_.reserved_bytes;
   stats_.allocated_at_reserved_peak_bytes = stats_.allocated_bytes;
   for (PoolStats* p : {&stats_.small_pool, &stats_.large_pool}) {

@@ -100,6 +100,10 @@ struct PoolStats {
 /// The allocator's statistics (torch.cuda.memory_stats names).
 struct AllocatorStats {
   int64_t allocated_bytes = 0, allocated_peak_bytes = 0;  ///< allocated_bytes.all.current / .peak
+  /// active_bytes.all.current / .peak: the allocated blocks and the freed ones still awaiting
+  /// their recorded streams' events (free() lowers allocated_bytes at once, free_block() lowers
+  /// active_bytes when the block goes back to its pool)
+  int64_t active_bytes = 0, active_peak_bytes = 0;
   int64_t reserved_bytes = 0, reserved_peak_bytes = 0;    ///< reserved_bytes.all.current / .peak
   int64_t segments = 0;                                   ///< segment.all.current (expandable: mapped ranges not counted)
   int64_t num_alloc_retries = 0;                          ///< mallocs that freed the cache and retried

@@ -106,10 +106,14 @@ TEST_CASE("record_stream defers the free until the recorded stream's event has p
   a.RecordStream(x, 1);
   a.Free(x);
   CHECK(a.stats().allocated_bytes == 0);
+  CHECK(a.stats().active_bytes == 12 * MiB);  // active until its event has passed
   CHECK(Layout(a.Snapshot()[0]) == "12M/E");
   auto y = a.Malloc(12 * MiB, 0);  // x is not reusable yet: a second segment
   CHECK(a.stats().reserved_bytes == 24 * MiB);
+  CHECK(a.stats().allocated_peak_bytes == 12 * MiB);
+  CHECK(a.stats().active_peak_bytes == 24 * MiB);
   a.EventsPassed(x);
+  CHECK(a.stats().active_bytes == 12 * MiB);
   a.Free(y);
   a.Malloc(12 * MiB, 0);
   a.Malloc(12 * MiB, 0);
@@ -247,6 +251,12 @@ TEST_CASE("random traffic keeps the allocator's accounting consistent under ever
         REQUIRE(s.small_pool.reserved_bytes + s.large_pool.reserved_bytes == s.reserved_bytes);
         REQUIRE(s.allocated_bytes == live_bytes);
         REQUIRE(s.allocated_bytes <= s.reserved_bytes);
+        int64_t active_bytes = 0;  // the allocated blocks and those awaiting events
+        for (const SegmentView& segment : a.Snapshot()) {
+          for (const BlockView& b : segment.blocks) active_bytes += (b.allocated || b.awaiting_events) ? b.bytes : 0;
+        }
+        REQUIRE(s.active_bytes == active_bytes);
+        REQUIRE(s.active_peak_bytes >= s.active_bytes);
       }
     }
   }

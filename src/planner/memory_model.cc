@@ -1134,6 +1134,7 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
   e.allocated_blocks_peak_bytes = e.allocated_peak_bytes;
   e.pending_free_bytes_at_peak = mem.pending_at_peak();
   e.peak = mem.device_peak();
+  e.active_peak_bytes = TotalBytes(e.peak);
   e.peak_phase = PhaseName(w, mem.device_peak_phase());
   e.reserved_peak_bytes = TotalBytes(e.peak);
   e.reserved_peak_phase = e.peak_phase;
@@ -1141,6 +1142,7 @@ MemoryEstimate EstimateTensorMemory(const Workload& w, const Schedule& schedule,
     const AllocatorStats& a = allocator->stats();
     e.reserved_peak_bytes = a.reserved_peak_bytes;
     e.allocated_blocks_peak_bytes = a.allocated_peak_bytes;
+    e.active_peak_bytes = a.active_peak_bytes;
     e.reserved_peak_phase = PhaseName(w, mem.reserved_peak_phase());
     e.fragmentation_bytes = a.reserved_peak_bytes - a.allocated_at_reserved_peak_bytes;
     e.alloc_retries = a.num_alloc_retries + player.skipped_retries();
@@ -1180,6 +1182,7 @@ int64_t IsolatedWorkspaceBytes(const FrameworkOverheads& o) {
 void AddHeldBytes(MemoryEstimate& e, int64_t bytes) {
   e.allocated_peak_bytes += bytes;
   e.allocated_blocks_peak_bytes += bytes;
+  e.active_peak_bytes += bytes;
   e.reserved_peak_bytes += bytes;
   e.peak[static_cast<int>(Cat::kFramework)] += bytes;
   for (MemoryPoint& p : e.timeline) {

@@ -78,6 +78,12 @@ struct MemoryEstimate {
   /// split off (CUDACachingAllocator.cpp, malloc: `stats.allocated_bytes[...].increase(
   /// block->size)` after should_split). The replay's; without the allocator, allocated_peak_bytes.
   int64_t allocated_blocks_peak_bytes = 0;
+  /// torch.cuda.memory_stats()["active_bytes.all.peak"]: the allocated blocks and the freed ones
+  /// still awaiting another stream's event (FSDP1's record_stream'd unsharded parameters and
+  /// gradients), at their peak; what torchtune's logs and FSDP's authors call "peak active". Equal
+  /// to allocated_blocks_peak_bytes where no block waits (FSDP2). The replay's; without the
+  /// allocator, the tensors and the pending buffers at their peak.
+  int64_t active_peak_bytes = 0;
   /// The caching allocator's replay (docs/memory-model.md, "The caching allocator"): the steady-state
   /// step's torch.cuda.max_memory_reserved(), when it is reached, reserved minus the allocated blocks
   /// then, and the mallocs that had to free the cache and retry on this card (num_alloc_retries).

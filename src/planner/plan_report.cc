@@ -160,6 +160,7 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
                   {"alloc_retries", m.alloc_retries},
                   {"allocator",
                    {{"allocated_blocks_peak_bytes", m.allocated_blocks_peak_bytes},
+                    {"active_peak_bytes", m.active_peak_bytes},
                     {"small_pool_reserved_peak_bytes", m.small_pool.reserved_peak_bytes},
                     {"large_pool_reserved_peak_bytes", m.large_pool.reserved_peak_bytes},
                     {"small_pool_segments_peak", m.small_pool.segments_peak},

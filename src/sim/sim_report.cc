@@ -119,6 +119,7 @@ Json SimResultToJson(const Workload& w, const SimResult& r) {
                       {"peak_phase", r.peak_phase}, {"capacity_bytes", r.capacity_bytes},
                       {"allocator", {{"allocated_peak_bytes", r.allocator.allocated_peak_bytes},
                                      {"allocated_blocks_peak_bytes", r.allocator.allocated_blocks_peak_bytes},
+                                     {"active_peak_bytes", r.allocator.active_peak_bytes},
                                      {"reserved_peak_bytes", r.allocator.reserved_peak_bytes},
                                      {"reserved_peak_phase", r.allocator.reserved_peak_phase},
                                      {"fragmentation_bytes", r.allocator.fragmentation_bytes},

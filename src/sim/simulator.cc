@@ -358,7 +358,7 @@ void AddMemory(const Workload& w, const Engine& e, const std::vector<ActionPlace
   r.peak_bytes = m.peak_bytes;
   r.peak_phase = m.peak_phase;
   r.capacity_bytes = m.capacity_bytes;
-  r.allocator = {m.allocated_peak_bytes, m.allocated_blocks_peak_bytes, m.reserved_peak_bytes, m.reserved_peak_phase, m.fragmentation_bytes, ReservedOverAllocatedPeakBytes(m),
+  r.allocator = {m.allocated_peak_bytes, m.allocated_blocks_peak_bytes, m.active_peak_bytes, m.reserved_peak_bytes, m.reserved_peak_phase, m.fragmentation_bytes, ReservedOverAllocatedPeakBytes(m),
                  m.alloc_retries};
   double clock = 0;
   int64_t best = -1;

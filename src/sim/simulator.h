@@ -68,10 +68,11 @@ struct SimResult {
   int64_t allocated_peak_bytes = 0;      ///< the highest `bytes` sample
   /// The caching allocator's figures of the same replay, as fsdp-plan reports them
   /// (MemoryEstimate): tensors only, the allocator's blocks (torch.cuda.max_memory_allocated),
-  /// reserved, fragmentation, cache over the tensors, retries.
+  /// active blocks (active_bytes.all.peak), reserved, fragmentation, cache over the tensors, retries.
   struct Allocator {
     int64_t allocated_peak_bytes = 0;
     int64_t allocated_blocks_peak_bytes = 0;
+    int64_t active_peak_bytes = 0;
     int64_t reserved_peak_bytes = 0;
     std::string reserved_peak_phase;
     int64_t fragmentation_bytes = 0;
