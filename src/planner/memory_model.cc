@@ -344,7 +344,10 @@ class StepPlayer {
     const WrapUnit& unit = w_.units[u];
     if (Fsdp2WorldOfOne()) return;  // no all-gather: the copy-out casts the shards (WaitUnshard)
     if (!Sharded()) {
-      // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard).
+      // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard),
+      // made on the pre-unshard stream. Its reshards' frees wait for the compute stream (Reshard);
+      // as under the rate limiter, every one but the newest is taken as passed by now.
+      while (mem_.PendingCount(Pool::kAllGather) >= 2) mem_.ReleaseOldestPending(Pool::kAllGather);
       if (unit.casts_for_compute || c_.cpu_offload) unsharded_[u] = {mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard)};
       return;
     }
@@ -401,9 +404,13 @@ class StepPlayer {
     mem_.Free(input);
   }
 
+  // FSDP1 record_stream()s the unsharded flat parameter to the compute stream before freeing it
+  // (_free_unsharded_flat_param), and under NO_SHARD the low-precision copy that stands for it
+  // (post_reshard -> _free_low_precision_sharded_param): the caching allocator holds the block
+  // until the GPU has passed that moment.
   void Reshard(const Action& a) {
     std::vector<BlockId>& buffers = unsharded_[a.unit];
-    if (Fsdp2() || !Sharded()) {
+    if (Fsdp2()) {
       FreeAll(buffers);
       return;
     }

@@ -902,6 +902,23 @@ TEST_CASE("active_bytes: FSDP1's resharded flat parameter awaiting the compute s
   CHECK(fsdp2.active_peak_bytes == fsdp2.allocated_blocks_peak_bytes);
 }
 
+// FSDP1 NO_SHARD frees each unit's low-precision copy (_mp_shard, made on the pre-unshard stream)
+// after record_stream() to the compute stream (_flat_param.py, post_reshard ->
+// _free_low_precision_sharded_param): it stops being allocated at once and active only when the
+// GPU has passed it. The H200's torch_no_shard run (docs/data/gpu_h200_2026-12-04.json, TinyLlama,
+// 1 x 2048, eager) measured active_bytes.all.peak 350,236,672 bytes over max_memory_allocated: the
+// root unit's copy, (2 x 32,000 x 2,048 + 2,048) x 2 bytes = 262,148,096, and one block's,
+// 88,088,576. The plan holds the root's (each reshard's copy but the newest taken as passed when
+// the next unit unshards, as under the rate limiter); before it, none, and allocated equal to
+// active. FSDP2 record_stream()s nothing: active is allocated.
+TEST_CASE("FSDP1 NO_SHARD's low-precision copies: active over allocated by the root unit's copy") {
+  const MemoryEstimate e = PlanOnOneH200("tinyllama-1.1b", 2048, 1, Attention::kEager, TorchDevice::kCuda, Framework::kFsdp1, Strategy::kNoShard);
+  CHECK(e.active_peak_bytes - e.allocated_blocks_peak_bytes == 2 * (2LL * 32'000 * 2'048 + 2'048));
+  CHECK(std::abs(static_cast<double>(e.allocated_blocks_peak_bytes) / 37'093'324'800.0 - 1) < 0.001);  // the run's max_memory_allocated
+  const MemoryEstimate fsdp2 = PlanOnOneH200("tinyllama-1.1b", 2048, 1, Attention::kEager);
+  CHECK(fsdp2.active_peak_bytes == fsdp2.allocated_blocks_peak_bytes);
+}
+
 // The H200 sweep's DeepSeek-V3 row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_dsv3_mb8_s4k:
 // deepseek-v3-tiny, FSDP2 on one GPU, bf16, SDPA, 8 x 4096): max_memory_reserved 6,708,789,248.
 // It guards the routed experts' tensors one by one and what the sparse block holds at its end
