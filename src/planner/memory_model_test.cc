@@ -1002,6 +1002,29 @@ TEST_CASE("MemoryTracker one_stream: every request on the compute stream, a free
   }
 }
 
+// A malloc that frees the cache and retries first synchronizes the device (release_cached_blocks ->
+// synchronize_and_free_events): every block awaiting an event goes back to its pool, and the
+// tracker's pending buffers are on the device no more. By hand, 40 MiB for the allocator: a 20 MiB
+// all-gather output freed to the compute stream, then 30 MiB on the compute stream, which fits only
+// once the first segment is returned (one retry); the device then holds the 30 MiB alone.
+TEST_CASE("MemoryTracker: an allocator retry releases the pending buffers it synchronized") {
+  constexpr int64_t kMiB = 1 << 20;
+  MemoryTracker mem(512, false, AllocatorConfig{}, 40 * kMiB, int64_t{1} << 40);
+  BlockId gathered = mem.Alloc(MemCategory::kUnshardedParams, 20 * kMiB, Stream::kUnshard);
+  mem.FreeToPending(gathered, MemoryTracker::Pool::kAllGather);
+  CHECK(mem.PendingCount(MemoryTracker::Pool::kAllGather) == 1);
+  CHECK(mem.allocator()->stats().active_bytes == 20 * kMiB);
+  BlockId activation = mem.Alloc(MemCategory::kActivations, 30 * kMiB, Stream::kCompute);
+  CHECK(activation != kNoBlock);
+  CHECK_FALSE(mem.out_of_memory());
+  CHECK(mem.allocator()->stats().num_alloc_retries == 1);
+  CHECK(mem.allocator()->stats().reserved_bytes == 30 * kMiB);
+  CHECK(mem.allocator()->stats().active_bytes == 30 * kMiB);
+  CHECK(mem.PendingCount(MemoryTracker::Pool::kAllGather) == 0);
+  const CategoryBytes now = mem.DeviceNow();
+  CHECK(std::accumulate(now.begin(), now.end(), int64_t{0}) == 30 * kMiB);
+}
+
 // torch.cuda.max_memory_allocated counts blocks, not tensors (CUDACachingAllocator.cpp, malloc:
 // allocated_bytes grows by block->size once should_split has decided). By hand: 3 MiB, 7 MiB and
 // 9.5 MiB from one 20 MiB segment; the last leaves 0.5 MiB, not over kSmallSize, so its block is

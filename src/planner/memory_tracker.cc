@@ -35,11 +35,13 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
   int64_t reserved_peak_before = 0;
   if (allocator_ && !oom_) {  // PyTorch raises at the first failed malloc: the replay stops there
     reserved_peak_before = allocator_->stats().reserved_peak_bytes;
+    const int64_t retries_before = allocator_->stats().num_alloc_retries;
     handle = allocator_->Malloc(bytes, AllocatorStream(stream));
     if (handle == CachingAllocator::kNoHandle && !oom_) {
       oom_ = true;
       oom_phase_ = phase_;
     }
+    if (allocator_->stats().num_alloc_retries > retries_before) ReleaseAllPending();  // the retry synchronized the device
   }
   // ids are never reused: the replay compares handles to tell whether a reduction returned the
   // block it was given (MemoryModel's Reduce), which a reused id would fake
@@ -65,7 +67,9 @@ void MemoryTracker::AllocatorOnly(const std::vector<int64_t>& bytes, Stream stre
   for (int64_t b : bytes) {
     if (b <= 0) continue;
     Log(HistoryEvent::Action::kAlloc, kAllocatorOnlyAddress + allocator_only_blocks_++, b, stream, MemCategory::kFramework);
+    const int64_t retries_before = allocator_->stats().num_alloc_retries;
     const CachingAllocator::Handle h = allocator_->Malloc(b, AllocatorStream(stream));
+    if (allocator_->stats().num_alloc_retries > retries_before) ReleaseAllPending();  // the retry synchronized the device
     if (h == CachingAllocator::kNoHandle) {  // PyTorch would raise here as at any malloc
       oom_ = true;
       oom_phase_ = phase_;

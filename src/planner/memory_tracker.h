@@ -86,7 +86,9 @@ class MemoryTracker {
   static constexpr int kPoolCount = 2;
 
   /// Frees a block for the allocator's bookkeeping (allocated bytes drop) while the GPU may still
-  /// use it: its bytes stay on the device, in their category, until the pool releases them.
+  /// use it: its bytes stay on the device, in their category, until the pool releases them, or
+  /// until a malloc frees the cache and retries, which first synchronizes the device
+  /// (release_cached_blocks -> synchronize_and_free_events) and so releases every pool.
   void FreeToPending(BlockId& block, Pool pool);
   /// Number of buffers waiting in a pool.
   size_t PendingCount(Pool pool) const { return pending_[static_cast<int>(pool)].size(); }
