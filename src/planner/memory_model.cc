@@ -345,8 +345,11 @@ class StepPlayer {
     if (Fsdp2WorldOfOne()) return;  // no all-gather: the copy-out casts the shards (WaitUnshard)
     if (!Sharded()) {
       // NO_SHARD: the "unsharded" parameter is the full-size low-precision copy (_mp_shard),
-      // made on the pre-unshard stream. Its reshards' frees wait for the compute stream (Reshard);
-      // as under the rate limiter, every one but the newest is taken as passed by now.
+      // made on the pre-unshard stream; its reshards' frees wait for the compute stream
+      // (Reshard). NO_SHARD has no rate limiter; how far the GPU trails the host is a question of
+      // time, taken here as one unit, the rate limiter's rule: every copy but the newest has been
+      // passed by the next unshard. (The H200's NO_SHARD runs held that and, on TinyLlama, one
+      // block's copy more: docs/accuracy.md.)
       while (mem_.PendingCount(Pool::kAllGather) >= 2) mem_.ReleaseOldestPending(Pool::kAllGather);
       if (unit.casts_for_compute || c_.cpu_offload) unsharded_[u] = {mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard)};
       return;
@@ -407,10 +410,11 @@ class StepPlayer {
   // FSDP1 record_stream()s the unsharded flat parameter to the compute stream before freeing it
   // (_free_unsharded_flat_param), and under NO_SHARD the low-precision copy that stands for it
   // (post_reshard -> _free_low_precision_sharded_param): the caching allocator holds the block
-  // until the GPU has passed that moment.
+  // until the GPU has passed that moment. NO_SHARD's copy of an offloaded parameter without
+  // parameter mixed precision (pre_unshard's flat_param_to) is dropped with no record_stream.
   void Reshard(const Action& a) {
     std::vector<BlockId>& buffers = unsharded_[a.unit];
-    if (Fsdp2()) {
+    if (Fsdp2() || (!Sharded() && !w_.units[a.unit].casts_for_compute)) {
       FreeAll(buffers);
       return;
     }

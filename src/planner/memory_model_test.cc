@@ -917,6 +917,19 @@ TEST_CASE("FSDP1 NO_SHARD's low-precision copies: active over allocated by the r
   CHECK(std::abs(static_cast<double>(e.allocated_blocks_peak_bytes) / 37'093'324'800.0 - 1) < 0.001);  // the run's max_memory_allocated
   const MemoryEstimate fsdp2 = PlanOnOneH200("tinyllama-1.1b", 2048, 1, Attention::kEager);
   CHECK(fsdp2.active_peak_bytes == fsdp2.allocated_blocks_peak_bytes);
+  // Offloaded without parameter mixed precision, NO_SHARD's device copy (pre_unshard's
+  // flat_param_to) is dropped at reshard with no record_stream: nothing waits
+  FsdpConfig c;
+  c.gpus = 1;
+  c.framework = Framework::kFsdp1;
+  c.strategy = Strategy::kNoShard;
+  c.cpu_offload = true;
+  c.param_dtype = DType::kFp32;
+  const MemoryEstimate offload = EstimateMemory(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value());
+  CHECK(offload.active_peak_bytes == offload.allocated_blocks_peak_bytes);
+  c.param_dtype = DType::kBf16;
+  const MemoryEstimate offload_cast = EstimateMemory(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value());
+  CHECK(offload_cast.active_peak_bytes > offload_cast.allocated_blocks_peak_bytes);
 }
 
 // The H200 sweep's DeepSeek-V3 row (docs/data/gpu_h200_2026-12-04_fresh.json, sweep_dsv3_mb8_s4k:

@@ -33,6 +33,7 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
   int64_t rounded = RoundUp(bytes, rounding_);
   CachingAllocator::Handle handle = CachingAllocator::kNoHandle;
   int64_t reserved_peak_before = 0;
+  bool synchronized = false;
   if (allocator_ && !oom_) {  // PyTorch raises at the first failed malloc: the replay stops there
     reserved_peak_before = allocator_->stats().reserved_peak_bytes;
     const int64_t retries_before = allocator_->stats().num_alloc_retries;
@@ -41,13 +42,16 @@ BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream)
       oom_ = true;
       oom_phase_ = phase_;
     }
-    if (allocator_->stats().num_alloc_retries > retries_before) ReleaseAllPending();  // the retry synchronized the device
+    synchronized = allocator_->stats().num_alloc_retries > retries_before;  // the retry synchronized the device
   }
   // ids are never reused: the replay compares handles to tell whether a reduction returned the
   // block it was given (MemoryModel's Reduce), which a reused id would fake
   const auto id = static_cast<BlockId>(blocks_.size());
   blocks_.push_back(Block{category, rounded, handle, id, stream});
   Log(HistoryEvent::Action::kAlloc, id, bytes, stream, category);
+  // the pending buffers' releases logged after the malloc that synchronized, which a replay of the
+  // log then retries the same way (AllocatorOnly logs its mallocs first too)
+  if (synchronized) ReleaseAllPending();
   live_[static_cast<int>(category)] += rounded;
   allocated_total_ += rounded;
   Changed();
