@@ -110,7 +110,9 @@ def compare(name, run, fsdp_plan, gpu):
         "torch_device_allocs": stats.get("num_device_alloc"),
         "plan_device_allocs": replay.get("device_allocs"),
         "torch_outside_allocator_bytes": outside,
-        "plan_context_nccl_bytes": terms["cuda_context_bytes"] + terms["nccl_bytes_per_communicator"],
+        # what fsdp-plan's "fits" adds to the reserve: the CUDA context and a communicator's
+        # buffers for each NCCL communicator the rank creates (none for FSDP2 on one GPU)
+        "plan_context_nccl_bytes": per_gpu["peak_bytes"] - per_gpu["reserved_peak_bytes"],
     }
 
 

@@ -1025,8 +1025,12 @@ class StepPlayer {
   int64_t reentrant_above_grad_bytes_ = 0;  ///< the held input's bytes of the block whose backward ran last (0: none held)
 };
 
+// NCCL communicators a rank creates. On one GPU FSDP1 still all-reduces NO_SHARD's gradients
+// through the default process group (_runtime_utils._reduce_grad_no_shard calls dist.all_reduce
+// whatever the group's size), which creates its communicator; FSDP2 on one GPU all-gathers
+// nothing and copies where it would reduce-scatter (_fsdp_collectives.foreach_reduce, world_size 1).
 int64_t CommunicatorCount(const Workload& w) {
-  if (w.config.gpus <= 1) return 0;
+  if (w.config.gpus <= 1) return w.config.framework == Framework::kFsdp1 ? 1 : 0;
   if (w.config.strategy == Strategy::kHybridShard && w.shard_world > 1 && w.replicas > 1) return 2;
   return 1;
 }
