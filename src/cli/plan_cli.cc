@@ -146,6 +146,10 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
   }
   if (m.fits) {
     fmt::print(out, "\nfits: yes, {} GiB headroom on a {} GiB card (reserved + CUDA context + NCCL)\n", Gib(m.headroom_bytes), Gib(m.capacity_bytes));
+    if (m.alloc_retries > 0) {  // CUDACachingAllocator's malloc: release_cached_blocks, then alloc_block(isRetry)
+      fmt::print(out, "  only with {} allocator {} over the two replayed steps: each waits for the device and frees the cache (PyTorch's "
+                      "num_alloc_retries), which slows a step\n", m.alloc_retries, m.alloc_retries == 1 ? "retry" : "retries");
+    }
   } else {
     fmt::print(out, "\nfits: NO, short by {} GiB on a {} GiB card\n", Gib(-m.headroom_bytes), Gib(m.capacity_bytes));
   }
