@@ -908,9 +908,10 @@ TEST_CASE("active_bytes: FSDP1's resharded flat parameter awaiting the compute s
 // GPU has passed it. The H200's torch_no_shard run (docs/data/gpu_h200_2026-12-04.json, TinyLlama,
 // 1 x 2048, eager) measured active_bytes.all.peak 350,236,672 bytes over max_memory_allocated: the
 // root unit's copy, (2 x 32,000 x 2,048 + 2,048) x 2 bytes = 262,148,096, and one block's,
-// 88,088,576. The plan holds the root's (each reshard's copy but the newest taken as passed when
-// the next unit unshards, as under the rate limiter); before it, none, and allocated equal to
-// active. FSDP2 record_stream()s nothing: active is allocated.
+// 88,088,576. The plan holds the root's: NO_SHARD has no rate limiter, and the replay assumes the
+// GPU one unit behind the host (every copy but the newest passed when the next unit unshards, the
+// limiter's rule); before it, none, and allocated equal to active. FSDP2 record_stream()s nothing:
+// active is allocated.
 TEST_CASE("FSDP1 NO_SHARD's low-precision copies: active over allocated by the root unit's copy") {
   const MemoryEstimate e = PlanOnOneH200("tinyllama-1.1b", 2048, 1, Attention::kEager, TorchDevice::kCuda, Framework::kFsdp1, Strategy::kNoShard);
   CHECK(e.active_peak_bytes - e.allocated_blocks_peak_bytes == 2 * (2LL * 32'000 * 2'048 + 2'048));
