@@ -26,6 +26,11 @@ bool EagerCoreMomentModelled(const ModelShape& m) {
   return !m.arch.fused_qkv && !m.mla.enabled() && m.attention_dropout <= 0 && (m.arch.softmax_fp32 || m.attention_sinks);
 }
 
+// softmax(x, dtype=float32) of fp16 scores on CUDA fuses the upcast (ATen's SoftMax.cpp, softmax:
+// _softmax(half_to_float=true)), so no fp32 copy is made and the backward writes an fp16 input
+// gradient; bf16 scores, and fp16 ones on a CPU, are converted to a fp32 copy first.
+bool FusesSoftmaxUpcast(const FsdpConfig& cfg) { return cfg.param_dtype == DType::kFp16 && cfg.torch_device == TorchDevice::kCuda; }
+
 std::string_view LastComponent(std::string_view path) {
   const size_t dot = path.rfind('.');
   return dot == std::string_view::npos ? path : path.substr(dot + 1);
@@ -859,7 +864,7 @@ std::vector<SavedTensor> MarkSoftmaxBackward(const ModelShape& m, const FsdpConf
   // fp16 on CUDA: the forward fused the upcast (_softmax(half_to_float=true) of the fp16 scores),
   // so its backward writes the input's gradient in fp16 (derivatives.yaml: _softmax_backward_data(
   // grad, result, dim, self.scalar_type())); elsewhere the input was the fp32 copy or the scores
-  const bool half_to_float = cfg.torch_device == TorchDevice::kCuda && cfg.param_dtype == DType::kFp16 && softmax_output == "attn_core.softmax_fp32";
+  const bool half_to_float = FusesSoftmaxUpcast(cfg) && softmax_output == "attn_core.softmax_fp32";
   grads.push_back({"grad.softmax_input", half_to_float ? d.c * block[softmax].bytes / 4 : block[softmax].bytes});
   // CUDA's softmax backward (SoftMax.cu, softmax_backward_cuda_out) computes `tmp = grad *
   // output` into a tensor of the gradient's shape before its kernel, after the structured op has
@@ -1436,9 +1441,7 @@ BlockActivations BlockActivationProfile(const ModelShape& m, const FsdpConfig& c
   if (cfg.use_cache) a.cache = CacheBeyondKept(d, a.kept);
   const bool stream_apart = ResidualStreamApart(m, cfg);
   if (cfg.attention == Attention::kEager) {
-    // softmax(x, dtype=float32) of 16-bit scores converts them to a fp32 copy first, except fp16
-    // on CUDA, which it fuses (_softmax(half_to_float=true); ATen's SoftMax.cpp, softmax)
-    const bool upcast_copy = cfg.param_dtype == DType::kBf16 || (cfg.param_dtype == DType::kFp16 && cfg.torch_device == TorchDevice::kCpu);
+    const bool upcast_copy = cfg.param_dtype == DType::kBf16 || (cfg.param_dtype == DType::kFp16 && !FusesSoftmaxUpcast(cfg));
     if (cfg.checkpointing == Checkpointing::kFull) a.forward_moment = CheckpointedForwardMoment(m, d, upcast_copy, !a.cache.empty(), a.kept);
     else if (cfg.checkpointing != Checkpointing::kSelectiveOp) {
       a.forward_moment = UncheckpointedForwardMoment(m, d, upcast_copy, !a.cache.empty(), stream_apart, a.kept);

@@ -823,6 +823,15 @@ TEST_CASE("eager attention's softmax backward: its gradients as separate blocks 
 // An H200 run as tools/gpu_memory_check.py plans it: `model` (a catalog id or a config path)
 // under FSDP2 on one H200, bf16 parameters, fp32 reduction, no checkpointing, PyTorch's kernels
 // on `device`.
+// A catalog (or Hub config) model on H100s under `c`.
+Workload OnH100(const std::string& model_id, const FsdpConfig& c) {
+  auto model = LoadModel(model_id);
+  REQUIRE(model.ok());
+  auto w = BuildWorkload(model.value(), LoadHardware("h100-sxm").value(), c);
+  REQUIRE_MESSAGE(w.ok(), (w.ok() ? "" : w.error().message));
+  return w.value();
+}
+
 MemoryEstimate PlanOnOneH200(const std::string& model_id, int64_t seq_len, int64_t micro_batch, Attention attention,
                              TorchDevice device = TorchDevice::kCuda, Framework framework = Framework::kFsdp2,
                              Strategy strategy = Strategy::kFullShard) {
@@ -894,11 +903,11 @@ TEST_CASE("TinyLlama's eager softmax backward on an H200: the product CUDA's ker
 TEST_CASE("active_bytes: FSDP1's resharded flat parameter awaiting the compute stream, FSDP2's none") {
   FsdpConfig c;
   c.gpus = 8;
-  const Workload fsdp1 = BuildWorkload(LoadModel("llama-2-7b").value(), LoadHardware("h100-sxm").value(), c).value();
+  const Workload fsdp1 = OnH100("llama-2-7b", c);
   const MemoryEstimate e = EstimateMemory(fsdp1);
   CHECK(e.active_peak_bytes - e.allocated_blocks_peak_bytes == (4LL * 4096 * 4096 + 3LL * 4096 * 11008 + 2 * 4096) * 2);
   c.framework = Framework::kFsdp2;
-  const MemoryEstimate fsdp2 = EstimateMemory(BuildWorkload(LoadModel("llama-2-7b").value(), LoadHardware("h100-sxm").value(), c).value());
+  const MemoryEstimate fsdp2 = EstimateMemory(OnH100("llama-2-7b", c));
   CHECK(fsdp2.active_peak_bytes == fsdp2.allocated_blocks_peak_bytes);
 }
 
@@ -926,10 +935,10 @@ TEST_CASE("FSDP1 NO_SHARD's low-precision copies: active over allocated by the r
   c.strategy = Strategy::kNoShard;
   c.cpu_offload = true;
   c.param_dtype = DType::kFp32;
-  const MemoryEstimate offload = EstimateMemory(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value());
+  const MemoryEstimate offload = EstimateMemory(OnH100("tiny-llama", c));
   CHECK(offload.active_peak_bytes == offload.allocated_blocks_peak_bytes);
   c.param_dtype = DType::kBf16;
-  const MemoryEstimate offload_cast = EstimateMemory(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value());
+  const MemoryEstimate offload_cast = EstimateMemory(OnH100("tiny-llama", c));
   CHECK(offload_cast.active_peak_bytes > offload_cast.allocated_blocks_peak_bytes);
 }
 
@@ -940,9 +949,9 @@ TEST_CASE("One GPU: FSDP1 holds an NCCL communicator's buffers, FSDP2 none") {
   FsdpConfig c;
   c.gpus = 1;
   c.framework = Framework::kFsdp1;
-  const Workload fsdp1 = BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value();
+  const Workload fsdp1 = OnH100("tiny-llama", c);
   c.framework = Framework::kFsdp2;
-  const Workload fsdp2 = BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value();
+  const Workload fsdp2 = OnH100("tiny-llama", c);
   const FrameworkOverheads o = FrameworkOverheadsFor(fsdp1);
   CHECK(OutsideAllocatorBytes(fsdp2, o) == o.cuda_context_bytes);
   CHECK(OutsideAllocatorBytes(fsdp1, o) == o.cuda_context_bytes + o.nccl_bytes_per_communicator);
@@ -1460,7 +1469,7 @@ TEST_CASE("QLoRA's compute dtype: the dequantized weight in it, and the input an
     c.lora.rank = 4;
     c.lora.qlora = true;
     c.lora.compute_dtype = compute;
-    const MemoryEstimate m = EstimateMemory(BuildWorkload(LoadModel("tiny-llama").value(), LoadHardware("h100-sxm").value(), c).value());
+    const MemoryEstimate m = EstimateMemory(OnH100("tiny-llama", c));
     CHECK(m.peak_phase == "backward: model.layers.4");
     return m.allocated_peak_bytes;
   };
@@ -1480,7 +1489,7 @@ TEST_CASE("what routed experts cost: every expert sharded, all-gathered and redu
   FsdpConfig c;
   c.gpus = 8;
   c.framework = Framework::kFsdp2;
-  const Workload w = BuildWorkload(LoadModel("mixtral-8x7b").value(), LoadHardware("h100-sxm").value(), c).value();
+  const Workload w = OnH100("mixtral-8x7b", c);
   const RoutedExpertBytes e = RoutedExpertBytesPerGpu(w);
   const int64_t experts = 32LL * 8 * 3 * 4096 * 14336;
   CHECK(e.params == experts);
@@ -1493,11 +1502,11 @@ TEST_CASE("what routed experts cost: every expert sharded, all-gathered and redu
   CHECK(v.routed_expert_reduce_bytes == experts * 4);
   // on one GPU FULL_SHARD issues no collective, the experts' share of none is none
   c.gpus = 1;
-  const CommVolume one = EstimateComm(BuildWorkload(LoadModel("mixtral-8x7b").value(), LoadHardware("h100-sxm").value(), c).value()).volume;
+  const CommVolume one = EstimateComm(OnH100("mixtral-8x7b", c)).volume;
   CHECK(one.routed_expert_gather_bytes <= one.forward_all_gather_bytes + one.backward_all_gather_bytes);
   CHECK(one.routed_expert_reduce_bytes <= one.reduce_scatter_bytes + one.all_reduce_bytes);
   // a dense model has none
-  const Workload dense = BuildWorkload(LoadModel("llama-100m").value(), LoadHardware("h100-sxm").value(), c).value();
+  const Workload dense = OnH100("llama-100m", c);
   CHECK(RoutedExpertBytesPerGpu(dense).params == 0);
   CHECK(EstimateComm(dense).volume.routed_expert_gather_bytes == 0);
 }
