@@ -354,14 +354,15 @@ class StepPlayer {
       if (unit.casts_for_compute || c_.cpu_offload) unsharded_[u] = {mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard)};
       return;
     }
-    // All-gather input: the param_dtype copy of the shard (and an fp32 staging copy under offload).
-    // FSDP1 casts (and copies from the host) on its pre-unshard stream, all-gathers on the unshard
-    // stream; FSDP2 does both on its all-gather copy-in stream.
-    const Stream cast_stream = Fsdp2() ? Stream::kUnshard : Stream::kPreUnshard;
-    BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_bytes, cast_stream) : kNoBlock;
-    // FSDP2's all_gather_copy_in writes the input into a view of the output: no separate buffer.
-    BlockId input = (unit.casts_for_compute && !Fsdp2()) ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_, cast_stream) : kNoBlock;
-    mem_.Free(staging);
+    // FSDP2's all_gather_copy_in writes the input into a view of the output (no buffer of its own),
+    // on its all-gather copy-in stream, through an fp32 device copy of an offloaded shard.
+    BlockId input = kNoBlock;
+    if (Fsdp2()) {
+      BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_bytes, Stream::kUnshard) : kNoBlock;
+      mem_.Free(staging);
+    } else {
+      input = Fsdp1AllGatherInput(unit);
+    }
     if (a.rate_limited) {
       // Under the rate limiter the CPU issues an all-gather only once the GPU has passed the
       // reshards queued before it (_limiter_utils): taken here as every freed buffer but the newest
@@ -371,7 +372,6 @@ class StepPlayer {
     }
     if (Fsdp2()) {
       BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_, Stream::kUnshard);
-      mem_.Free(input);
       if (fsdp2_deferred_ != kNoBlock && a.forward) mem_.Free(fsdp2_deferred_);
       unsharded_[u].clear();
       for (int t : unit.tensors) unsharded_[u].push_back(mem_.Alloc(Cat::kUnshardedParams, Fsdp2UnshardedNumel(t) * pb_));
@@ -379,7 +379,27 @@ class StepPlayer {
       return;
     }
     unsharded_[u] = {mem_.Alloc(Cat::kUnshardedParams, unit.padded_numel * pb_, Stream::kUnshard)};
-    mem_.Free(input);
+    mem_.FreeToPending(input, Pool::kAllGatherInput);
+  }
+
+  // FSDP1's all-gather input, made on the pre-unshard stream (kNoBlock where the all-gather reads
+  // the shard itself): _use_low_precision_shard allocates _mp_shard, then the offloaded shard's fp32
+  // device copy its copy_ casts (gone at the statement's end); offloaded without casts, that copy
+  // (pre_unshard's flat_param_to) is the input. FSDP1 record_stream()s the input to the unshard
+  // stream before dropping it (post_unshard -> _free_low_precision_sharded_param for _mp_shard;
+  // _all_gather_flat_param for an offloaded copy), so its block is back in the pre-unshard
+  // stream's pool only once the GPU has passed the all-gather (Unshard frees it to that pending
+  // pool). When is a question of GPU time, taken here as for the flat parameters (Reshard): every
+  // input but the newest has been passed by the next unshard (the rate limiter's synchronisation
+  // guarantees only the one before), so a backward prefetch, which unshards two units back to
+  // back, holds two.
+  BlockId Fsdp1AllGatherInput(const WrapUnit& unit) {
+    while (mem_.PendingCount(Pool::kAllGatherInput) >= 2) mem_.ReleaseOldestPending(Pool::kAllGatherInput);
+    BlockId input = unit.casts_for_compute ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_, Stream::kPreUnshard) : kNoBlock;
+    BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_bytes, Stream::kPreUnshard) : kNoBlock;
+    if (input == kNoBlock) return staging;
+    mem_.Free(staging);
+    return input;
   }
 
   // FSDP2's unsharded parameters are one storage per parameter (FSDPParam.all_gather_outputs,

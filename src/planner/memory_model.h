@@ -97,7 +97,7 @@ struct MemoryEstimate {
   PoolStats small_pool, large_pool;
   int64_t device_allocs = 0;
   bool allocator_out_of_memory = false;  ///< a malloc failed even after freeing the cache
-  int64_t pending_free_bytes_at_peak = 0;  ///< freed unsharded buffers still in use by the GPU at the peak
+  int64_t pending_free_bytes_at_peak = 0;  ///< freed buffers another stream still uses at the peak (FSDP1 record_stream)
   int64_t capacity_bytes = 0;
   bool fits = false;
   int64_t headroom_bytes = 0;        ///< capacity - peak (negative when it does not fit)

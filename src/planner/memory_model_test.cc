@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <map>
 #include <numeric>
 #include <tuple>
@@ -895,17 +896,22 @@ TEST_CASE("TinyLlama's eager softmax backward on an H200: the product CUDA's ker
 }
 
 // FSDP1 record_stream()s a resharded unit's unsharded flat parameter to the compute stream
-// before freeing it (_flat_param.py, _free_unsharded_flat_param): torch.cuda.memory_stats()'s
-// active_bytes keeps it until the GPU passes that point, allocated_bytes drops at once. Llama 2 7B
-// on 8 GPUs peaks at the loss's backward with the last block's flat parameter freed after its
-// forward and still awaiting its event (the rate limiter's newest): (4 x 4096^2 + 3 x 4096 x 11008
-// + 2 x 4096) x 2 bytes = 404,766,720 active above the allocated blocks. FSDP2 records none.
-TEST_CASE("active_bytes: FSDP1's resharded flat parameter awaiting the compute stream, FSDP2's none") {
+// before freeing it (_flat_param.py, _free_unsharded_flat_param), and each all-gather's input,
+// the bf16 copy of the shard (_mp_shard), to the unshard stream (post_unshard ->
+// _free_low_precision_sharded_param): torch.cuda.memory_stats()'s active_bytes keeps them until
+// the GPU passes those points, allocated_bytes drops at once. Llama 2 7B on 8 GPUs peaks at the
+// loss's backward, after the root's pre-backward hook has prefetched the last block
+// (BACKWARD_PRE), with three such blocks (the rate limiter's newest of each kind): the last
+// block's flat parameter, freed after its forward, (4 x 4096^2 + 3 x 4096 x 11008 + 2 x 4096) x 2
+// bytes = 404,766,720; its forward all-gather's input and its prefetch's, an eighth of that each,
+// 50,595,840. FSDP2 records none.
+TEST_CASE("active_bytes: FSDP1's resharded flat parameter and all-gather inputs awaiting other streams, FSDP2's none") {
   FsdpConfig c;
   c.gpus = 8;
   const Workload fsdp1 = OnH100("llama-2-7b", c);
   const MemoryEstimate e = EstimateMemory(fsdp1);
-  CHECK(e.active_peak_bytes - e.allocated_blocks_peak_bytes == (4LL * 4096 * 4096 + 3LL * 4096 * 11008 + 2 * 4096) * 2);
+  const int64_t flat_bytes = (4LL * 4096 * 4096 + 3LL * 4096 * 11008 + 2 * 4096) * 2;
+  CHECK(e.active_peak_bytes - e.allocated_blocks_peak_bytes == flat_bytes + 2 * (flat_bytes / 8));
   c.framework = Framework::kFsdp2;
   const MemoryEstimate fsdp2 = EstimateMemory(OnH100("llama-2-7b", c));
   CHECK(fsdp2.active_peak_bytes == fsdp2.allocated_blocks_peak_bytes);
@@ -940,6 +946,94 @@ TEST_CASE("FSDP1 NO_SHARD's low-precision copies: active over allocated by the r
   c.param_dtype = DType::kBf16;
   const MemoryEstimate offload_cast = EstimateMemory(OnH100("tiny-llama", c));
   CHECK(offload_cast.active_peak_bytes > offload_cast.allocated_blocks_peak_bytes);
+}
+
+// FSDP1's all-gather input is made on the pre-unshard stream and used by the all-gather on the
+// unshard stream, so its free waits for that stream (record_stream in post_unshard, and in
+// _all_gather_flat_param under CPU offload). The replay holds every input but the newest until
+// the next unshard, the rule of the flat parameters. Llama 2 7B on 8 GPUs in bf16: the root's
+// input, (2 x 32,000 x 4,096 + 4,096) / 8 x 2 bytes = 65,537,024, takes a 64 MiB segment (large
+// requests round to 2 MiB); layer 0's, 50,595,840, cannot use it while the root's waits and takes
+// a segment of 25 x 2 MiB = 52,428,800; from layer 1 on the two alternate (layer 1's splits the
+// root's segment, 14 MiB left over). So the pre-unshard stream reserves those two segments, where
+// freeing at once reused the root's for everything.
+TEST_CASE("FSDP1's all-gather inputs wait for the unshard stream: two segments on the pre-unshard stream") {
+  FsdpConfig c;
+  c.gpus = 8;
+  ReplayOptions options = ReplayOptionsFor(MemoryOptions{}.overheads, false);
+  options.record_requests = true;
+  const MemoryEstimate e = EstimateTensorMemory(OnH100("llama-2-7b", c), options);
+  const int kPreUnshardStream = static_cast<int>(Stream::kPreUnshard);
+  // the log: at each input's malloc at most one other input awaits its event (one does at every
+  // malloc but each step's first, the root's: the backward's first follows the forward's last), and
+  // the events pass oldest first
+  std::deque<int64_t> awaiting;
+  int64_t inputs = 0, mallocs_beside_another = 0, out_of_order = 0;
+  for (const HistoryEvent& r : e.requests) {
+    if (r.stream != kPreUnshardStream) continue;
+    if (r.action == HistoryEvent::Action::kAlloc) {
+      ++inputs;
+      CHECK(awaiting.size() <= 1);
+      mallocs_beside_another += !awaiting.empty();
+    } else if (r.action == HistoryEvent::Action::kFreeRequested) {
+      awaiting.push_back(r.address);
+    } else if (!awaiting.empty()) {
+      out_of_order += awaiting.front() != r.address;
+      awaiting.pop_front();
+    }
+  }
+  CHECK(inputs == 2 * (33 + 32));  // two steps: the root's and each layer's in forward, each layer's again in backward
+  CHECK(mallocs_beside_another == inputs - 2);
+  CHECK(out_of_order == 0);
+  CHECK(awaiting.empty());  // the end of backward releases them all
+  // the segments: what the allocator's reserve grew by for the inputs
+  CountingDeviceMemory device(int64_t{1} << 50, int64_t{1} << 50);
+  auto replayed = ReplayAllocatorHistory(AllocatorHistoryJson(e.requests, "inputs"), AllocatorConfig{}, device);
+  REQUIRE(replayed.ok());
+  int64_t reserved_before = replayed.value().reserved_at_start_bytes;
+  std::vector<int64_t> input_segments;
+  for (const ReserveGrowth& g : replayed.value().growth) {
+    if (g.context.find("comm_buffers") != std::string::npos && g.context.find("unshard") != std::string::npos) input_segments.push_back(g.reserved_after_bytes - reserved_before);
+    reserved_before = g.reserved_after_bytes;
+  }
+  CHECK(input_segments == std::vector<int64_t>{int64_t{32} << 21, int64_t{25} << 21});
+}
+
+// Under CPU offload FSDP1 copies the shard to the device on the pre-unshard stream. Without
+// parameter mixed precision the copy is the all-gather's input (pre_unshard's flat_param_to): it
+// lives until the unsharded parameter replaces it, after the all-gather output's malloc, and its
+// free waits for the unshard stream (_all_gather_flat_param's record_stream). With bf16
+// parameters _use_low_precision_shard allocates _mp_shard first, then the fp32 copy its copy_
+// casts, which is gone at once (same stream, no record_stream); _mp_shard waits.
+TEST_CASE("FSDP1 under CPU offload: the shard's device copy is the input without casts, a passing copy with them") {
+  for (DType param_dtype : {DType::kFp32, DType::kBf16}) {
+    CAPTURE(param_dtype);
+    FsdpConfig c;
+    c.gpus = 2;
+    c.cpu_offload = true;
+    c.param_dtype = param_dtype;
+    const Workload w = OnH100("tiny-llama", c);
+    ReplayOptions options = ReplayOptionsFor(MemoryOptions{}.overheads, false);
+    options.record_requests = true;
+    const MemoryEstimate e = EstimateTensorMemory(w, options);
+    const int kPreUnshardStream = static_cast<int>(Stream::kPreUnshard);
+    std::map<int64_t, int64_t> live_bytes;  // the pre-unshard stream's blocks, by address
+    int64_t inputs_awaiting = 0, copies_freed_at_once = 0, inputs_alive_at_output = 0;
+    for (const HistoryEvent& r : e.requests) {
+      if (r.stream == kPreUnshardStream && r.action == HistoryEvent::Action::kAlloc) live_bytes[r.address] = r.bytes;
+      if (r.stream == kPreUnshardStream && r.action == HistoryEvent::Action::kFreeRequested) {
+        ++inputs_awaiting;
+        live_bytes.erase(r.address);
+      }
+      if (r.stream == kPreUnshardStream && r.action == HistoryEvent::Action::kFreeCompleted && live_bytes.erase(r.address)) ++copies_freed_at_once;
+      // the unsharded flat parameter's malloc on the unshard stream: the input is still alive
+      if (r.action == HistoryEvent::Action::kAlloc && r.context.find("unsharded_params") != std::string::npos) inputs_alive_at_output += live_bytes.size() == 1;
+    }
+    const int64_t unshards = 2 * (1 + 5 + 5);  // two steps: the root and tiny-llama's five layers in forward, the layers in backward
+    CHECK(inputs_awaiting == unshards);
+    CHECK(inputs_alive_at_output == unshards);
+    CHECK(copies_freed_at_once == (param_dtype == DType::kFp32 ? 0 : unshards));
+  }
 }
 
 // On one GPU FSDP1 NO_SHARD all-reduces every unit's gradient through NCCL (_reduce_grad_no_shard),

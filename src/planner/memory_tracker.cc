@@ -25,7 +25,12 @@ MemoryTracker::~MemoryTracker() = default;
 // The stream that uses a pool's buffers after they are freed: FSDP1 record_stream()s an all-gather
 // output to the compute stream at its reshard, autograd's gradient to the post-backward stream.
 static Stream UserOf(MemoryTracker::Pool pool) {
-  return pool == MemoryTracker::Pool::kAllGather ? Stream::kCompute : Stream::kReduce;
+  switch (pool) {
+    case MemoryTracker::Pool::kAllGather: return Stream::kCompute;
+    case MemoryTracker::Pool::kPostBackward: return Stream::kReduce;
+    case MemoryTracker::Pool::kAllGatherInput: return Stream::kUnshard;
+  }
+  return Stream::kCompute;
 }
 
 BlockId MemoryTracker::Alloc(MemCategory category, int64_t bytes, Stream stream) {

@@ -81,9 +81,11 @@ class MemoryTracker {
   /// Frees a block (kNoBlock is ignored) and sets the handle to kNoBlock.
   void Free(BlockId& block);
   /// Streams whose freed blocks the caching allocator cannot reuse until the stream passes them
-  /// (record_stream): the all-gather stream's unsharded buffers, the post-backward stream's gradients.
-  enum class Pool { kAllGather, kPostBackward };
-  static constexpr int kPoolCount = 2;
+  /// (record_stream): the all-gather stream's unsharded buffers (used by the compute stream), the
+  /// post-backward stream's gradients (used by the reduce stream), and FSDP1's all-gather inputs
+  /// (made on the pre-unshard stream, used by the all-gather on the unshard stream).
+  enum class Pool { kAllGather, kPostBackward, kAllGatherInput };
+  static constexpr int kPoolCount = 3;
 
   /// Frees a block for the allocator's bookkeeping (allocated bytes drop) while the GPU may still
   /// use it: its bytes stay on the device, in their category, until the pool releases them, or
@@ -100,7 +102,7 @@ class MemoryTracker {
   /// Device bytes now (allocated + pending) by category, and the pending buffers per pool: what a
   /// replay compares to see that the state repeats.
   CategoryBytes DeviceNow() const;
-  std::vector<size_t> PendingCounts() const { return {pending_[0].size(), pending_[1].size()}; }
+  std::vector<size_t> PendingCounts() const { return {pending_[0].size(), pending_[1].size(), pending_[2].size()}; }
 
   int64_t allocated_peak() const { return allocated_peak_; }
   const Phase& allocated_peak_phase() const { return allocated_peak_phase_; }
