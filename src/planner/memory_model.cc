@@ -389,10 +389,14 @@ class StepPlayer {
   // stream before dropping it (post_unshard -> _free_low_precision_sharded_param for _mp_shard;
   // _all_gather_flat_param for an offloaded copy), so its block is back in the pre-unshard
   // stream's pool only once the GPU has passed the all-gather (Unshard frees it to that pending
-  // pool). When is a question of GPU time, taken here as for the flat parameters (Reshard): every
-  // input but the newest has been passed by the next unshard (the rate limiter's synchronisation
-  // guarantees only the one before), so a backward prefetch, which unshards two units back to
-  // back, holds two.
+  // pool). When is a question of GPU time, taken here as one unit: every input but the newest has
+  // been passed by the next unshard (under the rate limiter its synchronisation guarantees only
+  // the one before), so a backward prefetch, which unshards two units back to back, holds two.
+  // Without the limiter too: an input waits for its all-gather only, which the unshard stream
+  // runs as soon as it is issued (it waits for the compute stream only at the root's pre-forward,
+  // _wait_for_computation_stream), unlike a flat parameter, which waits for its unit's compute
+  // and which Unshard then holds to the backward's end. (A run bound by its all-gathers could hold
+  // more.)
   BlockId Fsdp1AllGatherInput(const WrapUnit& unit) {
     while (mem_.PendingCount(Pool::kAllGatherInput) >= 2) mem_.ReleaseOldestPending(Pool::kAllGatherInput);
     BlockId input = unit.casts_for_compute ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_, Stream::kPreUnshard) : kNoBlock;

@@ -956,47 +956,52 @@ TEST_CASE("FSDP1 NO_SHARD's low-precision copies: active over allocated by the r
 // requests round to 2 MiB); layer 0's, 50,595,840, cannot use it while the root's waits and takes
 // a segment of 25 x 2 MiB = 52,428,800; from layer 1 on the two alternate (layer 1's splits the
 // root's segment, 14 MiB left over). So the pre-unshard stream reserves those two segments, where
-// freeing at once reused the root's for everything.
+// freeing at once reused the root's for everything. Without the rate limiter the same: an input
+// waits for its all-gather only, which the unshard stream runs as soon as it is issued.
 TEST_CASE("FSDP1's all-gather inputs wait for the unshard stream: two segments on the pre-unshard stream") {
-  FsdpConfig c;
-  c.gpus = 8;
-  ReplayOptions options = ReplayOptionsFor(MemoryOptions{}.overheads, false);
-  options.record_requests = true;
-  const MemoryEstimate e = EstimateTensorMemory(OnH100("llama-2-7b", c), options);
-  const int kPreUnshardStream = static_cast<int>(Stream::kPreUnshard);
-  // the log: at each input's malloc at most one other input awaits its event (one does at every
-  // malloc but each step's first, the root's: the backward's first follows the forward's last), and
-  // the events pass oldest first
-  std::deque<int64_t> awaiting;
-  int64_t inputs = 0, mallocs_beside_another = 0, out_of_order = 0;
-  for (const HistoryEvent& r : e.requests) {
-    if (r.stream != kPreUnshardStream) continue;
-    if (r.action == HistoryEvent::Action::kAlloc) {
-      ++inputs;
-      CHECK(awaiting.size() <= 1);
-      mallocs_beside_another += !awaiting.empty();
-    } else if (r.action == HistoryEvent::Action::kFreeRequested) {
-      awaiting.push_back(r.address);
-    } else if (!awaiting.empty()) {
-      out_of_order += awaiting.front() != r.address;
-      awaiting.pop_front();
+  for (bool limit_all_gathers : {true, false}) {
+    CAPTURE(limit_all_gathers);
+    FsdpConfig c;
+    c.gpus = 8;
+    c.limit_all_gathers = limit_all_gathers;
+    ReplayOptions options = ReplayOptionsFor(MemoryOptions{}.overheads, false);
+    options.record_requests = true;
+    const MemoryEstimate e = EstimateTensorMemory(OnH100("llama-2-7b", c), options);
+    const int kPreUnshardStream = static_cast<int>(Stream::kPreUnshard);
+    // the log: at each input's malloc at most one other input awaits its event (one does at every
+    // malloc but each step's first, the root's: the backward's first follows the forward's last), and
+    // the events pass oldest first
+    std::deque<int64_t> awaiting;
+    int64_t inputs = 0, mallocs_beside_another = 0, out_of_order = 0;
+    for (const HistoryEvent& r : e.requests) {
+      if (r.stream != kPreUnshardStream) continue;
+      if (r.action == HistoryEvent::Action::kAlloc) {
+        ++inputs;
+        CHECK(awaiting.size() <= 1);
+        mallocs_beside_another += !awaiting.empty();
+      } else if (r.action == HistoryEvent::Action::kFreeRequested) {
+        awaiting.push_back(r.address);
+      } else if (!awaiting.empty()) {
+        out_of_order += awaiting.front() != r.address;
+        awaiting.pop_front();
+      }
     }
+    CHECK(inputs == 2 * (33 + 32));  // two steps: the root's and each layer's in forward, each layer's again in backward
+    CHECK(mallocs_beside_another == inputs - 2);
+    CHECK(out_of_order == 0);
+    CHECK(awaiting.empty());  // the end of backward releases them all
+    // the segments: what the allocator's reserve grew by for the inputs
+    CountingDeviceMemory device(int64_t{1} << 50, int64_t{1} << 50);
+    auto replayed = ReplayAllocatorHistory(AllocatorHistoryJson(e.requests, "inputs"), AllocatorConfig{}, device);
+    REQUIRE(replayed.ok());
+    int64_t reserved_before = replayed.value().reserved_at_start_bytes;
+    std::vector<int64_t> input_segments;
+    for (const ReserveGrowth& g : replayed.value().growth) {
+      if (g.context.find("comm_buffers") != std::string::npos && g.context.find("unshard") != std::string::npos) input_segments.push_back(g.reserved_after_bytes - reserved_before);
+      reserved_before = g.reserved_after_bytes;
+    }
+    CHECK(input_segments == std::vector<int64_t>{int64_t{32} << 21, int64_t{25} << 21});
   }
-  CHECK(inputs == 2 * (33 + 32));  // two steps: the root's and each layer's in forward, each layer's again in backward
-  CHECK(mallocs_beside_another == inputs - 2);
-  CHECK(out_of_order == 0);
-  CHECK(awaiting.empty());  // the end of backward releases them all
-  // the segments: what the allocator's reserve grew by for the inputs
-  CountingDeviceMemory device(int64_t{1} << 50, int64_t{1} << 50);
-  auto replayed = ReplayAllocatorHistory(AllocatorHistoryJson(e.requests, "inputs"), AllocatorConfig{}, device);
-  REQUIRE(replayed.ok());
-  int64_t reserved_before = replayed.value().reserved_at_start_bytes;
-  std::vector<int64_t> input_segments;
-  for (const ReserveGrowth& g : replayed.value().growth) {
-    if (g.context.find("comm_buffers") != std::string::npos && g.context.find("unshard") != std::string::npos) input_segments.push_back(g.reserved_after_bytes - reserved_before);
-    reserved_before = g.reserved_after_bytes;
-  }
-  CHECK(input_segments == std::vector<int64_t>{int64_t{32} << 21, int64_t{25} << 21});
 }
 
 // Under CPU offload FSDP1 copies the shard to the device on the pre-unshard stream. Without
