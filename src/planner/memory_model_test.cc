@@ -950,14 +950,14 @@ TEST_CASE("FSDP1 NO_SHARD's low-precision copies: active over allocated by the r
 
 // FSDP1's all-gather input is made on the pre-unshard stream and used by the all-gather on the
 // unshard stream, so its free waits for that stream (record_stream in post_unshard, and in
-// _all_gather_flat_param under CPU offload). The replay holds every input but the newest until
-// the next unshard, the rule of the flat parameters. Llama 2 7B on 8 GPUs in bf16: the root's
-// input, (2 x 32,000 x 4,096 + 4,096) / 8 x 2 bytes = 65,537,024, takes a 64 MiB segment (large
-// requests round to 2 MiB); layer 0's, 50,595,840, cannot use it while the root's waits and takes
-// a segment of 25 x 2 MiB = 52,428,800; from layer 1 on the two alternate (layer 1's splits the
-// root's segment, 14 MiB left over). So the pre-unshard stream reserves those two segments, where
-// freeing at once reused the root's for everything. Without the rate limiter the same: an input
-// waits for its all-gather only, which the unshard stream runs as soon as it is issued.
+// _all_gather_flat_param under CPU offload). The replay holds every input but the newest until the
+// next unshard, the flat parameters' rule under the rate limiter. Llama 2 7B on 8 GPUs in bf16: the
+// root's input, (2 x 32,000 x 4,096 + 4,096) / 8 x 2 bytes = 65,537,024, takes a 64 MiB segment
+// (large requests round to 2 MiB); layer 0's, 50,595,840, cannot use it while the root's waits and
+// takes a segment of 25 x 2 MiB = 52,428,800; from layer 1 on the two alternate (layer 1's splits
+// the root's segment, 14 MiB left over). So the pre-unshard stream reserves those two segments,
+// where freeing at once reused the root's for everything. Without the rate limiter the same: an
+// input waits for its all-gather only, which the unshard stream runs as soon as it is issued.
 TEST_CASE("FSDP1's all-gather inputs wait for the unshard stream: two segments on the pre-unshard stream") {
   for (bool limit_all_gathers : {true, false}) {
     CAPTURE(limit_all_gathers);
