@@ -350,7 +350,7 @@ class StepPlayer {
       // time, taken here as one unit, the rate limiter's rule: every copy but the newest has been
       // passed by the next unshard. (The H200's NO_SHARD runs held that and, on TinyLlama, one
       // block's copy more: docs/accuracy.md.)
-      while (mem_.PendingCount(Pool::kAllGather) >= 2) mem_.ReleaseOldestPending(Pool::kAllGather);
+      mem_.ReleaseAllButNewest(Pool::kAllGather);
       if (unit.casts_for_compute || c_.cpu_offload) unsharded_[u] = {mem_.Alloc(Cat::kUnshardedParams, unit.numel * pb_, Stream::kPreUnshard)};
       return;
     }
@@ -368,7 +368,7 @@ class StepPlayer {
       // reshards queued before it (_limiter_utils): taken here as every freed buffer but the newest
       // being reusable by then. (The schedule's queue says when the CPU waits; which freed buffers
       // the GPU has really passed is a question of GPU time, for fsdp-sim.)
-      while (mem_.PendingCount(Pool::kAllGather) >= 2) mem_.ReleaseOldestPending(Pool::kAllGather);
+      mem_.ReleaseAllButNewest(Pool::kAllGather);
     }
     if (Fsdp2()) {
       BlockId flat = mem_.Alloc(Cat::kCommBuffers, unit.padded_numel * pb_, Stream::kUnshard);
@@ -398,7 +398,7 @@ class StepPlayer {
   // and which Unshard then holds to the backward's end. (A run bound by its all-gathers could hold
   // more.)
   BlockId Fsdp1AllGatherInput(const WrapUnit& unit) {
-    while (mem_.PendingCount(Pool::kAllGatherInput) >= 2) mem_.ReleaseOldestPending(Pool::kAllGatherInput);
+    mem_.ReleaseAllButNewest(Pool::kAllGatherInput);
     BlockId input = unit.casts_for_compute ? mem_.Alloc(Cat::kCommBuffers, unit.shard_numel * pb_, Stream::kPreUnshard) : kNoBlock;
     BlockId staging = c_.cpu_offload ? mem_.Alloc(Cat::kCommBuffers, unit.shard_bytes, Stream::kPreUnshard) : kNoBlock;
     if (input == kNoBlock) return staging;

@@ -821,9 +821,6 @@ TEST_CASE("eager attention's softmax backward: its gradients as separate blocks 
   CHECK(error < 0.11);
 }
 
-// An H200 run as tools/gpu_memory_check.py plans it: `model` (a catalog id or a config path)
-// under FSDP2 on one H200, bf16 parameters, fp32 reduction, no checkpointing, PyTorch's kernels
-// on `device`.
 // A catalog (or Hub config) model on H100s under `c`.
 Workload OnH100(const std::string& model_id, const FsdpConfig& c) {
   auto model = LoadModel(model_id);
@@ -833,6 +830,16 @@ Workload OnH100(const std::string& model_id, const FsdpConfig& c) {
   return w.value();
 }
 
+// The replay of `w` with every allocator request logged (MemoryEstimate::requests).
+MemoryEstimate PlanWithRequests(const Workload& w) {
+  ReplayOptions options = ReplayOptionsFor(MemoryOptions{}.overheads, false);
+  options.record_requests = true;
+  return EstimateTensorMemory(w, options);
+}
+
+// An H200 run as tools/gpu_memory_check.py plans it: `model` (a catalog id or a config path)
+// under FSDP2 on one H200, bf16 parameters, fp32 reduction, no checkpointing, PyTorch's kernels
+// on `device`.
 MemoryEstimate PlanOnOneH200(const std::string& model_id, int64_t seq_len, int64_t micro_batch, Attention attention,
                              TorchDevice device = TorchDevice::kCuda, Framework framework = Framework::kFsdp2,
                              Strategy strategy = Strategy::kFullShard) {
@@ -964,9 +971,7 @@ TEST_CASE("FSDP1's all-gather inputs wait for the unshard stream: two segments o
     FsdpConfig c;
     c.gpus = 8;
     c.limit_all_gathers = limit_all_gathers;
-    ReplayOptions options = ReplayOptionsFor(MemoryOptions{}.overheads, false);
-    options.record_requests = true;
-    const MemoryEstimate e = EstimateTensorMemory(OnH100("llama-2-7b", c), options);
+    const MemoryEstimate e = PlanWithRequests(OnH100("llama-2-7b", c));
     const int kPreUnshardStream = static_cast<int>(Stream::kPreUnshard);
     // the log: at each input's malloc at most one other input awaits its event (one does at every
     // malloc but each step's first, the root's: the backward's first follows the forward's last), and
@@ -1017,10 +1022,7 @@ TEST_CASE("FSDP1 under CPU offload: the shard's device copy is the input without
     c.gpus = 2;
     c.cpu_offload = true;
     c.param_dtype = param_dtype;
-    const Workload w = OnH100("tiny-llama", c);
-    ReplayOptions options = ReplayOptionsFor(MemoryOptions{}.overheads, false);
-    options.record_requests = true;
-    const MemoryEstimate e = EstimateTensorMemory(w, options);
+    const MemoryEstimate e = PlanWithRequests(OnH100("tiny-llama", c));
     const int kPreUnshardStream = static_cast<int>(Stream::kPreUnshard);
     std::map<int64_t, int64_t> live_bytes;  // the pre-unshard stream's blocks, by address
     int64_t inputs_awaiting = 0, copies_freed_at_once = 0, inputs_alive_at_output = 0;

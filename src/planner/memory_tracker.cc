@@ -23,7 +23,8 @@ MemoryTracker::MemoryTracker(int64_t rounding_bytes, bool record_timeline, const
 MemoryTracker::~MemoryTracker() = default;
 
 // The stream that uses a pool's buffers after they are freed: FSDP1 record_stream()s an all-gather
-// output to the compute stream at its reshard, autograd's gradient to the post-backward stream.
+// output to the compute stream at its reshard, autograd's gradient to the post-backward stream, an
+// all-gather's input to the unshard stream.
 static Stream UserOf(MemoryTracker::Pool pool) {
   switch (pool) {
     case MemoryTracker::Pool::kAllGather: return Stream::kCompute;
@@ -175,6 +176,16 @@ void MemoryTracker::ReleaseOldestPending(Pool pool) {
   Release(pool, queue.front());
   queue.pop_front();
   Changed();
+}
+
+void MemoryTracker::ReleaseAllButNewest(Pool pool) {
+  while (PendingCount(pool) >= 2) ReleaseOldestPending(pool);
+}
+
+std::vector<size_t> MemoryTracker::PendingCounts() const {
+  std::vector<size_t> counts;
+  for (const auto& queue : pending_) counts.push_back(queue.size());
+  return counts;
 }
 
 void MemoryTracker::ReleaseAllPending(Pool pool) {

@@ -96,13 +96,16 @@ class MemoryTracker {
   size_t PendingCount(Pool pool) const { return pending_[static_cast<int>(pool)].size(); }
   /// Drops the oldest pending buffer of a pool (e.g. the rate limiter synchronising on its event).
   void ReleaseOldestPending(Pool pool);
+  /// Drops every pending buffer of a pool but the newest: the GPU one unit behind the host, the
+  /// replay's rule where a buffer's event is a question of GPU time.
+  void ReleaseAllButNewest(Pool pool);
   void ReleaseAllPending(Pool pool);
   void ReleaseAllPending();
 
   /// Device bytes now (allocated + pending) by category, and the pending buffers per pool: what a
   /// replay compares to see that the state repeats.
   CategoryBytes DeviceNow() const;
-  std::vector<size_t> PendingCounts() const { return {pending_[0].size(), pending_[1].size(), pending_[2].size()}; }
+  std::vector<size_t> PendingCounts() const;
 
   int64_t allocated_peak() const { return allocated_peak_; }
   const Phase& allocated_peak_phase() const { return allocated_peak_phase_; }
