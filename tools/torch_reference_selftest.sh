@@ -6,11 +6,24 @@
 #                            ./fsdpkit test sets up, else python3)
 #   TORCH_REF_MULTI=0        skip the 2-rank torchrun runs (default: run them)
 #   FSDP_RUN=build/fsdp-run  also compare with fsdp-run on the same checkpoint and tokens
+#   PARTS="..."              run only these parts (default: all of them), so that CTest can run the
+#                            one-process parts beside other tests and only the gloo ranks alone:
+#                            strategies (one rank per strategy and AC), training (loss, GPT-2),
+#                            bad-input, two-ranks (2 gloo ranks, the same checkpoint as fsdp-run),
+#                            op-sac (the save list against torchtitan's)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-${FSDPKIT_PYTHON:-python3}}
 TOOL=tools/torch_reference.py
 MODEL=models/tiny-llama.json
+
+PARTS=${PARTS:-strategies training bad-input two-ranks op-sac}
+for p in $PARTS; do
+    case $p in strategies|training|bad-input|two-ranks|op-sac) ;;
+        *) echo "torch_reference_selftest: unknown part '$p' (strategies, training, bad-input, two-ranks, op-sac)" >&2; exit 2 ;;
+    esac
+done
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 
 if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1; then
     echo "torch_reference_selftest: torch/transformers not importable with $PY: skipped"
@@ -65,6 +78,7 @@ run_case() {  # NAME STRATEGY AC [extra args...]
     fi
 }
 
+if part strategies; then
 for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD; do
     for ac in none full; do
         run_case "$strategy-$ac" "$strategy" "$ac"
@@ -87,7 +101,9 @@ total = lambda r: r["measured"]["memory"]["categories_at_peak"]["Total"]
 assert total(holds) - total(drops) == 2 * 512 * 128, (total(holds), total(drops))
 EOF
 then ok "holds-outputs-peak"; else fail "holds-outputs-peak" "$log"; fi
+fi
 
+if part training; then
 # Loss goes down on the synthetic (5t+3 mod V) sequences.
 log="$TMP/loss.log"
 if "$PY" "$TOOL" --device cpu --model "$MODEL" --seq-len 64 --micro-batch 8 --steps 12 \
@@ -118,7 +134,9 @@ assert r["measured"]["memory"]["categories_at_peak"]["Total"] > 0
 EOF
     then ok "gpt2-$ac"; else fail "gpt2-$ac" "$log"; fi
 done
+fi
 
+if part bad-input; then
 # Bad input: one line on stderr, exit status 2, before any training.
 bad_input() {  # NAME ARGS...
     local name=$1; shift
@@ -150,6 +168,7 @@ bad_input tokens "${base[@]}" --tokens "$TMP/bad-tokens.txt"
 echo "7" > "$TMP/one-token.txt"
 bad_input one-token "${base[@]}" --tokens "$TMP/one-token.txt"
 bad_input init-from "${base[@]}" --init-from "$TMP/no-such-checkpoint"
+fi
 
 # Two ranks over gloo (FULL_SHARD and NO_SHARD -> HSDP 2x1). gloo's TCP transport now and then
 # aborts a rank (SIGABRT from an uncaught gloo::IoException; seen once in a CI run of 2026-12-01,
@@ -160,7 +179,7 @@ two_ranks() {  # strategy log
         --micro-batch 2 --steps 2 --warmup 1 --strategy "$1" \
         --out "$TMP/w2-$1.json" >"$2" 2>&1
 }
-if [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
+if part two-ranks && [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
     for strategy in FULL_SHARD NO_SHARD; do
         log="$TMP/w2-$strategy.log"
         status=0
@@ -182,7 +201,7 @@ fi
 
 # The same checkpoint and tokens as fsdp-run (--init-from, --tokens): FSDP2 on 2 gloo ranks in fp32
 # against fsdp-run's single process. Needs FSDP_RUN (the fsdp-run binary; CTest passes it).
-if [ -n "${FSDP_RUN:-}" ] && [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
+if part two-ranks && [ -n "${FSDP_RUN:-}" ] && [ "${TORCH_REF_MULTI:-1}" != 0 ]; then
     log="$TMP/same.log" ckpt="$TMP/ckpt"
     if "$PY" - "$ckpt" "$MODEL" >"$log" 2>&1 <<'EOF' &&
 import json, random, sys
@@ -217,7 +236,7 @@ fi
 # The op-level selective AC's save list holds every SDPA kernel torchtitan's own list names: a kernel
 # missing there is recomputed where PyTorch picks it (cuDNN's on sm90 under torch 2.11, which the
 # H200 sweep's selective-op row ran before the list had it; docs/accuracy.md).
-if "$PY" -c "import torchtitan.models.llama3.infra.parallelize" 2>/dev/null; then
+if part op-sac && "$PY" -c "import torchtitan.models.llama3.infra.parallelize" 2>/dev/null; then
     log="$TMP/op-sac-list.log"
     if PYTHONPATH="$(dirname "$TOOL")${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "
 import torch_reference
