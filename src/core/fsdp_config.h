@@ -95,11 +95,11 @@ struct LoraConfig {
   /// bnb_4bit_compute_dtype: what Linear4bit casts its input to and dequantizes its weight into
   /// for the product (the output cast back); unset, the param dtype, as QLoRA recipes set it
   /// (BitsAndBytesConfig's own default is fp32: every quantized GEMM in fp32). See QloraComputeDtype.
-  std::optional<DType> compute_dtype;
+  std::optional<DType> compute_dtype{};
   /// The dtype the frozen base is stored in (from_pretrained's torch_dtype): unset, the master dtype
   /// (a model loaded in fp32), under QLoRA the param dtype; bf16 is the usual peft recipe (a bf16
   /// model, fp32 adapters). See StorageDtype (core/workload.h).
-  std::optional<DType> base_dtype;
+  std::optional<DType> base_dtype{};
   bool operator==(const LoraConfig&) const = default;
 };
 

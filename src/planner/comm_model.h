@@ -26,8 +26,8 @@ struct UnitComm {
   double device_to_host_s = 0;        ///< CPU offload: the gradient shard copied to the host
   /// A group hooked at several modules (WrapUnit::hook_nodes) reduces once per module: each
   /// site's reduce-scatter, replica all-reduce and host copy (empty: the unit's, above)
-  std::vector<CollectiveTime> site_reduce_scatter, site_all_reduce;
-  std::vector<double> site_device_to_host_s;
+  std::vector<CollectiveTime> site_reduce_scatter{}, site_all_reduce{};
+  std::vector<double> site_device_to_host_s{};
   const CollectiveTime& ReduceScatterAt(int site) const { return site_reduce_scatter.empty() ? reduce_scatter : site_reduce_scatter.at(static_cast<size_t>(site)); }
   const CollectiveTime& AllReduceAt(int site) const { return site_all_reduce.empty() ? all_reduce : site_all_reduce.at(static_cast<size_t>(site)); }
   double DeviceToHostAt(int site) const { return site_device_to_host_s.empty() ? device_to_host_s : site_device_to_host_s.at(static_cast<size_t>(site)); }

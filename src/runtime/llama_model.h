@@ -125,9 +125,9 @@ struct BlockCache {
   /// per routed (token, expert) pair, the pairs grouped by expert (expert e's from pair_begin[e] to
   /// pair_begin[e + 1]): the pair's token and top-k slot, and the expert's output before its weight
   /// (T k, hidden); gate, up and mid above hold the pairs' rows then, (T k, inner) each.
-  Mat router_probs, route_weight, expert_out;
-  std::vector<int32_t> pair_token, pair_slot;
-  std::vector<int64_t> pair_begin;
+  Mat router_probs{}, route_weight{}, expert_out{};
+  std::vector<int32_t> pair_token{}, pair_slot{};
+  std::vector<int64_t> pair_begin{};
   int64_t SavedBytes() const;
 };
 
