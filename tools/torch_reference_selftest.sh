@@ -17,13 +17,13 @@ PY=${PYTHON:-${FSDPKIT_PYTHON:-python3}}
 TOOL=tools/torch_reference.py
 MODEL=models/tiny-llama.json
 
-PARTS=${PARTS:-strategies training bad-input two-ranks op-sac}
+ALL_PARTS="strategies training bad-input two-ranks op-sac"
+PARTS=${PARTS:-$ALL_PARTS}
+in_list() { [[ " $2 " == *" $1 "* ]]; }  # WORD LIST
 for p in $PARTS; do
-    case $p in strategies|training|bad-input|two-ranks|op-sac) ;;
-        *) echo "torch_reference_selftest: unknown part '$p' (strategies, training, bad-input, two-ranks, op-sac)" >&2; exit 2 ;;
-    esac
+    in_list "$p" "$ALL_PARTS" || { echo "torch_reference_selftest: unknown part '$p' ($ALL_PARTS)" >&2; exit 2; }
 done
-part() { [[ " $PARTS " == *" $1 "* ]]; }
+part() { in_list "$1" "$PARTS"; }
 
 if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1; then
     echo "torch_reference_selftest: torch/transformers not importable with $PY: skipped"
