@@ -150,8 +150,14 @@ void PrintTable(const Workload& w, const MemoryEstimate& m, std::ostream& out) {
       fmt::print(out, "  only with {} allocator {} over the two replayed steps: each waits for the device and frees the cache (PyTorch's "
                       "num_alloc_retries), which slows a step\n", m.alloc_retries, m.alloc_retries == 1 ? "retry" : "retries");
     }
+  } else if (m.headroom_bytes >= 0) {  // the replay on the card failed a malloc that the unlimited one did not need
+    fmt::print(out, "\nfits: NO, the caching allocator runs out of memory on a {} GiB card\n", Gib(m.capacity_bytes));
   } else {
     fmt::print(out, "\nfits: NO, short by {} GiB on a {} GiB card\n", Gib(-m.headroom_bytes), Gib(m.capacity_bytes));
+  }
+  if (m.allocator_cap_bytes >= 0) {
+    fmt::print(out, "  per_process_memory_fraction {}: the caching allocator may reserve {} GiB of the card's {} GiB\n",
+               m.overheads.allocator.per_process_memory_fraction, Gib(m.allocator_cap_bytes), Gib(m.capacity_bytes));
   }
   const auto& ck = m.checkpoint;
   fmt::print(out, "checkpoint: full state dict +{} GiB GPU per rank (offload_to_cpu: +{} GiB GPU, {} GiB host on rank 0); "

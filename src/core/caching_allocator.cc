@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
 #include <cmath>
 #include <functional>
 #include <set>
@@ -16,7 +19,8 @@ namespace {
 constexpr int64_t kMiB = 1 << 20;
 constexpr int kSearchKey = 0;
 
-// ConfigTokenizer / lexArgs: ',' ':' '[' ']' are tokens of their own, spaces are dropped.
+// ConfigTokenizer: ',' ':' '[' ']' are tokens of their own, white space (std::isspace: a tab, a
+// trailing newline) is dropped.
 std::vector<std::string> LexAllocatorConfig(std::string_view text) {
   std::vector<std::string> tokens;
   std::string word;
@@ -24,7 +28,7 @@ std::vector<std::string> LexAllocatorConfig(std::string_view text) {
     if (c == ',' || c == ':' || c == '[' || c == ']') {
       if (!word.empty()) tokens.push_back(std::exchange(word, {}));
       tokens.emplace_back(1, c);
-    } else if (c != ' ') {
+    } else if (!std::isspace(static_cast<unsigned char>(c))) {
       word += c;
     }
   }
@@ -32,14 +36,22 @@ std::vector<std::string> LexAllocatorConfig(std::string_view text) {
   return tokens;
 }
 
-bool IsPowerOfTwo(int64_t v) { return v > 0 && (v & (v - 1)) == 0; }
+bool IsPowerOfTwo(uint64_t v) { return v > 0 && (v & (v - 1)) == 0; }
 int Log2Floor(uint64_t v) { return 63 - std::countl_zero(v); }
 
-// A non-negative integer token, as stoi/stoul would read it but refusing junk and overflow.
-std::optional<int64_t> ParseCount(const std::string& s) {
-  if (s.empty() || s.size() > 15 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
-  return std::stoll(s);
+// A non-negative integer token as std::stoull reads one (up to 2^64 - 1, which PyTorch then
+// clamps), but refusing a sign and text after the digits.
+std::optional<uint64_t> ParseCount(const std::string& s) {
+  if (s.empty() || s.size() > 20 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  errno = 0;
+  const unsigned long long v = std::strtoull(s.c_str(), nullptr, 10);
+  if (errno == ERANGE) return std::nullopt;  // stoull's out_of_range
+  return v;
 }
+
+// A count that rounding treats alike from here up (divisions or intervals of 2^62 and more), kept in
+// an int64.
+int64_t Capped(uint64_t v) { return static_cast<int64_t>(std::min<uint64_t>(v, uint64_t{1} << 62)); }
 
 class ConfigParser {
  public:
@@ -48,6 +60,15 @@ class ConfigParser {
   Result<AllocatorConfig> Parse(std::string_view text) {
     AllocatorConfig c;
     c.text = std::string(text);
+    // AcceleratorAllocatorConfig::parseArgs reads large_segment_size_mb first, wherever it stands:
+    // it is the default of max_non_split_rounding_mb and the least max_split_size_mb and
+    // max_non_split_rounding_mb may be.
+    for (i_ = 0; i_ < tokens_.size(); ++i_) {
+      if (tokens_[i_] != "large_segment_size_mb") continue;
+      Status s = LargeSegment(c);
+      if (!s.ok()) return s.error();
+    }
+    c.max_non_split_rounding_bytes = c.large_segment_bytes;
     for (i_ = 0; i_ < tokens_.size(); ++i_) {
       const std::string key = tokens_[i_];
       Status s = Key(key, c);
@@ -72,13 +93,37 @@ class ConfigParser {
     return Status::Ok();
   }
 
-  Status Megabytes(const std::string& key, int64_t& out) {
+  // parseMaxSplitSize, parseMaxNonSplitRoundingSize: at least the large segment size.
+  Status Megabytes(const std::string& key, const AllocatorConfig& c, int64_t& out) {
     auto v = Value();
     auto mb = v ? ParseCount(*v) : std::nullopt;
     if (!mb) return Bad(fmt::format("{} takes a whole number of MiB, got '{}'", key, v.value_or("")));
-    // parseMaxSplitSize: at least kLargeBuffer / 1 MiB
-    if (*mb < alloc::kLargeBuffer / kMiB) return Bad(fmt::format("{} too small, must be >= {}, got {}", key, alloc::kLargeBuffer / kMiB, *mb));
-    out = std::min(*mb, alloc::kNoMaxSplit / kMiB) * kMiB;  // parseMaxSplitSize clamps to SIZE_MAX / 1 MiB
+    const auto least_mb = static_cast<uint64_t>(c.large_segment_bytes / kMiB);
+    if (*mb < least_mb) return Bad(fmt::format("{} too small, must be >= {} (large_segment_size_mb), got {}", key, least_mb, *mb));
+    out = static_cast<int64_t>(std::min<uint64_t>(*mb, alloc::kNoMaxSplit / kMiB)) * kMiB;  // parseMaxSplitSize clamps to SIZE_MAX / 1 MiB
+    return Status::Ok();
+  }
+
+  // parseLargeSegmentSize: more than kMinLargeAlloc (10 MiB).
+  Status LargeSegment(AllocatorConfig& c) {
+    auto v = Value();
+    auto mb = v ? ParseCount(*v) : std::nullopt;
+    if (!mb) return Bad(fmt::format("large_segment_size_mb takes a whole number of MiB, got '{}'", v.value_or("")));
+    if (*mb <= alloc::kMinLargeAlloc / kMiB) return Bad(fmt::format("large_segment_size_mb must be > {}, got {}", alloc::kMinLargeAlloc / kMiB, *mb));
+    if (*mb > alloc::kMaxLargeSegmentMiB) return Bad(fmt::format("large_segment_size_mb must be at most {} (1 PiB), got {}", alloc::kMaxLargeSegmentMiB, *mb));
+    c.large_segment_bytes = static_cast<int64_t>(*mb) * kMiB;
+    return Status::Ok();
+  }
+
+  // parsePerProcessMemoryFraction: in [0, 1]; below 1 it caps what the allocator may reserve.
+  Status Fraction(AllocatorConfig& c) {
+    auto v = Value();
+    char* end = nullptr;
+    const double f = v ? std::strtod(v->c_str(), &end) : -1.0;
+    if (!v || end == v->c_str() || *end != '\0' || !(f >= 0.0 && f <= 1.0)) {
+      return Bad(fmt::format("per_process_memory_fraction must be in [0.0, 1.0], got '{}'", v.value_or("")));
+    }
+    c.per_process_memory_fraction = f;
     return Status::Ok();
   }
 
@@ -100,7 +145,7 @@ class ConfigParser {
     auto divisions_of = [&](const std::string& s) -> std::optional<int64_t> {
       auto d = ParseCount(s);
       if (!d || (*d != 0 && !IsPowerOfTwo(*d))) return std::nullopt;
-      return d;
+      return Capped(*d);
     };
     if (*v != "[") {
       auto d = divisions_of(*v);
@@ -115,11 +160,12 @@ class ConfigParser {
       auto d = (Expect(":") && ++i_ < tokens_.size()) ? divisions_of(tokens_[i_]) : std::nullopt;
       if (!d) return Bad(fmt::format("roundup_power2_divisions: divisions for '{}' must be 0 or a power of 2", interval));
       if (interval == ">") {
-        std::fill(c.roundup_power2_divisions.begin() + static_cast<long>(last_index), c.roundup_power2_divisions.end(), *d);
+        // from the interval after the last one given (std::next(begin, last_index + 1))
+        std::fill(c.roundup_power2_divisions.begin() + static_cast<long>(last_index) + 1, c.roundup_power2_divisions.end(), *d);
       } else {
         auto mb = ParseCount(interval);
         if (!mb || !IsPowerOfTwo(*mb)) return Bad(fmt::format("roundup_power2_divisions: interval '{}' must be a power of 2 (MiB)", interval));
-        const size_t index = std::min<size_t>(static_cast<size_t>(Log2Floor(static_cast<uint64_t>(*mb))), alloc::kRoundupIntervals - 1);
+        const size_t index = std::min<size_t>(static_cast<size_t>(Log2Floor(*mb)), alloc::kRoundupIntervals - 1);
         if (first) std::fill(c.roundup_power2_divisions.begin(), c.roundup_power2_divisions.begin() + static_cast<long>(index), *d);
         first = false;
         c.roundup_power2_divisions[index] = *d;
@@ -133,18 +179,28 @@ class ConfigParser {
 
   Status Key(const std::string& key, AllocatorConfig& c) {
     bool ignored = false;
-    if (key == "max_split_size_mb") return Megabytes(key, c.max_split_size_bytes);
-    if (key == "max_non_split_rounding_mb") return Megabytes(key, c.max_non_split_rounding_bytes);
+    if (key == "max_split_size_mb") return Megabytes(key, c, c.max_split_size_bytes);
+    if (key == "max_non_split_rounding_mb") return Megabytes(key, c, c.max_non_split_rounding_bytes);
+    if (key == "large_segment_size_mb") return LargeSegment(c);  // read first (Parse); again here to step over it
+    if (key == "per_process_memory_fraction") return Fraction(c);
     if (key == "garbage_collection_threshold") return Threshold(c);
     if (key == "roundup_power2_divisions") return Divisions(c);
     if (key == "expandable_segments") return Bool(key, c.expandable_segments);
-    if (key == "release_lock_on_cudamalloc" || key == "pinned_use_cuda_host_register" || key == "pinned_use_background_threads" ||
-        key == "graph_capture_record_stream_reuse") {
+    // CUDAAllocatorConfig::getKeys() has the HIP spellings on CUDA builds too.
+    if (key == "release_lock_on_cudamalloc" || key == "release_lock_on_hipmalloc" || key == "pinned_use_cuda_host_register" ||
+        key == "pinned_use_hip_host_register" || key == "pinned_use_background_threads" || key == "graph_capture_record_stream_reuse") {
       return Bool(key, ignored);
     }
-    if (key == "pinned_num_register_threads" || key == "pinned_reserve_segment_size_mb") {
+    if (key == "pinned_num_register_threads") {  // parsePinnedNumRegisterThreads: a power of 2, at most 128
       auto v = Value();
-      if (!v || !ParseCount(*v)) return Bad(fmt::format("{} takes a whole number, got '{}'", key, v.value_or("")));
+      auto n = v ? ParseCount(*v) : std::nullopt;
+      if (!n || !IsPowerOfTwo(*n) || *n > 128) return Bad(fmt::format("pinned_num_register_threads must be a power of 2 up to 128, got '{}'", v.value_or("")));
+      return Status::Ok();
+    }
+    if (key == "pinned_reserve_segment_size_mb") {  // parsePinnedReserveSegmentSize: more than 0
+      auto v = Value();
+      auto n = v ? ParseCount(*v) : std::nullopt;
+      if (!n || *n == 0) return Bad(fmt::format("pinned_reserve_segment_size_mb must be a whole number above 0, got '{}'", v.value_or("")));
       return Status::Ok();
     }
     if (key == "backend") {
@@ -153,9 +209,9 @@ class ConfigParser {
       if (v && *v == "cudaMallocAsync") return Bad("backend:cudaMallocAsync is CUDA's stream-ordered allocator, which fsdp-plan does not model; use backend:native");
       return Bad(fmt::format("unknown allocator backend '{}' (options: native, cudaMallocAsync)", v.value_or("")));
     }
-    return Bad(fmt::format("unrecognized key '{}' (known: max_split_size_mb, max_non_split_rounding_mb, "
-                           "garbage_collection_threshold, roundup_power2_divisions, expandable_segments, backend, "
-                           "release_lock_on_cudamalloc, pinned_use_cuda_host_register, pinned_num_register_threads, "
+    return Bad(fmt::format("unrecognized key '{}' (known: max_split_size_mb, max_non_split_rounding_mb, large_segment_size_mb, "
+                           "garbage_collection_threshold, roundup_power2_divisions, expandable_segments, per_process_memory_fraction, "
+                           "backend, release_lock_on_cudamalloc, pinned_use_cuda_host_register, pinned_num_register_threads, "
                            "pinned_use_background_threads, pinned_reserve_segment_size_mb, graph_capture_record_stream_reuse)",
                            key));
   }
@@ -312,14 +368,16 @@ struct CachingAllocator::Expandable {
   int64_t range_bytes = 0;
 };
 
-CachingAllocator::CachingAllocator(const AllocatorConfig& config, DeviceMemory& memory, double memory_fraction)
+CachingAllocator::CachingAllocator(const AllocatorConfig& config, DeviceMemory& memory)
     : config_(config), memory_(memory) {
   small_ = std::make_unique<Pool>(true, &blocks_);
   large_ = std::make_unique<Pool>(false, &blocks_);
   blocks_.emplace_back();  // block 0: the search key of lower_bound (stream, size, address 0)
-  if (memory_fraction > 0.0 && memory_fraction < 1.0) {  // setMemoryFraction
+  // setMemoryFraction(per_process_memory_fraction), at DeviceCachingAllocator's construction: a
+  // fraction below 1 (0 too) caps the reserve at that share of the device's total memory.
+  if (config.per_process_memory_fraction < 1.0) {
     set_fraction_ = true;
-    allowed_memory_maximum_ = static_cast<int64_t>(memory_fraction * static_cast<double>(memory.TotalBytes()));
+    allowed_memory_maximum_ = static_cast<int64_t>(config.per_process_memory_fraction * static_cast<double>(memory.TotalBytes()));
   }
 }
 
@@ -409,10 +467,10 @@ int64_t CachingAllocator::RoundSize(int64_t size) const { return RoundAllocation
 
 CachingAllocator::Pool& CachingAllocator::PoolFor(int64_t size) { return size <= alloc::kSmallSize ? *small_ : *large_; }
 
-// get_allocation_size
-static int64_t AllocationSize(int64_t size) {
+// get_allocation_size: requests between 1 and 10 MiB take a large segment (large_segment_size_mb).
+static int64_t AllocationSize(const AllocatorConfig& config, int64_t size) {
   if (size <= alloc::kSmallSize) return alloc::kSmallBuffer;
-  if (size < alloc::kMinLargeAlloc) return alloc::kLargeBuffer;
+  if (size < alloc::kMinLargeAlloc) return config.large_segment_bytes;
   return RoundUp(size, alloc::kRoundLarge);
 }
 
@@ -423,7 +481,7 @@ CachingAllocator::Handle CachingAllocator::Malloc(int64_t orig_size, int stream)
   }
   const int64_t size = RoundSize(orig_size);
   Pool& pool = PoolFor(size);
-  const int64_t alloc_size = AllocationSize(size);
+  const int64_t alloc_size = AllocationSize(config_, size);
   int found = -1;
   bool ok = GetFreeBlock(pool, stream, size, found);
   if (!ok) {
@@ -710,7 +768,7 @@ int CachingAllocator::FindExpandableBlock(Pool& pool, int stream, int64_t size) 
   auto es = std::make_unique<Expandable>();
   es->stream = stream;
   es->small = pool.small;
-  es->page_bytes = pool.small ? alloc::kSmallBuffer : alloc::kLargeBuffer;
+  es->page_bytes = pool.small ? alloc::kSmallBuffer : config_.large_segment_bytes;
   const int64_t total = memory_.TotalBytes();
   es->range_bytes = CeilDiv(total + total / 8, es->page_bytes) * es->page_bytes;
   es->base = memory_.ReserveAddressRange(es->range_bytes);

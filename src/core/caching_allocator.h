@@ -25,19 +25,26 @@ namespace alloc {
 constexpr int64_t kMinBlockSize = 512;             ///< every request is rounded to a multiple
 constexpr int64_t kSmallSize = 1 << 20;            ///< requests up to 1 MiB use the small pool
 constexpr int64_t kSmallBuffer = 2 << 20;          ///< small-pool segments (and expandable pages) are 2 MiB
-constexpr int64_t kMinLargeAlloc = 10 << 20;       ///< requests under 10 MiB take a 20 MiB segment
-constexpr int64_t kLargeBuffer = 20 << 20;         ///< large-pool segment for small-large requests (and expandable pages)
+constexpr int64_t kMinLargeAlloc = 10 << 20;       ///< requests under 10 MiB take a large segment
+constexpr int64_t kLargeBuffer = 20 << 20;         ///< large segment by default: for 1-10 MiB requests, and the expandable large-pool page
+constexpr uint64_t kMaxLargeSegmentMiB = 1 << 30;  ///< large_segment_size_mb above 1 PiB is refused (no device holds one)
 constexpr int64_t kRoundLarge = 2 << 20;           ///< larger requests get a segment rounded to 2 MiB
 constexpr int kRoundupIntervals = 16;              ///< roundup_power2_divisions intervals: 1 MiB .. 32 GiB and above
 constexpr int64_t kNoMaxSplit = std::numeric_limits<int64_t>::max();
 }  // namespace alloc
 
 /// PYTORCH_CUDA_ALLOC_CONF as c10/core/AllocatorConfig.cpp and c10/cuda/CUDAAllocatorConfig.cpp
-/// parse it. Keys that do not change device memory (release_lock_on_cudamalloc, pinned_*,
-/// graph_capture_record_stream_reuse) are accepted and ignored.
+/// of PyTorch 2.11 parse it. Keys that do not change device memory (release_lock_on_cudamalloc,
+/// pinned_*, graph_capture_record_stream_reuse, their HIP spellings) are accepted and ignored.
 struct AllocatorConfig {
   int64_t max_split_size_bytes = alloc::kNoMaxSplit;             ///< max_split_size_mb
-  int64_t max_non_split_rounding_bytes = alloc::kLargeBuffer;    ///< max_non_split_rounding_mb
+  int64_t max_non_split_rounding_bytes = alloc::kLargeBuffer;    ///< max_non_split_rounding_mb (default: the large segment)
+  /// large_segment_size_mb: the segment a 1-10 MiB request takes (get_allocation_size), the
+  /// expandable large pool's page, and the least max_split_size_mb may be
+  int64_t large_segment_bytes = alloc::kLargeBuffer;
+  /// per_process_memory_fraction: below 1 (0 included) the allocator may reserve only this share
+  /// of the device's total memory, and garbage_collection_threshold acts (setMemoryFraction)
+  double per_process_memory_fraction = 1.0;
   std::array<int64_t, alloc::kRoundupIntervals> roundup_power2_divisions{};  ///< per power-of-two interval from 1 MiB; 0 off
   double garbage_collection_threshold = 0.0;                     ///< only acts with a memory fraction set
   bool expandable_segments = false;
@@ -49,8 +56,11 @@ struct AllocatorConfig {
 int64_t RoundAllocationSize(const AllocatorConfig& config, int64_t bytes);
 
 /// Parses a PYTORCH_CUDA_ALLOC_CONF string ("" is the default). An unknown key, a malformed value
-/// or one PyTorch rejects (max_split_size_mb < 20, a threshold outside (0, 1), divisions not a power
-/// of two) is an error naming it; backend:cudaMallocAsync is refused (a different allocator).
+/// or one PyTorch rejects (max_split_size_mb below the large segment, a threshold outside (0, 1),
+/// divisions not a power of two, large_segment_size_mb <= 10) is an error naming it;
+/// backend:cudaMallocAsync is refused (a different allocator). Stricter than PyTorch in one way: a
+/// number followed by anything ("512MB") is an error here, where std::stoull reads 512 and drops
+/// the rest.
 Result<AllocatorConfig> ParseAllocatorConfig(std::string_view text);
 
 /// Where segments come from: cudaMalloc/cudaFree, or cuMemAddressReserve/cuMemMap for expandable
@@ -140,8 +150,9 @@ class CachingAllocator {
   using Handle = int;
   static constexpr Handle kNoHandle = -1;
 
-  /// `memory_fraction` in (0, 1]: torch.cuda.set_per_process_memory_fraction (1: not set).
-  CachingAllocator(const AllocatorConfig& config, DeviceMemory& memory, double memory_fraction = 1.0);
+  /// The memory fraction is the config's per_process_memory_fraction (torch.cuda.
+  /// set_per_process_memory_fraction sets the same cap).
+  CachingAllocator(const AllocatorConfig& config, DeviceMemory& memory);
   ~CachingAllocator();
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;

@@ -174,7 +174,7 @@ TEST_CASE("expandable segments grow one segment per stream by 20 MiB pages") {
 TEST_CASE("garbage_collection_threshold frees cached blocks older than the average once over the threshold") {
   CountingDeviceMemory memory(100 * MiB, 100 * MiB);
   // a fraction of 0.5 allows 50 MiB; the threshold 0.5 of that is 25 MiB
-  CachingAllocator a(Conf("garbage_collection_threshold:0.5"), memory, 0.5);
+  CachingAllocator a(Conf("garbage_collection_threshold:0.5,per_process_memory_fraction:0.5"), memory);
   a.Free(a.Malloc(12 * MiB, 0));   // large-pool search 1; cached with age base 1
   a.Free(a.Malloc(14 * MiB, 0));   // search 2; base 2
   a.Malloc(16 * MiB, 0);           // search 3: ages 2 and 1, mean 1.5: the 12 MiB block goes
@@ -184,6 +184,57 @@ TEST_CASE("garbage_collection_threshold frees cached blocks older than the avera
   b.Free(b.Malloc(14 * MiB, 0));
   b.Malloc(16 * MiB, 0);
   CHECK(b.stats().reserved_bytes == 42 * MiB);
+}
+
+TEST_CASE("per_process_memory_fraction caps the reserve at its share of the device's total") {
+  CountingDeviceMemory memory(GiB, 100 * MiB);  // the device could give 1 GiB; its total is 100 MiB
+  CachingAllocator a(Conf("per_process_memory_fraction:0.5"), memory);
+  auto x = a.Malloc(30 * MiB, 0);
+  CHECK(x != CachingAllocator::kNoHandle);
+  // 30 + 30 > 50 MiB allowed (alloc_block's set_fraction check): nothing cached to free, the
+  // retry fails too
+  CHECK(a.Malloc(30 * MiB, 0) == CachingAllocator::kNoHandle);
+  CHECK(a.stats().reserved_bytes == 30 * MiB);
+  CHECK(a.stats().num_alloc_retries == 1);
+  CHECK(a.stats().num_ooms == 1);
+  // 0 is a fraction too (setMemoryFraction: below 1), and allows nothing
+  CachingAllocator none(Conf("per_process_memory_fraction:0"), memory);
+  CHECK(none.Malloc(512, 0) == CachingAllocator::kNoHandle);
+  // 1 sets no cap
+  CachingAllocator all(Conf("per_process_memory_fraction:1"), memory);
+  all.Malloc(60 * MiB, 0);
+  all.Malloc(60 * MiB, 0);
+  CHECK(all.stats().reserved_bytes == 120 * MiB);
+}
+
+TEST_CASE("large_segment_size_mb: the segment of a 1-10 MiB request, the expandable page, the oversize slack") {
+  CountingDeviceMemory memory(80 * GiB, 80 * GiB);
+  CachingAllocator a(Conf("large_segment_size_mb:40"), memory);
+  a.Malloc(3 * MiB, 0);  // a 40 MiB segment, not 20
+  CHECK(a.stats().reserved_bytes == 40 * MiB);
+  a.Malloc(30 * MiB, 0);  // best fit: the segment's free 37 MiB (the default's 17 MiB would not do: a new 30 MiB segment)
+  CHECK(a.stats().reserved_bytes == 40 * MiB);
+  REQUIRE(a.Snapshot().size() == 1);
+  CHECK(Layout(a.Snapshot()[0]) == "3M/A 30M/A 7M/F");
+  // expandable: 40 MiB pages; 3 MiB and then 30 MiB fit the first page (the default's needed two 20 MiB pages)
+  CachingAllocator e(Conf("large_segment_size_mb:40,expandable_segments:True"), memory);
+  e.Malloc(3 * MiB, 0);
+  e.Malloc(30 * MiB, 0);
+  CHECK(e.stats().reserved_bytes == 40 * MiB);
+  REQUIRE(e.Snapshot().size() == 1);
+  CHECK(Layout(e.Snapshot()[0]) == "3M/A 30M/A 7M/F");
+  // max_non_split_rounding follows the large segment: with max_split_size_mb:100 a cached 150 MiB
+  // block serves a 115 MiB request when 150 < 115 + 40, where the default 20 MiB slack makes a new
+  // 116 MiB segment (115 MiB rounded to 2 MiB)
+  CachingAllocator o(Conf("large_segment_size_mb:40,max_split_size_mb:100"), memory);
+  o.Free(o.Malloc(150 * MiB, 0));
+  o.Malloc(115 * MiB, 0);
+  CHECK(o.stats().reserved_bytes == 150 * MiB);
+  CHECK(o.stats().allocated_bytes == 150 * MiB);
+  CachingAllocator d(Conf("max_split_size_mb:100"), memory);
+  d.Free(d.Malloc(150 * MiB, 0));
+  d.Malloc(115 * MiB, 0);
+  CHECK(d.stats().reserved_bytes == 266 * MiB);
 }
 
 TEST_CASE("fragmentation: reserved minus the most allocated while reserved is at its peak") {
@@ -401,19 +452,43 @@ TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
   CHECK(c.expandable_segments);
   CHECK(c.max_split_size_bytes == 128 * MiB);
   CHECK(c.garbage_collection_threshold == doctest::Approx(0.6));
-  // '>' fills from the last interval given, that one included (parseRoundUpPower2Divisions)
+  // '>' fills from the interval after the last one given (parseRoundUpPower2Divisions; PyTorch
+  // 2.11's libc10.so parses this string to [1 x 9, 2, 4 x 6])
   AllocatorConfig r = Conf("roundup_power2_divisions:[256:1,512:2,>:4]");
   CHECK(r.roundup_power2_divisions[0] == 1);
   CHECK(r.roundup_power2_divisions[8] == 1);
-  CHECK(r.roundup_power2_divisions[9] == 4);
+  CHECK(r.roundup_power2_divisions[9] == 2);
+  CHECK(r.roundup_power2_divisions[10] == 4);
   CHECK(r.roundup_power2_divisions[15] == 4);
+  // so 600 MiB, in [512 MiB, 1 GiB), rounds by halves to 768 MiB (by quarters it would be 640)
+  CHECK(RoundAllocationSize(r, 600 * MiB) == 768 * MiB);
+  // '>' alone leaves the first interval (below 2 MiB) at plain 512-byte rounding
+  AllocatorConfig only_rest = Conf("roundup_power2_divisions:[>:4]");
+  CHECK(only_rest.roundup_power2_divisions[0] == 0);
+  CHECK(only_rest.roundup_power2_divisions[1] == 4);
+  CHECK(RoundAllocationSize(only_rest, 1258291) == 1258496);  // 2458 x 512, not 1.25 MiB
+  CHECK(RoundAllocationSize(only_rest, 3 * MiB + 1) == 3 * MiB + MiB / 2);  // [2, 4) MiB by quarters
+  // large_segment_size_mb, wherever it stands, sets the least max_split_size_mb and the default of
+  // max_non_split_rounding_mb
+  AllocatorConfig l = Conf("max_split_size_mb:64,large_segment_size_mb:25");
+  CHECK(l.large_segment_bytes == 25 * MiB);
+  CHECK(l.max_non_split_rounding_bytes == 25 * MiB);
+  CHECK(Conf("large_segment_size_mb:25,max_non_split_rounding_mb:30").max_non_split_rounding_bytes == 30 * MiB);
+  CHECK(Conf("per_process_memory_fraction:0.9").per_process_memory_fraction == doctest::Approx(0.9));
+  // white space of any kind is dropped (ConfigTokenizer), as a trailing newline from $(cat file)
+  CHECK(Conf("expandable_segments:True\n").expandable_segments);
+  CHECK(Conf("\tmax_split_size_mb:\t64").max_split_size_bytes == 64 * MiB);
+  CHECK(Conf("release_lock_on_hipmalloc:True,pinned_use_hip_host_register:False,pinned_num_register_threads:128").text.size() > 0);
   CHECK(Conf("backend:native,release_lock_on_cudamalloc:True").max_split_size_bytes == alloc::kNoMaxSplit);
   // a huge value is clamped as PyTorch clamps it, not wrapped
   CHECK(Conf("max_split_size_mb:999999999999999").max_split_size_bytes == alloc::kNoMaxSplit / MiB * MiB);
   for (const char* bad : {"foo:1", "max_split_size_mb:10", "max_split_size_mb:x", "expandable_segments:yes",
                           "garbage_collection_threshold:1.5", "roundup_power2_divisions:3", "roundup_power2_divisions:[256:3]",
                           "roundup_power2_divisions:[256:1", "backend:cudaMallocAsync", "expandable_segments:True max_split_size_mb:64",
-                          "max_split_size_mb"}) {
+                          "max_split_size_mb", "max_split_size_mb:20,large_segment_size_mb:25", "large_segment_size_mb:10",
+                          "large_segment_size_mb:25,max_non_split_rounding_mb:24", "per_process_memory_fraction:1.5",
+                          "per_process_memory_fraction:-0.1", "per_process_memory_fraction:x", "pinned_num_register_threads:3",
+                          "pinned_num_register_threads:256", "pinned_reserve_segment_size_mb:0", "max_split_size_mb:512MB"}) {
     auto p = ParseAllocatorConfig(bad);
     CHECK_MESSAGE(!p.ok(), bad);
     if (!p.ok()) CHECK(p.error().message.rfind("--alloc-conf: ", 0) == 0);

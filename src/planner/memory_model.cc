@@ -1236,7 +1236,17 @@ int64_t OutsideAllocatorBytes(const Workload& w, const FrameworkOverheads& o) {
 
 int64_t ReserveLimitBytes(const Workload& w, const FrameworkOverheads& o) { return w.hardware.memory_bytes - OutsideAllocatorBytes(w, o); }
 
+// per_process_memory_fraction below 1: the allocator's own cap, that share of the card's total
+// memory (setMemoryFraction); -1 where none is set.
+static int64_t FractionCapBytes(const Workload& w, const FrameworkOverheads& o) {
+  if (!o.caching_allocator || o.allocator.per_process_memory_fraction >= 1.0) return -1;
+  return static_cast<int64_t>(o.allocator.per_process_memory_fraction * static_cast<double>(w.hardware.memory_bytes));
+}
+
 bool NeedsReplayOnCard(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors) {
+  // A memory fraction's cap and the garbage collection it enables act on the card's total memory,
+  // which the unlimited replay does not know.
+  if (FractionCapBytes(w, o) >= 0) return true;
   const int64_t reserve_limit = ReserveLimitBytes(w, o);
   return o.caching_allocator && tensors.reserved_peak_bytes > reserve_limit && tensors.allocated_peak_bytes <= reserve_limit;
 }
@@ -1275,7 +1285,9 @@ MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o,
   e.peak[static_cast<int>(Cat::kFramework)] += outside + extra;
   e.peak_bytes = TotalBytes(e.peak);
   e.headroom_bytes = e.capacity_bytes - e.peak_bytes;
-  e.fits = e.headroom_bytes >= 0;
+  e.allocator_cap_bytes = FractionCapBytes(w, o);
+  if (e.allocator_cap_bytes >= 0) e.headroom_bytes = std::min(e.headroom_bytes, e.allocator_cap_bytes - e.reserved_peak_bytes);
+  e.fits = e.headroom_bytes >= 0 && !e.allocator_out_of_memory;
   return e;
 }
 

@@ -100,7 +100,11 @@ struct MemoryEstimate {
   int64_t pending_free_bytes_at_peak = 0;  ///< freed buffers another stream still uses at the peak (FSDP1 record_stream)
   int64_t capacity_bytes = 0;
   bool fits = false;
-  int64_t headroom_bytes = 0;        ///< capacity - peak (negative when it does not fit)
+  /// capacity - peak, or where per_process_memory_fraction caps the allocator lower, that cap -
+  /// the reserved peak (negative when it does not fit)
+  int64_t headroom_bytes = 0;
+  /// per_process_memory_fraction x capacity: what the caching allocator may reserve (-1: no fraction set)
+  int64_t allocator_cap_bytes = -1;
   CategoryBytes host{};              ///< host bytes per rank (CPU offload)
   int64_t host_bytes = 0;
   FrameworkOverheads overheads;

@@ -188,6 +188,7 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
             {"fits", m.fits},
             {"capacity_bytes", m.capacity_bytes},
             {"headroom_bytes", m.headroom_bytes},
+            {"allocator_cap_bytes", m.allocator_cap_bytes},
             {"framework_terms", OverheadsToJson(m.overheads)},
             {"checkpoint", CheckpointToJson(m.checkpoint)}}}};
 }
