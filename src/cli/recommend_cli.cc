@@ -269,11 +269,16 @@ Status RunAdvise(const PlanFlags& flags, std::ostream& out) {
   auto w = BuildWorkload(model.value(), hw.value(), config.value());
   if (!w.ok()) return w.error();
   const MemoryEstimate m = EstimateMemory(AsPyTorchRuns(w.value()));
+  const std::string verdict = m.fits                  ? std::string("fits")
+                              : m.headroom_bytes < 0 ? fmt::format("does not fit by {} GiB", Gib(-m.headroom_bytes))
+                                                     : std::string("does not fit: the caching allocator runs out of memory on the card");
   if (!flags.json) fmt::print(out, "{} on {} x {}: peak {} GiB of {} GiB ({})\n", model.value().id, config.value().gpus, hw.value().id, Gib(m.peak_bytes),
-             Gib(m.capacity_bytes), m.fits ? "fits" : fmt::format("does not fit by {} GiB", Gib(-m.headroom_bytes)));
+             Gib(m.capacity_bytes), verdict);
   std::vector<Advice> advice = AdviseFit(w.value());
   // The tensors fit and the allocator's cache does not: its settings first, with what each saves.
-  const bool cache_is_over = !m.fits && m.allocated_peak_bytes + OutsideAllocatorBytes(w.value(), m.overheads) <= m.capacity_bytes;
+  // (Under a per_process_memory_fraction the tensors must fit its cap too.)
+  const bool cache_is_over = !m.fits && m.allocated_peak_bytes + OutsideAllocatorBytes(w.value(), m.overheads) <= m.capacity_bytes &&
+                             (m.allocator_cap_bytes < 0 || m.allocated_peak_bytes <= m.allocator_cap_bytes);
   const std::vector<Advice> allocator = cache_is_over ? AllocatorAdvice(w.value()) : std::vector<Advice>{};
   const std::vector<Advice> fine_tuning = m.fits ? std::vector<Advice>{} : FineTuningAdvice(w.value());
   auto to_json = [](const std::vector<Advice>& list) {

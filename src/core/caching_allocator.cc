@@ -42,7 +42,8 @@ int Log2Floor(uint64_t v) { return 63 - std::countl_zero(v); }
 // A non-negative integer token as std::stoull reads one (up to 2^64 - 1, which PyTorch then
 // clamps), but refusing a sign and text after the digits.
 std::optional<uint64_t> ParseCount(const std::string& s) {
-  if (s.empty() || s.size() > 20 || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  if (s.empty() || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  if (s.size() - std::min(s.find_first_not_of('0'), s.size()) > 20) return std::nullopt;  // (leading zeros aside) over 2^64
   errno = 0;
   const unsigned long long v = std::strtoull(s.c_str(), nullptr, 10);
   if (errno == ERANGE) return std::nullopt;  // stoull's out_of_range
@@ -181,7 +182,7 @@ class ConfigParser {
     bool ignored = false;
     if (key == "max_split_size_mb") return Megabytes(key, c, c.max_split_size_bytes);
     if (key == "max_non_split_rounding_mb") return Megabytes(key, c, c.max_non_split_rounding_bytes);
-    if (key == "large_segment_size_mb") return LargeSegment(c);  // read first (Parse); again here to step over it
+    if (key == "large_segment_size_mb") return Value() ? Status::Ok() : Bad("large_segment_size_mb needs a value");  // read first (Parse), the last one counting: stepped over here
     if (key == "per_process_memory_fraction") return Fraction(c);
     if (key == "garbage_collection_threshold") return Threshold(c);
     if (key == "roundup_power2_divisions") return Divisions(c);
@@ -452,7 +453,8 @@ int64_t RoundAllocationSize(const AllocatorConfig& config, int64_t size) {
   const int log_size = Log2Floor(static_cast<uint64_t>(size));
   const int index = std::clamp(log_size - 20, 0, alloc::kRoundupIntervals - 1);  // AllocatorConfig::roundup_power2_divisions
   const int64_t divisions = config.roundup_power2_divisions[index];
-  if (divisions > 1 && size > alloc::kMinBlockSize * divisions) {
+  // (in size_t, as PyTorch: 512 x divisions wraps from 2^55 divisions on, and then every size is above it)
+  if (divisions > 1 && static_cast<uint64_t>(size) > static_cast<uint64_t>(alloc::kMinBlockSize) * static_cast<uint64_t>(divisions)) {
     if (IsPowerOfTwo(size)) return size;
     const int64_t floor = int64_t{1} << log_size;
     const int64_t step = floor >> Log2Floor(static_cast<uint64_t>(divisions));

@@ -474,6 +474,15 @@ TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
   CHECK(l.large_segment_bytes == 25 * MiB);
   CHECK(l.max_non_split_rounding_bytes == 25 * MiB);
   CHECK(Conf("large_segment_size_mb:25,max_non_split_rounding_mb:30").max_non_split_rounding_bytes == 30 * MiB);
+  // the last large_segment_size_mb counts, for every check (parseArgs' first pass reads them all)
+  AllocatorConfig twice = Conf("large_segment_size_mb:40,max_split_size_mb:30,large_segment_size_mb:25");
+  CHECK(twice.large_segment_bytes == 25 * MiB);
+  CHECK(twice.max_split_size_bytes == 30 * MiB);
+  CHECK(Conf("max_split_size_mb:0000000000000000000000512").max_split_size_bytes == 512 * MiB);  // stoull's leading zeros
+  // 512 x divisions in size_t, as PyTorch: 2^54 divisions make 2^63, above every size (plain 512-byte
+  // rounding); 2^55 wrap to 0, below every size (the next power of two: step 0)
+  CHECK(RoundAllocationSize(Conf("roundup_power2_divisions:18014398509481984"), 600 * MiB + 1) == 600 * MiB + 512);
+  CHECK(RoundAllocationSize(Conf("roundup_power2_divisions:36028797018963968"), 600 * MiB + 1) == GiB);
   CHECK(Conf("per_process_memory_fraction:0.9").per_process_memory_fraction == doctest::Approx(0.9));
   // white space of any kind is dropped (ConfigTokenizer), as a trailing newline from $(cat file)
   CHECK(Conf("expandable_segments:True\n").expandable_segments);
@@ -488,7 +497,8 @@ TEST_CASE("PYTORCH_CUDA_ALLOC_CONF parsing follows AllocatorConfig.cpp") {
                           "max_split_size_mb", "max_split_size_mb:20,large_segment_size_mb:25", "large_segment_size_mb:10",
                           "large_segment_size_mb:25,max_non_split_rounding_mb:24", "per_process_memory_fraction:1.5",
                           "per_process_memory_fraction:-0.1", "per_process_memory_fraction:x", "pinned_num_register_threads:3",
-                          "pinned_num_register_threads:256", "pinned_reserve_segment_size_mb:0", "max_split_size_mb:512MB"}) {
+                          "pinned_num_register_threads:256", "pinned_reserve_segment_size_mb:0", "max_split_size_mb:512MB",
+                          "large_segment_size_mb:25,max_split_size_mb:30,large_segment_size_mb:40"}) {
     auto p = ParseAllocatorConfig(bad);
     CHECK_MESSAGE(!p.ok(), bad);
     if (!p.ok()) CHECK(p.error().message.rfind("--alloc-conf: ", 0) == 0);

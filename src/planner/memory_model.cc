@@ -1143,6 +1143,7 @@ ReplayOptions ReplayOptionsFor(const FrameworkOverheads& o, bool record_timeline
   r.rounding_bytes = o.allocation_rounding_bytes;
   r.record_timeline = record_timeline;
   r.allocator = o.allocator;
+  r.allocator.per_process_memory_fraction = 1.0;  // a cap on the card's memory: ReplayOnCard's alone
   r.caching_allocator = o.caching_allocator;
   r.one_stream = o.one_stream;
   r.cublas_workspace_blocks = o.cublas_workspace_blocks;
@@ -1255,6 +1256,7 @@ MemoryEstimate ReplayOnCard(const Workload& w, const FrameworkOverheads& o, bool
   ReplayOptions limited = ReplayOptionsFor(o, with_timeline);
   limited.reserve_limit_bytes = ReserveLimitBytes(w, o);
   limited.device_bytes = w.hardware.memory_bytes;
+  limited.allocator.per_process_memory_fraction = o.allocator.per_process_memory_fraction;
   return EstimateTensorMemory(w, limited);
 }
 
@@ -1286,7 +1288,7 @@ MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o,
   e.peak_bytes = TotalBytes(e.peak);
   e.headroom_bytes = e.capacity_bytes - e.peak_bytes;
   e.allocator_cap_bytes = FractionCapBytes(w, o);
-  if (e.allocator_cap_bytes >= 0) e.headroom_bytes = std::min(e.headroom_bytes, e.allocator_cap_bytes - e.reserved_peak_bytes);
+  if (e.allocator_cap_bytes >= 0) e.headroom_bytes = std::min(e.headroom_bytes, e.allocator_cap_bytes - e.reserved_peak_bytes - extra);
   e.fits = e.headroom_bytes >= 0 && !e.allocator_out_of_memory;
   return e;
 }

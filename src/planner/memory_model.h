@@ -101,7 +101,9 @@ struct MemoryEstimate {
   int64_t capacity_bytes = 0;
   bool fits = false;
   /// capacity - peak, or where per_process_memory_fraction caps the allocator lower, that cap -
-  /// the reserved peak (negative when it does not fit)
+  /// the reserved peak (and --fragmentation's extra). Negative when it does not fit, but for one
+  /// case: the replay on the card ran out of memory where the unlimited one stayed under (fits
+  /// false, headroom >= 0)
   int64_t headroom_bytes = 0;
   /// per_process_memory_fraction x capacity: what the caching allocator may reserve (-1: no fraction set)
   int64_t allocator_cap_bytes = -1;

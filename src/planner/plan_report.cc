@@ -41,12 +41,25 @@ Json CheckpointToJson(const CheckpointMemory& c) {
           {"sharded_file_bytes_per_rank", c.sharded_file_bytes_per_rank}};
 }
 
+// --alloc-conf as parsed (the fields of PyTorch's AcceleratorAllocatorConfig and CUDAAllocatorConfig
+// that change device memory); max_split_size_bytes null when unlimited.
+Json AllocatorConfigToJson(const AllocatorConfig& a) {
+  return {{"max_split_size_bytes", a.max_split_size_bytes == alloc::kNoMaxSplit ? Json(nullptr) : Json(a.max_split_size_bytes)},
+          {"max_non_split_rounding_bytes", a.max_non_split_rounding_bytes},
+          {"large_segment_bytes", a.large_segment_bytes},
+          {"roundup_power2_divisions", a.roundup_power2_divisions},
+          {"garbage_collection_threshold", a.garbage_collection_threshold},
+          {"expandable_segments", a.expandable_segments},
+          {"per_process_memory_fraction", a.per_process_memory_fraction}};
+}
+
 Json OverheadsToJson(const FrameworkOverheads& o) {
   return {{"cuda_context_bytes", o.cuda_context_bytes},
           {"nccl_bytes_per_communicator", o.nccl_bytes_per_communicator},
           {"cublas_workspace_bytes", o.cublas_workspace_bytes},
           {"fragmentation_fraction", o.fragmentation_fraction},
-          {"allocation_rounding_bytes", o.allocation_rounding_bytes}};
+          {"allocation_rounding_bytes", o.allocation_rounding_bytes},
+          {"allocator", AllocatorConfigToJson(o.allocator)}};
 }
 
 }  // namespace

@@ -141,7 +141,9 @@ class Searcher {
     cand.peak_bytes = mem.peak_bytes;
     cand.capacity_bytes = mem.capacity_bytes;
     if (!mem.fits) {
-      cand = Reject(cand, Candidate::Reason::kMemory, fmt::format("out of memory by {:.2f} GiB ({:.2f} GiB needed, {:.2f} GiB card)", -mem.headroom_bytes / kGiB,
+      const std::string by = mem.headroom_bytes < 0 ? fmt::format(" by {:.2f} GiB", -mem.headroom_bytes / kGiB)
+                                                    : std::string(": the caching allocator's, on the card");  // MemoryEstimate::headroom_bytes
+      cand = Reject(cand, Candidate::Reason::kMemory, fmt::format("out of memory{} ({:.2f} GiB needed, {:.2f} GiB card)", by,
                                                                   mem.peak_bytes / kGiB, mem.capacity_bytes / kGiB));
     } else if (OverBudget(cand)) {
       cand = Reject(cand, Candidate::Reason::kBudget, fmt::format("over budget: ${:.2f}/h > ${:.2f}/h", cand.usd_per_hour, *o_.budget_per_hour));
@@ -183,7 +185,9 @@ class Searcher {
     const MemoryEstimate tensors = TensorMemory(w, wi, o);
     if (!NeedsReplayOnCard(w, o, tensors)) return AddFrameworkTerms(w, o, tensors, /*with_timeline=*/false);
     // the replay on the card depends on what the allocator may reserve there, not on the rest of the card
-    const auto key = std::make_tuple(KeyOf(w, wi, o, IsolatedWorkspaceBytes(o) >= 0), o.cublas_workspace_bytes, ReserveLimitBytes(w, o));
+    // (and, with a per_process_memory_fraction, on the card's memory, which the cap is a share of)
+    const auto key = std::make_tuple(KeyOf(w, wi, o, IsolatedWorkspaceBytes(o) >= 0), o.cublas_workspace_bytes, ReserveLimitBytes(w, o),
+                                     w.hardware.memory_bytes);
     auto it = on_card_cache_.find(key);
     if (it == on_card_cache_.end()) {
       FsdpConfig& c = w.config;
@@ -259,7 +263,7 @@ class Searcher {
   std::vector<Checkpointing> checkpoint_modes_;  // the modes searched for this model and attention
   std::vector<Workload> workloads_;
   std::map<MemoryKey, MemoryEstimate> memory_cache_;
-  std::map<std::tuple<MemoryKey, int64_t, int64_t>, MemoryEstimate> on_card_cache_;
+  std::map<std::tuple<MemoryKey, int64_t, int64_t, int64_t>, MemoryEstimate> on_card_cache_;
   std::map<std::tuple<size_t, size_t, int64_t, int>, ComputeModel> compute_cache_;
   std::map<std::tuple<size_t, int, bool, bool, bool, int64_t>, Schedule> schedule_cache_;
 };
@@ -499,7 +503,8 @@ std::vector<Change> SingleChanges(const FsdpConfig& c, const ModelSpec& model) {
       add(fmt::format("--alloc-conf {}", conf), [&](FsdpConfig& n) { n.alloc_conf = conf; });
     }
     if (alloc.value().max_split_size_bytes == alloc::kNoMaxSplit && !alloc.value().expandable_segments) {
-      const std::string conf = with("max_split_size_mb:512");
+      // (at least the large segment, as PyTorch requires)
+      const std::string conf = with(fmt::format("max_split_size_mb:{}", std::max<int64_t>(512, alloc.value().large_segment_bytes >> 20)));
       add(fmt::format("--alloc-conf {}", conf), [&](FsdpConfig& n) { n.alloc_conf = conf; });
     }
   }
