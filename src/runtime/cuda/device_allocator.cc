@@ -31,7 +31,9 @@ class DeviceAllocator::CudaMemory final : public DeviceMemory {
   uint64_t ReserveAddressRange(int64_t) override { return 0; }
   bool Map(uint64_t, int64_t) override { return false; }
   void Unmap(uint64_t, int64_t) override {}
-  int64_t TotalBytes() const override {  // asked only for expandable segments; never before the context exists
+  // Asked for a per_process_memory_fraction, at the policy's construction (and for expandable
+  // segments, refused here); cudaMemGetInfo makes the context if none exists yet.
+  int64_t TotalBytes() const override {
     size_t free_bytes = 0, total_bytes = 0;
     const bool ok = cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess;
     (void)cudaGetLastError();
