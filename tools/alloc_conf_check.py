@@ -76,6 +76,7 @@ STRICTER = {
 
 
 UNLIMITED = 1 << 62  # a max_split_size at or above this splits nothing either way (PyTorch: SIZE_MAX)
+DIVISIONS_CAP = 1 << 62  # fsdp-plan keeps divisions from here up as this, which rounds alike
 MIB = 1 << 20
 
 
@@ -146,8 +147,8 @@ def layout_known():
 
 
 def differing_values(torch_values, plan_values):
-    # fsdp-plan keeps divisions of 2^62 and more as 2^62, which round alike (caching_allocator.cc's Capped)
-    torch_values = dict(torch_values, roundup_power2_divisions=[min(d, UNLIMITED) for d in torch_values["roundup_power2_divisions"]])
+    # (caching_allocator.cc's Capped)
+    torch_values = dict(torch_values, roundup_power2_divisions=[min(d, DIVISIONS_CAP) for d in torch_values["roundup_power2_divisions"]])
     return {k: (v, plan_values.get(k)) for k, v in torch_values.items() if plan_values.get(k) != v}
 
 

@@ -369,6 +369,11 @@ struct CachingAllocator::Expandable {
   int64_t range_bytes = 0;
 };
 
+int64_t FractionCapBytes(const AllocatorConfig& config, int64_t total_bytes) {
+  if (config.per_process_memory_fraction >= 1.0) return -1;
+  return static_cast<int64_t>(config.per_process_memory_fraction * static_cast<double>(total_bytes));
+}
+
 CachingAllocator::CachingAllocator(const AllocatorConfig& config, DeviceMemory& memory)
     : config_(config), memory_(memory) {
   small_ = std::make_unique<Pool>(true, &blocks_);
@@ -376,9 +381,9 @@ CachingAllocator::CachingAllocator(const AllocatorConfig& config, DeviceMemory& 
   blocks_.emplace_back();  // block 0: the search key of lower_bound (stream, size, address 0)
   // setMemoryFraction(per_process_memory_fraction), at DeviceCachingAllocator's construction: a
   // fraction below 1 (0 too) caps the reserve at that share of the device's total memory.
-  if (config.per_process_memory_fraction < 1.0) {
+  if (config.per_process_memory_fraction < 1.0) {  // (TotalBytes asks the device: only when needed)
     set_fraction_ = true;
-    allowed_memory_maximum_ = static_cast<int64_t>(config.per_process_memory_fraction * static_cast<double>(memory.TotalBytes()));
+    allowed_memory_maximum_ = FractionCapBytes(config, memory.TotalBytes());
   }
 }
 

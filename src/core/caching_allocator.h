@@ -51,6 +51,10 @@ struct AllocatorConfig {
   std::string text;                                              ///< as given (for reports)
 };
 
+/// setMemoryFraction: what the allocator may reserve on a device of `total_bytes` under the config's
+/// per_process_memory_fraction (below 1, 0 included), or -1 where it sets no cap.
+int64_t FractionCapBytes(const AllocatorConfig& config, int64_t total_bytes);
+
 /// round_size(): the size a request of `bytes` is rounded to under `config` (512-byte multiples,
 /// or roundup_power2_divisions steps between powers of two).
 int64_t RoundAllocationSize(const AllocatorConfig& config, int64_t bytes);

@@ -1237,11 +1237,9 @@ int64_t OutsideAllocatorBytes(const Workload& w, const FrameworkOverheads& o) {
 
 int64_t ReserveLimitBytes(const Workload& w, const FrameworkOverheads& o) { return w.hardware.memory_bytes - OutsideAllocatorBytes(w, o); }
 
-// per_process_memory_fraction below 1: the allocator's own cap, that share of the card's total
-// memory (setMemoryFraction); -1 where none is set.
+// The caching allocator's own cap on the card (per_process_memory_fraction); -1 where none is set.
 static int64_t FractionCapBytes(const Workload& w, const FrameworkOverheads& o) {
-  if (!o.caching_allocator || o.allocator.per_process_memory_fraction >= 1.0) return -1;
-  return static_cast<int64_t>(o.allocator.per_process_memory_fraction * static_cast<double>(w.hardware.memory_bytes));
+  return o.caching_allocator ? FractionCapBytes(o.allocator, w.hardware.memory_bytes) : -1;
 }
 
 bool NeedsReplayOnCard(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors) {
