@@ -58,8 +58,11 @@ std::string Percent(int64_t part, int64_t whole) {
 
 void PrintHeader(const Workload& w, std::ostream& out) {
   const FsdpConfig& c = w.config;
-  fmt::print(out, "{} ({} parameters) on {} x {} ({} GiB each), {} GPUs per node\n", w.model.id, WithCommas(w.model.ParamsTotal()), c.gpus,
-             w.hardware.id, Gib(w.hardware.memory_bytes), c.gpus_per_node);
+  const std::string cuda_total = w.hardware.DeviceTotalBytes() < w.hardware.memory_bytes
+                                     ? fmt::format(", {} GiB of it for CUDA", Gib(w.hardware.DeviceTotalBytes()))
+                                     : std::string();
+  fmt::print(out, "{} ({} parameters) on {} x {} ({} GiB each{}), {} GPUs per node\n", w.model.id, WithCommas(w.model.ParamsTotal()), c.gpus,
+             w.hardware.id, Gib(w.hardware.memory_bytes), cuda_total, c.gpus_per_node);
   fmt::print(out, "{} {}, {} wrap ({} units), seq {} x micro-batch {}, grad-accum {}{}, params {}, reduce {}, {}, AC {}, {} attention{}\n",
              FrameworkName(c.framework), StrategyName(c.strategy), IsTorchtitan(c.impl) ? "torchtitan's" : WrapPolicyName(c.wrap), w.units.size(), c.seq_len, c.micro_batch,
              c.grad_accum, c.no_sync ? " (no_sync)" : "", DTypeName(c.param_dtype), DTypeName(c.reduce_dtype), OptimizerName(c.optimizer),

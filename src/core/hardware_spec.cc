@@ -83,6 +83,14 @@ Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, c
   double memory = 0;
   FSDP_ASSIGN(memory, r.NumberIn("memory_bytes", limits::kDeviceBytes));
   hw.memory_bytes = static_cast<int64_t>(memory);
+  auto cuda_total = r.OptionalNumber("cuda_total_bytes");
+  if (!cuda_total.ok()) return cuda_total.error();
+  if (cuda_total.value()) {
+    if (*cuda_total.value() < limits::kDeviceBytes.min || *cuda_total.value() > memory)
+      return r.KeyError("cuda_total_bytes", fmt::format("must be between {:.3g} bytes and memory_bytes ({:.3g}), got {:.3g}", limits::kDeviceBytes.min, memory,
+                                                        *cuda_total.value()));
+    hw.cuda_total_bytes = static_cast<int64_t>(*cuda_total.value());
+  }
   auto flops = r.Object("peak_flops");
   if (!flops.ok()) return flops.error();
   FSDP_ASSIGN(hw.peak_flops_bf16, flops.value().NumberIn("bf16", limits::kFlopsPerS));

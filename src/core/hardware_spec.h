@@ -1,6 +1,7 @@
 // GPU and node description read from hardware/<id>.json.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,7 +18,11 @@ struct HardwareSpec {
   std::string name;
   std::string vendor;
   std::string architecture;      ///< ampere, ada, hopper, blackwell, cdna3, cpu
-  int64_t memory_bytes = 0;
+  int64_t memory_bytes = 0;      ///< the card's memory as nvidia-smi reports it (memory.total)
+  /// The total CUDA reports for the card (cudaMemGetInfo's total, torch.cuda's
+  /// get_device_properties().total_memory), below nvidia-smi's: all the CUDA context, NCCL,
+  /// cuBLAS and the caching allocator can ever share. 0 where the hardware file does not say.
+  int64_t cuda_total_bytes = 0;
   double peak_flops_bf16 = 0, peak_flops_fp16 = 0, peak_flops_fp32 = 0;  ///< dense FLOP/s
   double memory_bandwidth_bytes_per_s = 0;
   std::string intra_node_link;   ///< "nvlink4", "nvlink-bridge", "infinity-fabric", "none", ...
@@ -43,6 +48,10 @@ struct HardwareSpec {
 
   /// Dense peak FLOP/s for arithmetic in `dtype`.
   double PeakFlops(DType dtype) const;
+  /// The device memory a process can use: cuda_total_bytes, or memory_bytes where that is not
+  /// known (or lower: a card whose memory_bytes was set on its own). "Fits" and
+  /// per_process_memory_fraction's cap are judged on it.
+  int64_t DeviceTotalBytes() const { return cuda_total_bytes > 0 ? std::min(cuda_total_bytes, memory_bytes) : memory_bytes; }
 };
 
 /// A cluster of identical nodes (hardware/clusters/<id>.json).

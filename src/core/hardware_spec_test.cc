@@ -55,6 +55,21 @@ TEST_CASE("bad hardware files name the key") {
   auto slow = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e-3, "fp16": 1e14, "fp32": 1e13}, )" + good_links + "}");
   CHECK(slow.error().message == "gpu.json: peak_flops: key 'bf16': must be between 1e+09 and 1e+18 FLOP/s, got 0.001");
 
+  // CUDA's own total: optional, at most nvidia-smi's, and what "fits" is judged on
+  const std::string card = R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14, "fp32": 1e13}, "memory_bandwidth_bytes_per_s": 1e12, )";
+  CHECK(ok.value().cuda_total_bytes == 0);
+  CHECK(ok.value().DeviceTotalBytes() == 10000000000);
+  auto cuda_total = FromText(card + R"("cuda_total_bytes": 9.5e9, )" + good_links + "}");
+  REQUIRE(cuda_total.ok());
+  CHECK(cuda_total.value().DeviceTotalBytes() == 9500000000);
+  CHECK(cuda_total.value().memory_bytes == 10000000000);
+  auto above = FromText(card + R"("cuda_total_bytes": 1.1e10, )" + good_links + "}");
+  REQUIRE_FALSE(above.ok());
+  CHECK(above.error().message == "gpu.json: key 'cuda_total_bytes': must be between 1.05e+06 bytes and memory_bytes (1e+10), got 1.1e+10");
+  auto text = FromText(card + R"("cuda_total_bytes": "lots", )" + good_links + "}");
+  REQUIRE_FALSE(text.ok());
+  CHECK(text.error().message.find("cuda_total_bytes") != std::string::npos);
+
   auto no_fp32 = FromText(R"({"name": "x", "memory_bytes": 1e10, "peak_flops": {"bf16": 1e14, "fp16": 1e14}, )" + good_links + "}");
   REQUIRE_FALSE(no_fp32.ok());
   CHECK(no_fp32.error().message == "gpu.json: peak_flops: key 'fp32': missing");

@@ -1235,11 +1235,11 @@ int64_t OutsideAllocatorBytes(const Workload& w, const FrameworkOverheads& o) {
   return o.cuda_context_bytes + CommunicatorCount(w) * o.nccl_bytes_per_communicator;
 }
 
-int64_t ReserveLimitBytes(const Workload& w, const FrameworkOverheads& o) { return w.hardware.memory_bytes - OutsideAllocatorBytes(w, o); }
+int64_t ReserveLimitBytes(const Workload& w, const FrameworkOverheads& o) { return w.hardware.DeviceTotalBytes() - OutsideAllocatorBytes(w, o); }
 
 // The caching allocator's own cap on the card (per_process_memory_fraction); -1 where none is set.
 static int64_t FractionCapBytes(const Workload& w, const FrameworkOverheads& o) {
-  return o.caching_allocator ? FractionCapBytes(o.allocator, w.hardware.memory_bytes) : -1;
+  return o.caching_allocator ? FractionCapBytes(o.allocator, w.hardware.DeviceTotalBytes()) : -1;
 }
 
 bool NeedsReplayOnCard(const Workload& w, const FrameworkOverheads& o, const MemoryEstimate& tensors) {
@@ -1253,7 +1253,7 @@ bool NeedsReplayOnCard(const Workload& w, const FrameworkOverheads& o, const Mem
 MemoryEstimate ReplayOnCard(const Workload& w, const FrameworkOverheads& o, bool with_timeline) {
   ReplayOptions limited = ReplayOptionsFor(o, with_timeline);
   limited.reserve_limit_bytes = ReserveLimitBytes(w, o);
-  limited.device_bytes = w.hardware.memory_bytes;
+  limited.device_bytes = w.hardware.DeviceTotalBytes();
   limited.allocator.per_process_memory_fraction = o.allocator.per_process_memory_fraction;
   return EstimateTensorMemory(w, limited);
 }
@@ -1264,7 +1264,7 @@ MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o,
   if (!with_timeline) e.timeline.clear();
   e.overheads = o;
   const int64_t outside = OutsideAllocatorBytes(w, o);
-  e.capacity_bytes = w.hardware.memory_bytes;
+  e.capacity_bytes = w.hardware.DeviceTotalBytes();
   if (NeedsReplayOnCard(w, o, tensors)) {
     // Over the card on an unlimited replay, but not hopeless: PyTorch would free its cache and
     // retry. Replay on the card's memory to see whether that saves it.
@@ -1275,7 +1275,7 @@ MemoryEstimate AddFrameworkTerms(const Workload& w, const FrameworkOverheads& o,
       if (!with_timeline) replay.timeline.clear();
       e = std::move(replay);
       e.overheads = o;
-      e.capacity_bytes = w.hardware.memory_bytes;
+      e.capacity_bytes = w.hardware.DeviceTotalBytes();
     } else {
       e.alloc_retries = replay.alloc_retries;
       e.allocator_out_of_memory = true;

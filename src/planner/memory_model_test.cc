@@ -128,6 +128,21 @@ TEST_CASE("FULL_SHARD on 3 ranks, counted by hand event by event") {
   CHECK(m.headroom_bytes == 20000 - 17320);
 }
 
+TEST_CASE("fits is judged on the total CUDA reports, not on nvidia-smi's") {
+  // The hand count's peak is 17320 bytes on a card of 20000 (nvidia-smi's figure). CUDA reports
+  // less of it; the peak fits exactly on 17320 and not on a byte less.
+  Workload w = Build(HandConfig());
+  w.hardware.cuda_total_bytes = 17320;
+  MemoryEstimate exact = EstimateMemory(w, Exact());
+  CHECK(exact.capacity_bytes == 17320);
+  CHECK(exact.headroom_bytes == 0);
+  CHECK(exact.fits);
+  w.hardware.cuda_total_bytes = 17319;
+  MemoryEstimate short_by_one = EstimateMemory(w, Exact());
+  CHECK(short_by_one.headroom_bytes == -1);
+  CHECK_FALSE(short_by_one.fits);
+}
+
 TEST_CASE("without limit_all_gathers every freed buffer stays reserved until backward ends") {
   FsdpConfig c = HandConfig();
   c.limit_all_gathers = false;

@@ -192,7 +192,7 @@ Json PlanToJson(const Workload& w, const MemoryEstimate& m) {
             {"nf4_quant_state_bytes", nf4.quant_state},
             {"layers", w.model.num_layers},
             {"hidden_size", w.model.hidden_size}}},
-          {"hardware", {{"id", w.hardware.id}, {"name", w.hardware.name}, {"memory_bytes", w.hardware.memory_bytes}}},
+          {"hardware", {{"id", w.hardware.id}, {"name", w.hardware.name}, {"memory_bytes", w.hardware.memory_bytes}, {"cuda_total_bytes", w.hardware.DeviceTotalBytes()}}},
           {"config", ConfigToJson(w.config)},
           {"units", UnitsToJson(w)},
           {"memory",

@@ -292,7 +292,7 @@ class GpuRuntimePlayer {
 
   GpuRuntimePlayer(const Workload& w, EventsPass events_pass)
       : events_pass_(events_pass), w_(w), schedule_(BuildSchedule(w)), full_(w.units.size(), -1), grad_(w.units.size(), -1), shard_grad_(w.units.size(), -1),
-        phases_(w), device_(std::numeric_limits<int64_t>::max() / 4, w.hardware.memory_bytes),
+        phases_(w), device_(std::numeric_limits<int64_t>::max() / 4, w.hardware.DeviceTotalBytes()),
         policy_(EngineAllocatorConfig(w), device_) {
     const ModelSpec& m = w.model;
     e_ = BytesPerElement(w.config.param_dtype);

@@ -187,7 +187,7 @@ class Searcher {
     // the replay on the card depends on what the allocator may reserve there, not on the rest of the card
     // (and, with a per_process_memory_fraction, on the card's memory, which the cap is a share of)
     const auto key = std::make_tuple(KeyOf(w, wi, o, IsolatedWorkspaceBytes(o) >= 0), o.cublas_workspace_bytes, ReserveLimitBytes(w, o),
-                                     w.hardware.memory_bytes);
+                                     w.hardware.DeviceTotalBytes());
     auto it = on_card_cache_.find(key);
     if (it == on_card_cache_.end()) {
       FsdpConfig& c = w.config;
