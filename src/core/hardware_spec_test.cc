@@ -1,5 +1,7 @@
 #include "core/hardware_spec.h"
 
+#include <algorithm>
+
 #include <doctest/doctest.h>
 
 #include "core/catalog.h"
@@ -29,6 +31,16 @@ TEST_CASE("every catalog GPU loads with positive figures") {
   CHECK(h100.intra_node_switched);
   CHECK(h100.intra_node_bandwidth_bytes_per_s == doctest::Approx(450e9));
   CHECK(h100.gpus_per_node == 8);
+}
+
+TEST_CASE("an unlisted card loads by path and stays out of the catalog recommend searches") {
+  auto h96 = LoadHardware(DataDir() + "/hardware/unlisted/h100-96gb.json");
+  REQUIRE_MESSAGE(h96.ok(), (h96.ok() ? "" : h96.error().message));
+  CHECK(h96.value().DeviceTotalBytes() == int64_t{95} << 30);  // torchtitan's "95.00GiB" capacity
+  CHECK(h96.value().price_per_gpu_hour_usd == 0);
+  const auto ids = ListCatalogIds("hardware");
+  CHECK(std::find(ids.begin(), ids.end(), "h100-96gb") == ids.end());
+  CHECK(std::find(ids.begin(), ids.end(), "h100-sxm") != ids.end());
 }
 
 Result<HardwareSpec> FromText(const std::string& text) {
