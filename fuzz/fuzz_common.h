@@ -31,6 +31,7 @@ inline void CheckPlan(const Workload& w) {
   const MemoryEstimate m = EstimateMemory(w);
   Require(m.peak_bytes >= 0 && m.allocated_peak_bytes >= 0 && m.capacity_bytes > 0, "memory figures are non-negative");
   Require(m.fragmentation_bytes >= 0 && m.reserved_peak_bytes <= m.peak_bytes, "reserved memory is within the peak, fragmentation >= 0");
+  Require(m.capacity_bytes == w.hardware.DeviceTotalBytes() && m.capacity_bytes <= w.hardware.memory_bytes, "fits is judged on CUDA's total, at most nvidia-smi's");
   const TimeEstimate t = EstimateTime(w);
   const StepEstimate& s = t.step;
   Require(std::isfinite(s.step_s) && s.step_s > 0, "step time is finite and positive");

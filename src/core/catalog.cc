@@ -68,6 +68,10 @@ Result<std::string> ResolveCatalogPath(const std::string& folder, const std::str
   }
   fs::path path = fs::path(DataDir()) / folder / (arg + ".json");
   if (fs::is_regular_file(path, ec)) return path.string();
+  // Entries that are not offered for the catalog's searches (hardware/unlisted/: cards not rented
+  // by the hour) still resolve by their id.
+  fs::path unlisted = fs::path(DataDir()) / folder / "unlisted" / (arg + ".json");
+  if (fs::is_regular_file(unlisted, ec)) return unlisted.string();
   auto ids = ListCatalogIds(folder);
   auto close = ClosestIds(arg, ids);
   std::string hint = close.empty() ? "" : fmt::format(" (did you mean {}?)", fmt::join(close, ", "));

@@ -16,7 +16,8 @@ std::string DataDir();
 std::vector<std::string> ListCatalogIds(const std::string& folder);
 
 /// Maps a --model/--gpu argument to a file path. An argument that names an existing file, ends in
-/// ".json" or contains '/' is a path; anything else is an id looked up in DataDir()/<folder>.
+/// ".json" or contains '/' is a path; anything else is an id looked up in DataDir()/<folder>, then
+/// in DataDir()/<folder>/unlisted (entries ListCatalogIds leaves out).
 /// Unknown ids give BadInput "unknown <what> 'x' (did you mean a, b?; known: ...)".
 Result<std::string> ResolveCatalogPath(const std::string& folder, const std::string& what, const std::string& arg);
 

@@ -87,7 +87,7 @@ Result<HardwareSpec> HardwareFromJson(const Json& json, const std::string& id, c
   if (!cuda_total.ok()) return cuda_total.error();
   if (cuda_total.value()) {
     if (*cuda_total.value() < limits::kDeviceBytes.min || *cuda_total.value() > memory)
-      return r.KeyError("cuda_total_bytes", fmt::format("must be between {:.3g} bytes and memory_bytes ({:.3g}), got {:.3g}", limits::kDeviceBytes.min, memory,
+      return r.KeyError("cuda_total_bytes", fmt::format("must be between {:.0f} and memory_bytes ({:.0f}) bytes, got {:.0f}", limits::kDeviceBytes.min, memory,
                                                         *cuda_total.value()));
     hw.cuda_total_bytes = static_cast<int64_t>(*cuda_total.value());
   }
