@@ -183,6 +183,17 @@ Result<Json> CalibrateGpu(const ModelSpec& m, Comm& host, const Json& catalog, D
       hw["efficiency"]["memory_bandwidth"] = bandwidth > 0 ? std::min(1.0, r.copy_bytes_per_s / bandwidth) : 1.0;
       hw["efficiency"]["attention"] = std::min(1.0, r.attention_flops / (peak > 0 ? peak : r.gemm_flops));  // as compute_model reads it
       if (!sweep.value().empty()) hw["measured_collectives"] = sweep.value();
+      // The card's total as CUDA reports it, which "fits" is judged on (hardware/README.md); a card
+      // larger than the catalog entry it was calibrated from has at least that much memory.
+      size_t free_bytes = 0, total_bytes = 0;
+      FSDP_CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+      const auto cuda_total = static_cast<int64_t>(total_bytes);
+      hw["cuda_total_bytes"] = cuda_total;
+      hw["sources"]["cuda_total_bytes"] = fmt::format("measured by fsdp-run calibrate: cudaMemGetInfo's total on {}", name.value());
+      if (cuda_total > hw.value("memory_bytes", int64_t{0})) {
+        hw["memory_bytes"] = cuda_total;
+        hw["sources"]["memory_bytes"] = "fsdp-run calibrate: at least the CUDA total it measured, above the catalog entry's figure";
+      }
       hw["sources"]["efficiency"] = fmt::format(
           "measured by fsdp-run calibrate: {} GEMMs at {}'s linear shapes ({} rows, forward and both backward products) {:.1f} TFLOP/s against the "
           "datasheet {:.1f}; the engine's attention at {} x {} over the same peak; a 1 GiB device copy {:.0f} GB/s (read + write); best of {}",
